@@ -1,0 +1,130 @@
+# moefuse: `make` builds the library and programs, `make test` runs the tests,
+# `make run` runs the main job (one training step checked against the reference),
+# `make bench` runs the benchmarks. CUDA sources are compiled for sm_90a whenever
+# nvcc is found (NVCC=none to build without).
+
+CC      ?= cc
+NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+BUILD   := build
+PYTHON  ?= python3
+
+OPENBLAS_INC := $(firstword $(wildcard /usr/include/x86_64-linux-gnu/openblas-openmp \
+                  /usr/include/aarch64-linux-gnu/openblas-openmp /usr/include/openblas))
+CFLAGS  ?= -O2 -g
+CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -fPIC -fopenmp -Iinclude -Isrc/host \
+           -Isrc/cpu $(if $(OPENBLAS_INC),-I$(OPENBLAS_INC))
+LDLIBS  := -lopenblas -lm -fopenmp
+
+HOST_SRC := $(wildcard src/host/*.c) $(wildcard src/cpu/*.c)
+CUDA_SRC := $(wildcard src/cuda/*.cu)
+
+ifneq ($(NVCC),)
+ifneq ($(NVCC),none)
+HAVE_CUDA := 1
+endif
+endif
+
+ifeq ($(HAVE_CUDA),1)
+CUDA_HOME   := $(patsubst %/bin/nvcc,%,$(NVCC))
+CUDA_ARCH   := -gencode=arch=compute_90a,code=sm_90a
+# NCCL: the headers of the libnccl that will be loaded (NCCL_HOME), else the toolkit's.
+NCCL_HOME   ?=
+NVCCFLAGS   := -O3 -std=c++17 $(CUDA_ARCH) -lineinfo -Xptxas=--warn-on-spills \
+               -Werror=all-warnings -Xcompiler -fPIC -Iinclude -Isrc/host -Isrc/cuda \
+               $(if $(NCCL_HOME),-I$(NCCL_HOME)/include)
+CUDA_OBJ    := $(CUDA_SRC:%.cu=$(BUILD)/%.o)
+CUDA_LIBS   := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++
+CFLAGS      += -DMOEFUSE_HAVE_CUDA=1 -I$(CUDA_HOME)/include
+else
+CUDA_OBJ    :=
+CUDA_LIBS   :=
+endif
+
+HOST_OBJ := $(HOST_SRC:%.c=$(BUILD)/%.o)
+LIB_OBJ  := $(HOST_OBJ) $(CUDA_OBJ)
+
+TEST_SRC  := $(wildcard tests/test_*.c)
+TEST_BIN  := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
+GPU_TEST_SRC := $(wildcard tests/gpu/test_*.c) $(wildcard tests/gpu/test_*.cu)
+GPU_TEST_BIN := $(if $(HAVE_CUDA),$(patsubst tests/gpu/%,$(BUILD)/tests/gpu/%,$(basename $(GPU_TEST_SRC))))
+TOOLS     := $(BUILD)/moefuse_step
+BENCH_BIN := $(if $(HAVE_CUDA),$(BUILD)/bench/bench_forward_cuda)
+
+.SECONDARY:
+.PHONY: all lib test test-c test-gpu test-python fuzz run bench clean
+all: lib $(TOOLS) $(TEST_BIN) $(GPU_TEST_BIN) $(BENCH_BIN)
+lib: $(BUILD)/libmoefuse.so $(BUILD)/libmoefuse.a
+
+$(BUILD)/%.o: %.c $(wildcard include/*.h src/*/*.h tests/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/%.o: %.cu $(wildcard include/*.h src/host/*.h src/cuda/*.h src/cuda/*.cuh src/cuda/ptx/*.cuh)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -Xptxas=-v -c $< -o $@ 2> $@.ptxas.log || { cat $@.ptxas.log; exit 1; }
+	@! grep -E "bytes spill (stores|loads)" $@.ptxas.log | grep -v " 0 bytes spill" \
+	   || { echo "error: $< spills registers (see $@.ptxas.log)"; exit 1; }
+
+$(BUILD)/libmoefuse.so: $(LIB_OBJ)
+	$(CC) -shared -Wl,--no-undefined -o $@ $^ $(LDLIBS) $(CUDA_LIBS)
+
+$(BUILD)/libmoefuse.a: $(LIB_OBJ)
+	rm -f $@ && ar rcs $@ $^
+
+TEST_HARNESS := $(BUILD)/tests/harness.o $(BUILD)/tests/plan_check.o
+$(BUILD)/tests/%.o: tests/%.c tests/%.h src/host/internal.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests -c $< -o $@
+
+$(BUILD)/tests/test_%: tests/test_%.c $(TEST_HARNESS) $(BUILD)/libmoefuse.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests $< $(TEST_HARNESS) $(BUILD)/libmoefuse.a -o $@ $(LDLIBS) $(CUDA_LIBS)
+
+$(BUILD)/tests/gpu/test_%: tests/gpu/test_%.c $(TEST_HARNESS) $(BUILD)/libmoefuse.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests $< $(TEST_HARNESS) $(BUILD)/libmoefuse.a -o $@ $(LDLIBS) $(CUDA_LIBS)
+
+$(BUILD)/tests/gpu/test_%: tests/gpu/test_%.cu $(TEST_HARNESS) $(BUILD)/libmoefuse.a
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -Itests -Isrc/cpu $< $(TEST_HARNESS) $(BUILD)/libmoefuse.a -o $@ \
+	    -Xcompiler -fopenmp -lopenblas -lm
+
+$(BUILD)/moefuse_step: tools/moefuse_step.c $(BUILD)/libmoefuse.a
+	$(CC) $(CFLAGS) $< $(BUILD)/libmoefuse.a -o $@ $(LDLIBS) $(CUDA_LIBS)
+
+$(BUILD)/bench/%: bench/%.c $(BUILD)/libmoefuse.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Isrc/cuda $< $(BUILD)/libmoefuse.a -o $@ $(LDLIBS) $(CUDA_LIBS)
+
+# ---- fuzzing: libFuzzer with clang, address and undefined-behaviour sanitizers ----
+FUZZ_SECONDS ?= 20
+$(BUILD)/fuzz/fuzz_%: tests/fuzz/fuzz_%.c tests/plan_check.c $(HOST_SRC) $(wildcard include/*.h src/*/*.h)
+	@mkdir -p $(dir $@)
+	clang -std=c11 -D_GNU_SOURCE -O1 -g -fopenmp -fsanitize=fuzzer,address,undefined \
+	    -fno-sanitize-recover=all -Iinclude -Isrc/host -Isrc/cpu -Itests \
+	    $(if $(OPENBLAS_INC),-I$(OPENBLAS_INC)) $< tests/plan_check.c $(HOST_SRC) -o $@ -lopenblas -lm
+
+FUZZ_BIN := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(wildcard tests/fuzz/fuzz_*.c))
+fuzz: $(FUZZ_BIN)
+	@for f in $(FUZZ_BIN); do echo "== $$f ($(FUZZ_SECONDS) s)"; \
+	  mkdir -p $(BUILD)/fuzz/corpus-$$(basename $$f); \
+	  $$f -max_total_time=$(FUZZ_SECONDS) -print_final_stats=0 $(BUILD)/fuzz/corpus-$$(basename $$f) \
+	    2> $(BUILD)/fuzz/$$(basename $$f).log || { tail -40 $(BUILD)/fuzz/$$(basename $$f).log; exit 1; }; \
+	  tail -2 $(BUILD)/fuzz/$$(basename $$f).log; done
+
+# ---- tests ----
+test: all
+	@$(MAKE) --no-print-directory fuzz
+	@tools/run_tests.sh $(TEST_BIN) $(GPU_TEST_BIN)
+
+test-gpu: all
+	@tools/run_tests.sh $(GPU_TEST_BIN)
+
+run: $(BUILD)/moefuse_step
+	$(BUILD)/moefuse_step
+
+bench: all
+	@tools/run_bench.sh
+
+clean:
+	rm -rf $(BUILD)

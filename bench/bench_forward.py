@@ -1,0 +1,182 @@
+"""moefuse vs the PyTorch baseline (bench/torch_moe_baseline.py), timed in the same run.
+
+One line per case (qwen3-30b-a3b and qwen3-235b-a22b, T in {4096, 16384}, bf16):
+
+    model, T, precision, moefuse fwd ms, TFLOP/s (6*T*K*H*I), % of the bf16 matmul
+    peak measured in this run, baseline fwd ms, x baseline (baseline ms / moefuse ms),
+    then the same for forward+backward (3x the FLOPs) where the library has a backward
+    on this device, 'n/a' where it does not (never a made-up number),
+    and the relative difference of moefuse's y from the baseline's.
+
+Timing: CUDA events around each call, warm-up first, median of --reps (>= 20) calls,
+inputs rotating over several random sets (never zeros) so no call reads the previous
+call's tokens from L2. Both sides time the training forward (inputs require grad, so
+moefuse writes its saved buffer and the baseline records its graph).
+
+The peak: torch.matmul of two random 8192 x 8192 bf16 matrices, median of CUDA-event
+timings, 2 * 8192^3 FLOPs.
+
+Runs only on a CUDA device; without one it prints SKIP and the reason and exits 0.
+
+    python bench/bench_forward.py [--reps 20] [--models ...] [--tokens 4096 16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "python"))  # the checkout's package, when not installed
+
+import torch_moe_baseline as baseline  # noqa: E402
+
+NUM_INPUT_SETS = 4  # x of qwen3-235b at T=16384 is 128 MiB; four sets pass L2 many times over
+
+
+def skip(reason: str) -> None:
+    print(f"SKIP bench_forward: {reason}")
+    sys.exit(0)
+
+
+def time_cuda_ms(fn, num_sets: int, warmup: int, reps: int) -> float:
+    """Median ms of fn(i % num_sets) over reps calls, each bracketed by CUDA events."""
+    for i in range(warmup):
+        fn(i % num_sets)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(i % num_sets)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure_bf16_peak_tflops(reps: int) -> float:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = time_cuda_ms(lambda _: torch.matmul(a, b), 1, warmup=5, reps=max(reps, 20))
+    return 2 * n ** 3 / ms / 1e9
+
+
+def moefuse_backward_reason(moefuse, device) -> str | None:
+    """None when moefuse has a backward on `device`, else why not (tried once, small)."""
+    x, ids, p, w13, w2, dy = baseline.make_problem(64, 256, 128, 8, 2, device=device)
+    try:
+        torch.autograd.grad(moefuse.experts(x, ids, p, w13, w2), (x, p, w13, w2), dy)
+        torch.cuda.synchronize()
+    except moefuse.MoefuseError as err:
+        return f"{err.status_name}: {err.message}"
+    return None
+
+
+def run_case(moefuse, model: str, T: int, peak: float, has_backward: bool, args) -> str:
+    """Times one (model, T) case; returns its line."""
+    shape = baseline.MODELS[model]
+    device = torch.device("cuda")
+    sets = [baseline.make_problem(T, **shape, device=device, seed=s)
+            for s in range(NUM_INPUT_SETS)]
+    # One copy of the weights (GBs; already far larger than L2); per-set tokens.
+    w13, w2 = sets[0][3], sets[0][4]
+    inputs = [(x, ids, p, dy) for x, ids, p, _, _, dy in sets]
+    del sets
+    flops = 6 * T * shape["top_k"] * shape["hidden"] * shape["intermediate"]
+
+    def moefuse_fwd(i):
+        x, ids, p, _ = inputs[i]
+        return moefuse.experts(x, ids, p, w13, w2)
+
+    def baseline_fwd(i):
+        x, ids, p, _ = inputs[i]
+        return baseline.experts_torch(x, ids, p, w13, w2)
+
+    # torch.autograd.grad, not backward: accumulating into .grad would add a
+    # pass over every weight gradient (GBs) to each timed call.
+    def moefuse_fwd_bwd(i):
+        x, _, p, dy = inputs[i]
+        torch.autograd.grad(moefuse_fwd(i), (x, p, w13, w2), dy)
+
+    def baseline_fwd_bwd(i):
+        x, _, p, dy = inputs[i]
+        torch.autograd.grad(baseline_fwd(i), (x, p, w13, w2), dy)
+
+    y_m = moefuse_fwd(0)
+    moefuse.check_device_errors()
+    y_b = baseline_fwd(0)
+    rel_diff = ((y_m.float() - y_b.float()).norm() / y_b.float().norm()).item()
+    del y_m, y_b
+
+    m_fwd = time_cuda_ms(moefuse_fwd, NUM_INPUT_SETS, args.warmup, args.reps)
+    b_fwd = time_cuda_ms(baseline_fwd, NUM_INPUT_SETS, args.warmup, args.reps)
+    b_fb = time_cuda_ms(baseline_fwd_bwd, NUM_INPUT_SETS, args.warmup, args.reps)
+    tflops = flops / m_fwd / 1e9
+    line = (f"{model:<17} {T:<6} bf16  {m_fwd:14.3f}  {tflops:7.1f}  "
+            f"{100 * tflops / peak:5.1f}  {b_fwd:11.3f}  {b_fwd / m_fwd:6.2f} | ")
+    if has_backward:
+        m_fb = time_cuda_ms(moefuse_fwd_bwd, NUM_INPUT_SETS, args.warmup, args.reps)
+        tf_fb = 3 * flops / m_fb / 1e9
+        line += (f"{m_fb:17.3f}  {tf_fb:7.1f}  {100 * tf_fb / peak:5.1f}  "
+                 f"{b_fb:14.3f}  {b_fb / m_fb:6.2f} | ")
+    else:
+        line += f"{'n/a':>17}  {'n/a':>7}  {'n/a':>5}  {b_fb:14.3f}  {'n/a':>6} | "
+    line += f"{rel_diff:.2e}"
+    return line
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="moefuse forward (and backward) vs the "
+                                     "PyTorch baseline, one line per case")
+    parser.add_argument("--models", nargs="+", default=list(baseline.MODELS),
+                        choices=list(baseline.MODELS))
+    parser.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args()
+    if args.reps < 20:
+        parser.error("--reps must be >= 20 (medians of fewer calls are noise)")
+
+    if not torch.cuda.is_available():
+        skip("no CUDA device (torch.cuda.is_available() is False)")
+    import moefuse
+
+    try:
+        moefuse._lib.load()
+    except moefuse.LibraryNotFoundError as err:
+        skip(f"libmoefuse not loadable: {err}")
+    device = torch.device("cuda")
+    try:
+        probe = baseline.make_problem(64, 256, 128, 8, 2, device=device, requires_grad=False)
+        moefuse.experts(*probe[:5])
+        moefuse.check_device_errors()
+    except moefuse.MoefuseError as err:
+        skip(f"the library's CUDA forward does not run here: {err}")
+
+    name = torch.cuda.get_device_name(device)
+    bwd_reason = moefuse_backward_reason(moefuse, device)
+    peak = measure_bf16_peak_tflops(args.reps)
+    gm = baseline.grouped_mm_reason(device)
+    print(f"# device {name}; bf16 matmul peak {peak:.1f} TFLOP/s (8192^3, median of "
+          f"{max(args.reps, 20)}); library {moefuse.library_path()}")
+    print(f"# baseline: {'torch._grouped_mm' if gm is None else 'per-expert loop: ' + gm}; "
+          f"moefuse backward: {'yes' if bwd_reason is None else 'n/a (' + bwd_reason + ')'}")
+    print("# model            T      prec  moefuse_fwd_ms  TFLOP/s  %peak  base_fwd_ms  "
+          "x_base | moefuse_fwdbwd_ms  TFLOP/s  %peak  base_fwdbwd_ms  x_base | rel_diff_y")
+
+    for model in args.models:
+        for T in args.tokens:
+            print(run_case(moefuse, model, T, peak, bwd_reason is None, args), flush=True)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

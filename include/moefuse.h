@@ -1,0 +1,216 @@
+/*
+ * moefuse - the routed experts of a Mixture-of-Experts layer, forward and backward.
+ *
+ * The one public header. C11, usable from C, C++ and Python's ctypes.
+ *
+ * Shapes and math (names used everywhere, see shared/DESIGN.md section 1):
+ *   T tokens on this rank, H hidden, I expert intermediate size, E experts in total,
+ *   K experts per token, R ranks, E/R experts on each rank.
+ *
+ *   x      [T, H]         bf16   input tokens
+ *   ids    [T, K]         int32  expert of each (token, slot); -1 = slot dropped
+ *   p      [T, K]         fp32   routing weight of each slot (already normalized)
+ *   W13    [E/R, 2I, H]   bf16   per expert: gate rows 0..I-1, up rows I..2I-1
+ *   W2     [E/R, H, I]    bf16
+ *
+ *   forward, for each slot (t, k) with e = ids[t,k] >= 0:
+ *       g, u = split(W13_e x_t);  a = silu(g) * u;  o = W2_e a
+ *       y_t  = sum_k p[t,k] * o_(t,k)
+ *   backward, given dy [T, H]:
+ *       da' = W2_e^T dy_t;  dp[t,k] = <da', a>;  da = p * da'
+ *       dg  = da * u * silu'(g);  du = da * silu(g)
+ *       dx_t   = sum_k W13_e^T [dg; du]
+ *       dW2_e  = sum over e's slots of (p dy) a^T
+ *       dW13_e = sum over e's slots of [dg; du] x^T
+ *
+ * bf16 is passed as raw 16-bit words (uint16_t in memory, round-to-nearest-even).
+ * Every matrix is row-major. Token-major tensors (x, y, dy, dx) take a row stride in
+ * elements (>= H); everything else is contiguous.
+ *
+ * Pointers are host pointers for MOEFUSE_BACKEND_CPU and device pointers for
+ * MOEFUSE_BACKEND_CUDA. Every call returns a status; on any status other than
+ * MOEFUSE_OK, moefuse_last_error() says which argument was wrong and what was
+ * expected, and no output has been touched. The library never exits or aborts.
+ */
+#ifndef MOEFUSE_H
+#define MOEFUSE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOEFUSE_VERSION_MAJOR 0
+#define MOEFUSE_VERSION_MINOR 1
+#define MOEFUSE_VERSION_PATCH 0
+/* MAJOR * 10000 + MINOR * 100 + PATCH */
+#define MOEFUSE_VERSION                                                         \
+    (MOEFUSE_VERSION_MAJOR * 10000 + MOEFUSE_VERSION_MINOR * 100 + MOEFUSE_VERSION_PATCH)
+
+typedef enum moefuse_status {
+    MOEFUSE_OK = 0,
+    MOEFUSE_ERR_NULL_POINTER = 1,     /* a required pointer is NULL */
+    MOEFUSE_ERR_MISALIGNED = 2,       /* a pointer or stride breaks the alignment asked */
+    MOEFUSE_ERR_SHAPE = 3,            /* a shape or stride disagrees with the config */
+    MOEFUSE_ERR_EXPERT_ID = 4,        /* an expert id outside [-1, E) */
+    MOEFUSE_ERR_DUPLICATE_EXPERT = 5, /* the same expert twice in one token */
+    MOEFUSE_ERR_TOO_MANY_TOKENS = 6,  /* T above the configured maximum */
+    MOEFUSE_ERR_UNSUPPORTED = 7,      /* precision, backend or feature not built */
+    MOEFUSE_ERR_INVALID_CONFIG = 8,   /* a config field out of range */
+    MOEFUSE_ERR_NO_MEMORY = 9,        /* an allocation failed */
+    MOEFUSE_ERR_CUDA = 10,            /* the CUDA runtime reported an error */
+    MOEFUSE_ERR_NCCL = 11,            /* NCCL reported an error */
+    MOEFUSE_ERR_TIMEOUT = 12,         /* a bounded wait for a peer ran out */
+    MOEFUSE_ERR_SAVED_STATE = 13,     /* saved buffer not written by a matching forward */
+} moefuse_status;
+
+typedef enum moefuse_backend {
+    MOEFUSE_BACKEND_CPU = 0,  /* host memory, fp32 math, OpenBLAS, all cores */
+    MOEFUSE_BACKEND_CUDA = 1, /* device memory, sm_90a kernels */
+} moefuse_backend;
+
+typedef enum moefuse_precision {
+    MOEFUSE_PRECISION_BF16 = 0,       /* bf16 operands, fp32 accumulation */
+    MOEFUSE_PRECISION_FP8_BLOCK = 1,  /* e4m3 with 1x128 / 128x128 fp32 scales: planned */
+} moefuse_precision;
+
+/* What the forward keeps for the backward, in the caller's `saved` buffer. */
+typedef enum moefuse_saved_mode {
+    /* gate/up pre-activations [g; u] of every routed slot, bf16:
+     * K * 2I * 2 bytes per token, plus the plan (moefuse_saved_bytes tells). */
+    MOEFUSE_SAVE_ACTIVATIONS = 0,
+    /* only the plan; the backward recomputes W13 x (one more gemm1, 1/3 of the
+     * forward's FLOPs) */
+    MOEFUSE_RECOMPUTE = 1,
+} moefuse_saved_mode;
+
+typedef struct moefuse_config {
+    int hidden;         /* H, > 0 */
+    int intermediate;   /* I, > 0 */
+    int num_experts;    /* E, total over all ranks, > 0, divisible by num_ranks */
+    int top_k;          /* K, 1 <= K <= E */
+    int max_tokens;     /* largest T any call on this rank will pass, > 0 */
+    int num_ranks;      /* R, >= 1; R > 1 needs a moefuse_comm */
+    int rank;           /* 0 <= rank < R */
+    moefuse_precision precision;
+    moefuse_backend backend;
+    moefuse_saved_mode saved_mode;
+    int num_threads;    /* CPU backend: worker threads, 0 = all cores */
+} moefuse_config;
+
+/* Fill a config with the defaults (R = 1, bf16, CPU, saved activations). */
+void moefuse_config_init(moefuse_config *cfg, int hidden, int intermediate,
+                         int num_experts, int top_k, int max_tokens);
+
+typedef struct moefuse_layer moefuse_layer; /* opaque */
+typedef struct moefuse_comm moefuse_comm;   /* opaque; expert parallelism (planned) */
+
+typedef struct moefuse_fwd_args {
+    int num_tokens;              /* T, 0 <= T <= max_tokens */
+    const uint16_t *x;           /* [T, H] bf16, row stride x_stride */
+    int64_t x_stride;            /* elements, >= H */
+    const int32_t *ids;          /* [T, K] expert ids in [-1, E); no repeats in a row */
+    const float *weights;        /* [T, K] routing weights p */
+    const uint16_t *w13;         /* [E/R, 2I, H] bf16 */
+    const uint16_t *w2;          /* [E/R, H, I] bf16 */
+    uint16_t *y;                 /* out [T, H] bf16, row stride y_stride */
+    int64_t y_stride;            /* elements, >= H */
+    void *saved;                 /* out, moefuse_saved_bytes(T) bytes, 256-byte aligned;
+                                    NULL when no backward will follow */
+    int32_t *expert_counts;      /* optional out [E]: slots routed to each expert
+                                    (dropped slots not counted); NULL to skip */
+} moefuse_fwd_args;
+
+typedef struct moefuse_bwd_args {
+    int num_tokens;              /* T of the forward that wrote `saved` */
+    const uint16_t *x;           /* [T, H] bf16, the forward's input */
+    int64_t x_stride;
+    const int32_t *ids;          /* [T, K], the forward's */
+    const float *weights;        /* [T, K], the forward's */
+    const uint16_t *w13;         /* [E/R, 2I, H] bf16, the forward's */
+    const uint16_t *w2;          /* [E/R, H, I] bf16, the forward's */
+    const void *saved;           /* the buffer the forward filled */
+    const uint16_t *dy;          /* [T, H] bf16, gradient of y */
+    int64_t dy_stride;
+    uint16_t *dx;                /* out [T, H] bf16; tokens with every slot dropped get 0 */
+    int64_t dx_stride;
+    float *dweights;             /* out [T, K] fp32, d p; dropped slots get 0 */
+    float *dw13;                 /* out [E/R, 2I, H] fp32 */
+    float *dw2;                  /* out [E/R, H, I] fp32 */
+    int accumulate;              /* 0: dw13/dw2 = grad; 1: dw13/dw2 += grad */
+} moefuse_bwd_args;
+
+/* Qwen3 routing: softmax over E logits in fp32, top-K, renormalize the K weights.
+ * Ties pick the lower expert id. */
+typedef struct moefuse_route_args {
+    int num_tokens;              /* T */
+    int num_experts;             /* E */
+    int top_k;                   /* K, 1 <= K <= E */
+    const float *logits;         /* [T, E] fp32, contiguous */
+    int32_t *ids;                /* out [T, K], in decreasing weight order */
+    float *weights;              /* out [T, K], sum to 1 over each row */
+} moefuse_route_args;
+
+typedef struct moefuse_route_bwd_args {
+    int num_tokens;              /* T */
+    int num_experts;             /* E */
+    int top_k;                   /* K */
+    const float *logits;         /* [T, E], the forward's */
+    const int32_t *ids;          /* [T, K], the forward's output */
+    const float *dweights;       /* [T, K], gradient of the weights */
+    float *dlogits;              /* out [T, E] */
+} moefuse_route_bwd_args;
+
+/* MOEFUSE_VERSION of the library that is loaded. */
+int moefuse_version(void);
+
+/* A static string naming the status ("MOEFUSE_ERR_SHAPE", ...). */
+const char *moefuse_status_string(moefuse_status status);
+
+/* The message of this thread's last failed call: names the argument and what was
+ * expected. Empty string when the last call succeeded. Valid until the next call. */
+const char *moefuse_last_error(void);
+
+/* Checks cfg, allocates the layer's workspaces for cfg->max_tokens.
+ * comm: NULL for R = 1. */
+moefuse_status moefuse_layer_create(const moefuse_config *cfg, const moefuse_comm *comm,
+                                    moefuse_layer **out);
+
+/* Frees the layer. NULL is allowed. */
+moefuse_status moefuse_layer_destroy(moefuse_layer *layer);
+
+/* Bytes the forward writes into `saved` for T tokens (T <= max_tokens). */
+moefuse_status moefuse_saved_bytes(const moefuse_layer *layer, int num_tokens,
+                                   size_t *bytes);
+
+/* y = routed experts of x (see the math above). stream: a cudaStream_t for the CUDA
+ * backend, ignored (NULL) for the CPU backend. Several forwards may be in flight
+ * before their backwards as long as each has its own `saved` buffer. */
+moefuse_status moefuse_forward(moefuse_layer *layer, const moefuse_fwd_args *args,
+                               void *stream);
+
+/* dx, d p, dW13, dW2 from dy and the forward's saved buffer. */
+moefuse_status moefuse_backward(moefuse_layer *layer, const moefuse_bwd_args *args,
+                                void *stream);
+
+/* The CUDA backend reads expert ids from device memory, so moefuse_forward checks
+ * them on the device without a host synchronization: a bad id makes that call write
+ * no output (y, saved, expert_counts) and is recorded in the layer. This call waits
+ * for `stream` and returns the first such error (MOEFUSE_ERR_EXPERT_ID or
+ * MOEFUSE_ERR_DUPLICATE_EXPERT, naming the token), clearing it; else MOEFUSE_OK.
+ * The CPU backend checks ids before any work, so there it always returns OK. */
+moefuse_status moefuse_layer_check(moefuse_layer *layer, void *stream);
+
+/* Qwen3 routing helper and its backward (d logits from d weights). */
+moefuse_status moefuse_route_forward(const moefuse_route_args *args, moefuse_backend backend,
+                                     void *stream);
+moefuse_status moefuse_route_backward(const moefuse_route_bwd_args *args,
+                                      moefuse_backend backend, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOEFUSE_H */

@@ -1,0 +1,25 @@
+"""moefuse: the routed experts of Mixture-of-Experts layers, forward and backward,
+from PyTorch. A ctypes binding of libmoefuse (include/moefuse.h) with torch ops and
+nn.Modules on top.
+
+    moefuse.experts(x, ids, p, w13, w2) -> y        differentiable custom op
+    moefuse.route(logits, top_k) -> (ids, weights)  Qwen3 routing, differentiable
+    moefuse.MoEExperts, moefuse.MoefuseQwen3MoeBlock
+
+The C library is found through MOEFUSE_LIB, else build/libmoefuse.so of the source
+checkout, else a copy installed next to this package (see moefuse._lib).
+"""
+
+from ._lib import (EXPECTED_VERSION, LibraryNotFoundError, MoefuseError, Status,
+                   is_available, library_path, version)
+from .modules import MoEExperts, MoefuseQwen3MoeBlock, fuse_per_expert_state_dict
+from .ops import check_device_errors, experts, layer_cache, route, saved_bytes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EXPECTED_VERSION", "LibraryNotFoundError", "MoEExperts", "MoefuseError",
+    "MoefuseQwen3MoeBlock", "Status", "check_device_errors", "experts",
+    "fuse_per_expert_state_dict", "is_available", "layer_cache", "library_path", "route",
+    "saved_bytes", "version",
+]

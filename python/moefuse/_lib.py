@@ -1,0 +1,391 @@
+"""ctypes binding of include/moefuse.h: every struct, enum and function of the C API.
+
+This module knows nothing about torch: it takes raw pointers (ints) and returns
+statuses turned into exceptions. ops.py builds the torch side on top of it.
+
+Where the library is found, first match wins:
+  1. the file named by the environment variable MOEFUSE_LIB;
+  2. build/libmoefuse.so of the source checkout this package sits in
+     (python/moefuse/_lib.py -> ../../build/libmoefuse.so; the editable install);
+  3. libmoefuse.so bundled next to this file (copied in by `pip install ./python`).
+
+The library is loaded on first use, not at import, so `import moefuse` works (and
+says what is missing) before the C library is built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import os
+import pathlib
+import threading
+from typing import Optional
+
+# The MOEFUSE_VERSION (MAJOR * 10000 + MINOR * 100 + PATCH) whose structs this file
+# mirrors. While MAJOR is 0 a MINOR change may change the structs, so MAJOR and MINOR
+# must match exactly; PATCH may differ.
+EXPECTED_VERSION = 100
+
+
+class Status(enum.IntEnum):
+    """moefuse_status."""
+
+    OK = 0
+    ERR_NULL_POINTER = 1
+    ERR_MISALIGNED = 2
+    ERR_SHAPE = 3
+    ERR_EXPERT_ID = 4
+    ERR_DUPLICATE_EXPERT = 5
+    ERR_TOO_MANY_TOKENS = 6
+    ERR_UNSUPPORTED = 7
+    ERR_INVALID_CONFIG = 8
+    ERR_NO_MEMORY = 9
+    ERR_CUDA = 10
+    ERR_NCCL = 11
+    ERR_TIMEOUT = 12
+    ERR_SAVED_STATE = 13
+
+
+class Backend(enum.IntEnum):
+    """moefuse_backend."""
+
+    CPU = 0
+    CUDA = 1
+
+
+class Precision(enum.IntEnum):
+    """moefuse_precision."""
+
+    BF16 = 0
+    FP8_BLOCK = 1  # planned in the C library; layer_create answers ERR_UNSUPPORTED
+
+
+class SavedMode(enum.IntEnum):
+    """moefuse_saved_mode: what the forward keeps for the backward."""
+
+    SAVE_ACTIVATIONS = 0  # [g; u] of every routed slot, bf16
+    RECOMPUTE = 1  # only the plan; the backward recomputes W13 x
+
+
+class MoefuseError(RuntimeError):
+    """A call into libmoefuse returned a status other than MOEFUSE_OK.
+
+    Attributes:
+        status: the Status.
+        status_name: the library's name for it ("MOEFUSE_ERR_SHAPE", ...).
+        message: moefuse_last_error(): which argument was wrong and what was expected.
+        function: the C function that failed.
+    """
+
+    def __init__(self, function: str, status: int, status_name: str, message: str):
+        self.function = function
+        try:
+            self.status = Status(status)
+        except ValueError:
+            self.status = status
+        self.status_name = status_name
+        self.message = message
+        super().__init__(f"{function}: {status_name}: {message or '(no message)'}")
+
+
+class LibraryNotFoundError(OSError):
+    """libmoefuse.so could not be found or loaded, or is the wrong version."""
+
+
+# ---- struct mirrors ------------------------------------------------------------------
+# Enums are C ints. Data pointers are c_void_p (ABI-identical to the typed pointers of
+# the header, whose C type each comment gives) so callers pass tensor.data_ptr().
+
+
+class Config(ctypes.Structure):
+    """moefuse_config."""
+
+    _fields_ = [
+        ("hidden", ctypes.c_int),  # H
+        ("intermediate", ctypes.c_int),  # I
+        ("num_experts", ctypes.c_int),  # E, total over all ranks
+        ("top_k", ctypes.c_int),  # K
+        ("max_tokens", ctypes.c_int),  # largest T any call will pass
+        ("num_ranks", ctypes.c_int),  # R
+        ("rank", ctypes.c_int),
+        ("precision", ctypes.c_int),  # Precision
+        ("backend", ctypes.c_int),  # Backend
+        ("saved_mode", ctypes.c_int),  # SavedMode
+        ("num_threads", ctypes.c_int),  # CPU backend: 0 = all cores
+    ]
+
+
+class FwdArgs(ctypes.Structure):
+    """moefuse_fwd_args."""
+
+    _fields_ = [
+        ("num_tokens", ctypes.c_int),  # T
+        ("x", ctypes.c_void_p),  # const uint16_t* [T, H] bf16, row stride x_stride
+        ("x_stride", ctypes.c_int64),  # elements
+        ("ids", ctypes.c_void_p),  # const int32_t* [T, K]
+        ("weights", ctypes.c_void_p),  # const float* [T, K]
+        ("w13", ctypes.c_void_p),  # const uint16_t* [E/R, 2I, H] bf16
+        ("w2", ctypes.c_void_p),  # const uint16_t* [E/R, H, I] bf16
+        ("y", ctypes.c_void_p),  # uint16_t* out [T, H] bf16, row stride y_stride
+        ("y_stride", ctypes.c_int64),
+        ("saved", ctypes.c_void_p),  # void* out, saved_bytes(T), 256-byte aligned, or NULL
+        ("expert_counts", ctypes.c_void_p),  # int32_t* optional out [E], or NULL
+    ]
+
+
+class BwdArgs(ctypes.Structure):
+    """moefuse_bwd_args."""
+
+    _fields_ = [
+        ("num_tokens", ctypes.c_int),  # T of the forward that wrote `saved`
+        ("x", ctypes.c_void_p),  # const uint16_t* [T, H] bf16
+        ("x_stride", ctypes.c_int64),
+        ("ids", ctypes.c_void_p),  # const int32_t* [T, K]
+        ("weights", ctypes.c_void_p),  # const float* [T, K]
+        ("w13", ctypes.c_void_p),  # const uint16_t* [E/R, 2I, H] bf16
+        ("w2", ctypes.c_void_p),  # const uint16_t* [E/R, H, I] bf16
+        ("saved", ctypes.c_void_p),  # const void*, the forward's
+        ("dy", ctypes.c_void_p),  # const uint16_t* [T, H] bf16
+        ("dy_stride", ctypes.c_int64),
+        ("dx", ctypes.c_void_p),  # uint16_t* out [T, H] bf16
+        ("dx_stride", ctypes.c_int64),
+        ("dweights", ctypes.c_void_p),  # float* out [T, K]
+        ("dw13", ctypes.c_void_p),  # float* out [E/R, 2I, H] fp32
+        ("dw2", ctypes.c_void_p),  # float* out [E/R, H, I] fp32
+        ("accumulate", ctypes.c_int),  # 0: write dw13/dw2, 1: add into them
+    ]
+
+
+class RouteArgs(ctypes.Structure):
+    """moefuse_route_args."""
+
+    _fields_ = [
+        ("num_tokens", ctypes.c_int),  # T
+        ("num_experts", ctypes.c_int),  # E
+        ("top_k", ctypes.c_int),  # K
+        ("logits", ctypes.c_void_p),  # const float* [T, E]
+        ("ids", ctypes.c_void_p),  # int32_t* out [T, K]
+        ("weights", ctypes.c_void_p),  # float* out [T, K]
+    ]
+
+
+class RouteBwdArgs(ctypes.Structure):
+    """moefuse_route_bwd_args."""
+
+    _fields_ = [
+        ("num_tokens", ctypes.c_int),  # T
+        ("num_experts", ctypes.c_int),  # E
+        ("top_k", ctypes.c_int),  # K
+        ("logits", ctypes.c_void_p),  # const float* [T, E]
+        ("ids", ctypes.c_void_p),  # const int32_t* [T, K]
+        ("dweights", ctypes.c_void_p),  # const float* [T, K]
+        ("dlogits", ctypes.c_void_p),  # float* out [T, E]
+    ]
+
+
+LayerHandle = ctypes.c_void_p  # moefuse_layer*, opaque
+CommHandle = ctypes.c_void_p  # moefuse_comm*, opaque (expert parallelism, planned)
+
+_STATUS = ctypes.c_int
+
+# name -> (restype, argtypes). Every function of moefuse.h.
+_SIGNATURES = {
+    "moefuse_config_init": (
+        None,
+        [ctypes.POINTER(Config), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+         ctypes.c_int],
+    ),
+    "moefuse_version": (ctypes.c_int, []),
+    "moefuse_status_string": (ctypes.c_char_p, [_STATUS]),
+    "moefuse_last_error": (ctypes.c_char_p, []),
+    "moefuse_layer_create": (
+        _STATUS, [ctypes.POINTER(Config), CommHandle, ctypes.POINTER(LayerHandle)]),
+    "moefuse_layer_destroy": (_STATUS, [LayerHandle]),
+    "moefuse_saved_bytes": (
+        _STATUS, [LayerHandle, ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)]),
+    "moefuse_forward": (_STATUS, [LayerHandle, ctypes.POINTER(FwdArgs), ctypes.c_void_p]),
+    "moefuse_backward": (_STATUS, [LayerHandle, ctypes.POINTER(BwdArgs), ctypes.c_void_p]),
+    "moefuse_layer_check": (_STATUS, [LayerHandle, ctypes.c_void_p]),
+    "moefuse_route_forward": (
+        _STATUS, [ctypes.POINTER(RouteArgs), ctypes.c_int, ctypes.c_void_p]),
+    "moefuse_route_backward": (
+        _STATUS, [ctypes.POINTER(RouteBwdArgs), ctypes.c_int, ctypes.c_void_p]),
+}
+
+# ---- loading ---------------------------------------------------------------------------
+
+_LIB_NAME = "libmoefuse.so"
+_load_lock = threading.Lock()
+_loaded: Optional[ctypes.CDLL] = None
+
+
+def candidate_paths() -> list[pathlib.Path]:
+    """Where the library is looked for, in order (see the module docstring)."""
+    here = pathlib.Path(__file__).resolve().parent
+    paths = []
+    env = os.environ.get("MOEFUSE_LIB")
+    if env:
+        paths.append(pathlib.Path(env))
+    paths.append(here.parent.parent / "build" / _LIB_NAME)
+    paths.append(here / _LIB_NAME)
+    return paths
+
+
+def _find_library() -> pathlib.Path:
+    env = os.environ.get("MOEFUSE_LIB")
+    if env:
+        # An explicit choice that does not exist is an error, not a reason to load a
+        # different library silently.
+        path = pathlib.Path(env)
+        if not path.is_file():
+            raise LibraryNotFoundError(f"MOEFUSE_LIB={env}: no such file")
+        return path
+    for path in candidate_paths():
+        if path.is_file():
+            return path
+    tried = ", ".join(str(p) for p in candidate_paths())
+    raise LibraryNotFoundError(
+        f"{_LIB_NAME} not found (tried {tried}). Build it with `make lib` in the "
+        "repository root, or point MOEFUSE_LIB at it.")
+
+
+def version_string(version: int) -> str:
+    return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
+
+
+def load() -> ctypes.CDLL:
+    """Loads the library once, sets every signature, checks the version."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    with _load_lock:
+        if _loaded is not None:
+            return _loaded
+        path = _find_library()
+        try:
+            cdll = ctypes.CDLL(str(path))
+        except OSError as err:
+            raise LibraryNotFoundError(f"cannot load {path}: {err}") from err
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            try:
+                fn = getattr(cdll, name)
+            except AttributeError as err:
+                raise LibraryNotFoundError(
+                    f"{path} lacks {name}: not a libmoefuse built from this header") from err
+            fn.restype = restype
+            fn.argtypes = argtypes
+        version = cdll.moefuse_version()
+        if version // 100 != EXPECTED_VERSION // 100:
+            raise LibraryNotFoundError(
+                f"{path} is moefuse {version_string(version)}; this binding mirrors the "
+                f"structs of {version_string(EXPECTED_VERSION)} (major and minor must "
+                "match). Rebuild the library or reinstall the Python package.")
+        cdll._moefuse_path = str(path)
+        _loaded = cdll
+        return cdll
+
+
+def library_path() -> str:
+    """The path of the loaded library (loads it)."""
+    return load()._moefuse_path
+
+
+def is_available() -> bool:
+    """True when the library can be loaded (and has the right version)."""
+    try:
+        load()
+        return True
+    except LibraryNotFoundError:
+        return False
+
+
+# ---- calls ----------------------------------------------------------------------------
+
+
+def status_string(status: int) -> str:
+    return load().moefuse_status_string(status).decode()
+
+
+def last_error() -> str:
+    return load().moefuse_last_error().decode(errors="replace")
+
+
+def check(function: str, status: int) -> None:
+    """Raises MoefuseError for any status other than OK.
+
+    moefuse_last_error is per OS thread; ctypes runs the call and this read on the
+    calling thread, so the message is the one of this call.
+    """
+    if status != Status.OK:
+        lib = load()
+        raise MoefuseError(function, status, lib.moefuse_status_string(status).decode(),
+                           lib.moefuse_last_error().decode(errors="replace"))
+
+
+def version() -> int:
+    """MOEFUSE_VERSION of the loaded library."""
+    return load().moefuse_version()
+
+
+def config_init(hidden: int, intermediate: int, num_experts: int, top_k: int,
+                max_tokens: int) -> Config:
+    """A Config with the library's defaults (R = 1, bf16, CPU, saved activations)."""
+    cfg = Config()
+    load().moefuse_config_init(ctypes.byref(cfg), hidden, intermediate, num_experts, top_k,
+                               max_tokens)
+    return cfg
+
+
+class Layer:
+    """Owns one moefuse_layer handle. Not thread-safe: the layer's workspaces are used
+    by every call, so calls on one Layer must be ordered (one host thread at a time,
+    and for CUDA one stream at a time or streams ordered by events)."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self._lib = load()
+        handle = LayerHandle()
+        check("moefuse_layer_create",
+              self._lib.moefuse_layer_create(ctypes.byref(cfg), None, ctypes.byref(handle)))
+        self._handle = handle
+        self.lock = threading.Lock()
+
+    @property
+    def handle(self) -> LayerHandle:
+        if self._handle is None:
+            raise ValueError("moefuse layer used after close()")
+        return self._handle
+
+    def saved_bytes(self, num_tokens: int) -> int:
+        out = ctypes.c_size_t()
+        check("moefuse_saved_bytes",
+              self._lib.moefuse_saved_bytes(self.handle, num_tokens, ctypes.byref(out)))
+        return out.value
+
+    def forward(self, args: FwdArgs, stream: int = 0) -> None:
+        check("moefuse_forward",
+              self._lib.moefuse_forward(self.handle, ctypes.byref(args), stream or None))
+
+    def backward(self, args: BwdArgs, stream: int = 0) -> None:
+        check("moefuse_backward",
+              self._lib.moefuse_backward(self.handle, ctypes.byref(args), stream or None))
+
+    def check_ids(self, stream: int = 0) -> None:
+        """moefuse_layer_check: waits for `stream`, raises the first device-side id error."""
+        check("moefuse_layer_check", self._lib.moefuse_layer_check(self.handle, stream or None))
+
+    def close(self) -> None:
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            check("moefuse_layer_destroy", self._lib.moefuse_layer_destroy(handle))
+
+
+def route_forward(args: RouteArgs, backend: Backend, stream: int = 0) -> None:
+    check("moefuse_route_forward",
+          load().moefuse_route_forward(ctypes.byref(args), int(backend), stream or None))
+
+
+def route_backward(args: RouteBwdArgs, backend: Backend, stream: int = 0) -> None:
+    check("moefuse_route_backward",
+          load().moefuse_route_backward(ctypes.byref(args), int(backend), stream or None))

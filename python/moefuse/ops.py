@@ -1,0 +1,552 @@
+"""PyTorch ops over libmoefuse: the routed experts and the Qwen3 routing helper.
+
+Public functions (differentiable, torch.compile(fullgraph=True) friendly):
+
+    experts(x, ids, p, w13, w2, recompute=False) -> y
+        x    [T, H]      bf16
+        ids  [T, K]      int32 (int64 is converted: it is what torch.topk returns);
+                         expert id per slot, -1 = slot dropped
+        p    [T, K]      fp32 routing weights
+        w13  [E, 2I, H]  bf16 (or fp32 master weights: cast to bf16 for each call,
+                         gradient returned in fp32 without the bf16 round trip)
+        w2   [E, H, I]   bf16 (or fp32, as w13)
+        y    [T, H]      bf16
+      Gradients flow to x, p, w13 and w2. The C library returns weight gradients in
+      fp32; they come back in each weight's dtype.
+
+    route(logits, top_k) -> (ids int32 [T, K], weights fp32 [T, K])
+        Qwen3 routing: softmax over E in fp32, top-K (ties: lower id), renormalize.
+        Differentiable in logits.
+
+Both are torch.library custom ops (moefuse::experts_fwd / experts_bwd, moefuse::route_fwd
+/ route_bwd) with fake implementations and registered autograd, so torch.compile
+traces through them without graph breaks.
+
+CPU tensors run the C library's CPU backend; CUDA tensors its CUDA backend on the
+current CUDA stream. The saved activations the backward needs live in a torch.uint8
+tensor from PyTorch's allocator (moefuse_saved_bytes(T) bytes).
+
+Layers (moefuse_layer handles: the workspaces of one config) are cached per
+(H, I, E, K, device, saved mode, max_tokens bucket) in `layer_cache`, the one piece of
+module state, and destroyed at interpreter exit (or by layer_cache.clear()).
+
+Id errors on CUDA: the CUDA backend checks expert ids on the device without a host
+synchronization; a bad id leaves y unwritten and is recorded in the layer. Call
+check_device_errors() (it synchronizes) where a trainer wants that check, e.g. after
+the first step. The CPU backend checks ids before any work and raises at once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import threading
+from typing import Optional
+
+import torch
+
+from . import _lib
+
+_BF16 = torch.bfloat16
+_SAVED_ALIGN = 256  # bytes, what moefuse_fwd_args.saved asks for
+_CUDA_ALIGN = 16  # bytes, what the CUDA backend asks of bf16 tensors and row strides
+_MIN_TOKEN_BUCKET = 64
+
+
+# ---- the layer cache ----------------------------------------------------------------
+
+
+def token_bucket(num_tokens: int) -> int:
+    """max_tokens of the cached layer that serves num_tokens: the next power of two
+    (at least 64), so workspaces are at most 2x what a call needs and a run with
+    varying T creates O(log T) layers, not one per T."""
+    return max(_MIN_TOKEN_BUCKET, 1 << max(0, (num_tokens - 1).bit_length()))
+
+
+class LayerCache:
+    """moefuse_layer handles keyed by (hidden, intermediate, num_experts, top_k, device,
+    saved_mode, max_tokens bucket). A forward and its backward use the same key, so
+    the backward reads its saved buffer with the layer that wrote it."""
+
+    def __init__(self):
+        self._layers: dict[tuple, _lib.Layer] = {}
+        self._lock = threading.Lock()
+
+    def get(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
+            num_tokens: int, device: torch.device, recompute: bool) -> _lib.Layer:
+        saved_mode = _lib.SavedMode.RECOMPUTE if recompute else _lib.SavedMode.SAVE_ACTIVATIONS
+        bucket = token_bucket(num_tokens)
+        device = _normalize_device(device)
+        key = (hidden, intermediate, num_experts, top_k, str(device), int(saved_mode), bucket)
+        layer = self._layers.get(key)
+        if layer is not None:
+            return layer
+        with self._lock:
+            layer = self._layers.get(key)
+            if layer is None:
+                cfg = _lib.config_init(hidden, intermediate, num_experts, top_k, bucket)
+                cfg.backend = _lib.Backend.CUDA if device.type == "cuda" else _lib.Backend.CPU
+                cfg.saved_mode = saved_mode
+                with _on_device(device):
+                    layer = _lib.Layer(cfg)
+                layer.device = device
+                self._layers[key] = layer
+            return layer
+
+    def layers(self) -> list[_lib.Layer]:
+        with self._lock:
+            return list(self._layers.values())
+
+    def clear(self) -> None:
+        """Destroys every cached layer. Forwards whose backward has not run yet must
+        not be pending (their backward would create a new layer of the same config;
+        the saved buffer format is the config's, so that works, but do not rely on it
+        across library versions)."""
+        with self._lock:
+            layers, self._layers = list(self._layers.values()), {}
+        for layer in layers:
+            try:
+                with _on_device(layer.device):
+                    layer.close()
+            except Exception:  # noqa: BLE001 - at exit the CUDA context may be gone
+                pass
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+
+layer_cache = LayerCache()
+atexit.register(layer_cache.clear)
+
+
+def check_device_errors() -> None:
+    """Raises MoefuseError for the first bad expert id any cached CUDA layer recorded
+    (waits for the current stream of the layer's device). No-op for CPU layers."""
+    for layer in layer_cache.layers():
+        if layer.device.type == "cuda":
+            with _on_device(layer.device):
+                layer.check_ids(torch.cuda.current_stream(layer.device).cuda_stream)
+
+
+# ---- helpers ----------------------------------------------------------------------------
+
+
+def _normalize_device(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _on_device(device: torch.device):
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def _stream(device: torch.device) -> int:
+    """cudaStream_t of the current stream as an int for CUDA, 0 (NULL) for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.current_stream(device).cuda_stream
+    return 0
+
+
+def _backend(device: torch.device) -> _lib.Backend:
+    return _lib.Backend.CUDA if device.type == "cuda" else _lib.Backend.CPU
+
+
+def _rows_ok(t: torch.Tensor, hidden: int) -> bool:
+    """Whether a [T, H] bf16 tensor can be passed as is: unit column stride and a row
+    stride >= H (and, on CUDA, 16-byte aligned pointer and row stride)."""
+    if t.stride(1) != 1 or (t.shape[0] > 1 and t.stride(0) < hidden):
+        return False
+    if t.device.type == "cuda":
+        return t.data_ptr() % _CUDA_ALIGN == 0 and (t.stride(0) * 2) % _CUDA_ALIGN == 0
+    return True
+
+
+def _as_rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
+    """t if the library can read it in place, else a contiguous copy (a [T, H] copy
+    is cheap next to the experts' GEMMs; the result is the same)."""
+    return t if _rows_ok(t, hidden) else t.contiguous()
+
+
+def _row_stride(t: torch.Tensor, hidden: int) -> int:
+    return t.stride(0) if t.shape[0] > 1 else hidden
+
+
+def _bf16_weight(w: torch.Tensor) -> torch.Tensor:
+    return w if w.dtype == _BF16 else w.to(_BF16).contiguous()
+
+
+def _alloc_saved(num_bytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor of num_bytes whose data pointer is 256-byte aligned.
+
+    The CUDA caching allocator hands out 512-byte aligned blocks; the CPU allocator
+    only 64, so there the buffer is a view into a slightly larger one."""
+    if device.type == "cuda":
+        buf = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        if buf.data_ptr() % _SAVED_ALIGN == 0:
+            return buf
+    raw = torch.empty(num_bytes + _SAVED_ALIGN, dtype=torch.uint8, device=device)
+    offset = (-raw.data_ptr()) % _SAVED_ALIGN
+    return raw[offset:offset + num_bytes]
+
+
+def _aligned_saved(saved: torch.Tensor) -> torch.Tensor:
+    """The saved buffer, copied to an aligned one if something (a saved-tensor hook
+    that offloaded and brought it back) moved it off the 256-byte alignment."""
+    if saved.data_ptr() % _SAVED_ALIGN == 0:
+        return saved
+    copy = _alloc_saved(saved.numel(), saved.device)
+    copy.copy_(saved)
+    return copy
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    """data_ptr for the args structs; None (NULL) for empty tensors."""
+    if t is None or t.numel() == 0:
+        return None
+    return t.data_ptr()
+
+
+def _shape_of(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor):
+    """(T, H, I, E, K) from the operand shapes."""
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    return num_tokens, hidden, two_i // 2, num_experts, ids.shape[1]
+
+
+def saved_bytes(num_tokens: int, hidden: int, intermediate: int, num_experts: int,
+                top_k: int, device: torch.device | str = "cpu",
+                recompute: bool = False) -> int:
+    """Bytes the forward keeps for the backward for T tokens (moefuse_saved_bytes)."""
+    if num_tokens == 0:
+        return 0
+    layer = layer_cache.get(hidden, intermediate, num_experts, top_k, num_tokens,
+                            torch.device(device), recompute)
+    return layer.saved_bytes(num_tokens)
+
+
+# ---- the experts op: forward ----------------------------------------------------------
+
+
+@torch.library.custom_op("moefuse::experts_fwd", mutates_args=())
+def _experts_fwd(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch.Tensor,
+                 w2: torch.Tensor, need_saved: bool,
+                 recompute: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [T, H] bf16, saved uint8 [saved_bytes(T)], empty when need_saved is False).
+    Arguments already validated by experts()."""
+    T, H, I, E, K = _shape_of(x, ids, w13)
+    device = x.device
+    y = torch.empty((T, H), dtype=_BF16, device=device)
+    if T == 0:
+        return y, torch.empty(0, dtype=torch.uint8, device=device)
+    layer = layer_cache.get(H, I, E, K, T, device, recompute)
+    x = _as_rows(x, H)
+    w13, w2 = _bf16_weight(w13), _bf16_weight(w2)
+    saved = (_alloc_saved(layer.saved_bytes(T), device) if need_saved
+             else torch.empty(0, dtype=torch.uint8, device=device))
+    args = _lib.FwdArgs(
+        num_tokens=T, x=x.data_ptr(), x_stride=_row_stride(x, H), ids=ids.data_ptr(),
+        weights=p.data_ptr(), w13=w13.data_ptr(), w2=w2.data_ptr(), y=y.data_ptr(),
+        y_stride=H, saved=_ptr(saved), expert_counts=None)
+    with layer.lock, _on_device(device):
+        layer.forward(args, _stream(device))
+    return y, saved
+
+
+@_experts_fwd.register_fake
+def _experts_fwd_fake(x, ids, p, w13, w2, need_saved, recompute):
+    T, H, I, E, K = _shape_of(x, ids, w13)
+    y = x.new_empty((T, H), dtype=_BF16)
+    if not need_saved:
+        num_bytes = 0
+    elif isinstance(T, int):
+        num_bytes = saved_bytes(T, H, I, E, K, x.device, recompute)
+    else:
+        # Dynamic T: the size is a function of T and the config only, but that
+        # function lives in C; an unbacked size says "known at run time".
+        num_bytes = torch.library.get_ctx().new_dynamic_size()
+    return y, x.new_empty((num_bytes,), dtype=torch.uint8)
+
+
+# ---- the experts op: backward ---------------------------------------------------------
+
+
+@torch.library.custom_op("moefuse::experts_bwd", mutates_args=())
+def _experts_bwd(dy: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor,
+                 w13: torch.Tensor, w2: torch.Tensor, saved: torch.Tensor,
+                 recompute: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor]:
+    """(dx [T, H] bf16, dp [T, K] fp32, dw13 [E, 2I, H] fp32, dw2 [E, H, I] fp32)."""
+    T, H, I, E, K = _shape_of(x, ids, w13)
+    device = x.device
+    dx = torch.empty((T, H), dtype=_BF16, device=device)
+    dp = torch.empty((T, K), dtype=torch.float32, device=device)
+    if T == 0:
+        return (dx, dp, torch.zeros(w13.shape, dtype=torch.float32, device=device),
+                torch.zeros(w2.shape, dtype=torch.float32, device=device))
+    dw13 = torch.empty(w13.shape, dtype=torch.float32, device=device)
+    dw2 = torch.empty(w2.shape, dtype=torch.float32, device=device)
+    layer = layer_cache.get(H, I, E, K, T, device, recompute)
+    x, dy = _as_rows(x, H), _as_rows(dy.to(_BF16), H)
+    w13, w2 = _bf16_weight(w13), _bf16_weight(w2)
+    saved = _aligned_saved(saved)
+    args = _lib.BwdArgs(
+        num_tokens=T, x=x.data_ptr(), x_stride=_row_stride(x, H), ids=ids.data_ptr(),
+        weights=p.data_ptr(), w13=w13.data_ptr(), w2=w2.data_ptr(), saved=saved.data_ptr(),
+        dy=dy.data_ptr(), dy_stride=_row_stride(dy, H), dx=dx.data_ptr(), dx_stride=H,
+        dweights=dp.data_ptr(), dw13=dw13.data_ptr(), dw2=dw2.data_ptr(), accumulate=0)
+    with layer.lock, _on_device(device):
+        layer.backward(args, _stream(device))
+    return dx, dp, dw13, dw2
+
+
+@_experts_bwd.register_fake
+def _experts_bwd_fake(dy, x, ids, p, w13, w2, saved, recompute):
+    T, H, _, _, K = _shape_of(x, ids, w13)
+    return (x.new_empty((T, H), dtype=_BF16), x.new_empty((T, K), dtype=torch.float32),
+            w13.new_empty(w13.shape, dtype=torch.float32),
+            w2.new_empty(w2.shape, dtype=torch.float32))
+
+
+def _experts_setup_context(ctx, inputs, output):
+    x, ids, p, w13, w2, need_saved, recompute = inputs
+    _, saved = output
+    ctx.save_for_backward(x, ids, p, w13, w2, saved)
+    ctx.need_saved = need_saved
+    ctx.recompute = recompute
+
+
+def _experts_backward(ctx, dy, _dsaved):
+    if not ctx.need_saved:
+        raise RuntimeError(
+            "moefuse.experts: backward through a forward that kept nothing for it "
+            "(need_saved=False; experts() sets it when grad mode is on and an input "
+            "requires grad)")
+    x, ids, p, w13, w2, saved = ctx.saved_tensors
+    dx, dp, dw13, dw2 = torch.ops.moefuse.experts_bwd(dy, x, ids, p, w13, w2, saved,
+                                                      ctx.recompute)
+    need = ctx.needs_input_grad
+    return (dx if need[0] else None, None, dp if need[2] else None,
+            dw13.to(w13.dtype) if need[3] else None, dw2.to(w2.dtype) if need[4] else None,
+            None, None)
+
+
+_experts_fwd.register_autograd(_experts_backward, setup_context=_experts_setup_context)
+
+
+# ---- the experts op: public function ----------------------------------------------------
+
+
+def _validate_experts(x, ids, p, w13, w2) -> torch.Tensor:
+    """Raises TypeError / ValueError naming the argument; returns ids as int32."""
+    for name, t in (("x", x), ("ids", ids), ("p", p), ("w13", w13), ("w2", w2)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"moefuse.experts: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dtype != _BF16:
+        raise TypeError(f"moefuse.experts: x must be bfloat16, got {x.dtype}")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"moefuse.experts: ids must be int32 (or int64), got {ids.dtype}")
+    if p.dtype != torch.float32:
+        raise TypeError(f"moefuse.experts: p must be float32, got {p.dtype}")
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.dtype not in (_BF16, torch.float32):
+            raise TypeError(f"moefuse.experts: {name} must be bfloat16 (or float32 master "
+                            f"weights), got {w.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"moefuse.experts: x must be [T, H], got shape {tuple(x.shape)}")
+    T, H = x.shape
+    if ids.dim() != 2 or ids.shape[0] != T:
+        raise ValueError(f"moefuse.experts: ids must be [T={T}, K], got shape {tuple(ids.shape)}")
+    K = ids.shape[1]
+    if tuple(p.shape) != tuple(ids.shape):
+        raise ValueError(f"moefuse.experts: p must be [T={T}, K={K}] like ids, got shape "
+                         f"{tuple(p.shape)}")
+    if w13.dim() != 3 or w13.shape[2] != H or w13.shape[1] % 2 != 0:
+        raise ValueError(f"moefuse.experts: w13 must be [E, 2I, H={H}], got shape "
+                         f"{tuple(w13.shape)}")
+    E, two_i = w13.shape[0], w13.shape[1]
+    if tuple(w2.shape) != (E, H, two_i // 2):
+        raise ValueError(f"moefuse.experts: w2 must be [E={E}, H={H}, I={two_i // 2}] to match "
+                         f"w13 {tuple(w13.shape)}, got shape {tuple(w2.shape)}")
+    if E == 0 or H == 0 or two_i == 0 or K == 0 or K > E:
+        raise ValueError(f"moefuse.experts: expected E, H, I > 0 and 1 <= K <= E, got "
+                         f"E={E}, H={H}, I={two_i // 2}, K={K}")
+    device = x.device
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"moefuse.experts: tensors must be on the CPU or a CUDA device, got {device}")
+    for name, t in (("ids", ids), ("p", p), ("w13", w13), ("w2", w2)):
+        if t.device != device:
+            raise ValueError(f"moefuse.experts: {name} is on {t.device} but x is on {device}; "
+                             "all operands must be on one device")
+    for name, w in (("w13", w13), ("w2", w2)):
+        # A silent copy of every expert's weights per call would hide a layout mistake
+        # (a transposed view) behind a large slowdown.
+        if not w.is_contiguous():
+            raise ValueError(f"moefuse.experts: {name} must be contiguous (row-major "
+                             f"[E, out, in] like nn.Linear weights), got strides {w.stride()}")
+    return ids.to(torch.int32)
+
+
+def experts(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch.Tensor,
+            w2: torch.Tensor, recompute: bool = False) -> torch.Tensor:
+    """The routed experts: y_t = sum_k p[t,k] * W2_e silu-glu(W13_e x_t), e = ids[t,k].
+
+    Args:
+        x:   [T, H] bf16 tokens. Any strides; copied when the library cannot read it
+             in place (unit column stride, row stride >= H, 16-byte alignment on CUDA).
+        ids: [T, K] int32 (int64 is converted) expert ids in [-1, E), no repeats in a
+             row; -1 drops the slot.
+        p:   [T, K] fp32 routing weights (made contiguous).
+        w13: [E, 2I, H] contiguous, bf16 (or fp32: cast per call); gate rows 0..I-1,
+             up rows I..2I-1.
+        w2:  [E, H, I] contiguous, bf16 (or fp32).
+        recompute: keep only the routing plan and recompute W13 x in the backward
+             (saves K * 2I * 2 bytes per token for 1/3 more forward FLOPs).
+
+    Returns:
+        y [T, H] bf16.
+    """
+    ids = _validate_experts(x, ids, p, w13, w2).contiguous()
+    p = p.contiguous()
+    H = x.shape[1]
+    if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < H):
+        x = x.contiguous()
+    need_saved = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, p, w13, w2))
+    y, _ = torch.ops.moefuse.experts_fwd(x, ids, p, w13, w2, need_saved, recompute)
+    return y
+
+
+# ---- the routing helper -------------------------------------------------------------------
+
+
+def _route_torch(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The helper's semantics in PyTorch (for devices the C helper does not run on):
+    select on logits (softmax is increasing; ties: lower id first, since topk of a
+    stable descending sort keeps index order), weights = softmax over the selected."""
+    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices
+    ids = order[:, :top_k]
+    probs = torch.softmax(logits, dim=-1)
+    top = probs.gather(1, ids)
+    weights = top / top.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), weights
+
+
+def _route_bwd_torch(ids: torch.Tensor, weights: torch.Tensor, dweights: torch.Tensor,
+                     num_experts: int) -> torch.Tensor:
+    """d logits: the renormalized weights are a softmax over the selected logits only,
+    so d l_j = w_j (dw_j - <dw, w>) on the selected experts and 0 elsewhere."""
+    dsel = weights * (dweights - (dweights * weights).sum(dim=-1, keepdim=True))
+    dlogits = torch.zeros((ids.shape[0], num_experts), dtype=torch.float32, device=ids.device)
+    return dlogits.scatter_(1, ids.long(), dsel)
+
+
+def _library_route_forward(logits, ids, weights) -> bool:
+    """Runs the library's helper; False when it is not built for this backend (it
+    answers ERR_UNSUPPORTED before touching anything), so the caller falls back."""
+    T, E = logits.shape
+    backend = _backend(logits.device)
+    args = _lib.RouteArgs(num_tokens=T, num_experts=E, top_k=ids.shape[1],
+                          logits=_ptr(logits), ids=_ptr(ids), weights=_ptr(weights))
+    try:
+        with _on_device(logits.device):
+            _lib.route_forward(args, backend, _stream(logits.device))
+    except _lib.MoefuseError as err:
+        if err.status == _lib.Status.ERR_UNSUPPORTED and backend != _lib.Backend.CPU:
+            return False
+        raise
+    return True
+
+
+def _library_route_backward(logits, ids, dweights, dlogits) -> bool:
+    """As _library_route_forward, for the backward."""
+    T, E = logits.shape
+    backend = _backend(logits.device)
+    args = _lib.RouteBwdArgs(num_tokens=T, num_experts=E, top_k=ids.shape[1],
+                             logits=_ptr(logits), ids=_ptr(ids), dweights=_ptr(dweights),
+                             dlogits=_ptr(dlogits))
+    try:
+        with _on_device(logits.device):
+            _lib.route_backward(args, backend, _stream(logits.device))
+    except _lib.MoefuseError as err:
+        if err.status == _lib.Status.ERR_UNSUPPORTED and backend != _lib.Backend.CPU:
+            return False
+        raise
+    return True
+
+
+@torch.library.custom_op("moefuse::route_fwd", mutates_args=())
+def _route_fwd(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [T, K] int32, weights [T, K] fp32) from fp32 logits [T, E]."""
+    T = logits.shape[0]
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=logits.device)
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
+    if _library_route_forward(logits, ids, weights):
+        return ids, weights
+    ids_t, weights_t = _route_torch(logits, top_k)
+    return ids.copy_(ids_t), weights.copy_(weights_t)
+
+
+@_route_fwd.register_fake
+def _route_fwd_fake(logits, top_k):
+    T = logits.shape[0]
+    return (logits.new_empty((T, top_k), dtype=torch.int32),
+            logits.new_empty((T, top_k), dtype=torch.float32))
+
+
+@torch.library.custom_op("moefuse::route_bwd", mutates_args=())
+def _route_bwd(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+               dweights: torch.Tensor) -> torch.Tensor:
+    """dlogits [T, E] fp32."""
+    T, E = logits.shape
+    dweights = dweights.to(torch.float32).contiguous()
+    dlogits = torch.empty((T, E), dtype=torch.float32, device=logits.device)
+    if _library_route_backward(logits, ids, dweights, dlogits):
+        return dlogits
+    return _route_bwd_torch(ids, weights, dweights, E)
+
+
+@_route_bwd.register_fake
+def _route_bwd_fake(logits, ids, weights, dweights):
+    return logits.new_empty(logits.shape, dtype=torch.float32)
+
+
+def _route_setup_context(ctx, inputs, output):
+    logits, _ = inputs
+    ids, weights = output
+    ctx.save_for_backward(logits, ids, weights)
+
+
+def _route_backward(ctx, _dids, dweights):
+    logits, ids, weights = ctx.saved_tensors
+    return torch.ops.moefuse.route_bwd(logits, ids, weights, dweights), None
+
+
+_route_fwd.register_autograd(_route_backward, setup_context=_route_setup_context)
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3 routing of logits [T, E] -> (ids [T, K] int32, weights [T, K] fp32).
+
+    Softmax over the E experts in fp32, the top K (in decreasing weight; equal logits
+    by lower id), weights renormalized to sum to 1. Differentiable in logits.
+    bf16/fp16 logits are upcast to fp32 first (as Qwen3's softmax(dtype=float) does).
+    On CUDA the library's helper is used once it is built; until then the same math
+    runs in PyTorch inside the op.
+    """
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"moefuse.route: logits must be a torch.Tensor, got {type(logits).__name__}")
+    if not logits.is_floating_point():
+        raise TypeError(f"moefuse.route: logits must be floating point, got {logits.dtype}")
+    if logits.dim() != 2:
+        raise ValueError(f"moefuse.route: logits must be [T, E], got shape {tuple(logits.shape)}")
+    if not isinstance(top_k, int) or not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"moefuse.route: top_k must be an int in [1, E={logits.shape[1]}], "
+                         f"got {top_k!r}")
+    if logits.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"moefuse.route: logits must be on the CPU or a CUDA device, got "
+                         f"{logits.device}")
+    logits = logits.to(torch.float32).contiguous()
+    return torch.ops.moefuse.route_fwd(logits, top_k)

@@ -1,0 +1,390 @@
+"""moefuse.experts / moefuse.route on CPU tensors (the C library's CPU backend) against
+the fp64 PyTorch reference in moe_reference.py.
+
+Why not torch.autograd.gradcheck on moefuse.experts: gradcheck compares analytic
+gradients with central finite differences (eps ~1e-6) and needs fp64 inputs to resolve
+them. The library computes in bf16 (8 significant bits): a 1e-6 perturbation of a bf16
+input is not even representable, and any step large enough to move a bf16 value
+(>= 2^-8 relative) makes the finite difference differ from the derivative by far more
+than gradcheck's tolerances. So the op's gradients are checked instead against exact
+fp64 gradients of the reference at the same bf16 input values, with the tolerance
+rule derived from bf16 rounding (moe_reference.py); the reference itself is
+gradchecked in fp64, and the routing op (fp32) is gradchecked with a step fp32 resolves.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+import torch
+
+import moefuse
+from moefuse import _lib, ops
+
+from moe_reference import (assert_close_bf16, experts_reference, experts_reference_grads,
+                           random_problem, rel_error, route_reference)
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+HEADER = REPO / "include" / "moefuse.h"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def library():
+    """The library is what is under test: missing is a failure, not a skip."""
+    if not moefuse.is_available():
+        try:
+            _lib.load()
+        except _lib.LibraryNotFoundError as err:
+            pytest.fail(f"libmoefuse not loadable: {err}")
+    yield
+
+
+def run_op(x, ids, p, w13, w2, dy, recompute=False):
+    """(y, dx, dp, dw13, dw2) from the op with autograd."""
+    x, p, w13, w2 = (t.detach().clone().requires_grad_() for t in (x, p, w13, w2))
+    y = moefuse.experts(x, ids, p, w13, w2, recompute=recompute)
+    y.backward(dy)
+    return y.detach(), x.grad, p.grad, w13.grad, w2.grad
+
+
+# ---- the binding -------------------------------------------------------------------------
+
+
+def test_version_matches_binding_and_header():
+    assert moefuse.version() // 100 == _lib.EXPECTED_VERSION // 100
+    if HEADER.is_file():
+        text = HEADER.read_text()
+        parts = [int(re.search(rf"#define MOEFUSE_VERSION_{n}\s+(\d+)", text).group(1))
+                 for n in ("MAJOR", "MINOR", "PATCH")]
+        assert parts[0] * 10000 + parts[1] * 100 + parts[2] == _lib.EXPECTED_VERSION
+
+
+def header_struct_fields(text: str, name: str) -> list[str]:
+    body = re.search(rf"typedef struct {name} \{{(.*?)\}} {name};", text, re.S).group(1)
+    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    return [re.search(r"(\w+)\s*$", decl).group(1) for decl in body.split(";")[:-1]]
+
+
+@pytest.mark.parametrize("c_name, mirror", [
+    ("moefuse_config", _lib.Config), ("moefuse_fwd_args", _lib.FwdArgs),
+    ("moefuse_bwd_args", _lib.BwdArgs), ("moefuse_route_args", _lib.RouteArgs),
+    ("moefuse_route_bwd_args", _lib.RouteBwdArgs)])
+def test_struct_mirrors_follow_header(c_name, mirror):
+    """The ctypes mirrors name the header's fields in the header's order."""
+    if not HEADER.is_file():
+        pytest.skip(f"{HEADER} not present (installed package without the checkout)")
+    assert [f[0] for f in mirror._fields_] == header_struct_fields(HEADER.read_text(), c_name)
+
+
+def test_config_init_defaults():
+    cfg = _lib.config_init(64, 32, 8, 2, 128)
+    assert (cfg.hidden, cfg.intermediate, cfg.num_experts, cfg.top_k, cfg.max_tokens) == (64, 32, 8, 2, 128)
+    assert (cfg.num_ranks, cfg.rank, cfg.backend, cfg.precision, cfg.saved_mode) == (1, 0, 0, 0, 0)
+
+
+def test_error_carries_status_and_message():
+    cfg = _lib.config_init(0, 32, 8, 2, 128)
+    with pytest.raises(moefuse.MoefuseError) as info:
+        _lib.Layer(cfg)
+    err = info.value
+    assert err.status == _lib.Status.ERR_INVALID_CONFIG
+    assert err.status_name == "MOEFUSE_ERR_INVALID_CONFIG"
+    assert "hidden" in err.message
+    assert isinstance(err, RuntimeError)
+    assert _lib.status_string(_lib.Status.ERR_SHAPE) == "MOEFUSE_ERR_SHAPE"
+
+
+def test_layer_cache_and_saved_bytes():
+    n = moefuse.saved_bytes(100, 64, 32, 8, 2)
+    n_recompute = moefuse.saved_bytes(100, 64, 32, 8, 2, recompute=True)
+    assert n > 0 and n_recompute < n  # recompute keeps the plan, not [g; u]
+    assert ops.token_bucket(100) == 128 and ops.token_bucket(1) == 64
+    layer = ops.layer_cache.get(64, 32, 8, 2, 100, torch.device("cpu"), False)
+    assert layer is ops.layer_cache.get(64, 32, 8, 2, 128, torch.device("cpu"), False)
+    assert layer.cfg.max_tokens == 128
+    x, ids, p, w13, w2, _ = random_problem(100, 64, 32, 8, 2)
+    y, saved = torch.ops.moefuse.experts_fwd(x, ids, p, w13, w2, True, False)
+    assert saved.dtype == torch.uint8 and saved.numel() == n
+    assert saved.data_ptr() % 256 == 0
+
+
+# ---- forward and backward against the fp64 reference ------------------------------------
+
+SHAPES = [
+    # T, H, I, E, K
+    (64, 128, 64, 8, 2),
+    (200, 256, 96, 16, 4),  # I not a power of two
+    (1, 64, 32, 8, 8),      # T = 1, K = E
+    (37, 64, 48, 128, 8),   # E = 128 like Qwen3, most experts empty
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_forward_backward_match_reference(shape, recompute):
+    x, ids, p, w13, w2, dy = random_problem(*shape, seed=1)
+    got = run_op(x, ids, p, w13, w2, dy, recompute=recompute)
+    ref = experts_reference_grads(x, ids, p, w13, w2, dy)
+    for name, g, r in zip(("y", "dx", "dp", "dw13", "dw2"), got, ref):
+        assert_close_bf16(g, r, name)
+    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.bfloat16
+    assert got[2].dtype == torch.float32
+    assert got[3].dtype == torch.bfloat16 and got[4].dtype == torch.bfloat16  # param dtype
+
+
+@pytest.mark.parametrize("skew, drop", [("one_expert", 0.0), ("zipf", 0.0), ("uniform", 0.3),
+                                        ("uniform", 1.0)])
+def test_routing_edge_cases(skew, drop):
+    """All tokens on one expert, Zipf-skewed, dropped slots (-1), every slot dropped."""
+    x, ids, p, w13, w2, dy = random_problem(96, 128, 64, 16, 4, seed=2, drop_fraction=drop,
+                                            skew=skew)
+    got = run_op(x, ids, p, w13, w2, dy)
+    ref = experts_reference_grads(x, ids, p, w13, w2, dy)
+    if drop == 1.0:
+        for name, g in zip(("y", "dx", "dp", "dw13", "dw2"), got):
+            assert torch.count_nonzero(g) == 0, f"{name} not zero with every slot dropped"
+        return
+    for name, g, r in zip(("y", "dx", "dp", "dw13", "dw2"), got, ref):
+        assert_close_bf16(g, r, name)
+    assert torch.all(got[2][ids < 0] == 0), "dropped slots must get d p = 0"
+
+
+def test_fp32_master_weights_get_fp32_gradients():
+    x, ids, p, w13, w2, dy = random_problem(64, 128, 64, 8, 2, seed=3)
+    w13_f, w2_f = w13.float(), w2.float()  # exactly the bf16 values, held in fp32
+    y, dx, dp, dw13, dw2 = run_op(x, ids, p, w13_f, w2_f, dy)
+    assert dw13.dtype == torch.float32 and dw2.dtype == torch.float32
+    ref = experts_reference_grads(x, ids, p, w13, w2, dy)
+    for name, g, r in zip(("y", "dx", "dp", "dw13", "dw2"), (y, dx, dp, dw13, dw2), ref):
+        assert_close_bf16(g, r, name)
+    # Same bf16 compute as with bf16 weights: the weight gradients only skip the
+    # final rounding to bf16.
+    y_b, _, _, dw13_b, _ = run_op(x, ids, p, w13, w2, dy)
+    assert torch.equal(y, y_b)
+    assert torch.equal(dw13.to(torch.bfloat16), dw13_b)
+
+
+def test_deterministic():
+    problem = random_problem(128, 128, 64, 8, 4, seed=4)
+    first, second = run_op(*problem), run_op(*problem)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_recompute_equals_saved_activations():
+    """[g; u] recomputed in the backward is the same GEMM as the forward's, so both
+    modes give the same gradients, bit for bit."""
+    problem = random_problem(64, 128, 64, 8, 2, seed=5)
+    for a, b in zip(run_op(*problem), run_op(*problem, recompute=True)):
+        assert torch.equal(a, b)
+
+
+def test_two_forwards_before_backward():
+    """Gradient accumulation: two forwards in flight, each with its own saved buffer."""
+    x1, ids1, p1, w13, w2, dy1 = random_problem(64, 128, 64, 8, 2, seed=6)
+    x2, ids2, p2, _, _, dy2 = random_problem(80, 128, 64, 8, 2, seed=7)
+    w13_l, w2_l = w13.clone().requires_grad_(), w2.clone().requires_grad_()
+    x1_l, x2_l = x1.clone().requires_grad_(), x2.clone().requires_grad_()
+    y1 = moefuse.experts(x1_l, ids1, p1, w13_l.float(), w2_l.float())
+    y2 = moefuse.experts(x2_l, ids2, p2, w13_l.float(), w2_l.float())
+    torch.autograd.backward([y2, y1], [dy2, dy1])
+    r1 = experts_reference_grads(x1, ids1, p1, w13, w2, dy1)
+    r2 = experts_reference_grads(x2, ids2, p2, w13, w2, dy2)
+    assert_close_bf16(x1_l.grad, r1[1], "dx")
+    assert_close_bf16(x2_l.grad, r2[1], "dx")
+    # Through .float() the accumulated weight gradients stay fp32 until the leaf.
+    assert_close_bf16(w13_l.grad, r1[3] + r2[3], "dw13")
+    assert_close_bf16(w2_l.grad, r1[4] + r2[4], "dw2")
+
+
+def test_strided_and_noncontiguous_x():
+    x, ids, p, w13, w2, dy = random_problem(64, 128, 64, 8, 2, seed=8)
+    y = moefuse.experts(x, ids, p, w13, w2)
+    wide = torch.zeros(64, 160, dtype=torch.bfloat16)
+    wide[:, 16:144] = x
+    y_strided = moefuse.experts(wide[:, 16:144], ids, p, w13, w2)  # row stride 160, no copy
+    y_transposed = moefuse.experts(x.T.contiguous().T, ids, p, w13, w2)  # column-major: copied
+    assert torch.equal(y, y_strided) and torch.equal(y, y_transposed)
+
+
+def test_int64_ids_and_no_grad():
+    x, ids, p, w13, w2, _ = random_problem(64, 128, 64, 8, 2, seed=9)
+    y = moefuse.experts(x, ids, p, w13, w2)
+    with torch.no_grad():
+        y_nograd = moefuse.experts(x, ids.long(), p, w13, w2)
+    assert torch.equal(y, y_nograd)
+
+
+def test_zero_tokens():
+    _, _, _, w13, w2, _ = random_problem(1, 64, 32, 8, 2)
+    x = torch.empty(0, 64, dtype=torch.bfloat16, requires_grad=True)
+    w13 = w13.clone().requires_grad_()
+    y = moefuse.experts(x, torch.empty(0, 2, dtype=torch.int32), torch.empty(0, 2), w13, w2)
+    assert y.shape == (0, 64)
+    y.sum().backward()
+    assert x.grad.shape == (0, 64) and torch.count_nonzero(w13.grad) == 0
+
+
+# ---- bad inputs -------------------------------------------------------------------------------
+
+
+def bad_input_cases():
+    x, ids, p, w13, w2, _ = random_problem(16, 64, 32, 8, 2)
+    return [
+        ("x fp32", TypeError, "x must be bfloat16", (x.float(), ids, p, w13, w2)),
+        ("p bf16", TypeError, "p must be float32", (x, ids, p.bfloat16(), w13, w2)),
+        ("ids float", TypeError, "ids must be int32", (x, ids.float(), p, w13, w2)),
+        ("w13 fp16", TypeError, "w13 must be bfloat16", (x, ids, p, w13.half(), w2)),
+        ("x 3-D", ValueError, "x must be [T, H]", (x[None], ids, p, w13, w2)),
+        ("ids rows", ValueError, "ids must be [T=16, K]", (x, ids[:8], p, w13, w2)),
+        ("p shape", ValueError, "p must be [T=16, K=2]", (x, ids, p[:, :1], w13, w2)),
+        ("w13 hidden", ValueError, "w13 must be [E, 2I, H=64]", (x, ids, p, w13[:, :, :32], w2)),
+        ("w2 shape", ValueError, "w2 must be [E=8, H=64, I=32]", (x, ids, p, w13, w2[:, :, :16])),
+        ("w13 non-contiguous", ValueError, "w13 must be contiguous",
+         (x, ids, p, w13.transpose(1, 2).contiguous().transpose(1, 2), w2)),
+        ("device mismatch", ValueError, "w2 is on meta but x is on cpu",
+         (x, ids, p, w13, w2.to("meta"))),
+        ("not a tensor", TypeError, "p must be a torch.Tensor", (x, ids, p.tolist(), w13, w2)),
+    ]
+
+
+@pytest.mark.parametrize("case", bad_input_cases(), ids=lambda c: c[0])
+def test_bad_inputs_raise_clear_errors(case):
+    _, error, message, args = case
+    with pytest.raises(error, match=re.escape(message)):
+        moefuse.experts(*args)
+
+
+@pytest.mark.parametrize("bad_id, status, words", [
+    (8, _lib.Status.ERR_EXPERT_ID, "ids"),
+    (-2, _lib.Status.ERR_EXPERT_ID, "ids"),
+    ("dup", _lib.Status.ERR_DUPLICATE_EXPERT, "ids"),
+])
+def test_bad_expert_ids_raise_moefuse_error(bad_id, status, words):
+    x, ids, p, w13, w2, _ = random_problem(16, 64, 32, 8, 2)
+    ids = ids.clone()
+    if bad_id == "dup":
+        ids[5, 1] = ids[5, 0]
+    else:
+        ids[5, 1] = bad_id
+    with pytest.raises(moefuse.MoefuseError) as info:
+        moefuse.experts(x, ids, p, w13, w2)
+    assert info.value.status == status
+    assert words in info.value.message, info.value.message
+
+
+# ---- the routing op --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T, E, K", [(50, 16, 4), (33, 128, 8), (5, 8, 8), (1, 4, 1)])
+def test_route_matches_reference(T, E, K):
+    g = torch.Generator().manual_seed(T)
+    logits = torch.randn(T, E, generator=g).requires_grad_()
+    ids, weights = moefuse.route(logits, K)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    ref_logits = logits.detach().double().requires_grad_()
+    ref_ids, ref_weights = route_reference(ref_logits, K)
+    assert torch.equal(ids.long(), ref_ids)
+    assert rel_error(weights, ref_weights) <= 1e-6
+    dweights = torch.randn(T, K, generator=g)
+    weights.backward(dweights)
+    (ref_grad,) = torch.autograd.grad(ref_weights, ref_logits, dweights.double())
+    assert rel_error(logits.grad, ref_grad) <= 1e-5
+
+
+def test_route_ties_pick_lower_id():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0]])
+    ids, weights = moefuse.route(logits, 2)
+    assert ids.tolist() == [[1, 2]]
+    assert torch.allclose(weights, torch.tensor([[0.5, 0.5]]))
+
+
+def test_route_gradcheck():
+    """gradcheck in fp32 (the helper's precision) with a step fp32 resolves."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 8, generator=g).requires_grad_()
+    with pytest.warns(UserWarning):  # gradcheck warns that the input is not fp64
+        assert torch.autograd.gradcheck(lambda l: moefuse.route(l, 3)[1], (logits,),
+                                        eps=1e-3, atol=1e-3, rtol=1e-2)
+
+
+def test_route_torch_fallback_matches_library():
+    """The PyTorch routing used where the C helper is not built (CUDA, for now)."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(40, 32, generator=g)
+    logits[3, 5] = logits[3, 7] = logits[3].max() + 1  # a tie
+    ids, weights = moefuse.route(logits, 4)
+    ids_t, weights_t = ops._route_torch(logits, 4)
+    assert torch.equal(ids, ids_t)
+    assert rel_error(weights_t, weights) <= 1e-6
+    dweights = torch.randn(40, 4, generator=g)
+    d_lib = torch.ops.moefuse.route_bwd(logits, ids, weights, dweights)
+    d_torch = ops._route_bwd_torch(ids, weights, dweights, 32)
+    assert rel_error(d_torch, d_lib) <= 1e-5
+
+
+def test_route_bad_inputs():
+    with pytest.raises(ValueError, match="top_k must be an int"):
+        moefuse.route(torch.randn(4, 8), 9)
+    with pytest.raises(ValueError, match=re.escape("logits must be [T, E]")):
+        moefuse.route(torch.randn(8), 2)
+    with pytest.raises(TypeError, match="floating point"):
+        moefuse.route(torch.ones(4, 8, dtype=torch.int32), 2)
+
+
+# ---- torch.compile and the reference itself ----------------------------------------------------
+
+
+class TinyMoE(torch.nn.Module):
+    """Router (moefuse.route) + experts (moefuse.experts), enough to trace both ops."""
+
+    def __init__(self, w13, w2, top_k):
+        super().__init__()
+        self.gate = torch.nn.Linear(w13.shape[2], w13.shape[0], bias=False)
+        self.w13 = torch.nn.Parameter(w13.clone())
+        self.w2 = torch.nn.Parameter(w2.clone())
+        self.top_k = top_k
+
+    def forward(self, x):
+        ids, p = moefuse.route(self.gate(x.float()), self.top_k)
+        return moefuse.experts(x, ids, p, self.w13, self.w2) * 2
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compile_fullgraph(backend):
+    torch._dynamo.reset()
+    x, _, _, w13, w2, dy = random_problem(64, 128, 64, 8, 2, seed=10)
+    torch.manual_seed(0)
+    model = TinyMoE(w13, w2, 2)
+    results = []
+    for fn in (model, torch.compile(model, fullgraph=True, backend=backend)):
+        model.zero_grad()
+        xl = x.clone().requires_grad_()
+        y = fn(xl)
+        y.backward(dy)
+        results.append((y.detach(), xl.grad, model.gate.weight.grad, model.w13.grad,
+                        model.w2.grad))
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)
+
+
+def test_reference_gradcheck():
+    """The truth is right: gradcheck of the fp64 reference (a few small shapes)."""
+    x, ids, p, w13, w2, _ = random_problem(6, 8, 4, 4, 2, seed=11, drop_fraction=0.2)
+    args = [t.double().requires_grad_() for t in (x, p, w13, w2)]
+    assert torch.autograd.gradcheck(
+        lambda x_, p_, a_, b_: experts_reference(x_, ids.long(), p_, a_, b_), args)
+
+
+def test_cuda_backend():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine: the CUDA backend is tested where one is")
+    x, ids, p, w13, w2, dy = random_problem(256, 256, 128, 16, 4, seed=12)
+    dev = torch.device("cuda")
+    with torch.no_grad():
+        y = moefuse.experts(*(t.to(dev) for t in (x, ids, p, w13, w2)))
+    moefuse.check_device_errors()
+    assert_close_bf16(y.cpu(), experts_reference(x.double(), ids.long(), p.double(),
+                                                 w13.double(), w2.double()), "y")

@@ -1,0 +1,96 @@
+/* Internal interfaces between the host layer, the backends and the tests.
+ * Not installed; include/moefuse.h is the public contract. */
+#ifndef MOEFUSE_INTERNAL_H
+#define MOEFUSE_INTERNAL_H
+
+#include "moefuse.h"
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- errors (src/host/status.c) ------------------------------------------------ */
+
+/* Records a printf-style message for moefuse_last_error() and returns status. */
+moefuse_status mf_fail(moefuse_status status, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+/* Clears the message; every public entry point calls it first. */
+void mf_clear_error(void);
+
+/* ---- the routing plan (src/host/plan.c) ----------------------------------------
+ * Expert-sorted rows: the slots routed to local expert e occupy rows
+ * expert_offsets[e] .. expert_offsets[e] + expert_counts[e] - 1, in increasing slot
+ * order (slot = t * K + k), so the order is deterministic; each expert's segment is
+ * then padded up to a multiple of row_align (padding rows have row_slot = -1). */
+typedef struct mf_plan {
+    int num_tokens;           /* T */
+    int top_k;                /* K */
+    int expert_begin;         /* first local expert (global id) */
+    int num_local_experts;    /* E / R */
+    int row_align;            /* segment padding, >= 1 */
+    int num_rows;             /* expert_offsets[num_local_experts] */
+    int32_t *expert_counts;   /* [num_local_experts] slots per local expert */
+    int32_t *expert_offsets;  /* [num_local_experts + 1] first row of each expert */
+    int32_t *slot_row;        /* [T * K] row of each slot, -1 when dropped / not local */
+    int32_t *row_slot;        /* [mf_plan_max_rows] slot of each row, -1 for padding */
+} mf_plan;
+
+/* Upper bound on num_rows for T tokens: T*K + local experts * (row_align - 1). */
+int64_t mf_plan_max_rows(int num_tokens, int top_k, int num_local_experts, int row_align);
+
+/* Checks ids (range [-1, num_experts), no expert twice in a row) and fills the plan,
+ * whose arrays the caller sized. On a bad id returns the status and touches nothing
+ * but the plan. */
+moefuse_status mf_plan_build(const int32_t *ids, int num_tokens, int top_k, int num_experts,
+                             int expert_begin, int num_local_experts, int row_align,
+                             mf_plan *plan);
+
+/* Only the id checks of mf_plan_build. */
+moefuse_status mf_check_ids(const int32_t *ids, int num_tokens, int top_k, int num_experts);
+
+/* ---- the layer and its backends (src/host/layer.c) ------------------------------ */
+
+typedef struct mf_backend_ops {
+    const char *name;
+    moefuse_status (*create)(moefuse_layer *layer);
+    void (*destroy)(moefuse_layer *layer);
+    size_t (*saved_bytes)(const moefuse_layer *layer, int num_tokens);
+    /* args were validated by the host layer (pointers, shapes, and ids where they
+     * live in host memory); the backend computes. */
+    moefuse_status (*forward)(moefuse_layer *layer, const moefuse_fwd_args *args,
+                              void *stream);
+    moefuse_status (*backward)(moefuse_layer *layer, const moefuse_bwd_args *args,
+                               void *stream);
+    /* moefuse_layer_check; NULL when the backend checks everything on the host. */
+    moefuse_status (*check)(moefuse_layer *layer, void *stream);
+} mf_backend_ops;
+
+struct moefuse_layer {
+    moefuse_config cfg;
+    int num_local_experts;    /* E / R */
+    int expert_begin;         /* rank * E / R */
+    const mf_backend_ops *ops;
+    void *backend;            /* the backend's own state */
+};
+
+extern const mf_backend_ops mf_cpu_backend;  /* src/cpu/backend.c */
+/* NULL when the library was built without nvcc. */
+const mf_backend_ops *mf_cuda_backend(void);
+
+/* ---- CPU routing helper (src/cpu/route.c) --------------------------------------- */
+moefuse_status mf_cpu_route_forward(const moefuse_route_args *args);
+moefuse_status mf_cpu_route_backward(const moefuse_route_bwd_args *args);
+
+/* ---- bf16 (src/cpu/bf16.c): round-to-nearest-even, NaN stays NaN ---------------- */
+float mf_bf16_to_float(uint16_t v);
+uint16_t mf_float_to_bf16(float f);
+void mf_bf16_to_float_n(const uint16_t *in, float *out, int64_t n);
+void mf_float_to_bf16_n(const float *in, uint16_t *out, int64_t n);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOEFUSE_INTERNAL_H */

@@ -1,0 +1,284 @@
+/* The public entry points: config checks, argument validation, backend dispatch.
+ * Everything here runs before any work, so a bad call touches no output. */
+#include "internal.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef MOEFUSE_HAVE_CUDA
+const mf_backend_ops *mf_cuda_backend(void) { return NULL; }
+#endif
+
+void moefuse_config_init(moefuse_config *cfg, int hidden, int intermediate, int num_experts,
+                         int top_k, int max_tokens) {
+    if (!cfg) return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->hidden = hidden;
+    cfg->intermediate = intermediate;
+    cfg->num_experts = num_experts;
+    cfg->top_k = top_k;
+    cfg->max_tokens = max_tokens;
+    cfg->num_ranks = 1;
+    cfg->rank = 0;
+    cfg->precision = MOEFUSE_PRECISION_BF16;
+    cfg->backend = MOEFUSE_BACKEND_CPU;
+    cfg->saved_mode = MOEFUSE_SAVE_ACTIVATIONS;
+    cfg->num_threads = 0;
+}
+
+/* ---- config ---------------------------------------------------------------------- */
+
+static moefuse_status check_config(const moefuse_config *c, const moefuse_comm *comm) {
+#define POSITIVE(field)                                                                  \
+    if (c->field <= 0)                                                                   \
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG, "config." #field " = %d: expected > 0",  \
+                       c->field);
+    POSITIVE(hidden)
+    POSITIVE(intermediate)
+    POSITIVE(num_experts)
+    POSITIVE(max_tokens)
+    POSITIVE(num_ranks)
+#undef POSITIVE
+    if (c->top_k < 1 || c->top_k > c->num_experts)
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                       "config.top_k = %d: expected 1 <= top_k <= num_experts (%d)", c->top_k,
+                       c->num_experts);
+    if (c->num_experts % c->num_ranks != 0)
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                       "config.num_experts = %d: expected a multiple of num_ranks (%d)",
+                       c->num_experts, c->num_ranks);
+    if (c->rank < 0 || c->rank >= c->num_ranks)
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG, "config.rank = %d: expected 0 <= rank < %d",
+                       c->rank, c->num_ranks);
+    if (c->num_threads < 0)
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                       "config.num_threads = %d: expected >= 0 (0 = all cores)", c->num_threads);
+    if (c->saved_mode != MOEFUSE_SAVE_ACTIVATIONS && c->saved_mode != MOEFUSE_RECOMPUTE)
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                       "config.saved_mode = %d: expected MOEFUSE_SAVE_ACTIVATIONS (0) or "
+                       "MOEFUSE_RECOMPUTE (1)", (int)c->saved_mode);
+    /* The largest buffers are max_tokens * K rows of max(H, 2I) elements; keep their
+     * element counts far from int overflow in every backend's index arithmetic. */
+    int64_t widest = c->hidden > 2 * (int64_t)c->intermediate ? c->hidden : 2 * (int64_t)c->intermediate;
+    if ((int64_t)c->max_tokens * c->top_k * widest > ((int64_t)1 << 40))
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                       "config: max_tokens * top_k * max(H, 2I) = %lld: expected <= 2^40",
+                       (long long)((int64_t)c->max_tokens * c->top_k * widest));
+    if (c->precision == MOEFUSE_PRECISION_FP8_BLOCK)
+        return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
+                       "config.precision = MOEFUSE_PRECISION_FP8_BLOCK: not built yet; "
+                       "expected MOEFUSE_PRECISION_BF16");
+    if (c->precision != MOEFUSE_PRECISION_BF16)
+        return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
+                       "config.precision = %d: expected MOEFUSE_PRECISION_BF16 (0)",
+                       (int)c->precision);
+    if (c->backend != MOEFUSE_BACKEND_CPU && c->backend != MOEFUSE_BACKEND_CUDA)
+        return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
+                       "config.backend = %d: expected MOEFUSE_BACKEND_CPU (0) or "
+                       "MOEFUSE_BACKEND_CUDA (1)", (int)c->backend);
+    if (comm != NULL || c->num_ranks > 1)
+        return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
+                       "config.num_ranks = %d with comm %s: expert parallelism is not built "
+                       "yet; expected num_ranks = 1 and comm = NULL",
+                       c->num_ranks, comm ? "given" : "NULL");
+    return MOEFUSE_OK;
+}
+
+moefuse_status moefuse_layer_create(const moefuse_config *cfg, const moefuse_comm *comm,
+                                    moefuse_layer **out) {
+    mf_clear_error();
+    if (!out) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "out: expected a moefuse_layer **");
+    if (!cfg) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "cfg: expected a moefuse_config *");
+    moefuse_status st = check_config(cfg, comm);
+    if (st != MOEFUSE_OK) return st;
+
+    const mf_backend_ops *ops = cfg->backend == MOEFUSE_BACKEND_CPU ? &mf_cpu_backend
+                                                                     : mf_cuda_backend();
+    if (!ops)
+        return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
+                       "config.backend = MOEFUSE_BACKEND_CUDA: this library was built "
+                       "without nvcc; expected MOEFUSE_BACKEND_CPU");
+
+    moefuse_layer *layer = calloc(1, sizeof *layer);
+    if (!layer) return mf_fail(MOEFUSE_ERR_NO_MEMORY, "moefuse_layer_create: out of host memory");
+    layer->cfg = *cfg;
+    layer->num_local_experts = cfg->num_experts / cfg->num_ranks;
+    layer->expert_begin = cfg->rank * layer->num_local_experts;
+    layer->ops = ops;
+    st = ops->create(layer);
+    if (st != MOEFUSE_OK) {
+        free(layer);
+        return st;
+    }
+    *out = layer;
+    return MOEFUSE_OK;
+}
+
+moefuse_status moefuse_layer_destroy(moefuse_layer *layer) {
+    mf_clear_error();
+    if (!layer) return MOEFUSE_OK;
+    layer->ops->destroy(layer);
+    free(layer);
+    return MOEFUSE_OK;
+}
+
+moefuse_status moefuse_saved_bytes(const moefuse_layer *layer, int num_tokens, size_t *bytes) {
+    mf_clear_error();
+    if (!layer) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "layer: expected a layer");
+    if (!bytes) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "bytes: expected a size_t *");
+    if (num_tokens < 0)
+        return mf_fail(MOEFUSE_ERR_SHAPE, "num_tokens = %d: expected >= 0", num_tokens);
+    if (num_tokens > layer->cfg.max_tokens)
+        return mf_fail(MOEFUSE_ERR_TOO_MANY_TOKENS,
+                       "num_tokens = %d: expected <= config.max_tokens (%d)", num_tokens,
+                       layer->cfg.max_tokens);
+    *bytes = layer->ops->saved_bytes(layer, num_tokens);
+    return MOEFUSE_OK;
+}
+
+moefuse_status moefuse_layer_check(moefuse_layer *layer, void *stream) {
+    mf_clear_error();
+    if (!layer) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "layer: expected a layer");
+    return layer->ops->check ? layer->ops->check(layer, stream) : MOEFUSE_OK;
+}
+
+/* ---- argument validation --------------------------------------------------------- */
+
+/* The CUDA kernels move 16-byte vectors and TMA tiles, so bf16 tensors and row
+ * strides must be 16-byte aligned there; the CPU only needs natural alignment. */
+static int bf16_align(const moefuse_layer *layer) {
+    return layer->cfg.backend == MOEFUSE_BACKEND_CUDA ? 16 : 2;
+}
+
+static moefuse_status need_ptr(const void *p, const char *name, size_t align) {
+    if (!p) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "%s: expected a non-NULL pointer", name);
+    if ((uintptr_t)p % align != 0)
+        return mf_fail(MOEFUSE_ERR_MISALIGNED, "%s = %p: expected %zu-byte alignment", name, p,
+                       align);
+    return MOEFUSE_OK;
+}
+
+/* A token-major bf16 tensor [T, H] with a row stride; NULL allowed when T = 0. */
+static moefuse_status need_rows(const moefuse_layer *layer, const void *p, int64_t stride,
+                                int num_tokens, const char *name, const char *stride_name) {
+    if (num_tokens == 0 && p == NULL) return MOEFUSE_OK;
+    moefuse_status st = need_ptr(p, name, (size_t)bf16_align(layer));
+    if (st != MOEFUSE_OK) return st;
+    if (stride < layer->cfg.hidden)
+        return mf_fail(MOEFUSE_ERR_SHAPE, "%s = %lld: expected >= hidden (%d)", stride_name,
+                       (long long)stride, layer->cfg.hidden);
+    int64_t stride_align = bf16_align(layer) / 2;
+    if (stride % stride_align != 0)
+        return mf_fail(MOEFUSE_ERR_MISALIGNED, "%s = %lld: expected a multiple of %lld elements",
+                       stride_name, (long long)stride, (long long)stride_align);
+    return MOEFUSE_OK;
+}
+
+/* A per-token [T, K] tensor; NULL allowed when T = 0. */
+static moefuse_status need_slots(const void *p, int num_tokens, const char *name) {
+    if (num_tokens == 0 && p == NULL) return MOEFUSE_OK;
+    return need_ptr(p, name, 4);
+}
+
+static moefuse_status check_tokens(const moefuse_layer *layer, int num_tokens,
+                                   const char *name) {
+    if (num_tokens < 0)
+        return mf_fail(MOEFUSE_ERR_SHAPE, "%s = %d: expected >= 0", name, num_tokens);
+    if (num_tokens > layer->cfg.max_tokens)
+        return mf_fail(MOEFUSE_ERR_TOO_MANY_TOKENS,
+                       "%s = %d: expected <= config.max_tokens (%d)", name, num_tokens,
+                       layer->cfg.max_tokens);
+    return MOEFUSE_OK;
+}
+
+#define TRY(expr)                                                                        \
+    do {                                                                                 \
+        moefuse_status st_ = (expr);                                                     \
+        if (st_ != MOEFUSE_OK) return st_;                                               \
+    } while (0)
+
+/* Checks shared by forward and backward: the forward's inputs. */
+static moefuse_status check_inputs(const moefuse_layer *layer, int T, const uint16_t *x,
+                                   int64_t x_stride, const int32_t *ids, const float *weights,
+                                   const uint16_t *w13, const uint16_t *w2, const char *args) {
+    char name[64];
+    snprintf(name, sizeof name, "%s.num_tokens", args);
+    TRY(check_tokens(layer, T, name));
+    char stride[64];
+    snprintf(name, sizeof name, "%s.x", args);
+    snprintf(stride, sizeof stride, "%s.x_stride", args);
+    TRY(need_rows(layer, x, x_stride, T, name, stride));
+    snprintf(name, sizeof name, "%s.ids", args);
+    TRY(need_slots(ids, T, name));
+    snprintf(name, sizeof name, "%s.weights", args);
+    TRY(need_slots(weights, T, name));
+    snprintf(name, sizeof name, "%s.w13", args);
+    TRY(need_ptr(w13, name, (size_t)bf16_align(layer)));
+    snprintf(name, sizeof name, "%s.w2", args);
+    TRY(need_ptr(w2, name, (size_t)bf16_align(layer)));
+    /* Device ids are checked by the GPU plan (see moefuse_layer_check). */
+    if (layer->cfg.backend == MOEFUSE_BACKEND_CPU && T > 0)
+        TRY(mf_check_ids(ids, T, layer->cfg.top_k, layer->cfg.num_experts));
+    return MOEFUSE_OK;
+}
+
+moefuse_status moefuse_forward(moefuse_layer *layer, const moefuse_fwd_args *a, void *stream) {
+    mf_clear_error();
+    if (!layer) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "layer: expected a layer");
+    if (!a) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "args: expected a moefuse_fwd_args *");
+    TRY(check_inputs(layer, a->num_tokens, a->x, a->x_stride, a->ids, a->weights, a->w13,
+                     a->w2, "fwd_args"));
+    TRY(need_rows(layer, a->y, a->y_stride, a->num_tokens, "fwd_args.y", "fwd_args.y_stride"));
+    if (a->saved && (uintptr_t)a->saved % 256 != 0)
+        return mf_fail(MOEFUSE_ERR_MISALIGNED, "fwd_args.saved = %p: expected 256-byte alignment",
+                       a->saved);
+    if (a->expert_counts) TRY(need_ptr(a->expert_counts, "fwd_args.expert_counts", 4));
+    return layer->ops->forward(layer, a, stream);
+}
+
+moefuse_status moefuse_backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *stream) {
+    mf_clear_error();
+    if (!layer) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "layer: expected a layer");
+    if (!a) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "args: expected a moefuse_bwd_args *");
+    TRY(check_inputs(layer, a->num_tokens, a->x, a->x_stride, a->ids, a->weights, a->w13,
+                     a->w2, "bwd_args"));
+    TRY(need_ptr(a->saved, "bwd_args.saved", 256));
+    TRY(need_rows(layer, a->dy, a->dy_stride, a->num_tokens, "bwd_args.dy", "bwd_args.dy_stride"));
+    TRY(need_rows(layer, a->dx, a->dx_stride, a->num_tokens, "bwd_args.dx", "bwd_args.dx_stride"));
+    TRY(need_slots(a->dweights, a->num_tokens, "bwd_args.dweights"));
+    TRY(need_ptr(a->dw13, "bwd_args.dw13", 4));
+    TRY(need_ptr(a->dw2, "bwd_args.dw2", 4));
+    if (a->accumulate != 0 && a->accumulate != 1)
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                       "bwd_args.accumulate = %d: expected 0 (write) or 1 (add)", a->accumulate);
+    return layer->ops->backward(layer, a, stream);
+}
+
+/* ---- routing helper ------------------------------------------------------------------ */
+
+static moefuse_status route_backend(moefuse_backend backend) {
+    if (backend == MOEFUSE_BACKEND_CPU) return MOEFUSE_OK;
+    if (backend == MOEFUSE_BACKEND_CUDA)
+        return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
+                       "backend = MOEFUSE_BACKEND_CUDA: the routing helper runs on the CPU "
+                       "backend only so far; expected MOEFUSE_BACKEND_CPU");
+    return mf_fail(MOEFUSE_ERR_UNSUPPORTED, "backend = %d: expected MOEFUSE_BACKEND_CPU (0)",
+                   (int)backend);
+}
+
+moefuse_status moefuse_route_forward(const moefuse_route_args *args, moefuse_backend backend,
+                                     void *stream) {
+    (void)stream;
+    mf_clear_error();
+    TRY(route_backend(backend));
+    return mf_cpu_route_forward(args);
+}
+
+moefuse_status moefuse_route_backward(const moefuse_route_bwd_args *args,
+                                      moefuse_backend backend, void *stream) {
+    (void)stream;
+    mf_clear_error();
+    TRY(route_backend(backend));
+    return mf_cpu_route_backward(args);
+}

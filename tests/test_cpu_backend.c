@@ -1,0 +1,762 @@
+/* The CPU backend through the public API, against the fp64 reference, on fresh
+ * random inputs: accuracy on the Qwen3 shapes, routing edge cases, every output
+ * written (outputs are poisoned first), accumulate mode, MOEFUSE_RECOMPUTE versus
+ * saved activations, several forwards in flight, determinism, refused saved buffers.
+ *
+ * Tolerances: th_bf16_tolerance(n), n = the bf16 roundings on a value's path (x, dy,
+ * the weights and p are inputs, exact in both computations):
+ *   y    n = 4: g and u stored as bf16 (both enter a), a stored as bf16, y rounded.
+ *   dx   n = 4: g and u as bf16 (they enter dg = da u silu'(g), du = da silu(g)),
+ *              [dg;du] rounded to bf16 before its GEMM, dx rounded.
+ *   dp   n = 3: g, u, a (dp = <da', a>; da' and dp stay fp32).
+ *   dW2  n = 3: g, u, a (dW2 = (p dy)^T a in fp32).
+ *   dW13 n = 3: g, u, [dg;du] (dW13 = [dg;du]^T x in fp32). */
+#include "harness.h"
+#include "moefuse.h"
+#include "reference.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+enum { N_Y = 4, N_DX = 4, N_DP = 3, N_DW2 = 3, N_DW13 = 3 };
+
+typedef struct shape {
+    const char *name;
+    int H, I, E, K;
+} shape;
+
+static const shape QWEN3_30B = {"qwen3-30b-a3b", 2048, 768, 128, 8};
+static const shape QWEN3_235B = {"qwen3-235b-a22b", 4096, 1536, 128, 8};
+/* The 235b H, I, K with 16 experts: the full E = 128 gradient buffers alone are
+ * 9.6 GB of fp32, more than a small test box holds; H, I and K set the numerics. */
+static const shape QWEN3_235B_E16 = {"qwen3-235b-a22b H/I/K, E=16", 4096, 1536, 16, 8};
+/* The 30b H, I, K with 16 experts, for the cases that hold two sets of outputs. */
+static const shape QWEN3_30B_E16 = {"qwen3-30b-a3b H/I/K, E=16", 2048, 768, 16, 8};
+/* Fast shapes for edge cases; ODD is off every block and chunk multiple. */
+static const shape SMALL = {"small", 256, 96, 32, 4};
+static const shape ODD = {"odd", 200, 72, 9, 3};
+
+/* ---- bf16 without the library (the library's conversions are under test) ---------- */
+
+static double bf16_value(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* v * 2^-shift, exact: lowers the exponent field. N(0, 1) draws are never near the
+ * bottom of the exponent range, so no subnormal case arises. */
+static uint16_t bf16_scaled(uint16_t v, int shift) {
+    return v == 0 || v == 0x8000 ? v : (uint16_t)(v - (shift << 7));
+}
+
+/* ---- weights from a per-run pool ---------------------------------------------------
+ * th_fill_bf16_normal costs ~40 ns a value and one qwen3-235b expert holds 19M, so
+ * each expert's matrix is a window, at a random offset, of a pool of fresh N(0, 1)
+ * bf16 values drawn once per run. */
+static uint16_t *pool;   /* [pool_n] */
+static int64_t pool_n;
+
+static const uint16_t *pool_window(int64_t n) {
+    if (pool_n < 2 * n) {
+        free(pool);
+        pool_n = 2 * n > ((int64_t)1 << 20) ? 2 * n : ((int64_t)1 << 20);
+        pool = malloc(sizeof(uint16_t) * (size_t)pool_n);
+        th_fill_bf16_normal(pool, NULL, pool_n, 1.0);
+    }
+    return pool + (int64_t)(th_uniform() * (double)(pool_n - n));
+}
+
+/* Power of two nearest 1/sqrt(fan_in): keeps g, u and o near unit scale while the
+ * scaled values stay exact bf16. */
+static int fan_in_shift(int fan_in) { return (int)lround(0.5 * log2((double)fan_in)); }
+
+/* ---- problems ---------------------------------------------------------------------- */
+
+typedef enum routing {
+    ROUTE_RANDOM,      /* K distinct experts per token, uniform over E */
+    ROUTE_FEW,         /* from a random pool of min(E, K + 2) experts: most experts empty */
+    ROUTE_ONE_EXPERT,  /* every token has expert 0 in some slot */
+    ROUTE_DROPPED,     /* random, each slot dropped with probability 0.3, token 0 all */
+} routing;
+
+typedef struct problem {
+    shape s;
+    int T;
+    int64_t stride;    /* row stride of x, y, dy, dx (elements, >= H) */
+    uint16_t *x;       /* [T, stride] */
+    uint16_t *dy;      /* [T, stride] */
+    int32_t *ids;      /* [T, K] */
+    float *p;          /* [T, K] */
+    uint16_t *w13;     /* [E, 2I, H]; experts without slots hold bf16 NaN (0xFFFF) */
+    uint16_t *w2;      /* [E, H, I] */
+    int32_t *counts;   /* [E] routed slots per expert */
+} problem;
+
+static void route(problem *pb, routing r) {
+    int E = pb->s.E, K = pb->s.K;
+    int pool_e = r == ROUTE_FEW ? (K + 2 < E ? K + 2 : E) : E;
+    int32_t *perm = malloc(sizeof(int32_t) * (size_t)E);  /* [E] */
+    for (int e = 0; e < E; e++) perm[e] = e;
+    for (int e = E - 1; e > 0; e--) { /* the FEW pool: a random subset */
+        int j = th_rand_int(0, e);
+        int32_t tmp = perm[e]; perm[e] = perm[j]; perm[j] = tmp;
+    }
+    int32_t *choice = malloc(sizeof(int32_t) * (size_t)pool_e);  /* [pool_e] */
+    for (int t = 0; t < pb->T; t++) {
+        int32_t *row = pb->ids + (int64_t)t * K;  /* [K] */
+        memcpy(choice, perm, sizeof(int32_t) * (size_t)pool_e);
+        for (int k = 0; k < K; k++) { /* partial Fisher-Yates: K distinct experts */
+            int j = th_rand_int(k, pool_e - 1);
+            int32_t tmp = choice[k]; choice[k] = choice[j]; choice[j] = tmp;
+            row[k] = choice[k];
+        }
+        if (r == ROUTE_ONE_EXPERT) {
+            int has = -1;
+            for (int k = 0; k < K; k++) if (row[k] == 0) has = k;
+            int k0 = th_rand_int(0, K - 1);
+            if (has >= 0) { row[has] = row[k0]; }
+            row[k0] = 0;
+        }
+        if (r == ROUTE_DROPPED)
+            for (int k = 0; k < K; k++)
+                if (t == 0 || th_uniform() < 0.3) row[k] = -1;
+        /* p: a softmax of random logits over the K slots, positive, sums to 1. */
+        float *p = pb->p + (int64_t)t * K;
+        double z[64], sum = 0;
+        for (int k = 0; k < K; k++) { z[k] = exp(th_normal()); sum += z[k]; }
+        for (int k = 0; k < K; k++) p[k] = (float)(z[k] / sum);
+    }
+    free(choice);
+    free(perm);
+}
+
+static problem problem_make(shape s, int T, int64_t stride, routing r) {
+    problem pb = {.s = s, .T = T, .stride = stride};
+    int64_t H = s.H, I = s.I, E = s.E, K = s.K;
+    pb.x = malloc(sizeof(uint16_t) * (size_t)(T * stride + 1));
+    pb.dy = malloc(sizeof(uint16_t) * (size_t)(T * stride + 1));
+    pb.ids = malloc(sizeof(int32_t) * (size_t)(T * K + 1));
+    pb.p = malloc(sizeof(float) * (size_t)(T * K + 1));
+    pb.w13 = malloc(sizeof(uint16_t) * (size_t)(E * 2 * I * H));
+    pb.w2 = malloc(sizeof(uint16_t) * (size_t)(E * H * I));
+    pb.counts = calloc((size_t)E, sizeof(int32_t));
+    for (int t = 0; t < T; t++) { /* x, dy ~ N(0, 1); the stride gap is NaN */
+        memset(pb.x + t * stride, 0xff, sizeof(uint16_t) * (size_t)stride);
+        memset(pb.dy + t * stride, 0xff, sizeof(uint16_t) * (size_t)stride);
+        th_fill_bf16_normal(pb.x + t * stride, NULL, H, 1.0);
+        th_fill_bf16_normal(pb.dy + t * stride, NULL, H, 1.0);
+    }
+    route(&pb, r);
+    for (int64_t i = 0; i < T * K; i++)
+        if (pb.ids[i] >= 0) pb.counts[pb.ids[i]]++;
+    int sh13 = fan_in_shift((int)H), sh2 = fan_in_shift((int)I);
+    for (int64_t e = 0; e < E; e++) {
+        uint16_t *w13 = pb.w13 + e * 2 * I * H, *w2 = pb.w2 + e * H * I;
+        if (pb.counts[e] == 0) { /* never read: NaN shows it if it were */
+            memset(w13, 0xff, sizeof(uint16_t) * (size_t)(2 * I * H));
+            memset(w2, 0xff, sizeof(uint16_t) * (size_t)(H * I));
+            continue;
+        }
+        const uint16_t *src = pool_window(2 * I * H);
+        for (int64_t i = 0; i < 2 * I * H; i++) w13[i] = bf16_scaled(src[i], sh13);
+        src = pool_window(H * I);
+        for (int64_t i = 0; i < H * I; i++) w2[i] = bf16_scaled(src[i], sh2);
+    }
+    return pb;
+}
+
+static void problem_free(problem *pb) {
+    free(pb->x); free(pb->dy); free(pb->ids); free(pb->p);
+    free(pb->w13); free(pb->w2); free(pb->counts);
+}
+
+/* ---- outputs ----------------------------------------------------------------------- */
+
+typedef struct outputs {
+    int64_t n_y, n_dp, n_dw13, n_dw2;
+    uint16_t *y;       /* [T, stride] */
+    uint16_t *dx;      /* [T, stride] */
+    float *dp;         /* [T, K] */
+    float *dw13;       /* [E, 2I, H] */
+    float *dw2;        /* [E, H, I] */
+    int32_t *counts;   /* [E] */
+} outputs;
+
+static outputs outputs_make(const problem *pb) {
+    outputs o;
+    int64_t H = pb->s.H, I = pb->s.I, E = pb->s.E;
+    o.n_y = pb->T * pb->stride;
+    o.n_dp = (int64_t)pb->T * pb->s.K;
+    o.n_dw13 = E * 2 * I * H;
+    o.n_dw2 = E * H * I;
+    o.y = malloc(sizeof(uint16_t) * (size_t)(o.n_y + 1));
+    o.dx = malloc(sizeof(uint16_t) * (size_t)(o.n_y + 1));
+    o.dp = malloc(sizeof(float) * (size_t)(o.n_dp + 1));
+    o.dw13 = malloc(sizeof(float) * (size_t)o.n_dw13);
+    o.dw2 = malloc(sizeof(float) * (size_t)o.n_dw2);
+    o.counts = malloc(sizeof(int32_t) * (size_t)E);
+    return o;
+}
+
+/* Every output byte 0xff: bf16 and fp32 NaN, expert count -1; the backend writes
+ * none of these for finite inputs, so a survivor is an element never written. */
+static void outputs_poison(outputs *o, int32_t num_experts) {
+    memset(o->y, 0xff, sizeof(uint16_t) * (size_t)o->n_y);
+    memset(o->dx, 0xff, sizeof(uint16_t) * (size_t)o->n_y);
+    memset(o->dp, 0xff, sizeof(float) * (size_t)o->n_dp);
+    memset(o->dw13, 0xff, sizeof(float) * (size_t)o->n_dw13);
+    memset(o->dw2, 0xff, sizeof(float) * (size_t)o->n_dw2);
+    memset(o->counts, 0xff, sizeof(int32_t) * (size_t)num_experts);
+}
+
+static void outputs_free(outputs *o) {
+    free(o->y); free(o->dx); free(o->dp); free(o->dw13); free(o->dw2); free(o->counts);
+}
+
+static int outputs_equal(const outputs *a, const outputs *b) {
+    return !memcmp(a->y, b->y, sizeof(uint16_t) * (size_t)a->n_y) &&
+           !memcmp(a->dx, b->dx, sizeof(uint16_t) * (size_t)a->n_y) &&
+           !memcmp(a->dp, b->dp, sizeof(float) * (size_t)a->n_dp) &&
+           !memcmp(a->dw13, b->dw13, sizeof(float) * (size_t)a->n_dw13) &&
+           !memcmp(a->dw2, b->dw2, sizeof(float) * (size_t)a->n_dw2);
+}
+
+static int64_t count_poison32(const float *a, int64_t n) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &a[i], 4);
+        c += u == 0xffffffffu;
+    }
+    return c;
+}
+
+/* Every element of y and dx inside [0, H) written, the stride gap untouched; every
+ * dp, dW and expert count written. */
+static void check_written(const problem *pb, const outputs *o) {
+    int64_t H = pb->s.H, y_unwritten = 0, dx_unwritten = 0, gap_written = 0;
+    for (int t = 0; t < pb->T; t++)
+        for (int64_t h = 0; h < pb->stride; h++) {
+            uint16_t y = o->y[t * pb->stride + h], dx = o->dx[t * pb->stride + h];
+            if (h < H) {
+                y_unwritten += y == 0xffff;
+                dx_unwritten += dx == 0xffff;
+            } else {
+                gap_written += (y != 0xffff) + (dx != 0xffff);
+            }
+        }
+    CHECK(y_unwritten == 0, "%lld elements of y not written (or NaN)", (long long)y_unwritten);
+    CHECK(dx_unwritten == 0, "%lld elements of dx not written (or NaN)", (long long)dx_unwritten);
+    CHECK(gap_written == 0, "%lld elements written in the row-stride gap of y/dx",
+          (long long)gap_written);
+    int64_t dp = count_poison32(o->dp, o->n_dp);
+    int64_t d13 = count_poison32(o->dw13, o->n_dw13), d2 = count_poison32(o->dw2, o->n_dw2);
+    CHECK(dp == 0, "%lld of dp not written", (long long)dp);
+    CHECK(d13 == 0, "%lld of dw13 not written", (long long)d13);
+    CHECK(d2 == 0, "%lld of dw2 not written", (long long)d2);
+    for (int e = 0; e < pb->s.E; e++)
+        CHECK(o->counts[e] == pb->counts[e], "expert_counts[%d] = %d: expected %d", e,
+              (int)o->counts[e], (int)pb->counts[e]);
+}
+
+/* ---- the library ------------------------------------------------------------------- */
+
+static moefuse_layer *make_layer(shape s, int max_tokens, moefuse_saved_mode mode,
+                                 int num_threads) {
+    moefuse_config cfg;
+    moefuse_config_init(&cfg, s.H, s.I, s.E, s.K, max_tokens);
+    cfg.saved_mode = mode;
+    cfg.num_threads = num_threads;
+    moefuse_layer *layer = NULL;
+    moefuse_status st = moefuse_layer_create(&cfg, NULL, &layer);
+    CHECK(st == MOEFUSE_OK, "moefuse_layer_create: %s (%s)", moefuse_status_string(st),
+          moefuse_last_error());
+    return layer;
+}
+
+/* A saved buffer for T tokens, 256-byte aligned, filled with junk. */
+static void *saved_make(const moefuse_layer *layer, int T) {
+    size_t bytes = 0;
+    moefuse_status st = moefuse_saved_bytes(layer, T, &bytes);
+    CHECK(st == MOEFUSE_OK, "moefuse_saved_bytes: %s", moefuse_status_string(st));
+    size_t n = (bytes + 255) / 256 * 256;
+    void *b = aligned_alloc(256, n ? n : 256);
+    memset(b, 0x5a, n ? n : 256);
+    return b;
+}
+
+static moefuse_status forward(moefuse_layer *layer, const problem *pb, outputs *o,
+                              void *saved) {
+    moefuse_fwd_args a = {
+        .num_tokens = pb->T, .x = pb->x, .x_stride = pb->stride, .ids = pb->ids,
+        .weights = pb->p, .w13 = pb->w13, .w2 = pb->w2, .y = o->y, .y_stride = pb->stride,
+        .saved = saved, .expert_counts = o->counts,
+    };
+    return moefuse_forward(layer, &a, NULL);
+}
+
+static moefuse_status backward(moefuse_layer *layer, const problem *pb, outputs *o,
+                               const void *saved, int accumulate) {
+    moefuse_bwd_args a = {
+        .num_tokens = pb->T, .x = pb->x, .x_stride = pb->stride, .ids = pb->ids,
+        .weights = pb->p, .w13 = pb->w13, .w2 = pb->w2, .saved = saved, .dy = pb->dy,
+        .dy_stride = pb->stride, .dx = o->dx, .dx_stride = pb->stride, .dweights = o->dp,
+        .dw13 = o->dw13, .dw2 = o->dw2, .accumulate = accumulate,
+    };
+    return moefuse_backward(layer, &a, NULL);
+}
+
+#define CHECK_OK(expr)                                                                   \
+    do {                                                                                 \
+        moefuse_status st_ = (expr);                                                     \
+        CHECK(st_ == MOEFUSE_OK, "%s: %s (%s)", #expr, moefuse_status_string(st_),       \
+              moefuse_last_error());                                                     \
+    } while (0)
+
+/* Poisoned outputs, forward, backward (write mode). */
+static void run_pair(moefuse_layer *layer, const problem *pb, outputs *o) {
+    void *saved = saved_make(layer, pb->T);
+    outputs_poison(o, pb->s.E);
+    CHECK_OK(forward(layer, pb, o, saved));
+    CHECK_OK(backward(layer, pb, o, saved, 0));
+    free(saved);
+}
+
+/* ---- the reference ------------------------------------------------------------------
+ * Run on the used experts only (renumbered 0..Eu-1): the fp64 copies of all 128
+ * qwen3 experts would not fit in memory, and an expert without slots contributes
+ * nothing but zero gradients, which are checked exactly. */
+
+typedef struct err_acc { double num, den; } err_acc; /* sum (a-b)^2, sum b^2 */
+
+static void err_add(err_acc *e, double got, double want) {
+    e->num += (got - want) * (got - want);
+    e->den += want * want;
+}
+
+static double err_rel(const err_acc *e) {
+    if (e->num != e->num) return NAN;
+    if (e->den == 0) return e->num == 0 ? 0 : INFINITY;
+    return sqrt(e->num / e->den);
+}
+
+/* Errors pooled over one or more problems: the norm-wise rule is a statistic, and
+ * dp = <da', a> has only T*K values. Its error is a sum over I of independent
+ * rounding errors, as is dp itself, so ||d dp|| / ||dp|| behaves like the rms
+ * rounding error times sqrt(F(n, n)) for n values: at n = 4 (T = 1, K = 4) the 2x
+ * margin is exceeded in a few percent of draws, at n >= 32 practically never. Cases
+ * with few slots therefore pool several fresh problems rather than widen anything. */
+typedef struct errs { err_acc y, dx, dp, dw13, dw2; } errs;
+
+static void check_err(const char *what, const err_acc *e, int roundings) {
+    double err = err_rel(e), tol = th_bf16_tolerance(roundings);
+    CHECK(err <= tol, "%s: relative L2 error %.3e > tolerance %.3e (%d bf16 roundings)",
+          what, err, tol, roundings);
+    if (getenv("MOEFUSE_TEST_VERBOSE"))
+        printf("    %-5s err %.3e  tol %.3e\n", what, err, tol);
+}
+
+static void check_errs(const errs *e) {
+    check_err("y", &e->y, N_Y);
+    check_err("dx", &e->dx, N_DX);
+    check_err("dp", &e->dp, N_DP);
+    check_err("dW13", &e->dw13, N_DW13);
+    check_err("dW2", &e->dw2, N_DW2);
+}
+
+/* Adds this problem's errors against the reference to `e`; checks exactly what is
+ * exact (zero gradients of experts without slots, dp of dropped slots, y and dx of
+ * tokens with every slot dropped). */
+static void compare_with_reference(const problem *pb, const outputs *o, errs *er) {
+    int64_t T = pb->T, H = pb->s.H, I = pb->s.I, E = pb->s.E, K = pb->s.K;
+    int32_t *map = malloc(sizeof(int32_t) * (size_t)E);  /* [E] used id or -1 */
+    int64_t eu = 0;
+    for (int64_t e = 0; e < E; e++) map[e] = pb->counts[e] > 0 ? (int32_t)eu++ : -1;
+    int64_t ec = eu > 0 ? eu : 1;
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(T * K + 1));   /* [T, K] */
+    double *p = malloc(sizeof(double) * (size_t)(T * K + 1));       /* [T, K] */
+    double *x = malloc(sizeof(double) * (size_t)(T * H + 1));        /* [T, H] */
+    double *dy = malloc(sizeof(double) * (size_t)(T * H + 1));       /* [T, H] */
+    double *w13 = calloc((size_t)(ec * 2 * I * H), sizeof(double)); /* [Eu, 2I, H] */
+    double *w2 = calloc((size_t)(ec * H * I), sizeof(double));       /* [Eu, H, I] */
+    double *y = malloc(sizeof(double) * (size_t)(T * H + 1));        /* [T, H] */
+    double *dx = malloc(sizeof(double) * (size_t)(T * H + 1));       /* [T, H] */
+    double *dp = malloc(sizeof(double) * (size_t)(T * K + 1));       /* [T, K] */
+    double *dw13 = malloc(sizeof(double) * (size_t)(ec * 2 * I * H)); /* [Eu, 2I, H] */
+    double *dw2 = malloc(sizeof(double) * (size_t)(ec * H * I));     /* [Eu, H, I] */
+    if (!map || !ids || !p || !x || !dy || !w13 || !w2 || !y || !dx || !dp || !dw13 || !dw2) {
+        CHECK(0, "out of memory for the reference");
+        goto done;
+    }
+    for (int64_t i = 0; i < T * K; i++) {
+        ids[i] = pb->ids[i] >= 0 ? map[pb->ids[i]] : -1;
+        p[i] = pb->p[i];
+    }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) {
+            x[t * H + h] = bf16_value(pb->x[t * pb->stride + h]);
+            dy[t * H + h] = bf16_value(pb->dy[t * pb->stride + h]);
+        }
+    for (int64_t e = 0; e < E; e++) {
+        if (map[e] < 0) continue;
+        for (int64_t i = 0; i < 2 * I * H; i++)
+            w13[map[e] * 2 * I * H + i] = bf16_value(pb->w13[e * 2 * I * H + i]);
+        for (int64_t i = 0; i < H * I; i++)
+            w2[map[e] * H * I + i] = bf16_value(pb->w2[e * H * I + i]);
+    }
+    mf_ref_shape rs = {(int)T, (int)H, (int)I, (int)ec, (int)K};
+    mf_ref_forward(&rs, x, ids, p, w13, w2, y);
+    mf_ref_backward(&rs, x, ids, p, w13, w2, dy, dx, dp, dw13, dw2);
+
+    err_acc *ey = &er->y, *edx = &er->dx, *edp = &er->dp, *ed13 = &er->dw13, *ed2 = &er->dw2;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) {
+            err_add(ey, bf16_value(o->y[t * pb->stride + h]), y[t * H + h]);
+            err_add(edx, bf16_value(o->dx[t * pb->stride + h]), dx[t * H + h]);
+        }
+    for (int64_t i = 0; i < T * K; i++) err_add(edp, o->dp[i], dp[i]);
+    int64_t nonzero_unused = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const float *g13 = o->dw13 + e * 2 * I * H, *g2 = o->dw2 + e * H * I;
+        if (map[e] < 0) {
+            for (int64_t i = 0; i < 2 * I * H; i++) nonzero_unused += g13[i] != 0.0f;
+            for (int64_t i = 0; i < H * I; i++) nonzero_unused += g2[i] != 0.0f;
+            continue;
+        }
+        for (int64_t i = 0; i < 2 * I * H; i++) err_add(ed13, g13[i], dw13[map[e] * 2 * I * H + i]);
+        for (int64_t i = 0; i < H * I; i++) err_add(ed2, g2[i], dw2[map[e] * H * I + i]);
+    }
+    CHECK(nonzero_unused == 0, "%lld weight-gradient elements of experts without slots "
+          "are not 0 in write mode", (long long)nonzero_unused);
+    /* dropped slots: dp exactly 0; tokens with every slot dropped: dx exactly 0 */
+    for (int64_t t = 0; t < T; t++) {
+        int routed = 0;
+        for (int64_t k = 0; k < K; k++) {
+            if (pb->ids[t * K + k] >= 0) { routed++; continue; }
+            CHECK(o->dp[t * K + k] == 0.0f, "dp[%lld][%lld] of a dropped slot = %g",
+                  (long long)t, (long long)k, o->dp[t * K + k]);
+        }
+        for (int64_t h = 0; !routed && h < H; h++)
+            CHECK(o->dx[t * pb->stride + h] == 0 && o->y[t * pb->stride + h] == 0,
+                  "token %lld has every slot dropped: expected y = dx = +0", (long long)t);
+    }
+done:
+    free(map); free(ids); free(p); free(x); free(dy); free(w13); free(w2);
+    free(y); free(dx); free(dp); free(dw13); free(dw2);
+}
+
+/* One accuracy case: `reps` fresh problems on one layer, each with poisoned outputs,
+ * forward + backward, every element written; errors against the reference pooled
+ * over the problems (see errs). */
+static void accuracy_reps(shape s, int T, int max_tokens, int64_t stride, routing r,
+                          moefuse_saved_mode mode, int reps) {
+    moefuse_layer *layer = make_layer(s, max_tokens, mode, 0);
+    if (!layer) return;
+    errs e;
+    memset(&e, 0, sizeof e);
+    for (int i = 0; i < reps; i++) {
+        problem pb = problem_make(s, T, stride, r);
+        outputs o = outputs_make(&pb);
+        run_pair(layer, &pb, &o);
+        check_written(&pb, &o);
+        compare_with_reference(&pb, &o, &e);
+        outputs_free(&o);
+        problem_free(&pb);
+    }
+    check_errs(&e);
+    moefuse_layer_destroy(layer);
+}
+
+static void accuracy_case(shape s, int T, int max_tokens, int64_t stride, routing r,
+                          moefuse_saved_mode mode) {
+    accuracy_reps(s, T, max_tokens, stride, r, mode, 1);
+}
+
+/* ---- cases: accuracy on the model shapes ------------------------------------------ */
+
+static void qwen3_30b_random(void) {
+    accuracy_case(QWEN3_30B, 4, 16, QWEN3_30B.H, ROUTE_RANDOM, MOEFUSE_SAVE_ACTIVATIONS);
+}
+static void qwen3_30b_few_experts(void) {
+    accuracy_case(QWEN3_30B, 16, 16, QWEN3_30B.H + 8, ROUTE_FEW, MOEFUSE_RECOMPUTE);
+}
+static void qwen3_235b_e16(void) {
+    accuracy_case(QWEN3_235B_E16, 8, 8, QWEN3_235B_E16.H, ROUTE_FEW, MOEFUSE_SAVE_ACTIVATIONS);
+}
+static void qwen3_235b_full(void) {
+    /* bf16 weights + fp32 gradients of all 128 experts */
+    double need = 128.0 * 3 * QWEN3_235B.I * QWEN3_235B.H * (2 + 4);
+    double have = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
+    if (need > 0.5 * have) {
+        th_skip("needs %.1f GB for weights and gradients of E = 128, this machine has "
+                "%.1f GB (the H/I/K case with E = 16 ran instead)", need / 1e9, have / 1e9);
+        return;
+    }
+    accuracy_case(QWEN3_235B, 8, 8, QWEN3_235B.H, ROUTE_FEW, MOEFUSE_SAVE_ACTIVATIONS);
+}
+
+/* ---- cases: routing edge cases ---------------------------------------------------- */
+
+/* 8 draws: one token has only K = 4 values of dp (see errs). */
+static void one_token(void) {
+    accuracy_reps(SMALL, 1, 64, SMALL.H, ROUTE_RANDOM, MOEFUSE_SAVE_ACTIVATIONS, 8);
+}
+static void max_tokens_random(void) {
+    accuracy_case(SMALL, 300, 300, SMALL.H + 3, ROUTE_RANDOM, MOEFUSE_SAVE_ACTIVATIONS);
+}
+/* 300 rows on expert 0: more than one row task of the backend. */
+static void all_on_one_expert(void) {
+    accuracy_case(SMALL, 300, 300, SMALL.H, ROUTE_ONE_EXPERT, MOEFUSE_RECOMPUTE);
+}
+static void most_experts_empty(void) {
+    accuracy_case(SMALL, 40, 64, SMALL.H, ROUTE_FEW, MOEFUSE_SAVE_ACTIVATIONS);
+}
+static void dropped_slots(void) {
+    accuracy_case(SMALL, 33, 64, SMALL.H, ROUTE_DROPPED, MOEFUSE_SAVE_ACTIVATIONS);
+    accuracy_case(ODD, 17, 17, ODD.H + 1, ROUTE_DROPPED, MOEFUSE_RECOMPUTE);
+}
+static void odd_shape(void) {
+    accuracy_case(ODD, 50, 64, ODD.H, ROUTE_RANDOM, MOEFUSE_SAVE_ACTIVATIONS);
+}
+
+/* T = 0: nothing routed; write mode zeroes the weight gradients, accumulate mode
+ * leaves them alone. */
+static void zero_tokens(void) {
+    moefuse_layer *layer = make_layer(SMALL, 8, MOEFUSE_SAVE_ACTIVATIONS, 0);
+    if (!layer) return;
+    problem pb = problem_make(SMALL, 0, SMALL.H, ROUTE_RANDOM);
+    outputs o = outputs_make(&pb);
+    void *saved = saved_make(layer, 0);
+    outputs_poison(&o, SMALL.E);
+    moefuse_fwd_args fa = {.num_tokens = 0, .x_stride = SMALL.H, .w13 = pb.w13, .w2 = pb.w2,
+                           .y_stride = SMALL.H, .saved = saved, .expert_counts = o.counts};
+    CHECK_OK(moefuse_forward(layer, &fa, NULL));
+    moefuse_bwd_args ba = {.num_tokens = 0, .x_stride = SMALL.H, .w13 = pb.w13, .w2 = pb.w2,
+                           .saved = saved, .dy_stride = SMALL.H, .dx_stride = SMALL.H,
+                           .dw13 = o.dw13, .dw2 = o.dw2, .accumulate = 1};
+    CHECK_OK(moefuse_backward(layer, &ba, NULL));
+    CHECK(count_poison32(o.dw13, o.n_dw13) == o.n_dw13 &&
+          count_poison32(o.dw2, o.n_dw2) == o.n_dw2, "accumulate with T = 0 touched dW");
+    ba.accumulate = 0;
+    CHECK_OK(moefuse_backward(layer, &ba, NULL));
+    int64_t nz = 0;
+    for (int64_t i = 0; i < o.n_dw13; i++) nz += o.dw13[i] != 0.0f;
+    for (int64_t i = 0; i < o.n_dw2; i++) nz += o.dw2[i] != 0.0f;
+    CHECK(nz == 0, "write mode with T = 0: %lld dW elements not 0", (long long)nz);
+    for (int e = 0; e < SMALL.E; e++) CHECK(o.counts[e] == 0, "expert_counts[%d] != 0", e);
+    free(saved);
+    outputs_free(&o);
+    problem_free(&pb);
+    moefuse_layer_destroy(layer);
+}
+
+/* ---- cases: properties ------------------------------------------------------------ */
+
+/* accumulate = 1 gives exactly fp32(old + the write-mode gradient), element by
+ * element, even for an expert with 1000 rows (sgemm with beta = 1 would add its
+ * K-block partial sums to C one at a time and differ once the rows exceed its K
+ * block, between 256 and 512 for OpenBLAS 0.3.21 here); experts without slots keep
+ * the old bits; dx and dp are the write-mode ones. */
+static void accumulate_is_old_plus_grad(void) {
+    routing rs[2] = {ROUTE_ONE_EXPERT, ROUTE_FEW};
+    for (int c = 0; c < 2; c++) {
+        moefuse_layer *layer = make_layer(SMALL, 1000, MOEFUSE_SAVE_ACTIVATIONS, 0);
+        if (!layer) return;
+        problem pb = problem_make(SMALL, 1000, SMALL.H, rs[c]);
+        outputs w = outputs_make(&pb), acc = outputs_make(&pb);
+        void *saved = saved_make(layer, pb.T);
+        outputs_poison(&w, SMALL.E);
+        outputs_poison(&acc, SMALL.E);
+        CHECK_OK(forward(layer, &pb, &w, saved));
+        CHECK_OK(backward(layer, &pb, &w, saved, 0));
+        float *old13 = malloc(sizeof(float) * (size_t)w.n_dw13);
+        float *old2 = malloc(sizeof(float) * (size_t)w.n_dw2);
+        for (int64_t i = 0; i < w.n_dw13; i++) old13[i] = acc.dw13[i] = (float)th_normal();
+        for (int64_t i = 0; i < w.n_dw2; i++) old2[i] = acc.dw2[i] = (float)th_normal();
+        CHECK_OK(backward(layer, &pb, &acc, saved, 1));
+        int64_t bad = 0;
+        for (int64_t i = 0; i < w.n_dw13; i++) {
+            float want = old13[i] + w.dw13[i];
+            bad += memcmp(&want, &acc.dw13[i], 4) != 0;
+        }
+        for (int64_t i = 0; i < w.n_dw2; i++) {
+            float want = old2[i] + w.dw2[i];
+            bad += memcmp(&want, &acc.dw2[i], 4) != 0;
+        }
+        CHECK(bad == 0, "routing %d: %lld accumulated dW elements differ from old + grad",
+              (int)rs[c], (long long)bad);
+        CHECK(!memcmp(w.dx, acc.dx, sizeof(uint16_t) * (size_t)w.n_y) &&
+              !memcmp(w.dp, acc.dp, sizeof(float) * (size_t)w.n_dp),
+              "accumulate mode changed dx or dp");
+        free(old13);
+        free(old2);
+        free(saved);
+        outputs_free(&w);
+        outputs_free(&acc);
+        problem_free(&pb);
+        moefuse_layer_destroy(layer);
+    }
+}
+
+/* MOEFUSE_RECOMPUTE repeats the forward's gemm1 exactly: same bits everywhere, for
+ * less saved memory. */
+static void recompute_equals_saved(void) {
+    struct { shape s; int T; routing r; } cs[2] = {
+        {SMALL, 300, ROUTE_ONE_EXPERT}, {QWEN3_30B_E16, 8, ROUTE_RANDOM}};
+    for (int c = 0; c < 2; c++) {
+        moefuse_layer *ls = make_layer(cs[c].s, cs[c].T, MOEFUSE_SAVE_ACTIVATIONS, 0);
+        moefuse_layer *lr = make_layer(cs[c].s, cs[c].T, MOEFUSE_RECOMPUTE, 0);
+        if (!ls || !lr) return;
+        size_t bs = 0, br = 0;
+        CHECK_OK(moefuse_saved_bytes(ls, cs[c].T, &bs));
+        CHECK_OK(moefuse_saved_bytes(lr, cs[c].T, &br));
+        CHECK(br < bs, "%s: RECOMPUTE saves %zu bytes, not fewer than %zu", cs[c].s.name, br, bs);
+        problem pb = problem_make(cs[c].s, cs[c].T, cs[c].s.H, cs[c].r);
+        outputs os = outputs_make(&pb), orc = outputs_make(&pb);
+        run_pair(ls, &pb, &os);
+        run_pair(lr, &pb, &orc);
+        CHECK(outputs_equal(&os, &orc), "%s: RECOMPUTE and SAVE_ACTIVATIONS differ",
+              cs[c].s.name);
+        outputs_free(&os);
+        outputs_free(&orc);
+        problem_free(&pb);
+        moefuse_layer_destroy(ls);
+        moefuse_layer_destroy(lr);
+    }
+}
+
+/* Two forwards in flight, then their backwards in order: each equals its own pair. */
+static void two_forwards_then_two_backwards(void) {
+    moefuse_layer *layer = make_layer(SMALL, 64, MOEFUSE_SAVE_ACTIVATIONS, 0);
+    if (!layer) return;
+    problem pa = problem_make(SMALL, 37, SMALL.H, ROUTE_RANDOM);
+    problem pb = problem_make(SMALL, 52, SMALL.H, ROUTE_DROPPED);
+    outputs a1 = outputs_make(&pa), b1 = outputs_make(&pb);
+    outputs a2 = outputs_make(&pa), b2 = outputs_make(&pb);
+    run_pair(layer, &pa, &a1);
+    run_pair(layer, &pb, &b1);
+    void *sa = saved_make(layer, pa.T), *sb = saved_make(layer, pb.T);
+    outputs_poison(&a2, SMALL.E);
+    outputs_poison(&b2, SMALL.E);
+    CHECK_OK(forward(layer, &pa, &a2, sa));
+    CHECK_OK(forward(layer, &pb, &b2, sb));
+    CHECK_OK(backward(layer, &pa, &a2, sa, 0));
+    CHECK_OK(backward(layer, &pb, &b2, sb, 0));
+    CHECK(outputs_equal(&a1, &a2), "first of two in-flight forwards: results differ");
+    CHECK(outputs_equal(&b1, &b2), "second of two in-flight forwards: results differ");
+    free(sa);
+    free(sb);
+    outputs_free(&a1); outputs_free(&a2); outputs_free(&b1); outputs_free(&b2);
+    problem_free(&pa);
+    problem_free(&pb);
+    moefuse_layer_destroy(layer);
+}
+
+/* Same inputs, same bits: twice on one layer, and on layers of 1 and 3 threads (the
+ * work is cut by the plan, not by the thread count). A forward without a saved
+ * buffer gives the same y. */
+static void deterministic(void) {
+    moefuse_layer *l0 = make_layer(SMALL, 300, MOEFUSE_SAVE_ACTIVATIONS, 0);
+    moefuse_layer *l1 = make_layer(SMALL, 300, MOEFUSE_SAVE_ACTIVATIONS, 1);
+    moefuse_layer *l3 = make_layer(SMALL, 300, MOEFUSE_SAVE_ACTIVATIONS, 3);
+    if (!l0 || !l1 || !l3) return;
+    problem pb = problem_make(SMALL, 300, SMALL.H, ROUTE_ONE_EXPERT);
+    outputs r[4];
+    for (int i = 0; i < 4; i++) r[i] = outputs_make(&pb);
+    run_pair(l0, &pb, &r[0]);
+    run_pair(l0, &pb, &r[1]);
+    run_pair(l1, &pb, &r[2]);
+    run_pair(l3, &pb, &r[3]);
+    CHECK(outputs_equal(&r[0], &r[1]), "two runs on one layer differ");
+    CHECK(outputs_equal(&r[0], &r[2]), "num_threads = 1 differs from all cores");
+    CHECK(outputs_equal(&r[0], &r[3]), "num_threads = 3 differs from all cores");
+    memset(r[1].y, 0xff, sizeof(uint16_t) * (size_t)r[1].n_y);
+    CHECK_OK(forward(l0, &pb, &r[1], NULL));
+    CHECK(!memcmp(r[0].y, r[1].y, sizeof(uint16_t) * (size_t)r[0].n_y),
+          "forward without a saved buffer gives another y");
+    for (int i = 0; i < 4; i++) outputs_free(&r[i]);
+    problem_free(&pb);
+    moefuse_layer_destroy(l0);
+    moefuse_layer_destroy(l1);
+    moefuse_layer_destroy(l3);
+}
+
+/* A saved buffer the backward cannot use is refused with MOEFUSE_ERR_SAVED_STATE
+ * and no output is touched: another T, another layer config, junk, other ids. */
+static void refuses_foreign_saved(void) {
+    moefuse_layer *layer = make_layer(SMALL, 64, MOEFUSE_SAVE_ACTIVATIONS, 0);
+    shape other_shape = SMALL;
+    other_shape.I = SMALL.I + 16;
+    moefuse_layer *other = make_layer(other_shape, 64, MOEFUSE_SAVE_ACTIVATIONS, 0);
+    if (!layer || !other) return;
+    problem p5 = problem_make(SMALL, 5, SMALL.H, ROUTE_RANDOM);
+    problem p4 = problem_make(SMALL, 4, SMALL.H, ROUTE_RANDOM);
+    problem po = problem_make(other_shape, 5, SMALL.H, ROUTE_RANDOM);
+    outputs o5 = outputs_make(&p5), o4 = outputs_make(&p4), oo = outputs_make(&po);
+    void *s5 = saved_make(layer, 5), *so = saved_make(other, 5);
+    outputs_poison(&o5, SMALL.E);
+    outputs_poison(&oo, other_shape.E);
+    CHECK_OK(forward(layer, &p5, &o5, s5));
+    CHECK_OK(forward(other, &po, &oo, so));
+
+    struct { const char *what; problem *pb; const void *saved; } bad[3] = {
+        {"saved of T = 5 given to a backward of T = 4", &p4, s5},
+        {"saved of a layer with another I", &p5, so},
+        {"saved never written by a forward", &p5, NULL},
+    };
+    void *junk = saved_make(layer, 5);
+    bad[2].saved = junk;
+    for (int i = 0; i < 3; i++) {
+        outputs *o = bad[i].pb == &p4 ? &o4 : &o5;
+        outputs_poison(o, SMALL.E);
+        moefuse_status st = backward(layer, bad[i].pb, o, bad[i].saved, 0);
+        CHECK(st == MOEFUSE_ERR_SAVED_STATE, "%s: got %s, expected MOEFUSE_ERR_SAVED_STATE",
+              bad[i].what, moefuse_status_string(st));
+        CHECK(strlen(moefuse_last_error()) > 0, "%s: no error message", bad[i].what);
+        CHECK(count_poison32(o->dw13, o->n_dw13) == o->n_dw13 &&
+              count_poison32(o->dp, o->n_dp) == o->n_dp, "%s: outputs touched", bad[i].what);
+    }
+    /* ids changed after the forward: the saved plan no longer describes them */
+    int32_t keep = p5.ids[0];
+    p5.ids[0] = keep == 1 ? 2 : 1;
+    for (int k = 1; k < SMALL.K; k++)
+        if (p5.ids[k] == p5.ids[0]) p5.ids[k] = -1;
+    outputs_poison(&o5, SMALL.E);
+    moefuse_status st = backward(layer, &p5, &o5, s5, 0);
+    CHECK(st == MOEFUSE_ERR_SAVED_STATE, "ids changed since the forward: got %s",
+          moefuse_status_string(st));
+    free(junk);
+    free(s5);
+    free(so);
+    outputs_free(&o5); outputs_free(&o4); outputs_free(&oo);
+    problem_free(&p5); problem_free(&p4); problem_free(&po);
+    moefuse_layer_destroy(layer);
+    moefuse_layer_destroy(other);
+}
+
+int main(void) {
+    th_seed_from_env_or_clock();
+    th_run("qwen3-30b-a3b T=4 random routing vs fp64 reference", qwen3_30b_random);
+    th_run("qwen3-30b-a3b T=16 most experts empty, recompute, strided", qwen3_30b_few_experts);
+    th_run("qwen3-235b-a22b H/I/K E=16 T=8 vs fp64 reference", qwen3_235b_e16);
+    th_run("qwen3-235b-a22b E=128 T=8 vs fp64 reference", qwen3_235b_full);
+    th_run("T = 1", one_token);
+    th_run("T = max_tokens = 300, strided rows", max_tokens_random);
+    th_run("all tokens on one expert (300 rows)", all_on_one_expert);
+    th_run("most experts empty", most_experts_empty);
+    th_run("dropped slots, a token with all K dropped", dropped_slots);
+    th_run("odd shape H=200 I=72 E=9 K=3", odd_shape);
+    th_run("T = 0", zero_tokens);
+    th_run("accumulate = old + write-mode gradient, bitwise", accumulate_is_old_plus_grad);
+    th_run("MOEFUSE_RECOMPUTE bitwise equals MOEFUSE_SAVE_ACTIVATIONS", recompute_equals_saved);
+    th_run("two forwards then two backwards", two_forwards_then_two_backwards);
+    th_run("bitwise deterministic, any thread count", deterministic);
+    th_run("foreign saved buffers refused", refuses_foreign_saved);
+    free(pool);
+    return th_finish();
+}

@@ -1,0 +1,631 @@
+/* Tests of the fp64 reference (src/cpu/reference.c), the truth for every other test,
+ * and of the fp32 CPU routing helper (src/cpu/route.c) against it.
+ *
+ * The reference's backward is checked against central finite differences of its own
+ * forward, and its forward against a direct per-slot transcription of the math, so
+ * the truth rests on nothing but the formulas of include/moefuse.h. */
+#include "harness.h"
+#include "internal.h"
+#include "reference.h"
+
+#include <float.h>
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- helpers ------------------------------------------------------------------- */
+
+static void *xmalloc(size_t bytes) {
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) {
+        fprintf(stderr, "test_reference: out of memory (%zu bytes)\n", bytes);
+        exit(2);
+    }
+    return p;
+}
+
+static double *normal_array(int64_t n, double scale) {
+    double *a = xmalloc((size_t)n * sizeof(double));
+    for (int64_t i = 0; i < n; i++) a[i] = th_normal() * scale;
+    return a;
+}
+
+/* ids [T, K]: K distinct experts per token (partial Fisher-Yates). */
+static int32_t *random_ids(int T, int E, int K) {
+    int32_t *ids = xmalloc((size_t)T * K * sizeof(int32_t));
+    int32_t *perm = xmalloc((size_t)E * sizeof(int32_t));
+    for (int t = 0; t < T; t++) {
+        for (int e = 0; e < E; e++) perm[e] = e;
+        for (int k = 0; k < K; k++) {
+            int j = th_rand_int(k, E - 1);
+            int32_t tmp = perm[k];
+            perm[k] = perm[j];
+            perm[j] = tmp;
+            ids[(int64_t)t * K + k] = perm[k];
+        }
+    }
+    free(perm);
+    return ids;
+}
+
+static double inner(const double *a, const double *b, int64_t n) {
+    double s = 0;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* A direct transcription of the forward, one slot at a time, sharing no code with
+ * reference.c. */
+static void naive_forward(const mf_ref_shape *s, const double *x, const int32_t *ids,
+                          const double *p, const double *w13, const double *w2,
+                          double *y) {
+    const int T = s->num_tokens, H = s->hidden, I = s->intermediate, K = s->top_k;
+    double *a = xmalloc((size_t)I * sizeof(double));
+    for (int t = 0; t < T; t++) {
+        for (int h = 0; h < H; h++) y[t * H + h] = 0;
+        for (int k = 0; k < K; k++) {
+            int e = ids[t * K + k];
+            if (e < 0) continue;
+            for (int i = 0; i < I; i++) {
+                double g = 0, u = 0;
+                for (int h = 0; h < H; h++) {
+                    g += w13[((int64_t)e * 2 * I + i) * H + h] * x[t * H + h];
+                    u += w13[((int64_t)e * 2 * I + I + i) * H + h] * x[t * H + h];
+                }
+                a[i] = g / (1 + exp(-g)) * u;
+            }
+            for (int h = 0; h < H; h++) {
+                double o = 0;
+                for (int i = 0; i < I; i++) o += w2[((int64_t)e * H + h) * I + i] * a[i];
+                y[t * H + h] += p[t * K + k] * o;
+            }
+        }
+    }
+    free(a);
+}
+
+/* ---- the experts' reference ---------------------------------------------------- */
+
+/* Same terms, different summation order: both errors are bounded by about
+ * (H + I) u * sum|terms| with u = 1.1e-16, i.e. ~5e-15 * (sum|terms| / |sum|), and
+ * for N(0,1) data that ratio is ~sqrt(H) ~ 5, so ~3e-14. 1e-12 leaves 30x; a wrong
+ * formula is off by O(1). */
+static void test_forward_matches_naive(void) {
+    mf_ref_shape s = {.num_tokens = 37, .hidden = 24, .intermediate = 12,
+                      .num_experts = 6, .top_k = 3};
+    const int T = s.num_tokens, H = s.hidden, I = s.intermediate, E = s.num_experts,
+              K = s.top_k;
+    double *x = normal_array((int64_t)T * H, 1.0);
+    double *w13 = normal_array((int64_t)E * 2 * I * H, 1.0 / sqrt(H));
+    double *w2 = normal_array((int64_t)E * H * I, 1.0 / sqrt(I));
+    double *p = normal_array((int64_t)T * K, 1.0);
+    int32_t *ids = random_ids(T, E, K);
+    ids[0 * K + 1] = -1;                                /* a dropped slot */
+    for (int k = 0; k < K; k++) ids[5 * K + k] = -1;    /* a token with all dropped */
+    double *y = normal_array((int64_t)T * H, 1.0);      /* poison */
+    double *y_naive = xmalloc((size_t)T * H * sizeof(double));
+
+    mf_ref_forward(&s, x, ids, p, w13, w2, y);
+    naive_forward(&s, x, ids, p, w13, w2, y_naive);
+    double err = th_rel_l2(y, y_naive, (int64_t)T * H);
+    CHECK(err < 1e-12, "rel l2 forward vs naive %.3g, expected < 1e-12", err);
+    int all_zero = 1;
+    for (int h = 0; h < H; h++) all_zero &= y[5 * H + h] == 0.0;
+    CHECK(all_zero, "token 5 has every slot dropped: expected y = 0");
+
+    free(x); free(w13); free(w2); free(p); free(ids); free(y); free(y_naive);
+}
+
+/* L = <dy, y>. Central differences: truncation h^2/6 |L'''| ~ 2e-13 for O(1)
+ * derivatives; roundoff ~ (ops per output ~ H + I + K ~ 15) u |L|_terms / h
+ * ~ 15 * 1.1e-16 * 20 / 1e-6 ~ 3e-8 absolute in the worst case (the typical case is
+ * 100x smaller), against gradient entries of size ~0.1..1. A relative 2-norm error
+ * below 1e-6 is therefore expected with margin; a wrong term is off by O(1). */
+#define FD_STEP 1e-6
+#define FD_TOL 1e-6
+
+typedef struct fd_problem {
+    mf_ref_shape s;
+    double *x, *p, *w13, *w2, *dy, *y;
+    int32_t *ids;
+} fd_problem;
+
+static double fd_loss(fd_problem *f) {
+    mf_ref_forward(&f->s, f->x, f->ids, f->p, f->w13, f->w2, f->y);
+    return inner(f->dy, f->y, (int64_t)f->s.num_tokens * f->s.hidden);
+}
+
+/* Central differences of L over every entry of param [n], into grad. */
+static void fd_grad(fd_problem *f, double *param, int64_t n, double *grad) {
+    for (int64_t i = 0; i < n; i++) {
+        double v = param[i];
+        param[i] = v + FD_STEP;
+        double lp = fd_loss(f);
+        param[i] = v - FD_STEP;
+        double lm = fd_loss(f);
+        param[i] = v;
+        grad[i] = (lp - lm) / (2 * FD_STEP);
+    }
+}
+
+static void test_backward_finite_differences(void) {
+    fd_problem f;
+    f.s = (mf_ref_shape){.num_tokens = 4, .hidden = 8, .intermediate = 4,
+                         .num_experts = 5, .top_k = 2};
+    const int T = f.s.num_tokens, H = f.s.hidden, I = f.s.intermediate,
+              E = f.s.num_experts, K = f.s.top_k;
+    const int64_t n_x = (int64_t)T * H, n_p = (int64_t)T * K;
+    const int64_t n_w13 = (int64_t)E * 2 * I * H, n_w2 = (int64_t)E * H * I;
+    /* Scales put g near N(0, 1), where silu is curved, so silu' is really tested. */
+    f.x = normal_array(n_x, 1.0);
+    f.w13 = normal_array(n_w13, 1.0 / sqrt(H));
+    f.w2 = normal_array(n_w2, 1.0 / sqrt(I));
+    f.p = normal_array(n_p, 1.0);
+    f.dy = normal_array(n_x, 1.0);
+    f.y = xmalloc((size_t)n_x * sizeof(double));
+    f.ids = random_ids(T, E, K);
+    f.ids[1 * K + 1] = -1;                   /* one slot dropped */
+    f.ids[3 * K + 0] = f.ids[3 * K + 1] = -1; /* a token with every slot dropped */
+
+    double *dx = normal_array(n_x, 1.0), *dp = normal_array(n_p, 1.0);  /* poisoned */
+    double *dw13 = normal_array(n_w13, 1.0), *dw2 = normal_array(n_w2, 1.0);
+    mf_ref_backward(&f.s, f.x, f.ids, f.p, f.w13, f.w2, f.dy, dx, dp, dw13, dw2);
+
+    struct {
+        const char *name;
+        double *param, *grad;
+        int64_t n;
+    } cases[] = {{"dx", f.x, dx, n_x}, {"dp", f.p, dp, n_p},
+                 {"dw13", f.w13, dw13, n_w13}, {"dw2", f.w2, dw2, n_w2}};
+    for (int c = 0; c < 4; c++) {
+        double *fd = xmalloc((size_t)cases[c].n * sizeof(double));
+        fd_grad(&f, cases[c].param, cases[c].n, fd);
+        double err = th_rel_l2(cases[c].grad, fd, cases[c].n);
+        CHECK(err < FD_TOL, "%s: rel l2 vs central differences %.3g, expected < %g",
+              cases[c].name, err, FD_TOL);
+        free(fd);
+    }
+    CHECK(dp[1 * K + 1] == 0.0 && dp[3 * K] == 0.0 && dp[3 * K + 1] == 0.0,
+          "dropped slots: expected dp = 0 exactly, got %g %g %g", dp[1 * K + 1], dp[3 * K],
+          dp[3 * K + 1]);
+    int zero = 1;
+    for (int h = 0; h < H; h++) zero &= dx[3 * H + h] == 0.0;
+    CHECK(zero, "token 3 has every slot dropped: expected dx = 0 exactly");
+
+    free(f.x); free(f.w13); free(f.w2); free(f.p); free(f.dy); free(f.y); free(f.ids);
+    free(dx); free(dp); free(dw13); free(dw2);
+}
+
+/* Experts with no slot must get dW = 0 (written, not left), and results must not
+ * depend on the thread count (each element is summed by one thread in data order). */
+static void test_backward_deterministic_and_empty_experts(void) {
+    mf_ref_shape s = {.num_tokens = 29, .hidden = 40, .intermediate = 20,
+                      .num_experts = 12, .top_k = 2};
+    const int T = s.num_tokens, H = s.hidden, I = s.intermediate, E = s.num_experts,
+              K = s.top_k;
+    const int64_t n_x = (int64_t)T * H, n_p = (int64_t)T * K;
+    const int64_t n_w13 = (int64_t)E * 2 * I * H, n_w2 = (int64_t)E * H * I;
+    double *x = normal_array(n_x, 1.0), *dy = normal_array(n_x, 1.0);
+    double *w13 = normal_array(n_w13, 1.0 / sqrt(H)), *w2 = normal_array(n_w2, 1.0 / sqrt(I));
+    double *p = normal_array(n_p, 1.0);
+    /* Only experts 0..5 used: 6..11 are empty. */
+    int32_t *ids = random_ids(T, 6, K);
+    ids[7] = -1;
+
+    double *out[2][5];
+    int threads[2] = {1, 3};
+    int saved_threads = omp_get_max_threads();
+    for (int r = 0; r < 2; r++) {
+        omp_set_num_threads(threads[r]);
+        out[r][0] = normal_array(n_x, 1.0);    /* y, poisoned */
+        out[r][1] = normal_array(n_x, 1.0);    /* dx */
+        out[r][2] = normal_array(n_p, 1.0);    /* dp */
+        out[r][3] = normal_array(n_w13, 1.0);  /* dw13 */
+        out[r][4] = normal_array(n_w2, 1.0);   /* dw2 */
+        mf_ref_forward(&s, x, ids, p, w13, w2, out[r][0]);
+        mf_ref_backward(&s, x, ids, p, w13, w2, dy, out[r][1], out[r][2], out[r][3],
+                        out[r][4]);
+    }
+    omp_set_num_threads(saved_threads);
+    const int64_t sizes[5] = {n_x, n_x, n_p, n_w13, n_w2};
+    const char *names[5] = {"y", "dx", "dp", "dw13", "dw2"};
+    for (int i = 0; i < 5; i++)
+        CHECK(memcmp(out[0][i], out[1][i], (size_t)sizes[i] * sizeof(double)) == 0,
+              "%s differs between 1 and 3 threads", names[i]);
+    int zero = 1;
+    for (int64_t i = 6 * 2 * I * H; i < n_w13; i++) zero &= out[0][3][i] == 0.0;
+    for (int64_t i = 6 * H * I; i < n_w2; i++) zero &= out[0][4][i] == 0.0;
+    CHECK(zero, "experts 6..11 have no slot: expected dw13 = dw2 = 0 exactly");
+
+    for (int r = 0; r < 2; r++)
+        for (int i = 0; i < 5; i++) free(out[r][i]);
+    free(x); free(dy); free(w13); free(w2); free(p); free(ids);
+}
+
+/* ---- routing: the fp64 reference ----------------------------------------------- */
+
+/* logits [T, E]: each row a random permutation of 0.3 * (0..E-1) plus noise below
+ * 0.05, so neighbouring logits are >= 0.25 apart and the top-K set cannot change
+ * under a 1e-6 step. */
+static double *spread_logits(int T, int E) {
+    double *l = xmalloc((size_t)T * E * sizeof(double));
+    int32_t *perm = random_ids(T, E, E);
+    for (int64_t i = 0; i < (int64_t)T * E; i++)
+        l[i] = 0.3 * perm[i] + 0.05 * th_uniform() - 0.15 * E;
+    free(perm);
+    return l;
+}
+
+/* Same finite-difference argument as for the experts (the loss is K terms deep, so
+ * the roundoff bound is smaller still). */
+static void test_route_reference_finite_differences(void) {
+    const int T = 5, E = 10, K = 3;
+    double *l = spread_logits(T, E);
+    double *dw = normal_array((int64_t)T * K, 1.0);
+    int32_t *ids = xmalloc((size_t)T * K * sizeof(int32_t));
+    int32_t *ids2 = xmalloc((size_t)T * K * sizeof(int32_t));
+    double *w = xmalloc((size_t)T * K * sizeof(double));
+    double *dl = normal_array((int64_t)T * E, 1.0);  /* poisoned */
+    double *fd = xmalloc((size_t)T * E * sizeof(double));
+
+    mf_ref_route_forward(T, E, K, l, ids, w);
+    for (int t = 0; t < T; t++) {
+        double sum = 0;
+        for (int k = 0; k < K; k++) {
+            sum += w[t * K + k];
+            if (k > 0)
+                CHECK(w[t * K + k] <= w[t * K + k - 1], "token %d: weights not decreasing", t);
+        }
+        CHECK(fabs(sum - 1) < 8 * DBL_EPSILON, "token %d: weights sum to %.17g", t, sum);
+    }
+    mf_ref_route_backward(T, E, K, l, ids, dw, dl);
+    for (int64_t i = 0; i < (int64_t)T * E; i++) {
+        double v = l[i];
+        l[i] = v + FD_STEP;
+        mf_ref_route_forward(T, E, K, l, ids2, w);
+        double lp = inner(dw, w, (int64_t)T * K);
+        int same = memcmp(ids, ids2, (size_t)T * K * sizeof(int32_t)) == 0;
+        l[i] = v - FD_STEP;
+        mf_ref_route_forward(T, E, K, l, ids2, w);
+        double lm = inner(dw, w, (int64_t)T * K);
+        same &= memcmp(ids, ids2, (size_t)T * K * sizeof(int32_t)) == 0;
+        l[i] = v;
+        CHECK(same, "logit %lld: the top-K set moved under the step", (long long)i);
+        fd[i] = (lp - lm) / (2 * FD_STEP);
+    }
+    double err = th_rel_l2(dl, fd, (int64_t)T * E);
+    CHECK(err < FD_TOL, "dlogits: rel l2 vs central differences %.3g, expected < %g", err,
+          FD_TOL);
+    for (int t = 0; t < T; t++) {
+        int n_nonzero = 0;
+        for (int e = 0; e < E; e++) n_nonzero += dl[t * E + e] != 0.0;
+        CHECK(n_nonzero <= K, "token %d: %d nonzero dlogits, expected <= K", t, n_nonzero);
+    }
+    free(l); free(dw); free(ids); free(ids2); free(w); free(dl); free(fd);
+}
+
+/* ---- routing: the fp32 helper against the reference ---------------------------- */
+
+#define U32 (1.0 / 16777216.0) /* fp32 unit roundoff 2^-24 */
+
+/* Runs the fp32 helper and the fp64 reference on the same fp32 logits and compares.
+ * Ids: both select on the same logits with the same order, so they must be equal.
+ * Weights, first-order error of the fp32 path (c = max over the selected of m - l):
+ *   fl(l - m) adds c u to the exponent, expf one ulp (2u): p_j = e_j / z is off by
+ *   (c + 3) u relative (z's own error is common to all p_j and cancels in the
+ *   renormalization); their sum S by (c + 3 + K) u; w = p / S by (2c + K + 7) u.
+ * Dlogits, dl_n = w_n (dw_n - s) with s = sum_k w_k dw_k, eps_w the bound above:
+ *   |err| <= w_n [(eps_w + (K + 1) u) sum_k |w_k dw_k| + (eps_w + 2u) |dw_n - s|].
+ * Second-order terms (~(50u)^2 relative) are covered by a 1e-3 relative slack. */
+static void compare_route(int T, int E, int K, const float *logits, const float *dweights) {
+    int32_t *ids = xmalloc((size_t)T * K * sizeof(int32_t));
+    float *w = xmalloc((size_t)T * K * sizeof(float));
+    float *dl = xmalloc((size_t)T * E * sizeof(float));
+    int32_t *rids = xmalloc((size_t)T * K * sizeof(int32_t));
+    double *rw = xmalloc((size_t)T * K * sizeof(double));
+    double *rdl = xmalloc((size_t)T * E * sizeof(double));
+    double *l64 = xmalloc((size_t)T * E * sizeof(double));
+    double *dw64 = xmalloc((size_t)T * K * sizeof(double));
+    for (int64_t i = 0; i < (int64_t)T * E; i++) l64[i] = logits[i];
+    for (int64_t i = 0; i < (int64_t)T * K; i++) dw64[i] = dweights[i];
+    memset(dl, 0x7b, (size_t)T * E * sizeof(float));
+
+    moefuse_route_args fa = {.num_tokens = T, .num_experts = E, .top_k = K,
+                             .logits = logits, .ids = ids, .weights = w};
+    moefuse_status st = mf_cpu_route_forward(&fa);
+    CHECK(st == MOEFUSE_OK, "route forward: status %d", st);
+    moefuse_route_bwd_args ba = {.num_tokens = T, .num_experts = E, .top_k = K,
+                                 .logits = logits, .ids = ids, .dweights = dweights,
+                                 .dlogits = dl};
+    st = mf_cpu_route_backward(&ba);
+    CHECK(st == MOEFUSE_OK, "route backward: status %d", st);
+    mf_ref_route_forward(T, E, K, l64, rids, rw);
+    mf_ref_route_backward(T, E, K, l64, rids, dw64, rdl);
+
+    CHECK(memcmp(ids, rids, (size_t)T * K * sizeof(int32_t)) == 0,
+          "ids differ from the reference");
+    int bad_w = 0, bad_dl = 0;
+    for (int t = 0; t < T && !bad_w && !bad_dl; t++) {
+        const double *lt = l64 + (int64_t)t * E;
+        const int32_t *id = rids + (int64_t)t * K;
+        const double *wt = rw + (int64_t)t * K, *dwt = dw64 + (int64_t)t * K;
+        double c = lt[id[0]] - lt[id[K - 1]];
+        double eps_w = (2 * c + K + 7) * U32 * (1 + 1e-3);
+        double s = 0, s_abs = 0;
+        for (int k = 0; k < K; k++) {
+            s += wt[k] * dwt[k];
+            s_abs += fabs(wt[k] * dwt[k]);
+        }
+        for (int k = 0; k < K; k++) {
+            double err = fabs(w[(int64_t)t * K + k] - wt[k]);
+            if (!(err <= eps_w * wt[k])) {
+                CHECK(0, "weights[%d][%d] = %.9g, reference %.17g, |err| %.3g > bound %.3g",
+                      t, k, w[(int64_t)t * K + k], wt[k], err, eps_w * wt[k]);
+                bad_w = 1;
+            }
+        }
+        for (int e = 0; e < E; e++) {
+            double ref = rdl[(int64_t)t * E + e], got = dl[(int64_t)t * E + e];
+            double bound = 0;
+            for (int k = 0; k < K; k++)
+                if (id[k] == e)
+                    bound = wt[k] * ((eps_w + (K + 1) * U32) * s_abs +
+                                     (eps_w + 2 * U32) * fabs(dwt[k] - s)) * (1 + 1e-3);
+            if (!(fabs(got - ref) <= bound)) {
+                CHECK(0, "dlogits[%d][%d] = %.9g, reference %.17g, bound %.3g", t, e, got,
+                      ref, bound);
+                bad_dl = 1;
+                break;
+            }
+        }
+    }
+    free(ids); free(w); free(dl); free(rids); free(rw); free(rdl); free(l64); free(dw64);
+}
+
+static float *normal_floats(int64_t n, double scale) {
+    float *a = xmalloc((size_t)n * sizeof(float));
+    for (int64_t i = 0; i < n; i++) a[i] = (float)(th_normal() * scale);
+    return a;
+}
+
+static void test_route_fp32_vs_reference(void) {
+    const int T = 256, E = 128, K = 8;
+    /* Router logits of a trained model spread over a few units. */
+    float *l = normal_floats((int64_t)T * E, 2.0);
+    float *dw = normal_floats((int64_t)T * K, 1.0);
+    compare_route(T, E, K, l, dw);
+    free(l);
+    free(dw);
+}
+
+static void test_route_k_equals_e(void) {
+    const int T = 9, E = 16, K = 16;
+    float *l = normal_floats((int64_t)T * E, 2.0);
+    float *dw = normal_floats((int64_t)T * K, 1.0);
+    compare_route(T, E, K, l, dw);
+    /* Every expert selected: ids are all of 0..E-1 in decreasing logit order. */
+    int32_t ids[16];
+    float w[16];
+    moefuse_route_args a = {.num_tokens = 1, .num_experts = E, .top_k = K, .logits = l,
+                            .ids = ids, .weights = w};
+    CHECK(mf_cpu_route_forward(&a) == MOEFUSE_OK, "route forward failed");
+    int seen = 0;
+    for (int k = 0; k < K; k++) {
+        seen |= 1 << ids[k];
+        if (k > 0) CHECK(l[ids[k]] <= l[ids[k - 1]], "ids[%d]: logits not decreasing", k);
+    }
+    CHECK(seen == 0xffff, "K = E: expected every expert once");
+    free(l);
+    free(dw);
+}
+
+/* Equal logits: the lower id wins, in both implementations. */
+static void test_route_ties(void) {
+    {
+        const int E = 8, K = 3;
+        float l[8] = {0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f};
+        double l64[8];
+        for (int e = 0; e < E; e++) l64[e] = l[e];
+        int32_t ids[3], rids[3];
+        float w[3];
+        double rw[3];
+        moefuse_route_args a = {.num_tokens = 1, .num_experts = E, .top_k = K, .logits = l,
+                                .ids = ids, .weights = w};
+        CHECK(mf_cpu_route_forward(&a) == MOEFUSE_OK, "route forward failed");
+        mf_ref_route_forward(1, E, K, l64, rids, rw);
+        for (int k = 0; k < K; k++) {
+            CHECK(ids[k] == k && rids[k] == k, "all equal: ids[%d] = %d (ref %d), expected %d",
+                  k, ids[k], rids[k], k);
+            /* (1/8) / (3/8): expf(0) = 1 and 1/8, 3/8 are exact, one rounding left */
+            CHECK(fabs(w[k] - 1.0 / 3) <= U32 / 3 && fabs(rw[k] - 1.0 / 3) <= DBL_EPSILON,
+                  "all equal: weight %d = %.9g (ref %.17g), expected 1/3", k, w[k], rw[k]);
+        }
+    }
+    {
+        const int E = 6, K = 4;
+        float l[6] = {1.0f, 3.0f, 3.0f, 2.0f, 3.0f, 0.0f};
+        double l64[6];
+        for (int e = 0; e < E; e++) l64[e] = l[e];
+        int32_t ids[4], rids[4];
+        float w[4];
+        double rw[4];
+        const int32_t expect[4] = {1, 2, 4, 3};
+        moefuse_route_args a = {.num_tokens = 1, .num_experts = E, .top_k = K, .logits = l,
+                                .ids = ids, .weights = w};
+        CHECK(mf_cpu_route_forward(&a) == MOEFUSE_OK, "route forward failed");
+        mf_ref_route_forward(1, E, K, l64, rids, rw);
+        for (int k = 0; k < K; k++)
+            CHECK(ids[k] == expect[k] && rids[k] == expect[k],
+                  "partial ties: ids[%d] = %d (ref %d), expected %d", k, ids[k], rids[k],
+                  expect[k]);
+        CHECK(w[0] == w[1] && w[1] == w[2], "tied logits: expected equal weights");
+    }
+}
+
+static void test_route_zero_tokens(void) {
+    moefuse_route_args a = {.num_tokens = 0, .num_experts = 8, .top_k = 2};
+    CHECK(mf_cpu_route_forward(&a) == MOEFUSE_OK, "T = 0 with NULL arrays: expected OK");
+    moefuse_route_bwd_args b = {.num_tokens = 0, .num_experts = 8, .top_k = 2};
+    CHECK(mf_cpu_route_backward(&b) == MOEFUSE_OK, "T = 0 with NULL arrays: expected OK");
+
+    float l[8] = {0}, w[2], dw[2] = {1, 2}, dl[8];
+    int32_t ids[2];
+    memset(w, 0x5a, sizeof w);
+    memset(ids, 0x5a, sizeof ids);
+    memset(dl, 0x5a, sizeof dl);
+    a = (moefuse_route_args){.num_tokens = 0, .num_experts = 8, .top_k = 2, .logits = l,
+                             .ids = ids, .weights = w};
+    CHECK(mf_cpu_route_forward(&a) == MOEFUSE_OK, "T = 0: expected OK");
+    b = (moefuse_route_bwd_args){.num_tokens = 0, .num_experts = 8, .top_k = 2,
+                                 .logits = l, .ids = ids, .dweights = dw, .dlogits = dl};
+    CHECK(mf_cpu_route_backward(&b) == MOEFUSE_OK, "T = 0: expected OK");
+    unsigned char pat[32];
+    memset(pat, 0x5a, sizeof pat);
+    CHECK(memcmp(w, pat, sizeof w) == 0 && memcmp(ids, pat, sizeof ids) == 0 &&
+              memcmp(dl, pat, sizeof dl) == 0,
+          "T = 0: outputs were written");
+}
+
+/* NaN logits are documented to give NaN weights with valid, distinct ids. */
+static void test_route_nan_logits(void) {
+    const int E = 8, K = 3;
+    float l[8] = {0.1f, NAN, 2.0f, -1.0f, NAN, 0.7f, 0.3f, 1.5f};
+    int32_t ids[3];
+    float w[3];
+    moefuse_route_args a = {.num_tokens = 1, .num_experts = E, .top_k = K, .logits = l,
+                            .ids = ids, .weights = w};
+    CHECK(mf_cpu_route_forward(&a) == MOEFUSE_OK, "route forward failed");
+    CHECK(ids[0] == 2 && ids[1] == 7 && ids[2] == 5,
+          "NaN ranks last: ids = %d %d %d, expected 2 7 5", ids[0], ids[1], ids[2]);
+    CHECK(isnan(w[0]) && isnan(w[1]) && isnan(w[2]), "NaN logit: expected NaN weights");
+    /* K = E with NaN: ids must still be a permutation. */
+    int32_t all[8];
+    float wall[8];
+    a = (moefuse_route_args){.num_tokens = 1, .num_experts = E, .top_k = E, .logits = l,
+                             .ids = all, .weights = wall};
+    CHECK(mf_cpu_route_forward(&a) == MOEFUSE_OK, "route forward failed");
+    int seen = 0;
+    for (int k = 0; k < E; k++)
+        if (all[k] >= 0 && all[k] < E) seen |= 1 << all[k];
+    CHECK(seen == 0xff && all[6] == 1 && all[7] == 4,
+          "K = E with NaN: expected a permutation ending 1 4, got ... %d %d", all[6], all[7]);
+}
+
+/* ---- routing: validation ------------------------------------------------------- */
+
+#define POISON 0x7b
+static int untouched(const void *p, size_t bytes) {
+    const unsigned char *c = p;
+    for (size_t i = 0; i < bytes; i++)
+        if (c[i] != POISON) return 0;
+    return 1;
+}
+
+static void expect_fwd(moefuse_route_args a, moefuse_status want, const char *field,
+                       const char *what) {
+    int32_t ids[4 * 8];
+    float w[4 * 8];
+    memset(ids, POISON, sizeof ids);
+    memset(w, POISON, sizeof w);
+    if (a.ids) a.ids = ids;
+    if (a.weights) a.weights = w;
+    mf_clear_error();
+    moefuse_status st = mf_cpu_route_forward(&a);
+    CHECK(st == want, "forward, %s: status %d, expected %d", what, st, want);
+    if (want != MOEFUSE_OK)
+        CHECK(untouched(ids, sizeof ids) && untouched(w, sizeof w),
+              "forward, %s: output written", what);
+    CHECK(strstr(moefuse_last_error(), field) != NULL,
+          "forward, %s: message \"%s\" does not name %s", what, moefuse_last_error(), field);
+}
+
+static void expect_bwd(moefuse_route_bwd_args b, moefuse_status want, const char *field,
+                       const char *what) {
+    float dl[4 * 8];
+    memset(dl, POISON, sizeof dl);
+    if (b.dlogits) b.dlogits = dl;
+    mf_clear_error();
+    moefuse_status st = mf_cpu_route_backward(&b);
+    CHECK(st == want, "backward, %s: status %d, expected %d", what, st, want);
+    if (want != MOEFUSE_OK) CHECK(untouched(dl, sizeof dl), "backward, %s: output written", what);
+    CHECK(strstr(moefuse_last_error(), field) != NULL,
+          "backward, %s: message \"%s\" does not name %s", what, moefuse_last_error(), field);
+}
+
+static void test_route_validation(void) {
+    enum { T = 4, E = 8, K = 2 };
+    static float logits[T * E];
+    for (int i = 0; i < T * E; i++) logits[i] = (float)th_normal();
+    int32_t dummy_ids[T * K];
+    float dummy_w[T * K];
+    const moefuse_route_args ok = {.num_tokens = T, .num_experts = E, .top_k = K,
+                                   .logits = logits, .ids = dummy_ids, .weights = dummy_w};
+    moefuse_route_args a;
+
+    mf_clear_error();
+    CHECK(mf_cpu_route_forward(NULL) == MOEFUSE_ERR_NULL_POINTER, "forward(NULL)");
+    CHECK(strstr(moefuse_last_error(), "args") != NULL, "forward(NULL): no message");
+    a = ok; a.num_tokens = -1; expect_fwd(a, MOEFUSE_ERR_SHAPE, "num_tokens", "T = -1");
+    a = ok; a.num_experts = 0; expect_fwd(a, MOEFUSE_ERR_SHAPE, "num_experts", "E = 0");
+    a = ok; a.top_k = 0; expect_fwd(a, MOEFUSE_ERR_SHAPE, "top_k", "K = 0");
+    a = ok; a.top_k = E + 1; expect_fwd(a, MOEFUSE_ERR_SHAPE, "top_k", "K = E + 1");
+    a = ok; a.logits = NULL; expect_fwd(a, MOEFUSE_ERR_NULL_POINTER, "logits", "logits NULL");
+    a = ok; a.ids = NULL; expect_fwd(a, MOEFUSE_ERR_NULL_POINTER, "ids", "ids NULL");
+    a = ok; a.weights = NULL; expect_fwd(a, MOEFUSE_ERR_NULL_POINTER, "weights", "weights NULL");
+    a = ok; expect_fwd(a, MOEFUSE_OK, "", "valid args");  /* the harness itself is sound */
+    CHECK(moefuse_last_error()[0] == '\0', "success left a message");
+
+    /* Ids from a real forward; the bad ones go in the last token, so a backward that
+     * wrote tokens before checking all of them would be caught. */
+    int32_t ids[T * K];
+    float w[T * K], dw[T * K];
+    a = ok; a.ids = ids; a.weights = w;
+    CHECK(mf_cpu_route_forward(&a) == MOEFUSE_OK, "route forward failed");
+    for (int i = 0; i < T * K; i++) dw[i] = (float)th_normal();
+    float dl_dummy[T * E];
+    const moefuse_route_bwd_args bok = {.num_tokens = T, .num_experts = E, .top_k = K,
+                                        .logits = logits, .ids = ids, .dweights = dw,
+                                        .dlogits = dl_dummy};
+    moefuse_route_bwd_args b;
+    mf_clear_error();
+    CHECK(mf_cpu_route_backward(NULL) == MOEFUSE_ERR_NULL_POINTER, "backward(NULL)");
+    b = bok; b.num_tokens = -3; expect_bwd(b, MOEFUSE_ERR_SHAPE, "num_tokens", "T = -3");
+    b = bok; b.num_experts = -1; expect_bwd(b, MOEFUSE_ERR_SHAPE, "num_experts", "E = -1");
+    b = bok; b.top_k = 0; expect_bwd(b, MOEFUSE_ERR_SHAPE, "top_k", "K = 0");
+    b = bok; b.top_k = E + 1; expect_bwd(b, MOEFUSE_ERR_SHAPE, "top_k", "K = E + 1");
+    b = bok; b.logits = NULL; expect_bwd(b, MOEFUSE_ERR_NULL_POINTER, "logits", "logits NULL");
+    b = bok; b.ids = NULL; expect_bwd(b, MOEFUSE_ERR_NULL_POINTER, "ids", "ids NULL");
+    b = bok; b.dweights = NULL; expect_bwd(b, MOEFUSE_ERR_NULL_POINTER, "dweights", "dweights NULL");
+    b = bok; b.dlogits = NULL; expect_bwd(b, MOEFUSE_ERR_NULL_POINTER, "dlogits", "dlogits NULL");
+
+    int32_t bad[T * K];
+    b = bok; b.ids = bad;
+    memcpy(bad, ids, sizeof bad); bad[(T - 1) * K + 1] = E;
+    expect_bwd(b, MOEFUSE_ERR_EXPERT_ID, "ids[3][1]", "id = E");
+    memcpy(bad, ids, sizeof bad); bad[(T - 1) * K + 0] = -1;
+    expect_bwd(b, MOEFUSE_ERR_EXPERT_ID, "ids[3][0]", "id = -1");
+    memcpy(bad, ids, sizeof bad); bad[(T - 1) * K + 1] = bad[(T - 1) * K];
+    expect_bwd(b, MOEFUSE_ERR_DUPLICATE_EXPERT, "ids[3][1]", "duplicate id");
+    b = bok; expect_bwd(b, MOEFUSE_OK, "", "valid args");
+    CHECK(moefuse_last_error()[0] == '\0', "success left a message");
+}
+
+int main(void) {
+    th_seed_from_env_or_clock();
+    th_run("reference forward matches a naive per-slot forward", test_forward_matches_naive);
+    th_run("reference backward vs central differences (dx, dp, dW13, dW2)",
+           test_backward_finite_differences);
+    th_run("reference backward: thread-count independent, empty experts zeroed",
+           test_backward_deterministic_and_empty_experts);
+    th_run("reference routing backward vs central differences",
+           test_route_reference_finite_differences);
+    th_run("fp32 routing helper vs reference, E=128 K=8", test_route_fp32_vs_reference);
+    th_run("fp32 routing helper vs reference, K=E", test_route_k_equals_e);
+    th_run("routing ties pick the lower id", test_route_ties);
+    th_run("routing with T=0", test_route_zero_tokens);
+    th_run("routing with NaN logits", test_route_nan_logits);
+    th_run("routing argument validation", test_route_validation);
+    return th_finish();
+}

@@ -1,0 +1,275 @@
+/* The project's main job: one training step (forward + backward) of the routed
+ * experts for a named model shape, checked against the fp64 reference, timed.
+ *
+ *   moefuse_step [--model qwen3-30b-a3b|qwen3-235b-a22b] [--tokens T]
+ *                [--backend cpu|cuda] [--iters N] [--seed S]
+ *
+ * Routing comes from the library's Qwen3 routing helper on random logits, so the
+ * expert loads look like a real router's. Exit status 0 only when every checked
+ * value is within its bf16-derived tolerance. */
+#include "internal.h"
+#include "moefuse.h"
+#include "reference.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#ifdef MOEFUSE_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+typedef struct {
+    const char *name;
+    int hidden, intermediate, num_experts, top_k;
+} model_shape;
+
+static const model_shape MODELS[] = {
+    {"qwen3-30b-a3b", 2048, 768, 128, 8},
+    {"qwen3-235b-a22b", 4096, 1536, 128, 8},
+};
+
+/* The fp64 reference holds x, W13, W2 and their gradients in doubles; above this the
+ * check runs on a sub-problem (see check_step). */
+#define REFERENCE_BYTES_MAX (10ull << 30)
+
+typedef struct {
+    int T, H, I, E, K;
+    uint16_t *x, *w13, *w2, *dy;  /* bf16 inputs */
+    int32_t *ids;
+    float *p;
+    uint16_t *y, *dx;             /* outputs */
+    float *dp, *dw13, *dw2;
+    int32_t *counts;
+} step_data;
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static double uniform(void) {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (double)(rng >> 11) * 0x1.0p-53;
+}
+static double normal(void) {
+    double u = uniform();
+    return sqrt(-2.0 * log(u > 1e-300 ? u : 1e-300)) * cos(2.0 * M_PI * uniform());
+}
+static void fill_bf16(uint16_t *a, int64_t n, double scale) {
+    for (int64_t i = 0; i < n; i++) a[i] = mf_float_to_bf16((float)(normal() * scale));
+}
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+static void *xmalloc(size_t n) {
+    void *p = aligned_alloc(256, (n + 255) / 256 * 256);
+    if (!p) {
+        fprintf(stderr, "out of host memory (%zu bytes)\n", n);
+        exit(2);
+    }
+    return p;
+}
+
+#define TRY(call)                                                                          \
+    do {                                                                                   \
+        moefuse_status st_ = (call);                                                       \
+        if (st_ != MOEFUSE_OK) {                                                           \
+            fprintf(stderr, "%s failed: %s: %s\n", #call, moefuse_status_string(st_),      \
+                    moefuse_last_error());                                                 \
+            exit(2);                                                                       \
+        }                                                                                  \
+    } while (0)
+
+static void make_inputs(step_data *d) {
+    int64_t TH = (int64_t)d->T * d->H, TK = (int64_t)d->T * d->K;
+    d->x = xmalloc(TH * 2); d->dy = xmalloc(TH * 2); d->y = xmalloc(TH * 2); d->dx = xmalloc(TH * 2);
+    d->w13 = xmalloc((int64_t)d->E * 2 * d->I * d->H * 2);
+    d->w2 = xmalloc((int64_t)d->E * d->H * d->I * 2);
+    d->ids = xmalloc(TK * 4); d->p = xmalloc(TK * 4); d->dp = xmalloc(TK * 4);
+    d->dw13 = xmalloc((int64_t)d->E * 2 * d->I * d->H * 4);
+    d->dw2 = xmalloc((int64_t)d->E * d->H * d->I * 4);
+    d->counts = xmalloc((size_t)d->E * 4);
+    fill_bf16(d->x, TH, 1.0);
+    fill_bf16(d->dy, TH, 1.0);
+    fill_bf16(d->w13, (int64_t)d->E * 2 * d->I * d->H, 1.0 / sqrt(d->H));
+    fill_bf16(d->w2, (int64_t)d->E * d->H * d->I, 1.0 / sqrt(d->I));
+    float *logits = xmalloc((int64_t)d->T * d->E * 4);
+    for (int64_t i = 0; i < (int64_t)d->T * d->E; i++) logits[i] = (float)normal();
+    moefuse_route_args ra = {.num_tokens = d->T, .num_experts = d->E, .top_k = d->K,
+                             .logits = logits, .ids = d->ids, .weights = d->p};
+    TRY(moefuse_route_forward(&ra, MOEFUSE_BACKEND_CPU, NULL));
+    free(logits);
+}
+
+static double *widen(const uint16_t *a, int64_t n) {
+    double *o = xmalloc(n * 8);
+    for (int64_t i = 0; i < n; i++) o[i] = mf_bf16_to_float(a[i]);
+    return o;
+}
+
+/* Norm-wise relative error of a bf16 or fp32 result against the fp64 reference. */
+static double rel_err_bf16(const uint16_t *got, const double *ref, int64_t n) {
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double g = mf_bf16_to_float(got[i]), dlt = g - ref[i];
+        num += dlt * dlt;
+        den += ref[i] * ref[i];
+    }
+    return num != num ? NAN : sqrt(num / (den > 0 ? den : 1));
+}
+static double rel_err_f32(const float *got, const double *ref, int64_t n) {
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double dlt = got[i] - ref[i];
+        num += dlt * dlt;
+        den += ref[i] * ref[i];
+    }
+    return num != num ? NAN : sqrt(num / (den > 0 ? den : 1));
+}
+
+/* Tolerance rule (tests/harness.h): twice the norm-wise error of `roundings`
+ * independent bf16 roundings, plus fp32 accumulation noise. */
+static double bf16_tol(int roundings) { return 2.0 / 256.0 * sqrt(roundings / 3.0) + 1e-5; }
+
+static int report(const char *what, double err, int roundings) {
+    double tol = bf16_tol(roundings);
+    int ok = err <= tol;
+    printf("  %-5s rel err %.3e  (tol %.3e, %d bf16 roundings)  %s\n", what, err, tol,
+           roundings, ok ? "ok" : "FAIL");
+    return ok;
+}
+
+/* Compares the outputs in d with the fp64 reference of the same step. */
+static int check_step(const step_data *d) {
+    mf_ref_shape s = {d->T, d->H, d->I, d->E, d->K};
+    int64_t TH = (int64_t)d->T * d->H, TK = (int64_t)d->T * d->K;
+    int64_t n13 = (int64_t)d->E * 2 * d->I * d->H, n2 = (int64_t)d->E * d->H * d->I;
+    double *x = widen(d->x, TH), *dy = widen(d->dy, TH);
+    double *w13 = widen(d->w13, n13), *w2 = widen(d->w2, n2);
+    double *p = xmalloc(TK * 8);
+    for (int64_t i = 0; i < TK; i++) p[i] = d->p[i];
+    double *y = xmalloc(TH * 8), *dx = xmalloc(TH * 8), *dp = xmalloc(TK * 8);
+    double *dw13 = xmalloc(n13 * 8), *dw2 = xmalloc(n2 * 8);
+    double t0 = now_ms();
+    mf_ref_forward(&s, x, d->ids, p, w13, w2, y);
+    mf_ref_backward(&s, x, d->ids, p, w13, w2, dy, dx, dp, dw13, dw2);
+    printf("check against the fp64 reference (%.0f ms):\n", now_ms() - t0);
+    /* bf16 roundings on each path (inputs are exact bf16 in both): the backend keeps
+     * [g;u] in bf16 (h) and rounds a, [dg;du] (dh) and the outputs y, dx.
+     * y: a, y. dx: h, dh, dx. dp: h, a. dW13: h, dh. dW2: h, a. */
+    int ok = report("y", rel_err_bf16(d->y, y, TH), 2);
+    ok &= report("dx", rel_err_bf16(d->dx, dx, TH), 3);
+    ok &= report("dp", rel_err_f32(d->dp, dp, TK), 2);
+    ok &= report("dW13", rel_err_f32(d->dw13, dw13, n13), 2);
+    ok &= report("dW2", rel_err_f32(d->dw2, dw2, n2), 2);
+    free(x); free(dy); free(w13); free(w2); free(p); free(y); free(dx); free(dp);
+    free(dw13); free(dw2);
+    return ok;
+}
+
+static void usage(void) {
+    fprintf(stderr, "usage: moefuse_step [--model qwen3-30b-a3b|qwen3-235b-a22b] [--tokens T]\n"
+                    "                    [--backend cpu|cuda] [--iters N] [--seed S] [--no-check]\n");
+    exit(2);
+}
+
+int main(int argc, char **argv) {
+    const model_shape *m = &MODELS[0];
+    int T = -1, iters = 3, check = 1;
+    moefuse_backend backend = MOEFUSE_BACKEND_CPU;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--no-check")) { check = 0; continue; }
+        if (!v) usage();
+        i++;
+        if (!strcmp(a, "--model")) {
+            m = NULL;
+            for (size_t j = 0; j < sizeof MODELS / sizeof *MODELS; j++)
+                if (!strcmp(v, MODELS[j].name)) m = &MODELS[j];
+            if (!m) usage();
+        } else if (!strcmp(a, "--tokens")) T = atoi(v);
+        else if (!strcmp(a, "--iters")) iters = atoi(v);
+        else if (!strcmp(a, "--seed")) rng = strtoull(v, NULL, 0) | 1;
+        else if (!strcmp(a, "--backend")) {
+            if (!strcmp(v, "cpu")) backend = MOEFUSE_BACKEND_CPU;
+            else if (!strcmp(v, "cuda")) backend = MOEFUSE_BACKEND_CUDA;
+            else usage();
+        } else usage();
+    }
+    if (backend == MOEFUSE_BACKEND_CUDA) {
+        fprintf(stderr, "moefuse_step: the CUDA step needs the CUDA backward (issue 4); "
+                        "the CUDA forward runs in tests/gpu and bench/\n");
+        return 2;
+    }
+    if (T < 0) T = 128; /* a CPU step of a few seconds, reference included */
+    if (T < 1 || iters < 1) usage();
+
+    step_data d = {.T = T, .H = m->hidden, .I = m->intermediate, .E = m->num_experts, .K = m->top_k};
+    make_inputs(&d);
+
+    moefuse_config cfg;
+    moefuse_config_init(&cfg, d.H, d.I, d.E, d.K, T);
+    cfg.backend = backend;
+    moefuse_layer *layer;
+    TRY(moefuse_layer_create(&cfg, NULL, &layer));
+    size_t saved_bytes;
+    TRY(moefuse_saved_bytes(layer, T, &saved_bytes));
+    void *saved = xmalloc(saved_bytes);
+
+    moefuse_fwd_args fa = {.num_tokens = T, .x = d.x, .x_stride = d.H, .ids = d.ids,
+                           .weights = d.p, .w13 = d.w13, .w2 = d.w2, .y = d.y,
+                           .y_stride = d.H, .saved = saved, .expert_counts = d.counts};
+    moefuse_bwd_args ba = {.num_tokens = T, .x = d.x, .x_stride = d.H, .ids = d.ids,
+                           .weights = d.p, .w13 = d.w13, .w2 = d.w2, .saved = saved,
+                           .dy = d.dy, .dy_stride = d.H, .dx = d.dx, .dx_stride = d.H,
+                           .dweights = d.dp, .dw13 = d.dw13, .dw2 = d.dw2};
+    /* Poison every output: the check then also proves each element was written. */
+    memset(d.y, 0xff, (size_t)T * d.H * 2);
+    memset(d.dx, 0xff, (size_t)T * d.H * 2);
+    memset(d.dp, 0xff, (size_t)T * d.K * 4);
+    memset(d.dw13, 0xff, (size_t)d.E * 2 * d.I * d.H * 4);
+    memset(d.dw2, 0xff, (size_t)d.E * d.H * d.I * 4);
+
+    double fwd_best = 1e30, bwd_best = 1e30;
+    for (int it = 0; it < iters; it++) {
+        double t0 = now_ms();
+        TRY(moefuse_forward(layer, &fa, NULL));
+        double t1 = now_ms();
+        TRY(moefuse_backward(layer, &ba, NULL));
+        double t2 = now_ms();
+        if (t1 - t0 < fwd_best) fwd_best = t1 - t0;
+        if (t2 - t1 < bwd_best) bwd_best = t2 - t1;
+    }
+    int busiest = 0, empty = 0;
+    for (int e = 0; e < d.E; e++) {
+        if (d.counts[e] > busiest) busiest = d.counts[e];
+        empty += d.counts[e] == 0;
+    }
+    double flop_fwd = 6.0 * T * d.K * (double)d.H * d.I;
+    printf("moefuse %s step: model %s T=%d K=%d (busiest expert %d slots, %d empty)\n",
+           backend == MOEFUSE_BACKEND_CPU ? "cpu" : "cuda", m->name, T, d.K, busiest, empty);
+    printf("  forward  %9.2f ms  %7.1f GFLOP/s\n", fwd_best, flop_fwd / fwd_best * 1e-6);
+    printf("  backward %9.2f ms  %7.1f GFLOP/s\n", bwd_best, 2 * flop_fwd / bwd_best * 1e-6);
+    printf("  step     %9.2f ms  %7.1f GFLOP/s  (best of %d)\n", fwd_best + bwd_best,
+           3 * flop_fwd / (fwd_best + bwd_best) * 1e-6, iters);
+
+    int ok = 1;
+    if (check) {
+        size_t ref_bytes = 8 * ((size_t)d.E * 3 * d.I * d.H * 2 + (size_t)T * d.H * 4);
+        if (ref_bytes > REFERENCE_BYTES_MAX) {
+            printf("check skipped: the fp64 reference would need %.1f GiB of host memory "
+                   "(limit %.0f GiB); run qwen3-30b-a3b for a checked step\n",
+                   ref_bytes / 1073741824.0, REFERENCE_BYTES_MAX / 1073741824.0);
+        } else {
+            ok = check_step(&d);
+            printf("%s\n", ok ? "PASS: step matches the fp64 reference"
+                              : "FAIL: step differs from the fp64 reference");
+        }
+    }
+    moefuse_layer_destroy(layer);
+    free(saved);
+    return ok ? 0 : 1;
+}
