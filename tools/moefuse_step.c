@@ -56,8 +56,12 @@ static double normal(void) {
     double u = uniform();
     return sqrt(-2.0 * log(u > 1e-300 ? u : 1e-300)) * cos(2.0 * M_PI * uniform());
 }
+/* Uniform values of standard deviation `scale`: as good as normal ones for a check,
+ * and cheap enough for the 2.4 G weights of qwen3-235b-a22b. */
 static void fill_bf16(uint16_t *a, int64_t n, double scale) {
-    for (int64_t i = 0; i < n; i++) a[i] = mf_float_to_bf16((float)(normal() * scale));
+    double half_width = scale * sqrt(3.0);
+    for (int64_t i = 0; i < n; i++)
+        a[i] = mf_float_to_bf16((float)((2.0 * uniform() - 1.0) * half_width));
 }
 static double now_ms(void) {
     struct timespec ts;
@@ -157,16 +161,74 @@ static int check_step(const step_data *d) {
     mf_ref_forward(&s, x, d->ids, p, w13, w2, y);
     mf_ref_backward(&s, x, d->ids, p, w13, w2, dy, dx, dp, dw13, dw2);
     printf("check against the fp64 reference (%.0f ms):\n", now_ms() - t0);
-    /* bf16 roundings on each path (inputs are exact bf16 in both): the backend keeps
-     * [g;u] in bf16 (h) and rounds a, [dg;du] (dh) and the outputs y, dx.
-     * y: a, y. dx: h, dh, dx. dp: h, a. dW13: h, dh. dW2: h, a. */
-    int ok = report("y", rel_err_bf16(d->y, y, TH), 2);
-    ok &= report("dx", rel_err_bf16(d->dx, dx, TH), 3);
-    ok &= report("dp", rel_err_f32(d->dp, dp, TK), 2);
-    ok &= report("dW13", rel_err_f32(d->dw13, dw13, n13), 2);
-    ok &= report("dW2", rel_err_f32(d->dw2, dw2, n2), 2);
+    /* bf16 roundings on each path (inputs are exact bf16 in both; the same count as
+     * tests/test_cpu_backend.c): the backend keeps g and u in bf16, rounds a from
+     * them, rounds [dg;du] and the outputs y and dx.
+     * y: g, u, a, y. dx: g, u, [dg;du], dx. dp: g, u, a. dW13: g, u, [dg;du].
+     * dW2: g, u, a. */
+    int ok = report("y", rel_err_bf16(d->y, y, TH), 4);
+    ok &= report("dx", rel_err_bf16(d->dx, dx, TH), 4);
+    ok &= report("dp", rel_err_f32(d->dp, dp, TK), 3);
+    ok &= report("dW13", rel_err_f32(d->dw13, dw13, n13), 3);
+    ok &= report("dW2", rel_err_f32(d->dw2, dw2, n2), 3);
     free(x); free(dy); free(w13); free(w2); free(p); free(y); free(dx); free(dp);
     free(dw13); free(dw2);
+    return ok;
+}
+
+/* When the full fp64 problem does not fit in host memory (qwen3-235b-a22b): y, dx
+ * and dp of a token depend only on that token and its K experts, so the reference
+ * runs on a few sampled tokens with just their experts, renumbered. The weight
+ * gradients sum over every token and are not checked here (the full check on
+ * qwen3-30b-a3b and the tests cover them). */
+static int check_sampled_tokens(const step_data *d, int samples) {
+    int S = samples < d->T ? samples : d->T, K = d->K, H = d->H, I = d->I;
+    int *tok = xmalloc(sizeof(int) * (size_t)S);
+    for (int i = 0; i < S; i++) tok[i] = (int)((int64_t)i * d->T / S);
+    int32_t *ids = xmalloc(sizeof(int32_t) * (size_t)S * K);
+    int *experts = xmalloc(sizeof(int) * (size_t)S * K);
+    int used = 0;
+    for (int i = 0; i < S; i++)
+        for (int k = 0; k < K; k++) {
+            int e = d->ids[(int64_t)tok[i] * K + k], c = -1;
+            for (int j = 0; j < used && e >= 0; j++)
+                if (experts[j] == e) c = j;
+            if (e >= 0 && c < 0) experts[c = used++] = e;
+            ids[i * K + k] = e < 0 ? -1 : c;
+        }
+    mf_ref_shape s = {S, H, I, used, K};
+    int64_t n13 = (int64_t)2 * I * H, n2 = (int64_t)H * I;
+    double *w13 = xmalloc(used * n13 * 8), *w2 = xmalloc(used * n2 * 8);
+    for (int j = 0; j < used; j++) {
+        for (int64_t i = 0; i < n13; i++) w13[j * n13 + i] = mf_bf16_to_float(d->w13[experts[j] * n13 + i]);
+        for (int64_t i = 0; i < n2; i++) w2[j * n2 + i] = mf_bf16_to_float(d->w2[experts[j] * n2 + i]);
+    }
+    double *x = xmalloc((size_t)S * H * 8), *dy = xmalloc((size_t)S * H * 8), *p = xmalloc((size_t)S * K * 8);
+    uint16_t *y_got = xmalloc((size_t)S * H * 2), *dx_got = xmalloc((size_t)S * H * 2);
+    float *dp_got = xmalloc((size_t)S * K * 4);
+    for (int i = 0; i < S; i++) {
+        for (int h = 0; h < H; h++) {
+            x[(int64_t)i * H + h] = mf_bf16_to_float(d->x[(int64_t)tok[i] * H + h]);
+            dy[(int64_t)i * H + h] = mf_bf16_to_float(d->dy[(int64_t)tok[i] * H + h]);
+        }
+        memcpy(y_got + (int64_t)i * H, d->y + (int64_t)tok[i] * H, (size_t)H * 2);
+        memcpy(dx_got + (int64_t)i * H, d->dx + (int64_t)tok[i] * H, (size_t)H * 2);
+        for (int k = 0; k < K; k++) {
+            p[i * K + k] = d->p[(int64_t)tok[i] * K + k];
+            dp_got[i * K + k] = d->dp[(int64_t)tok[i] * K + k];
+        }
+    }
+    double *y = xmalloc((size_t)S * H * 8), *dx = xmalloc((size_t)S * H * 8), *dp = xmalloc((size_t)S * K * 8);
+    double *dw13 = xmalloc(used * n13 * 8), *dw2 = xmalloc(used * n2 * 8);
+    mf_ref_forward(&s, x, ids, p, w13, w2, y);
+    mf_ref_backward(&s, x, ids, p, w13, w2, dy, dx, dp, dw13, dw2);
+    printf("check of %d sampled tokens (%d experts) against the fp64 reference; weight "
+           "gradients not checked at this size:\n", S, used);
+    int ok = report("y", rel_err_bf16(y_got, y, (int64_t)S * H), 4);
+    ok &= report("dx", rel_err_bf16(dx_got, dx, (int64_t)S * H), 4);
+    ok &= report("dp", rel_err_f32(dp_got, dp, (int64_t)S * K), 3);
+    free(tok); free(ids); free(experts); free(w13); free(w2); free(x); free(dy); free(p);
+    free(y_got); free(dx_got); free(dp_got); free(y); free(dx); free(dp); free(dw13); free(dw2);
     return ok;
 }
 
@@ -259,15 +321,9 @@ int main(int argc, char **argv) {
     int ok = 1;
     if (check) {
         size_t ref_bytes = 8 * ((size_t)d.E * 3 * d.I * d.H * 2 + (size_t)T * d.H * 4);
-        if (ref_bytes > REFERENCE_BYTES_MAX) {
-            printf("check skipped: the fp64 reference would need %.1f GiB of host memory "
-                   "(limit %.0f GiB); run qwen3-30b-a3b for a checked step\n",
-                   ref_bytes / 1073741824.0, REFERENCE_BYTES_MAX / 1073741824.0);
-        } else {
-            ok = check_step(&d);
-            printf("%s\n", ok ? "PASS: step matches the fp64 reference"
-                              : "FAIL: step differs from the fp64 reference");
-        }
+        ok = ref_bytes > REFERENCE_BYTES_MAX ? check_sampled_tokens(&d, 4) : check_step(&d);
+        printf("%s\n", ok ? "PASS: step matches the fp64 reference"
+                          : "FAIL: step differs from the fp64 reference");
     }
     moefuse_layer_destroy(layer);
     free(saved);
