@@ -1,12 +1,13 @@
-/* The CUDA backend (sm_90a, R = 1): workspaces, the saved-buffer layout, and the
- * forward pipeline  plan -> dispatch -> gemm1 (SwiGLU) -> gemm2 (combine) -> reduce.
+/* The CUDA backend (sm_90a, R = 1): workspaces, the saved-buffer layout, the forward
+ * pipeline  plan -> dispatch -> gemm1 (SwiGLU) -> gemm2 (combine) -> reduce, and the
+ * backward that mirrors it (see "backward" below).
  *
- * A forward is launches on the caller's stream only: no host synchronization, no
- * allocation, no host-to-device copy, so it can be captured in a CUDA graph. The
- * workspaces (xs, act, combine, plan scratch) belong to the layer: calls on one
- * layer must be ordered (one stream, or events between streams). What the backward
- * needs goes to the caller's `saved` buffer, so several forwards may be in flight
- * before their backwards.
+ * A forward or backward is launches on the caller's stream only: no host
+ * synchronization, no allocation, no host-to-device copy, so it can be captured in a
+ * CUDA graph. The workspaces (xs, act, combine, dh, plan scratch) belong to the
+ * layer: calls on one layer must be ordered (one stream, or events between streams).
+ * What the backward needs goes to the caller's `saved` buffer, so several forwards may
+ * be in flight before their backwards.
  *
  * Saved buffer (moefuse_saved_bytes(T)), each section at a 256-byte boundary:
  *   header           int32[16]  see kHeader* below; num_rows at word 9
@@ -21,8 +22,26 @@
  * K rows of 2I bf16) + K/32 (row_block_expert): qwen3-30b-a3b 64 + 24576 = 24,640 B,
  * qwen3-235b-a22b 64 + 49152 = 49,216 B; plus at most 127 * min(E_local, T*K) padding
  * rows of 4 + 4I bytes, and the header and counts (under 2 KB at E = 128).
- * (This layout is the contract with the CUDA backward; move it to a header shared
- * with it when that exists.) */
+ * (This layout is the contract between the CUDA forward and backward below.)
+ *
+ * Layer workspaces, bytes per token of max_tokens (K slot rows each; the padding rows
+ * of rows_cap add up to 127 * min(E_local, T*K) rows on top):
+ *   xs        [rows_cap, H]  bf16   fwd: gathered x      bwd: gathered x again (dW13)
+ *   act       [rows_cap, I]  bf16   fwd: a               bwd: act_p = bf16(p a) (dW2)
+ *   combine   [rows_cap, H]  bf16   fwd: slot rows of y  bwd: dys, then slot rows of dx
+ *   dh        [rows_cap, 2I] bf16   bwd: [dg | du]
+ *   dp_partial[rows_cap, P]  fp32   bwd: d p partial sums (P = mf_dgrad2_dp_parts(I))
+ *   gate_up   [rows_cap, 2I] bf16   bwd, MOEFUSE_RECOMPUTE only: [g | u] recomputed
+ *   slot_rank [T*K] int32, chunk_base, plan_ws (a plan when saved = NULL): small
+ * per token: 2KH (xs) + 2KI (act) + 2KH (combine) + 4KI (dh) + 4KP (dp_partial) + 4K (slot_rank) [+ 4KI gate_up when recomputing]:
+ *   qwen3-30b-a3b   (P = 6):  32768 + 12288 + 32768 + 24576 + 192 + 32 = 102,624 B
+ *                             (+24,576 recompute), 420 MB at max_tokens = 4096;
+ *   qwen3-235b-a22b (P = 12): 65536 + 24576 + 65536 + 49152 + 384 + 32 = 205,216 B
+ *                             (+49,152 recompute).
+ * (P assumes 128-column tiles in dgrad2; the real P comes from the kernel.) The
+ * backward's dys shares combine: dW2 consumes dys before dgrad1 writes dx slot rows
+ * there, which is why combine has rows_cap rows, not T*K (+~50% of one [T*K, H] at
+ * T = 4096, E = 128, instead of a separate dys of rows_cap rows). */
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,6 +50,13 @@
 #include "check.h"
 #include "internal.h"
 #include "kernels.h"
+
+/* MF_CUDA_BACKWARD: 1 builds the CUDA backward, which links the backward GEMMs of
+ * kernels.h (sm90_gemm2_dgrad_swiglu_bwd_bf16.cu, sm90_gemm1_dgrad_bwd_bf16.cu,
+ * sm90_wgrad_grouped_bf16.cu); 0 keeps moefuse_backward at MOEFUSE_ERR_UNSUPPORTED. */
+#ifndef MF_CUDA_BACKWARD
+#define MF_CUDA_BACKWARD 1
+#endif
 
 namespace {
 
@@ -97,6 +123,12 @@ struct cuda_state {
     mf_plan_state *plan_state;  /* error record and per-call flags */
     int32_t *gemm_num_rows;     /* device scalar */
     void *plan_ws;              /* layout_for(max_tokens, no gate_up): the plan when saved = NULL */
+    /* backward */
+    int dp_parts;               /* mf_dgrad2_dp_parts(I) */
+    uint16_t *dh;               /* [rows_cap(max_tokens), 2I] */
+    float *dp_partial;          /* [rows_cap(max_tokens), dp_parts] */
+    uint16_t *gate_up;          /* [rows_cap(max_tokens), 2I], MOEFUSE_RECOMPUTE only */
+    int32_t *bwd_offsets;       /* [E_local + 1]: the checked expert_offsets, 0s on failure */
 };
 
 cuda_state *state_of(const moefuse_layer *layer) { return (cuda_state *)layer->backend; }
@@ -104,7 +136,8 @@ cuda_state *state_of(const moefuse_layer *layer) { return (cuda_state *)layer->b
 void free_state(cuda_state *s) {
     if (!s) return;
     void *bufs[] = {s->xs, s->act, s->combine, s->slot_rank, s->chunk_base, s->plan_state,
-                    s->gemm_num_rows, s->plan_ws};
+                    s->gemm_num_rows, s->plan_ws, s->dh, s->dp_partial, s->gate_up,
+                    s->bwd_offsets};
     for (void *b : bufs)
         if (b) cudaFree(b);
     free(s);
@@ -188,12 +221,23 @@ moefuse_status cuda_create_checked(moefuse_layer *layer, cuda_state *s) {
     if ((st = alloc((void **)&s->field, (size_t)(bytes), #field)) != MOEFUSE_OK) return st;
     ALLOC(xs, rows_cap * c->hidden * 2)
     ALLOC(act, rows_cap * c->intermediate * 2)
-    ALLOC(combine, (int64_t)T * K * c->hidden * 2)
+    ALLOC(combine, rows_cap * c->hidden * 2)  // rows_cap >= T*K: also the backward's dys
     ALLOC(slot_rank, (int64_t)T * K * 4)
     ALLOC(chunk_base, (chunks > 0 ? chunks : 1) * EL * 4)
     ALLOC(plan_state, sizeof(mf_plan_state))
     ALLOC(gemm_num_rows, sizeof(int32_t))
     ALLOC(plan_ws, layout_for(layer, T, false).total)
+#if MF_CUDA_BACKWARD
+    s->dp_parts = mf_dgrad2_dp_parts(c->intermediate);
+    if (s->dp_parts < 1)
+        return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
+                       "config.intermediate = %d: the backward's dgrad2 takes no such size "
+                       "(mf_dgrad2_dp_parts = %d)", c->intermediate, s->dp_parts);
+    ALLOC(dh, rows_cap * 2 * c->intermediate * 2)
+    ALLOC(dp_partial, rows_cap * s->dp_parts * 4)
+    if (c->saved_mode == MOEFUSE_RECOMPUTE) ALLOC(gate_up, rows_cap * 2 * c->intermediate * 2)
+    ALLOC(bwd_offsets, (int64_t)(EL + 1) * 4)
+#endif
 #undef ALLOC
     const mf_plan_state init = MF_PLAN_STATE_INIT;
     MF_CUDA_TRY(cudaMemcpy(s->plan_state, &init, sizeof init, cudaMemcpyHostToDevice));
@@ -327,14 +371,337 @@ moefuse_status cuda_forward(moefuse_layer *layer, const moefuse_fwd_args *a, voi
     return MOEFUSE_OK;
 }
 
+/* ---- backward ----------------------------------------------------------------------
+ *
+ *   check     the saved plan against the layer, T and ids (device, below)
+ *   dispatch  dy -> dys (in combine), x -> xs, in the saved plan's row order
+ *   gemm1     MOEFUSE_RECOMPUTE only: xs -> [g | u] (the forward's very call, so the
+ *             forward's bits; act goes to the act workspace and is not read)
+ *   dgrad2    dys W2_e with the SwiGLU backward -> dh = [dg | du], act_p = bf16(p a),
+ *             d p partial sums per column block
+ *   dW2       sum over e's rows of dys^T act_p              (reads dys: before dgrad1)
+ *   dgrad1    dh W13_e -> one dx row per slot, into combine (over the dead dys)
+ *   reduce    dx[t] = bf16(sum over k in order of the slot rows), like y
+ *   reduce_dp dweights[t,k] = sum over the column blocks in order
+ *   dW13      sum over e's rows of dh^T xs
+ * Every sum has one owner and a fixed order: bitwise reproducible, no atomics. */
+
+#if MF_CUDA_BACKWARD
+
+/* Device check of the saved plan, three tiny kernels (the plan lives in device memory;
+ * reading it on the host would need a synchronization):
+ *   header  one block: header words, counts/offsets, row_block_expert; num_rows,
+ *           call_failed and the offsets the weight gradients read come from here;
+ *   slots   grid over slots and rows: slot_row / row_slot are inverse, every live
+ *           slot sits in the segment of its ids[] expert, every local slot is routed;
+ *   finish  one thread: on a failure, records it, fails the call (num_rows 0, offsets
+ *           0), and restores the per-call fields.
+ * So a stale or foreign buffer is reported by moefuse_layer_check instead of reading
+ * out of bounds. NOTE: the slot pass reads 4 words per slot and row: ~1 MB at
+ * T = 4096, K = 8, a few microseconds. */
+struct bwd_check_params {
+    const int32_t *header;            /* [16] */
+    const int32_t *counts;            /* [E_local] */
+    const int32_t *offsets;           /* [E_local + 1] */
+    const int32_t *row_block_expert;  /* [rows_cap / 128] */
+    const int32_t *slot_row;          /* [T*K] */
+    const int32_t *row_slot;          /* [rows_cap] */
+    const int32_t *ids;               /* [T, K] */
+    int32_t want[kHeaderNumRows];     /* header words 0..8 a matching forward wrote */
+    int num_tokens, top_k, num_local_experts, expert_begin, rows_cap;
+    mf_plan_state *state;
+    int32_t *gemm_num_rows;
+    int32_t *bwd_offsets;             /* [E_local + 1] out */
+};
+
+/* What failed (mf_plan_error.slot of a MOEFUSE_ERR_SAVED_STATE record). */
+enum { kBadHeader = 0, kBadOffsets = 1, kBadBlocks = 2, kBadSlot = 3, kBadRow = 4 };
+
+__device__ void record_saved_error(mf_plan_state *st, int what, int index, int value) {
+    if (st->record.code == 0) {  // keep the first failure until moefuse_layer_check
+        st->record.token = index;
+        st->record.slot = what;
+        st->record.value = value;
+        st->record.code = MOEFUSE_ERR_SAVED_STATE;
+    }
+}
+
+__global__ void __launch_bounds__(256) bwd_check_header_kernel(const __grid_constant__ bwd_check_params p) {
+    __shared__ int s_bad;   // smallest bad index * 8 + what; INT_MAX none
+    if (threadIdx.x == 0) s_bad = 0x7fffffff;
+    __syncthreads();
+    const int EL = p.num_local_experts;
+    const int32_t nr = p.header[kHeaderNumRows];
+    // header words (each thread one word; num_rows: multiple of 128 within rows_cap)
+    if (threadIdx.x < kHeaderNumRows && p.header[threadIdx.x] != p.want[threadIdx.x])
+        atomicMin(&s_bad, (int)threadIdx.x * 8 + kBadHeader);
+    if (threadIdx.x == 0 && (nr < 0 || nr > p.rows_cap || nr % MF_SM90_BLOCK_M != 0))
+        atomicMin(&s_bad, kHeaderNumRows * 8 + kBadHeader);
+    __syncthreads();
+    if (s_bad == 0x7fffffff) {
+        // counts and offsets: offsets[e+1] - offsets[e] = counts[e] padded to 128
+        for (int e = threadIdx.x; e <= EL; e += blockDim.x) {
+            bool ok;
+            if (e == EL) {
+                ok = p.offsets[EL] == nr && p.offsets[0] == 0;
+            } else {
+                const int32_t c = p.counts[e];
+                ok = c >= 0 && c <= p.rows_cap &&
+                     p.offsets[e + 1] - p.offsets[e] ==
+                         (c + MF_SM90_BLOCK_M - 1) / MF_SM90_BLOCK_M * MF_SM90_BLOCK_M;
+            }
+            if (!ok) atomicMin(&s_bad, e * 8 + kBadOffsets);
+        }
+        __syncthreads();
+    }
+    if (s_bad == 0x7fffffff) {
+        // each 128-row block names the expert whose segment holds it
+        for (int b = threadIdx.x; b < nr / MF_SM90_BLOCK_M; b += blockDim.x) {
+            const int32_t e = p.row_block_expert[b];
+            const bool ok = e >= 0 && e < EL && p.offsets[e] <= b * MF_SM90_BLOCK_M &&
+                            b * MF_SM90_BLOCK_M < p.offsets[e + 1];
+            if (!ok) atomicMin(&s_bad, b * 8 + kBadBlocks);
+        }
+        __syncthreads();
+    }
+    const bool bad = s_bad != 0x7fffffff;
+    for (int e = threadIdx.x; e <= EL; e += blockDim.x) p.bwd_offsets[e] = bad ? 0 : p.offsets[e];
+    if (threadIdx.x == 0) {
+        if (bad) {
+            const int what = s_bad % 8, index = s_bad / 8;
+            const int value = what == kBadHeader ? p.header[index]
+                              : what == kBadOffsets ? p.offsets[index] : p.row_block_expert[index];
+            record_saved_error(p.state, what, index, value);
+        }
+        p.state->call_failed = bad ? 1 : 0;
+        *p.gemm_num_rows = bad ? 0 : nr;
+    }
+}
+
+__global__ void __launch_bounds__(256) bwd_check_slots_kernel(const __grid_constant__ bwd_check_params p) {
+    if (p.state->call_failed) return;  // the header failed: the rest is not to be read
+    const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    const int64_t slots = (int64_t)p.num_tokens * p.top_k;
+    const int32_t nr = p.header[kHeaderNumRows];
+    bool ok = true;
+    if (i < slots) {
+        // a local slot has a row that points back at it; any other slot has none
+        const int32_t e = p.ids[i] - p.expert_begin, r = p.slot_row[i];
+        if (e >= 0 && e < p.num_local_experts)
+            ok = r >= p.offsets[e] && r < p.offsets[e] + p.counts[e] && p.row_slot[r] == i;
+        else
+            ok = r == -1;
+    } else if (i < slots + nr) {
+        // a row of a segment's first counts[e] holds a slot routed to e that points
+        // back at it; the rest of the segment is padding
+        const int32_t r = (int32_t)(i - slots), s = p.row_slot[r];
+        const int32_t e = p.row_block_expert[r / MF_SM90_BLOCK_M];
+        if (r - p.offsets[e] < p.counts[e])
+            ok = s >= 0 && s < slots && p.slot_row[s] == r && p.ids[s] == p.expert_begin + e;
+        else
+            ok = s == -1;
+    }
+    if (!ok) atomicMin(&p.state->first_bad_token, (uint32_t)i);
+}
+
+__global__ void bwd_check_finish_kernel(const __grid_constant__ bwd_check_params p) {
+    const uint32_t bad = p.state->first_bad_token;
+    if (bad == 0xffffffffu) return;
+    const int64_t slots = (int64_t)p.num_tokens * p.top_k;
+    if ((int64_t)bad < slots)
+        record_saved_error(p.state, kBadSlot, (int)bad, p.ids[bad]);
+    else
+        record_saved_error(p.state, kBadRow, (int)(bad - slots), p.row_slot[bad - slots]);
+    p.state->call_failed = 1;
+    *p.gemm_num_rows = 0;
+    for (int e = 0; e <= p.num_local_experts; e++) p.bwd_offsets[e] = 0;
+    p.state->first_bad_token = 0xffffffffu;
+}
+
+moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *stream_) {
+    cuda_state *s = state_of(layer);
+    const cudaStream_t stream = (cudaStream_t)stream_;
+    const moefuse_config *c = &layer->cfg;
+    const int T = a->num_tokens, K = c->top_k, EL = layer->num_local_experts;
+    const int H = c->hidden, I = c->intermediate;
+    const bool recompute = c->saved_mode == MOEFUSE_RECOMPUTE;
+    if (T == 0) {  // no rows: the weight gradients are 0
+        if (!a->accumulate) {
+            MF_CUDA_TRY(cudaMemsetAsync(a->dw13, 0, (size_t)EL * 2 * I * H * 4, stream));
+            MF_CUDA_TRY(cudaMemsetAsync(a->dw2, 0, (size_t)EL * H * I * 4, stream));
+        }
+        return MOEFUSE_OK;
+    }
+
+    // ---- 0. the saved plan: checked on the device ----
+    const saved_layout lay = layout_for(layer, T, !recompute);
+    const char *base = (const char *)a->saved;
+    const int32_t *row_slot = (const int32_t *)(base + lay.row_slot);
+    const int32_t *rbe = (const int32_t *)(base + lay.row_block_expert);
+    const int32_t *call_failed = &s->plan_state->call_failed;
+    bwd_check_params cp;
+    memset(&cp, 0, sizeof cp);
+    cp.header = (const int32_t *)(base + lay.header);
+    cp.counts = (const int32_t *)(base + lay.counts);
+    cp.offsets = (const int32_t *)(base + lay.offsets);
+    cp.row_block_expert = rbe;
+    cp.slot_row = (const int32_t *)(base + lay.slot_row);
+    cp.row_slot = row_slot;
+    cp.ids = a->ids;
+    cp.want[kHeaderMagic] = kSavedMagic;
+    cp.want[kHeaderVersion] = kSavedVersion;
+    cp.want[kHeaderTokens] = T;
+    cp.want[kHeaderTopK] = K;
+    cp.want[kHeaderLocalExperts] = EL;
+    cp.want[kHeaderHidden] = H;
+    cp.want[kHeaderIntermediate] = I;
+    cp.want[kHeaderRowsCap] = lay.rows_cap;
+    cp.want[kHeaderSavedMode] = c->saved_mode;
+    cp.num_tokens = T;
+    cp.top_k = K;
+    cp.num_local_experts = EL;
+    cp.expert_begin = layer->expert_begin;
+    cp.rows_cap = lay.rows_cap;
+    cp.state = s->plan_state;
+    cp.gemm_num_rows = s->gemm_num_rows;
+    cp.bwd_offsets = s->bwd_offsets;
+    bwd_check_header_kernel<<<1, 256, 0, stream>>>(cp);
+    MF_CUDA_LAUNCHED();
+    const int64_t check_n = (int64_t)T * K + lay.rows_cap;
+    bwd_check_slots_kernel<<<(unsigned)((check_n + 255) / 256), 256, 0, stream>>>(cp);
+    MF_CUDA_LAUNCHED();
+    bwd_check_finish_kernel<<<1, 1, 0, stream>>>(cp);
+    MF_CUDA_LAUNCHED();
+
+    // ---- 1. dispatch: dy -> dys (the combine workspace), x -> xs ----
+    uint16_t *dys = s->combine;
+    mf_dispatch_params dp;
+    dp.x = a->dy;
+    dp.x_stride = a->dy_stride;
+    dp.row_slot = row_slot;
+    dp.num_rows = s->gemm_num_rows;
+    dp.call_failed = call_failed;
+    dp.xs = dys;
+    dp.rows_cap = lay.rows_cap;
+    dp.hidden = H;
+    dp.top_k = K;
+    dp.num_sms = s->num_sms;
+    MF_CUDA_TRY(mf_dispatch_rows_bf16(&dp, stream));
+    dp.x = a->x;
+    dp.x_stride = a->x_stride;
+    dp.xs = s->xs;
+    MF_CUDA_TRY(mf_dispatch_rows_bf16(&dp, stream));
+
+    // ---- 2. [g | u]: saved, or recomputed by the forward's gemm1 ----
+    const uint16_t *gate_up = (const uint16_t *)(base + lay.gate_up);
+    if (recompute) {
+        mf_gemm1_params g1;
+        g1.xs = s->xs;
+        g1.w13 = a->w13;
+        g1.row_block_expert = rbe;
+        g1.num_rows = s->gemm_num_rows;
+        g1.act = s->act;  // not read; dgrad2 overwrites it with act_p
+        g1.gate_up = s->gate_up;
+        g1.rows_cap = lay.rows_cap;
+        g1.hidden = H;
+        g1.intermediate = I;
+        g1.num_local_experts = EL;
+        g1.num_sms = s->num_sms;
+        MF_CUDA_TRY(mf_sm90_gemm1_swiglu_fwd_bf16(&g1, stream));
+        gate_up = s->gate_up;
+    }
+
+    // ---- 3. dgrad2 + SwiGLU backward: dh, act_p, d p partials ----
+    mf_dgrad2_params d2;
+    d2.dys = dys;
+    d2.w2 = a->w2;
+    d2.gate_up = gate_up;
+    d2.row_block_expert = rbe;
+    d2.num_rows = s->gemm_num_rows;
+    d2.row_slot = row_slot;
+    d2.slot_weight = a->weights;
+    d2.dh = s->dh;
+    d2.act_p = s->act;
+    d2.dp_partial = s->dp_partial;
+    d2.rows_cap = lay.rows_cap;
+    d2.hidden = H;
+    d2.intermediate = I;
+    d2.num_local_experts = EL;
+    d2.num_sms = s->num_sms;
+    MF_CUDA_TRY(mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&d2, stream));
+
+    // ---- 4. dW2 = dys^T act_p per expert: before dgrad1 overwrites dys ----
+    mf_wgrad_params wg;
+    wg.lhs = dys;
+    wg.rhs = s->act;
+    wg.expert_offsets = s->bwd_offsets;
+    wg.dw = a->dw2;
+    wg.rows_cap = lay.rows_cap;
+    wg.m = H;
+    wg.n = I;
+    wg.num_local_experts = EL;
+    wg.accumulate = a->accumulate;
+    wg.num_sms = s->num_sms;
+    MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&wg, stream));
+
+    // ---- 5. dgrad1: dh W13_e -> dx slot rows in combine ----
+    mf_dgrad1_params d1;
+    d1.dh = s->dh;
+    d1.w13 = a->w13;
+    d1.row_block_expert = rbe;
+    d1.num_rows = s->gemm_num_rows;
+    d1.row_slot = row_slot;
+    d1.combine = s->combine;
+    d1.rows_cap = lay.rows_cap;
+    d1.hidden = H;
+    d1.intermediate = I;
+    d1.num_local_experts = EL;
+    d1.num_sms = s->num_sms;
+    MF_CUDA_TRY(mf_sm90_gemm1_dgrad_bwd_bf16(&d1, stream));
+
+    // ---- 6. reduce: dx[t] = sum of its K slot rows, fp32, k order; and d p ----
+    mf_reduce_params rp;
+    rp.combine = s->combine;
+    rp.ids = a->ids;
+    rp.call_failed = call_failed;
+    rp.y = a->dx;
+    rp.y_stride = a->dx_stride;
+    rp.num_tokens = T;
+    rp.top_k = K;
+    rp.hidden = H;
+    MF_CUDA_TRY(mf_reduce_slots_bf16(&rp, stream));
+    mf_reduce_dp_params rd;
+    rd.dp_partial = s->dp_partial;
+    rd.parts = s->dp_parts;
+    rd.slot_row = (const int32_t *)(base + lay.slot_row);
+    rd.call_failed = call_failed;
+    rd.dweights = a->dweights;
+    rd.num_tokens = T;
+    rd.top_k = K;
+    MF_CUDA_TRY(mf_reduce_dp_f32(&rd, stream));
+
+    // ---- 7. dW13 = dh^T xs per expert ----
+    wg.lhs = s->dh;
+    wg.rhs = s->xs;
+    wg.dw = a->dw13;
+    wg.m = 2 * I;
+    wg.n = H;
+    MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&wg, stream));
+    return MOEFUSE_OK;
+}
+
+#else  // !MF_CUDA_BACKWARD
+
 moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *stream) {
     (void)layer;
     (void)a;
     (void)stream;
     return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
-                   "moefuse_backward: the CUDA backward is not built yet (issue 4); use "
-                   "MOEFUSE_BACKEND_CPU");
+                   "moefuse_backward: the CUDA backward is not built (MF_CUDA_BACKWARD = 0, "
+                   "issue 4); use MOEFUSE_BACKEND_CPU");
 }
+
+#endif  // MF_CUDA_BACKWARD
 
 moefuse_status cuda_check(moefuse_layer *layer, void *stream_) {
     cuda_state *s = state_of(layer);
@@ -357,6 +724,17 @@ moefuse_status cuda_check(moefuse_layer *layer, void *stream_) {
                        "earlier in token %d; expected no expert twice in a token; that call "
                        "wrote no output",
                        rec.token, rec.slot, rec.value, rec.token);
+    if (rec.code == MOEFUSE_ERR_SAVED_STATE) {
+        static const char *const what[] = {"header word", "expert_offsets/counts entry",
+                                           "row_block_expert of block", "slot", "row"};
+        return mf_fail(MOEFUSE_ERR_SAVED_STATE,
+                       "moefuse_backward: bwd_args.saved: %s %d holds %d, which does not match "
+                       "a forward of this layer with these num_tokens and ids; expected the "
+                       "buffer that forward filled; that call wrote no dx and no dweights "
+                       "(dw13/dw2: zeros in write mode, unchanged when accumulating)",
+                       rec.slot >= 0 && rec.slot < 5 ? what[rec.slot] : "entry", rec.token,
+                       rec.value);
+    }
     return mf_fail(MOEFUSE_ERR_CUDA, "moefuse_layer_check: unexpected device error record %d",
                    rec.code);
 }

@@ -52,6 +52,71 @@ typedef struct mf_gemm2_params {
 
 cudaError_t mf_sm90_gemm2_combine_fwd_bf16(const mf_gemm2_params *p, cudaStream_t stream);
 
+/* ---- backward GEMMs (issue 4) ---------------------------------------------------------
+ * The backward reuses the forward's plan (saved), dispatches dy into the same
+ * expert-sorted row order (dys), and needs the forward's gate_up (saved, or recomputed
+ * by gemm1). Padding rows of dys and xs are zero (dispatch zeroes them), so padding
+ * rows contribute nothing to the weight gradients. */
+
+/* dgrad of gemm2 with the SwiGLU backward in the epilogue, per 128-row block of e:
+ *   da'[r]  = dys[r] W2_e                       fp32, [I]   (W2_e is [H, I]: B is MN-major)
+ *   g, u    = gate_up[r];  a = bf16(silu(g) * u)            (exactly the forward's a)
+ *   dp_partial[r, nb] = sum over this tile's columns j of da'[j] * a[j]   (fp32)
+ *   da      = p[row_slot[r]] * da'
+ *   dh[r]   = bf16([da * u * silu'(g) ; da * silu(g)])      ([dg | du], like gate_up)
+ *   act_p[r] = bf16(p * a)                                  (the A operand of dW2)
+ * Rows with row_slot -1 (padding) get dh = 0, act_p = 0, dp_partial = 0. */
+typedef struct mf_dgrad2_params {
+    const uint16_t *dys;              /* [rows_cap, H] bf16 */
+    const uint16_t *w2;               /* [E_local, H, I] bf16 */
+    const uint16_t *gate_up;          /* [rows_cap, 2I] bf16 [g | u] */
+    const int32_t *row_block_expert;  /* [rows_cap / 128] */
+    const int32_t *num_rows;          /* device scalar */
+    const int32_t *row_slot;          /* [rows_cap] */
+    const float *slot_weight;         /* [T*K] p */
+    uint16_t *dh;                     /* out [rows_cap, 2I] bf16 */
+    uint16_t *act_p;                  /* out [rows_cap, I] bf16 */
+    float *dp_partial;                /* out [rows_cap, mf_dgrad2_dp_parts(I)] fp32 */
+    int rows_cap, hidden, intermediate, num_local_experts, num_sms;
+} mf_dgrad2_params;
+
+/* Column blocks of dgrad2 over I, i.e. the partial sums per row that make d p. */
+int mf_dgrad2_dp_parts(int intermediate);
+cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(const mf_dgrad2_params *p, cudaStream_t stream);
+
+/* dgrad of gemm1: combine[row_slot[r]] = bf16(dh[r] W13_e) for rows with row_slot >= 0
+ * (W13_e is [2I, H]: B is MN-major). The reduce kernel then sums the K slots of a token
+ * into dx, as in the forward. */
+typedef struct mf_dgrad1_params {
+    const uint16_t *dh;               /* [rows_cap, 2I] bf16 */
+    const uint16_t *w13;              /* [E_local, 2I, H] bf16 */
+    const int32_t *row_block_expert;  /* [rows_cap / 128] */
+    const int32_t *num_rows;          /* device scalar */
+    const int32_t *row_slot;          /* [rows_cap] */
+    uint16_t *combine;                /* out [T*K, H] bf16 */
+    int rows_cap, hidden, intermediate, num_local_experts, num_sms;
+} mf_dgrad1_params;
+
+cudaError_t mf_sm90_gemm1_dgrad_bwd_bf16(const mf_dgrad1_params *p, cudaStream_t stream);
+
+/* K-grouped weight gradient: for every local expert e, over its padded rows
+ * [expert_offsets[e], expert_offsets[e+1]):
+ *     dw_e [M, N] = (accumulate ? dw_e : 0) + sum_r lhs[r, :]^T rhs[r, :]
+ * in fp32, each output element owned by one CTA (no atomics: deterministic).
+ * dW2:  lhs = dys [rows, H] (M = H),   rhs = act_p [rows, I] (N = I)
+ * dW13: lhs = dh  [rows, 2I] (M = 2I), rhs = xs [rows, H]   (N = H)
+ * Both operands are MN-major (rows are the reduction). Experts without rows get zeros
+ * (write mode) or are left as they are (accumulate). */
+typedef struct mf_wgrad_params {
+    const uint16_t *lhs;              /* [rows_cap, M] bf16 */
+    const uint16_t *rhs;              /* [rows_cap, N] bf16 */
+    const int32_t *expert_offsets;    /* [E_local + 1] device, multiples of 128 */
+    float *dw;                        /* [E_local, M, N] fp32 */
+    int rows_cap, m, n, num_local_experts, accumulate, num_sms;
+} mf_wgrad_params;
+
+cudaError_t mf_sm90_wgrad_grouped_bf16(const mf_wgrad_params *p, cudaStream_t stream);
+
 /* ---- plan, dispatch and reduce ------------------------------------------------------
  * Each launcher returns cudaGetLastError() of its launches. */
 
@@ -140,6 +205,20 @@ typedef struct mf_reduce_params {
 } mf_reduce_params;
 
 cudaError_t mf_reduce_slots_bf16(const mf_reduce_params *p, cudaStream_t stream);
+
+/* The backward's d p: dweights[s] = sum over nb = 0..parts-1, in order, of
+ * dp_partial[slot_row[s], nb] in fp32; 0 where slot_row[s] = -1 (dropped). */
+typedef struct mf_reduce_dp_params {
+    const float *dp_partial;      /* [rows_cap, parts] (mf_sm90_gemm2_dgrad_swiglu_bwd_bf16) */
+    int parts;                    /* mf_dgrad2_dp_parts(I), >= 1 */
+    const int32_t *slot_row;      /* [T*K] */
+    const int32_t *call_failed;   /* device flag: nonzero = write nothing */
+    float *dweights;              /* out [T, K] */
+    int num_tokens;
+    int top_k;
+} mf_reduce_dp_params;
+
+cudaError_t mf_reduce_dp_f32(const mf_reduce_dp_params *p, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -124,17 +124,7 @@ cudaError_t launch(const mf_gemm1_params *p, cudaStream_t stream) {
     args.hidden = p->hidden;
     args.intermediate = p->intermediate;
 
-    auto kernel = sm90_gemm1_swiglu_fwd_bf16_kernel<Cfg>;
-    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    Cfg::kSmemBytes)) != cudaSuccess)
-        return err;
-    kernel<<<p->num_sms, kThreads, Cfg::kSmemBytes, stream>>>(args);
-    return cudaGetLastError();
-}
-
-template <class... T>
-bool misaligned16(const T *...ptrs) {
-    return ((reinterpret_cast<uintptr_t>(ptrs) & 15u) | ...) != 0;
+    return launch_persistent(sm90_gemm1_swiglu_fwd_bf16_kernel<Cfg>, Cfg::kSmemBytes, p->num_sms, args, stream);
 }
 
 }  // namespace

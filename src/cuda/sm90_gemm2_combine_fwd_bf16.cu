@@ -50,47 +50,16 @@ struct Gemm2Load {
     }
 };
 
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t *>(&v);
-}
-
 /* ---- epilogue: scale by the routing weight, scatter the row to its slot ----------------
- * Accumulator layout of m64nN (per warpgroup): register 4c + 2h + {0,1} of lane l in warp
- * w holds row 16w + l/4 + 8h, columns 8c + 2(l%4) + {0,1}. Chunks of 128 columns. */
+ * The shared scatter (sm90_grouped_gemm.cuh), also used by dgrad1 with weight 1. */
 template <class Cfg>
 struct Gemm2Epilogue {
     const Gemm2Args &args;
 
     __device__ __forceinline__ void operator()(int m_block, int n_block,
                                                float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
-        constexpr int kChunks = Cfg::BN / kEpiMaxCols;
-        static_assert(Cfg::BN % kEpiMaxCols == 0, "BN must be whole chunks");
-        const int t = threadIdx.x % 128;
-        const int lane = t % 32, warp = t / 32;
-        const int row0 = m_block * kBlockM + (threadIdx.x / 128) * 64;
-        float w[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int slot = args.row_slot[row0 + warp * 16 + lane / 4 + 8 * h];
-            w[h] = slot >= 0 ? args.slot_weight[slot] : 0.f;
-        }
-#pragma unroll
-        for (int ch = 0; ch < kChunks; ++ch) {
-            constexpr int kR = kEpiMaxCols / 2;   /* accumulator registers per chunk */
-            epi_store_chunk<kEpiMaxCols>(
-                buf,
-                [&](int c, int h) {
-                    return pack_bf16x2(w[h] * acc[ch * kR + 4 * c + 2 * h],
-                                       w[h] * acc[ch * kR + 4 * c + 2 * h + 1]);
-                },
-                [&](int r) -> void * {
-                    const int slot = args.row_slot[row0 + r];
-                    if (slot < 0) return nullptr;
-                    return args.combine + (int64_t)slot * args.hidden + n_block * Cfg::BN +
-                           ch * kEpiMaxCols;
-                });
-        }
+        epi_scatter_rows<Cfg>(m_block, n_block, acc, buf, args.row_slot, args.slot_weight,
+                              reinterpret_cast<uint16_t *>(args.combine), args.hidden);
     }
 };
 
@@ -126,17 +95,7 @@ cudaError_t launch(const mf_gemm2_params *p, cudaStream_t stream) {
     args.hidden = p->hidden;
     args.intermediate = p->intermediate;
 
-    auto kernel = sm90_gemm2_combine_fwd_bf16_kernel<Cfg>;
-    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    Cfg::kSmemBytes)) != cudaSuccess)
-        return err;
-    kernel<<<p->num_sms, kThreads, Cfg::kSmemBytes, stream>>>(args);
-    return cudaGetLastError();
-}
-
-template <class... T>
-bool misaligned16(const T *...ptrs) {
-    return ((reinterpret_cast<uintptr_t>(ptrs) & 15u) | ...) != 0;
+    return launch_persistent(sm90_gemm2_combine_fwd_bf16_kernel<Cfg>, Cfg::kSmemBytes, p->num_sms, args, stream);
 }
 
 }  // namespace

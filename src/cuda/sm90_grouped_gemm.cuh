@@ -4,9 +4,17 @@
  * epilogue, passed in as functors.
  *
  * Shape of the work: C[rows, N] = A[rows, K] * B_e[N, K]^T, where the rows are sorted
- * by expert and each 128-row block belongs to one expert (row_block_expert). Both A and
- * B are K-major (K contiguous), the natural wgmma "TN" layout, loaded by TMA with the
- * 128-byte swizzle in 64-element K slices.
+ * by expert and each 128-row block belongs to one expert (row_block_expert). In the
+ * forward both A and B are K-major (K contiguous), the natural wgmma "TN" layout, loaded
+ * by TMA with the 128-byte swizzle in 64-element K slices.
+ *
+ * MN-major operands (the backward): an operand whose M or N index is contiguous in
+ * memory (dgrad's B = W2_e [H, I] or W13_e [2I, H] with K = the row index; both wgrad
+ * operands, whose K = the expert's rows) is loaded as boxes of 64 contiguous MN elements
+ * x 64 K rows (8 KB each, the same bytes per stage as K-major) and handed to wgmma with
+ * the transpose immediate set and an MN-major descriptor (ptx::make_desc_mnmajor_sw128).
+ * TileConfig says which operand is which; the mainloop is the same for all kernels.
+ * The K-loop length may differ per tile (wgrad: the expert's rows), even be 0.
  *
  * Threads: 3 warpgroups. Warpgroups 0 and 1 are consumers, each owning 64 rows of the
  * 128 x BN tile (accumulators in registers, BN/2 floats per thread); warpgroup 2 is the
@@ -51,10 +59,13 @@ static_assert(kConsumerWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
               "register budget after setmaxnreg exceeds the register file");
 
 /* ---- tile configuration ------------------------------------------------------------ */
-template <int BN_, int STAGES_>
+template <int BN_, int STAGES_, bool A_MN_MAJOR = false, bool B_MN_MAJOR = false>
 struct TileConfig {
     static constexpr int BN = BN_;
     static constexpr int kStages = STAGES_;
+    static constexpr bool kAMnMajor = A_MN_MAJOR;   /* A stored [K, M]: M contiguous */
+    static constexpr bool kBMnMajor = B_MN_MAJOR;   /* B stored [K, N]: N contiguous */
+    static constexpr int kMnBoxBytes = 64 * kBlockK * 2;   /* one MN-major TMA box */
     static constexpr int kAccRegs = BN / 2;   /* fp32 accumulators per consumer thread */
     static constexpr int kABytes = kBlockM * kBlockK * 2;
     static constexpr int kBBytes = BN * kBlockK * 2;
@@ -67,6 +78,23 @@ struct TileConfig {
     static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0,
                   "every operand tile must start on a 1024-byte swizzle atom");
     static_assert(kSmemBytes <= 227 * 1024, "shared-memory ring exceeds the 227 KB limit");
+    static_assert(kMnBoxBytes % 1024 == 0 && BN % 64 == 0,
+                  "MN-major tiles are whole 64-element boxes of whole swizzle atoms");
+};
+
+/* Operand descriptor of one stage and its per-k16 step in the encoded address field.
+ * K-major: +32 bytes inside the swizzle atom. MN-major: +16 K rows = +2048 bytes; the
+ * 64-element MN boxes sit kMnBoxBytes apart (the descriptor's leading byte offset).
+ * `tile` is where this warpgroup's rows start (A: 64 rows = 8 KB in both layouts). */
+template <bool kMnMajor, int kMnBoxBytes>
+struct OperandDesc {
+    static constexpr uint64_t kStepK16 = kMnMajor ? (16 * 128) >> 4 : 32 >> 4;
+    static __device__ __forceinline__ uint64_t make(const uint8_t *tile) {
+        if constexpr (kMnMajor)
+            return ptx::make_desc_mnmajor_sw128(tile, kMnBoxBytes);
+        else
+            return ptx::make_desc_kmajor_sw128(tile);
+    }
 };
 
 /* ---- shared-memory ring ------------------------------------------------------------- */
@@ -122,19 +150,24 @@ struct RingPos {
  * a few consecutive row blocks (mostly one expert) and all of its n blocks, so each A
  * block is read from DRAM about once and the expert's weights stay in L2 while its row
  * blocks pass. The row count lives in device memory (written by the plan kernel). */
+/* A scheduler gives the tiles of this CTA (next_tile) and the K-loop length of a tile
+ * (num_k_blocks); producer and consumers each walk their own copy in the same order. */
 struct TileScheduler {
     int num_n_blocks;
     int total;
     int next;
+    int k_blocks;
 
     __device__ __forceinline__ TileScheduler(const int32_t *num_rows, int rows_cap,
-                                             int n_blocks) {
+                                             int n_blocks, int num_k_blocks) {
         int rows = *num_rows;
         rows = rows < 0 ? 0 : (rows > rows_cap ? rows_cap : rows);
         num_n_blocks = n_blocks;
         total = (rows / kBlockM) * n_blocks;
         next = blockIdx.x;
+        k_blocks = num_k_blocks;
     }
+    __device__ __forceinline__ int num_k_blocks(int, int) const { return k_blocks; }
     __device__ __forceinline__ bool next_tile(int &m_block, int &n_block) {
         if (next >= total) return false;
         m_block = next / num_n_blocks;
@@ -148,12 +181,12 @@ struct TileScheduler {
  * One thread. load(m_block, n_block, k_block, smem_a, smem_b, full_bar) issues the TMA
  * copies of one stage, kStageBytes in total; load_tile_begin(m_block) runs once per tile
  * (e.g. to read the expert of the row block). */
-template <class Cfg, class Load>
-__device__ __forceinline__ void producer_role(const Ring<Cfg> &ring, TileScheduler sched,
-                                              int num_k_blocks, Load &load) {
+template <class Cfg, class Sched, class Load>
+__device__ __forceinline__ void producer_role(const Ring<Cfg> &ring, Sched sched, Load &load) {
     RingPos<Cfg> pos;
     int m_block, n_block;
     while (sched.next_tile(m_block, n_block)) {
+        const int num_k_blocks = sched.num_k_blocks(m_block, n_block);
         load.tile_begin(m_block, n_block);
         for (int kb = 0; kb < num_k_blocks; ++kb) {
             /* A fresh barrier counts as having completed the phase before phase 0. */
@@ -173,15 +206,17 @@ __device__ __forceinline__ void producer_role(const Ring<Cfg> &ring, TileSchedul
 template <class Cfg>
 __device__ __forceinline__ void mma_m64(float (&acc)[Cfg::kAccRegs], uint64_t da, uint64_t db,
                                         int scale_d) {
+    constexpr int ta = Cfg::kAMnMajor ? 1 : 0, tb = Cfg::kBMnMajor ? 1 : 0;
     if constexpr (Cfg::BN == 256)
-        ptx::wgmma_m64n256k16_bf16_ss(acc, da, db, scale_d);
+        ptx::wgmma_m64n256k16_bf16_ss<ta, tb>(acc, da, db, scale_d);
     else
-        ptx::wgmma_m64n128k16_bf16_ss(acc, da, db, scale_d);
+        ptx::wgmma_m64n128k16_bf16_ss<ta, tb>(acc, da, db, scale_d);
 }
 
-template <class Cfg, class Epi>
-__device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, TileScheduler sched,
-                                              int num_k_blocks, Epi &epi) {
+template <class Cfg, class Sched, class Epi>
+__device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched, Epi &epi) {
+    using DescA = OperandDesc<Cfg::kAMnMajor, Cfg::kMnBoxBytes>;
+    using DescB = OperandDesc<Cfg::kBMnMajor, Cfg::kMnBoxBytes>;
     const int wg = threadIdx.x / 128;
     const int lane = threadIdx.x % 32;
     float acc[Cfg::kAccRegs];
@@ -191,19 +226,20 @@ __device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, TileSchedul
     RingPos<Cfg> pos;
     int m_block, n_block;
     while (sched.next_tile(m_block, n_block)) {
+        const int num_k_blocks = sched.num_k_blocks(m_block, n_block);
         int prev_stage = 0;
         for (int kb = 0; kb < num_k_blocks; ++kb) {
             ptx::mbar_wait(&ring.full[pos.stage], pos.phase);
-            /* NOTE: +32 bytes per k16 step inside the swizzle atom; 64 rows x 128 B per
-             * consumer warpgroup in A. */
-            const uint64_t da =
-                ptx::make_desc_kmajor_sw128(ring.a(pos.stage) + wg * 64 * kBlockK * 2);
-            const uint64_t db = ptx::make_desc_kmajor_sw128(ring.b(pos.stage));
+            /* NOTE: this warpgroup's 64 rows of A are 8 KB into the stage in both layouts
+             * (64 rows x 128 B K-major; the second 64-element box MN-major). */
+            const uint64_t da = DescA::make(ring.a(pos.stage) + wg * 64 * kBlockK * 2);
+            const uint64_t db = DescB::make(ring.b(pos.stage));
             ptx::wgmma_fence_operand(acc);
             ptx::wgmma_fence();
 #pragma unroll
             for (int k = 0; k < kBlockK / 16; ++k)
-                mma_m64<Cfg>(acc, da + 2 * k, db + 2 * k, (kb > 0 || k > 0) ? 1 : 0);
+                mma_m64<Cfg>(acc, da + DescA::kStepK16 * k, db + DescB::kStepK16 * k,
+                             (kb > 0 || k > 0) ? 1 : 0);
             ptx::wgmma_commit();
             ptx::wgmma_wait<1>();
             ptx::wgmma_fence_operand(acc);
@@ -214,6 +250,10 @@ __device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, TileSchedul
         ptx::wgmma_wait<0>();
         ptx::wgmma_fence_operand(acc);
         if (num_k_blocks > 0 && lane == 0) ptx::mbar_arrive(&ring.empty[prev_stage]);
+        if (num_k_blocks == 0) {   /* empty K range (an expert without rows): C = 0 */
+#pragma unroll
+            for (int i = 0; i < Cfg::kAccRegs; ++i) acc[i] = 0.f;
+        }
         epi(m_block, n_block, acc, ring.epi_buf(wg));
     }
 }
@@ -255,14 +295,14 @@ __device__ __forceinline__ void epi_store_chunk(uint8_t *buf, Pack &&pack, Dst &
 }
 
 /* ---- kernel skeleton ----------------------------------------------------------------
- * Role split shared by both kernels: barrier setup, setmaxnreg, then one role per
+ * Role split shared by all kernels: barrier setup, setmaxnreg, then one role per
  * warpgroup. Must be called from a __launch_bounds__(kThreads, 1) kernel. */
-template <class Cfg, class Load, class Epi>
-__device__ __forceinline__ void run_grouped_gemm(uint8_t *smem_raw, const CUtensorMap *map_a,
-                                                 const CUtensorMap *map_b,
-                                                 const int32_t *num_rows, int rows_cap,
-                                                 int n_blocks, int num_k_blocks, Load &load,
-                                                 Epi &epi) {
+template <class Cfg, class Sched, class Load, class Epi>
+__device__ __forceinline__ void run_grouped_gemm_sched(uint8_t *smem_raw,
+                                                       const CUtensorMap *map_a,
+                                                       const CUtensorMap *map_b,
+                                                       const Sched &sched, Load &load,
+                                                       Epi &epi) {
     /* NOTE: the swizzled TMA tiles need 1024-byte alignment; a dynamic buffer declared
      * __align__(1024) with no static shared memory starts there, and we check. */
     if (ptx::smem_u32(smem_raw) & 1023u) __trap();
@@ -275,14 +315,90 @@ __device__ __forceinline__ void run_grouped_gemm(uint8_t *smem_raw, const CUtens
     }
     __syncthreads();
 
-    const TileScheduler sched(num_rows, rows_cap, n_blocks);
     if (wg == kConsumerWarpgroups) {
         ptx::setmaxnreg_dec<kProducerRegs>();
-        if (threadIdx.x == kConsumerWarpgroups * 128) producer_role<Cfg>(ring, sched, num_k_blocks, load);
+        if (threadIdx.x == kConsumerWarpgroups * 128) producer_role<Cfg>(ring, sched, load);
     } else {
         ptx::setmaxnreg_inc<kConsumerRegs>();
-        consumer_role<Cfg>(ring, sched, num_k_blocks, epi);
+        consumer_role<Cfg>(ring, sched, epi);
     }
+}
+
+/* Row-block GEMMs (gemm1, gemm2, dgrad1, dgrad2): tiles (128-row block, n block), a
+ * fixed K loop. */
+template <class Cfg, class Load, class Epi>
+__device__ __forceinline__ void run_grouped_gemm(uint8_t *smem_raw, const CUtensorMap *map_a,
+                                                 const CUtensorMap *map_b,
+                                                 const int32_t *num_rows, int rows_cap,
+                                                 int n_blocks, int num_k_blocks, Load &load,
+                                                 Epi &epi) {
+    const TileScheduler sched(num_rows, rows_cap, n_blocks, num_k_blocks);
+    run_grouped_gemm_sched<Cfg>(smem_raw, map_a, map_b, sched, load, epi);
+}
+
+/* ---- shared epilogue: scatter rows to their slots -------------------------------------
+ * combine[row_slot[r], n-block columns] = bf16(w[r] * C[r, :]) for rows with a slot, where
+ * w = slot_weight[slot] (gemm2's routing weight) or 1 when slot_weight is null (dgrad1).
+ * Rows with row_slot -1 are not written. Chunks of 128 columns. */
+__device__ __forceinline__ uint32_t pack_bf16x2_rn(float lo, float hi) {
+    uint32_t v;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(v) : "f"(hi), "f"(lo));
+    return v;
+}
+
+template <class Cfg>
+__device__ __forceinline__ void epi_scatter_rows(int m_block, int n_block,
+                                                 float (&acc)[Cfg::kAccRegs], uint8_t *buf,
+                                                 const int32_t *row_slot,
+                                                 const float *slot_weight, uint16_t *combine,
+                                                 int ld) {
+    constexpr int kChunks = Cfg::BN / kEpiMaxCols;
+    static_assert(Cfg::BN % kEpiMaxCols == 0, "BN must be whole chunks");
+    const int t = threadIdx.x % 128;
+    const int lane = t % 32, warp = t / 32;
+    const int row0 = m_block * kBlockM + (threadIdx.x / 128) * 64;
+    float w[2] = {1.f, 1.f};
+    if (slot_weight) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int slot = row_slot[row0 + warp * 16 + lane / 4 + 8 * h];
+            w[h] = slot >= 0 ? slot_weight[slot] : 0.f;
+        }
+    }
+#pragma unroll
+    for (int ch = 0; ch < kChunks; ++ch) {
+        constexpr int kR = kEpiMaxCols / 2;   /* accumulator registers per chunk */
+        epi_store_chunk<kEpiMaxCols>(
+            buf,
+            [&](int c, int h) {
+                return pack_bf16x2_rn(w[h] * acc[ch * kR + 4 * c + 2 * h],
+                                      w[h] * acc[ch * kR + 4 * c + 2 * h + 1]);
+            },
+            [&](int r) -> void * {
+                const int slot = row_slot[row0 + r];
+                if (slot < 0) return nullptr;
+                return combine + (int64_t)slot * ld + n_block * Cfg::BN + ch * kEpiMaxCols;
+            });
+    }
+}
+
+/* ---- host side: what every launcher of these kernels does -------------------------- */
+
+/* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases (NULL passes). */
+template <class... T>
+inline bool misaligned16(const T *...ptrs) {
+    return ((reinterpret_cast<uintptr_t>(ptrs) & 15u) | ...) != 0;
+}
+
+/* Raises the kernel's dynamic shared-memory limit and launches the persistent grid. */
+template <class Args>
+inline cudaError_t launch_persistent(void (*kernel)(Args), size_t smem_bytes, int num_ctas,
+                                     const Args &args, cudaStream_t stream) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)smem_bytes);
+    if (err != cudaSuccess) return err;
+    kernel<<<num_ctas, kThreads, smem_bytes, stream>>>(args);
+    return cudaGetLastError();
 }
 
 }  // namespace sm90

@@ -1,6 +1,7 @@
-/* wgmma (sm_90a) wrappers: shared-memory matrix descriptors for K-major tiles with
- * the 128-byte swizzle, the fence/commit/wait protocol, and bf16 -> fp32 m64nNk16
- * instructions with both operands in shared memory. Inline device helpers only. */
+/* wgmma (sm_90a) wrappers: shared-memory matrix descriptors for K-major and MN-major
+ * tiles with the 128-byte swizzle, the fence/commit/wait protocol, and bf16 -> fp32
+ * m64nNk16 instructions with both operands in shared memory (each operand K-major or
+ * MN-major, the instruction's transpose immediates). Inline device helpers only. */
 #pragma once
 
 #include <stdint.h>
@@ -28,6 +29,26 @@ __device__ __forceinline__ uint64_t make_desc_kmajor_sw128(const void *smem_tile
     return desc;
 }
 
+/* Descriptor of an MN-major bf16 tile (M or N contiguous, "transposed" operand) written
+ * by TMA with CU_TENSOR_MAP_SWIZZLE_128B in boxes of 64 MN elements (128 bytes) x kRowsK
+ * K rows: inside a box, K row k sits at k * 128 bytes (swizzled in 8-row, 1024-byte
+ * atoms); boxes for the next 64 MN elements follow each other `mn_stride_bytes` apart.
+ * For MN-major swizzled layouts the two offsets swap roles against K-major: the leading
+ * byte offset (16-29) is the step between 64-element MN atoms (one box), the stride
+ * byte offset (32-45) the step between 8-row K groups (1024 bytes).
+ * NOTE: stepping K by 16 elements is +16 rows = +2048 bytes on the start address (+128
+ * in the encoded field), i.e. two whole swizzle atoms, so the base-offset field stays 0. */
+__device__ __forceinline__ uint64_t make_desc_mnmajor_sw128(const void *smem_tile,
+                                                           uint32_t mn_stride_bytes) {
+    const uint64_t addr = smem_u32(smem_tile);
+    uint64_t desc = 0;
+    desc |= (addr & 0x3FFFFull) >> 4;
+    desc |= (uint64_t)((mn_stride_bytes >> 4) & 0x3FFFu) << 16;
+    desc |= (uint64_t)(1024 >> 4) << 32;
+    desc |= 1ull << 62;
+    return desc;
+}
+
 /* Orders prior register/shared accesses before the next wgmma of this warpgroup. */
 __device__ __forceinline__ void wgmma_fence() {
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -43,8 +64,10 @@ __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-/* D[64 x 256] (+)= A[64 x 16] * B[256 x 16]^T, A and B bf16 K-major in shared memory,
- * D fp32 in registers (128 per thread). scale_d = 0 overwrites D. */
+/* D[64 x 256] (+)= A[64 x 16] * B[256 x 16]^T, A and B bf16 in shared memory, K-major
+ * (kTransA/kTransB = 0) or MN-major (1); D fp32 in registers (128 per thread).
+ * scale_d = 0 overwrites D. */
+template <int kTransA = 0, int kTransB = 0>
 __device__ __forceinline__ void wgmma_m64n256k16_bf16_ss(float (&d)[128], uint64_t desc_a,
                                                         uint64_t desc_b, int scale_d) {
     asm volatile(
@@ -52,7 +75,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16_ss(float (&d)[128], uint64
         "setp.ne.b32 p, %130, 0;\n\t"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-        "%128, %129, p, 1, 1, 0, 0;\n\t}"
+        "%128, %129, p, 1, 1, %131, %132;\n\t}"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -69,7 +92,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16_ss(float (&d)[128], uint64
           "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
           "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
 }
 
 __device__ __forceinline__ void wgmma_fence_operand(float (&d)[128]) {
@@ -77,8 +100,9 @@ __device__ __forceinline__ void wgmma_fence_operand(float (&d)[128]) {
     for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-/* D[64 x 128] (+)= A[64 x 16] * B[128 x 16]^T, A and B bf16 K-major in shared memory,
- * D fp32 in registers (64 per thread). scale_d = 0 overwrites D. */
+/* D[64 x 128] (+)= A[64 x 16] * B[128 x 16]^T, operands as above; D fp32 in registers
+ * (64 per thread). scale_d = 0 overwrites D. */
+template <int kTransA = 0, int kTransB = 0>
 __device__ __forceinline__ void wgmma_m64n128k16_bf16_ss(float (&d)[64], uint64_t desc_a,
                                                         uint64_t desc_b, int scale_d) {
     asm volatile(
@@ -86,7 +110,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16_ss(float (&d)[64], uint64_
         "setp.ne.b32 p, %66, 0;\n\t"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, 0, 0;\n\t}"
+        "%64, %65, p, 1, 1, %67, %68;\n\t}"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -95,7 +119,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16_ss(float (&d)[64], uint64_
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
 }
 
 __device__ __forceinline__ void wgmma_fence_operand(float (&d)[64]) {

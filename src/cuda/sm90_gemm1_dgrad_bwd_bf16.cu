@@ -1,0 +1,117 @@
+/* dgrad of gemm1 (sm_90a, bf16): the input gradient of each routed row, scattered to its
+ * slot of the combine buffer (the reduce kernel then sums a token's K slots, as in the
+ * forward).
+ *
+ *   dx_r = dh_r W13_e          dh [rows, 2I] ([dg | du]), W13_e [2I, H] (H contiguous)
+ *   combine[row_slot[r], :] = bf16(dx_r)       rows with row_slot -1 skipped
+ *
+ * A = dh is K-major (K = 2I). B = W13_e is MN-major: the reduction runs over its rows,
+ * its N = H index is contiguous, so each stage loads BN/64 boxes of 64 H columns x 64
+ * W13 rows and the wgmma reads B transposed. The epilogue is the forward gemm2's row
+ * scatter with weight 1 (epi_scatter_rows).
+ *
+ * FLOPs: 2 * rows * 2I * H. qwen3-30b-a3b at 131072 rows: 825 GFLOP, about 1.0 ms at
+ * 790 TFLOP/s: matrix-bound. */
+#include "kernels.h"
+#include "sm90_grouped_gemm.cuh"
+#include "tensor_map.h"
+
+namespace {
+
+using namespace mf;
+using namespace mf::sm90;
+
+struct Dgrad1Args {
+    CUtensorMap map_dh;    /* [rows_cap, 2I], box 128 x 64 (K-major) */
+    CUtensorMap map_w13;   /* [E * 2I, H], box 64 rows x 64 columns (MN-major B) */
+    const int32_t *row_block_expert;
+    const int32_t *num_rows;
+    const int32_t *row_slot;
+    uint16_t *combine;
+    int rows_cap, hidden, intermediate;
+};
+
+/* ---- producer: A rows of the block, then BN/64 boxes of W13_e rows k.. k+63 ---------- */
+template <class Cfg>
+struct Dgrad1Load {
+    const Dgrad1Args &args;
+    int m_row, w_row, n_col;
+
+    __device__ __forceinline__ void tile_begin(int m_block, int n_block) {
+        const int e = args.row_block_expert[m_block];
+        m_row = m_block * kBlockM;
+        w_row = e * 2 * args.intermediate;
+        n_col = n_block * Cfg::BN;
+    }
+    __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
+        const int k = kb * kBlockK;
+        ptx::tma_load_2d(a, &args.map_dh, bar, k, m_row);
+#pragma unroll
+        for (int j = 0; j < Cfg::BN / 64; ++j)
+            ptx::tma_load_2d(b + j * Cfg::kMnBoxBytes, &args.map_w13, bar, n_col + 64 * j,
+                             w_row + k);
+    }
+};
+
+template <class Cfg>
+struct Dgrad1Epilogue {
+    const Dgrad1Args &args;
+
+    __device__ __forceinline__ void operator()(int m_block, int n_block,
+                                               float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
+        epi_scatter_rows<Cfg>(m_block, n_block, acc, buf, args.row_slot, nullptr, args.combine,
+                              args.hidden);
+    }
+};
+
+template <class Cfg>
+__global__ void __launch_bounds__(kThreads, 1)
+    sm90_gemm1_dgrad_bwd_bf16_kernel(const __grid_constant__ Dgrad1Args args) {
+    extern __shared__ __align__(1024) uint8_t smem_raw[];
+    Dgrad1Load<Cfg> load{args, 0, 0, 0};
+    Dgrad1Epilogue<Cfg> epi{args};
+    run_grouped_gemm<Cfg>(smem_raw, &args.map_dh, &args.map_w13, args.num_rows, args.rows_cap,
+                          args.hidden / Cfg::BN, (2 * args.intermediate) / kBlockK, load, epi);
+}
+
+template <class Cfg>
+cudaError_t launch(const mf_dgrad1_params *p, cudaStream_t stream) {
+    Dgrad1Args args;
+    cudaError_t err;
+    const int two_i = 2 * p->intermediate;
+    if ((err = mf_tensor_map_bf16_2d(&args.map_dh, p->dh, (uint64_t)p->rows_cap, two_i, two_i,
+                                     kBlockM, kBlockK)) != cudaSuccess)
+        return err;
+    if ((err = mf_tensor_map_bf16_2d(&args.map_w13, p->w13,
+                                     (uint64_t)p->num_local_experts * two_i, p->hidden,
+                                     p->hidden, kBlockK, 64)) != cudaSuccess)
+        return err;
+    args.row_block_expert = p->row_block_expert;
+    args.num_rows = p->num_rows;
+    args.row_slot = p->row_slot;
+    args.combine = p->combine;
+    args.rows_cap = p->rows_cap;
+    args.hidden = p->hidden;
+    args.intermediate = p->intermediate;
+
+    return launch_persistent(sm90_gemm1_dgrad_bwd_bf16_kernel<Cfg>, Cfg::kSmemBytes, p->num_sms, args, stream);
+}
+
+}  // namespace
+
+/* Tile choice: BN = 256 (4 stages of 48 KB) when H allows it, else BN = 128. */
+extern "C" cudaError_t mf_sm90_gemm1_dgrad_bwd_bf16(const mf_dgrad1_params *p,
+                                                    cudaStream_t stream) {
+    if (!p || !p->dh || !p->w13 || !p->row_block_expert || !p->num_rows || !p->row_slot ||
+        !p->combine)
+        return cudaErrorInvalidValue;
+    if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % 128 ||
+        p->intermediate <= 0 || p->intermediate % 32 || p->num_local_experts <= 0 ||
+        p->num_sms <= 0)
+        return cudaErrorInvalidValue;
+    /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
+    if (misaligned16(p->dh, p->w13, p->combine)) return cudaErrorInvalidValue;
+    if (p->rows_cap == 0) return cudaSuccess;
+    if (p->hidden % 256 == 0) return launch<TileConfig<256, 4, false, true>>(p, stream);
+    return launch<TileConfig<128, 6, false, true>>(p, stream);
+}

@@ -1,0 +1,175 @@
+/* K-grouped weight gradient (sm_90a, bf16 in, fp32 out): for every local expert e, over
+ * its padded rows [expert_offsets[e], expert_offsets[e+1]),
+ *
+ *   dw_e [M, N] = (accumulate ? dw_e : 0) + sum_r lhs[r, :]^T rhs[r, :]
+ *
+ * dW2: lhs = dys (M = H), rhs = act_p (N = I). dW13: lhs = dh (M = 2I), rhs = xs (N = H).
+ * Padding rows are zero in both operands, so they add nothing.
+ *
+ * Both operands are MN-major: the reduction (K) runs over rows and the M / N indices are
+ * contiguous. A stage is 64 rows: A = 2 boxes of 64 M columns x 64 rows, B = BN/64 boxes
+ * of 64 N columns x 64 rows, read by wgmma with both transpose immediates set.
+ *
+ * Tiles are (expert, 128-row m block, BN n block), n fastest; one CTA owns each output
+ * tile and runs the expert's whole K loop (no split-K, no atomics: deterministic). The K
+ * loop may be empty (an expert without rows): the tile is then written as zeros, or left
+ * as it is in accumulate mode.
+ *
+ * Epilogue: fp32 straight from the accumulators, 8-byte stores (4 lanes cover 32
+ * contiguous bytes of a row, whole sectors); accumulate mode loads, adds once, stores.
+ *
+ * FLOPs: 2 * rows * M * N. qwen3-30b-a3b at 131072 rows: dW2 412 GFLOP, dW13 825 GFLOP;
+ * the fp32 outputs are E * M * N * 4 bytes (0.8 GB / 1.6 GB, written once, read once more
+ * when accumulating). */
+#include "kernels.h"
+#include "sm90_grouped_gemm.cuh"
+#include "tensor_map.h"
+
+namespace {
+
+using namespace mf;
+using namespace mf::sm90;
+
+struct WgradArgs {
+    CUtensorMap map_lhs;   /* [rows_cap, M], box 64 rows x 64 columns */
+    CUtensorMap map_rhs;   /* [rows_cap, N], box 64 rows x 64 columns */
+    const int32_t *expert_offsets;
+    float *dw;
+    int m, n, m_blocks, n_blocks, num_experts, accumulate;
+};
+
+/* ---- scheduler: (expert, m block, n block), n fastest; K = the expert's rows -------------
+ * m_block below is the combined index e * m_blocks + m block. */
+struct WgradScheduler {
+    const int32_t *offsets;
+    int m_blocks, n_blocks, total, next;
+
+    __device__ __forceinline__ WgradScheduler(const WgradArgs &a)
+        : offsets(a.expert_offsets), m_blocks(a.m_blocks), n_blocks(a.n_blocks),
+          total(a.num_experts * a.m_blocks * a.n_blocks), next(blockIdx.x) {}
+    __device__ __forceinline__ bool next_tile(int &m_block, int &n_block) {
+        if (next >= total) return false;
+        m_block = next / n_blocks;
+        n_block = next - m_block * n_blocks;
+        next += gridDim.x;
+        return true;
+    }
+    __device__ __forceinline__ int num_k_blocks(int m_block, int) const {
+        const int e = m_block / m_blocks;
+        const int rows = offsets[e + 1] - offsets[e];
+        return rows > 0 ? rows / kBlockK : 0;
+    }
+};
+
+/* ---- producer: 2 boxes of lhs (128 M columns), BN/64 boxes of rhs, 64 rows each ------- */
+template <class Cfg>
+struct WgradLoad {
+    const WgradArgs &args;
+    int row0, m_col, n_col;
+
+    __device__ __forceinline__ void tile_begin(int m_block, int n_block) {
+        const int e = m_block / args.m_blocks;
+        row0 = args.expert_offsets[e];
+        m_col = (m_block - e * args.m_blocks) * kBlockM;
+        n_col = n_block * Cfg::BN;
+    }
+    __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
+        const int row = row0 + kb * kBlockK;
+#pragma unroll
+        for (int j = 0; j < kBlockM / 64; ++j)
+            ptx::tma_load_2d(a + j * Cfg::kMnBoxBytes, &args.map_lhs, bar, m_col + 64 * j, row);
+#pragma unroll
+        for (int j = 0; j < Cfg::BN / 64; ++j)
+            ptx::tma_load_2d(b + j * Cfg::kMnBoxBytes, &args.map_rhs, bar, n_col + 64 * j, row);
+    }
+};
+
+/* ---- epilogue: fp32 rows of dw_e, written or accumulated ---------------------------------
+ * Accumulator layout of m64nN (per warpgroup): register 4c + 2h + {0,1} of lane l in warp
+ * w holds row 16w + l/4 + 8h, columns 8c + 2(l%4) + {0,1}. */
+template <class Cfg>
+struct WgradEpilogue {
+    const WgradArgs &args;
+
+    __device__ __forceinline__ void operator()(int m_block, int n_block,
+                                               float (&acc)[Cfg::kAccRegs], uint8_t *) {
+        const int e = m_block / args.m_blocks;
+        const int t = threadIdx.x % 128;
+        const int lane = t % 32, warp = t / 32;
+        const int row = (m_block - e * args.m_blocks) * kBlockM + (threadIdx.x / 128) * 64 +
+                        warp * 16 + lane / 4;
+        float *base = args.dw + ((int64_t)e * args.m + row) * args.n + n_block * Cfg::BN +
+                      2 * (lane % 4);
+        if (args.accumulate) {
+            /* Nothing to add for an expert without rows: leave its tile as it is. */
+            if (args.expert_offsets[e + 1] <= args.expert_offsets[e]) return;
+#pragma unroll
+            for (int c = 0; c < Cfg::BN / 8; ++c)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float2 *p = reinterpret_cast<float2 *>(base + (int64_t)8 * h * args.n + 8 * c);
+                    float2 v = *p;
+                    v.x += acc[4 * c + 2 * h];
+                    v.y += acc[4 * c + 2 * h + 1];
+                    *p = v;
+                }
+        } else {
+#pragma unroll
+            for (int c = 0; c < Cfg::BN / 8; ++c)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    *reinterpret_cast<float2 *>(base + (int64_t)8 * h * args.n + 8 * c) =
+                        make_float2(acc[4 * c + 2 * h], acc[4 * c + 2 * h + 1]);
+        }
+    }
+};
+
+template <class Cfg>
+__global__ void __launch_bounds__(kThreads, 1)
+    sm90_wgrad_grouped_bf16_kernel(const __grid_constant__ WgradArgs args) {
+    extern __shared__ __align__(1024) uint8_t smem_raw[];
+    WgradLoad<Cfg> load{args, 0, 0, 0};
+    WgradEpilogue<Cfg> epi{args};
+    const WgradScheduler sched(args);
+    run_grouped_gemm_sched<Cfg>(smem_raw, &args.map_lhs, &args.map_rhs, sched, load, epi);
+}
+
+template <class Cfg>
+cudaError_t launch(const mf_wgrad_params *p, cudaStream_t stream) {
+    WgradArgs args;
+    cudaError_t err;
+    if ((err = mf_tensor_map_bf16_2d(&args.map_lhs, p->lhs, (uint64_t)p->rows_cap, p->m, p->m,
+                                     kBlockK, 64)) != cudaSuccess)
+        return err;
+    if ((err = mf_tensor_map_bf16_2d(&args.map_rhs, p->rhs, (uint64_t)p->rows_cap, p->n, p->n,
+                                     kBlockK, 64)) != cudaSuccess)
+        return err;
+    args.expert_offsets = p->expert_offsets;
+    args.dw = p->dw;
+    args.m = p->m;
+    args.n = p->n;
+    args.m_blocks = p->m / kBlockM;
+    args.n_blocks = p->n / Cfg::BN;
+    args.num_experts = p->num_local_experts;
+    args.accumulate = p->accumulate;
+
+    return launch_persistent(sm90_wgrad_grouped_bf16_kernel<Cfg>, Cfg::kSmemBytes, p->num_sms, args, stream);
+}
+
+}  // namespace
+
+/* Tile choice: BN = 256 (4 stages of 48 KB) when N allows it, else BN = 128. */
+extern "C" cudaError_t mf_sm90_wgrad_grouped_bf16(const mf_wgrad_params *p,
+                                                  cudaStream_t stream) {
+    if (!p || !p->lhs || !p->rhs || !p->expert_offsets || !p->dw) return cudaErrorInvalidValue;
+    if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->m <= 0 || p->m % kBlockM || p->n <= 0 ||
+        p->n % 128 || p->num_local_experts <= 0 || p->num_sms <= 0)
+        return cudaErrorInvalidValue;
+    if (misaligned16(p->lhs, p->rhs, p->dw)) return cudaErrorInvalidValue;
+    if (p->rows_cap == 0) {
+        if (p->accumulate) return cudaSuccess;
+        return cudaMemsetAsync(p->dw, 0, (size_t)p->num_local_experts * p->m * p->n * 4, stream);
+    }
+    if (p->n % 256 == 0) return launch<TileConfig<256, 4, true, true>>(p, stream);
+    return launch<TileConfig<128, 6, true, true>>(p, stream);
+}

@@ -1,0 +1,977 @@
+/* The CUDA backward, through the public API with device buffers, against the fp64
+ * reference (src/cpu/reference.h, mf_ref_backward) on fresh random inputs.
+ *
+ *   - qwen3-30b-a3b (E = 128) and qwen3-235b-a22b with E = 16 instead of 128 (the fp64
+ *     weights of 128 experts are 19 GB of host memory; 16 keep H, I, K and the GEMM
+ *     shapes and give each expert 8x the rows), T in {1, 7, 512, 4096 (= max)};
+ *   - routing edge cases: all tokens on one expert, most experts empty, T = 1 with one
+ *     slot, dropped slots with fully dropped tokens (row strides > H), Zipf;
+ *   - MOEFUSE_RECOMPUTE gives the bits of MOEFUSE_SAVE_ACTIVATIONS;
+ *   - accumulate = 1 gives exactly old + the write-mode gradient;
+ *   - 50 repetitions bitwise identical; a CUDA graph replays to the eager bits;
+ *   - a saved buffer of no forward: moefuse_layer_check reports MOEFUSE_ERR_SAVED_STATE
+ *     and dx / dweights are untouched.
+ *
+ * How the reference stays affordable. Every gradient is a sum over slots of a slot's
+ * own contribution, so the reference runs per group of slots of ONE expert
+ * (mf_ref_backward with E = 1, K = 1 on that expert's fp64 weights, no copy), groups
+ * in parallel, and the fp64 results are summed:
+ *   dx, d p   dx_t and dp[t,:] depend only on token t: all slots of a random subset of
+ *             kCheckTokens tokens (all tokens when T is smaller), dx_t = sum over k;
+ *   dW        needs every row of an expert. A SECOND GPU call (forward + backward) runs
+ *             with masked ids: only the slots of the kMaskExperts most loaded experts
+ *             stay, at most kMaskSlots of each (the first in token order); every other
+ *             slot is -1. Its dW13/dW2 of the kept experts are checked against the
+ *             reference over exactly those slots, and every other expert's dW must be
+ *             exactly 0 (write mode). At T = 4096 an expert of qwen3-30b-a3b keeps all
+ *             its ~256 rows, i.e. the weight-gradient GEMM reduces over several 128-row
+ *             blocks; the fp64 cost stays ~20 GFLOP per case.
+ *
+ * Tolerances th_bf16_tolerance(n), n = the bf16 roundings on each path (x, dy, p and
+ * the weights are exact inputs of both sides). g and u are rounded separately and each
+ * enters the result on its own, so they count as two, as in tests/test_cpu_backend.c:
+ *   dx        5: g, u saved as bf16, dh = [dg;du] as bf16, each slot's dx row as bf16
+ *                (combine), dx after the fp32 sum over k;
+ *   dweights  3: g, u as bf16, a = silu(g) u as bf16 (d p = <W2^T dy, a> in fp32);
+ *   dW13      3: g, u as bf16, dh as bf16 (xs is exact);
+ *   dW2       4: g, u as bf16, a as bf16, act_p = p a as bf16 (dys is exact).
+ * Errors are relative l2 over the checked elements. Outputs are poisoned (NaN) first.
+ *
+ * With no sm_90 device every case prints SKIP with the reason; so does a library built
+ * without the CUDA backward (MF_CUDA_BACKWARD = 0), which says so. */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+#include "internal.h"
+#include "moefuse.h"
+#include "reference.h"
+
+#define kMaxTokens 4096
+#define kCheckTokens 16
+#define kMaskExperts 3
+#define kMaskSlots 256
+#define kGroupSlots 32
+
+typedef struct model {
+    const char *name;
+    int H, I, E, K;
+} model;
+
+static const model kModels[] = {
+    {"qwen3-30b-a3b", 2048, 768, 128, 8},
+    {"qwen3-235b-a22b (E=16)", 4096, 1536, 16, 8},
+};
+
+static char g_skip[512];
+
+#define CUDA_OK(call)                                                                      \
+    do {                                                                                   \
+        cudaError_t e_ = (call);                                                           \
+        CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));                 \
+        if (e_ != cudaSuccess) goto done;                                                  \
+    } while (0)
+
+#define MF_OK(call)                                                                        \
+    do {                                                                                   \
+        moefuse_status s_ = (call);                                                        \
+        CHECK(s_ == MOEFUSE_OK, "%s: %s: %s", #call, moefuse_status_string(s_),            \
+              moefuse_last_error());                                                       \
+        if (s_ != MOEFUSE_OK) goto done;                                                   \
+    } while (0)
+
+/* ---- fixture: layer, weights, weight-gradient buffers ------------------------------- */
+
+typedef struct fixture {
+    const model *m;
+    moefuse_layer *layer;     /* MOEFUSE_SAVE_ACTIVATIONS */
+    uint16_t *w13_d, *w2_d;   /* [E, 2I, H], [E, H, I] */
+    float *dw13_d, *dw2_d;    /* [E, 2I, H], [E, H, I] fp32 */
+    double *w13_ref, *w2_ref; /* fp64 copies */
+    float *dw13_h, *dw2_h;    /* host copies of the gradients */
+    cudaStream_t stream;
+    int built;                /* 0: the library has no CUDA backward */
+} fixture;
+
+static fixture F;
+
+static double bf(uint16_t v) { return (double)mf_bf16_to_float(v); }
+static int64_t n13(void) { return (int64_t)F.m->E * 2 * F.m->I * F.m->H; }
+static int64_t n2(void) { return (int64_t)F.m->E * F.m->H * F.m->I; }
+
+static void fill_rows(uint16_t *out, int64_t rows, int cols, double scale) {
+    const int64_t pool_n = (int64_t)1 << 22;
+    uint16_t *pool = malloc((size_t)pool_n * 2);
+    int64_t *offs = malloc((size_t)rows * sizeof(int64_t));
+    th_fill_bf16_normal(pool, NULL, pool_n, scale);
+    for (int64_t r = 0; r < rows; r++) offs[r] = (int64_t)(th_rand_u64() % (uint64_t)(pool_n - cols));
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) memcpy(out + r * cols, pool + offs[r], (size_t)cols * 2);
+    free(pool);
+    free(offs);
+}
+
+static moefuse_layer *make_layer(moefuse_saved_mode mode, int max_tokens) {
+    moefuse_config cfg;
+    moefuse_config_init(&cfg, F.m->H, F.m->I, F.m->E, F.m->K, max_tokens);
+    cfg.backend = MOEFUSE_BACKEND_CUDA;
+    cfg.saved_mode = mode;
+    moefuse_layer *l = NULL;
+    moefuse_status st = moefuse_layer_create(&cfg, NULL, &l);
+    if (st != MOEFUSE_OK)
+        printf("  %s: moefuse_layer_create: %s: %s\n", F.m->name, moefuse_status_string(st),
+               moefuse_last_error());
+    return l;
+}
+
+static int fixture_setup(const model *m) {
+    memset(&F, 0, sizeof F);
+    F.m = m;
+    F.layer = make_layer(MOEFUSE_SAVE_ACTIVATIONS, kMaxTokens);
+    if (!F.layer) return 0;
+    uint16_t *w13 = malloc((size_t)n13() * 2), *w2 = malloc((size_t)n2() * 2);
+    F.w13_ref = malloc((size_t)n13() * 8);
+    F.w2_ref = malloc((size_t)n2() * 8);
+    F.dw13_h = malloc((size_t)n13() * 4);
+    F.dw2_h = malloc((size_t)n2() * 4);
+    if (!w13 || !w2 || !F.w13_ref || !F.w2_ref || !F.dw13_h || !F.dw2_h) {
+        printf("  %s: out of host memory\n", m->name);
+        free(w13);
+        free(w2);
+        moefuse_layer_destroy(F.layer);
+        F.layer = NULL;
+        return 0;
+    }
+    fill_rows(w13, (int64_t)m->E * 2 * m->I, m->H, 1.0 / sqrt((double)m->H));
+    fill_rows(w2, (int64_t)m->E * m->H, m->I, 1.0 / sqrt((double)m->I));
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n13(); i++) F.w13_ref[i] = bf(w13[i]);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n2(); i++) F.w2_ref[i] = bf(w2[i]);
+    int ok = cudaStreamCreateWithFlags(&F.stream, cudaStreamNonBlocking) == cudaSuccess &&
+             cudaMalloc((void **)&F.w13_d, (size_t)n13() * 2) == cudaSuccess &&
+             cudaMalloc((void **)&F.w2_d, (size_t)n2() * 2) == cudaSuccess &&
+             cudaMalloc((void **)&F.dw13_d, (size_t)n13() * 4) == cudaSuccess &&
+             cudaMalloc((void **)&F.dw2_d, (size_t)n2() * 4) == cudaSuccess &&
+             cudaMemcpy(F.w13_d, w13, (size_t)n13() * 2, cudaMemcpyHostToDevice) == cudaSuccess &&
+             cudaMemcpy(F.w2_d, w2, (size_t)n2() * 2, cudaMemcpyHostToDevice) == cudaSuccess;
+    free(w13);
+    free(w2);
+    if (!ok) {
+        printf("  %s: device setup failed: %s\n", m->name, cudaGetErrorString(cudaGetLastError()));
+        moefuse_layer_destroy(F.layer);
+        F.layer = NULL;
+    }
+    return ok;
+}
+
+static void fixture_teardown(void) {
+    if (F.layer) moefuse_layer_destroy(F.layer);
+    cudaFree(F.w13_d);
+    cudaFree(F.w2_d);
+    cudaFree(F.dw13_d);
+    cudaFree(F.dw2_d);
+    if (F.stream) cudaStreamDestroy(F.stream);
+    free(F.w13_ref);
+    free(F.w2_ref);
+    free(F.dw13_h);
+    free(F.dw2_h);
+    memset(&F, 0, sizeof F);
+}
+
+static int ready(void) {
+    if (g_skip[0]) {
+        th_skip("%s", g_skip);
+        return 0;
+    }
+    CHECK(F.layer != NULL, "%s: the fixture could not be set up (see above)", F.m->name);
+    if (F.layer && !F.built) th_skip("the library was built without the CUDA backward "
+                                     "(MF_CUDA_BACKWARD = 0 in src/cuda/backend.cu)");
+    return F.layer != NULL && F.built;
+}
+
+/* ---- inputs ------------------------------------------------------------------------- */
+
+typedef enum routing {
+    ROUTE_RANDOM, ROUTE_ONE_EXPERT, ROUTE_FEW_EXPERTS, ROUTE_DROPPED, ROUTE_ZIPF,
+} routing;
+
+typedef struct inputs {
+    int T, K, H;
+    int64_t x_stride, dy_stride, dx_stride;
+    uint16_t *x, *dy;  /* host [T, stride] */
+    int32_t *ids;      /* host [T, K] */
+    float *p;          /* host [T, K] */
+    uint16_t *x_d, *dy_d, *dx_d, *y_d;
+    int32_t *ids_d;
+    float *p_d, *dp_d;
+    void *saved_d;
+    size_t saved_bytes;
+} inputs;
+
+static void draw_ids(int T, int K, int E, routing r, int32_t *ids) {
+    static double zipf_cdf[1024];
+    int perm_e[1024];
+    for (int e = 0; e < E; e++) perm_e[e] = e;
+    for (int e = E - 1; e > 0; e--) {
+        int j = th_rand_int(0, e), t = perm_e[e];
+        perm_e[e] = perm_e[j];
+        perm_e[j] = t;
+    }
+    double acc = 0;
+    for (int e = 0; e < E; e++) zipf_cdf[e] = (acc += 1.0 / pow(e + 1.0, 1.2));
+    const int one = th_rand_int(0, E - 1);
+    const int few[3] = {perm_e[0], perm_e[1], perm_e[2]};
+    for (int t = 0; t < T; t++) {
+        int32_t *row = ids + (int64_t)t * K;
+        for (int k = 0; k < K; k++) row[k] = -1;
+        if (r == ROUTE_ONE_EXPERT) {
+            row[th_rand_int(0, K - 1)] = one;
+            continue;
+        }
+        if (r == ROUTE_FEW_EXPERTS) {
+            int n = th_rand_int(1, K < 3 ? K : 3);
+            for (int i = 0; i < n; i++) {
+                int k;
+                do k = th_rand_int(0, K - 1); while (row[k] != -1);
+                row[k] = few[i];
+            }
+            continue;
+        }
+        for (int k = 0; k < K; k++) {
+            int e, dup;
+            do {
+                if (r == ROUTE_ZIPF) {
+                    double u = th_uniform() * acc;
+                    int lo = 0;
+                    while (zipf_cdf[lo] < u && lo < E - 1) lo++;
+                    e = perm_e[lo];
+                } else {
+                    e = th_rand_int(0, E - 1);
+                }
+                dup = 0;
+                for (int j = 0; j < k; j++) dup |= row[j] == e;
+            } while (dup);
+            row[k] = e;
+        }
+        if (r == ROUTE_DROPPED) {
+            int all = t == 0 || t == T - 1 || t % 5 == 3;
+            for (int k = 0; k < K; k++)
+                if (all || th_uniform() < 0.3) row[k] = -1;
+        }
+    }
+}
+
+static int inputs_make(inputs *in, int T, routing r, int64_t pad) {
+    const model *m = F.m;
+    memset(in, 0, sizeof *in);
+    in->T = T;
+    in->K = m->K;
+    in->H = m->H;
+    in->x_stride = m->H + pad;
+    in->dy_stride = m->H + 2 * pad;
+    in->dx_stride = m->H + 3 * pad;
+    const int64_t T1 = T > 0 ? T : 1;
+    const int64_t ns = T1 * m->K;
+    in->x = malloc((size_t)(T1 * in->x_stride) * 2);
+    in->dy = malloc((size_t)(T1 * in->dy_stride) * 2);
+    in->ids = malloc((size_t)ns * 4);
+    in->p = malloc((size_t)ns * 4);
+    th_fill_bf16_normal(in->x, NULL, T1 * in->x_stride, 1.0);
+    th_fill_bf16_normal(in->dy, NULL, T1 * in->dy_stride, 1.0);
+    draw_ids(T, m->K, m->E, r, in->ids);
+    for (int t = 0; t < T; t++) {
+        double sum = 0;
+        float *pr = in->p + (int64_t)t * m->K;
+        for (int k = 0; k < m->K; k++) sum += (pr[k] = (float)(0.05 + th_uniform()));
+        for (int k = 0; k < m->K; k++) pr[k] = (float)(pr[k] / sum);
+    }
+    moefuse_status st = moefuse_saved_bytes(F.layer, T, &in->saved_bytes);
+    CHECK(st == MOEFUSE_OK, "moefuse_saved_bytes: %s", moefuse_last_error());
+    int ok = st == MOEFUSE_OK &&
+             cudaMalloc((void **)&in->x_d, (size_t)(T1 * in->x_stride) * 2) == cudaSuccess &&
+             cudaMalloc((void **)&in->dy_d, (size_t)(T1 * in->dy_stride) * 2) == cudaSuccess &&
+             cudaMalloc((void **)&in->dx_d, (size_t)(T1 * in->dx_stride) * 2) == cudaSuccess &&
+             cudaMalloc((void **)&in->y_d, (size_t)(T1 * m->H) * 2) == cudaSuccess &&
+             cudaMalloc((void **)&in->ids_d, (size_t)ns * 4) == cudaSuccess &&
+             cudaMalloc((void **)&in->p_d, (size_t)ns * 4) == cudaSuccess &&
+             cudaMalloc((void **)&in->dp_d, (size_t)ns * 4) == cudaSuccess &&
+             cudaMalloc(&in->saved_d, in->saved_bytes) == cudaSuccess &&
+             cudaMemcpy(in->x_d, in->x, (size_t)(T1 * in->x_stride) * 2, cudaMemcpyHostToDevice) == cudaSuccess &&
+             cudaMemcpy(in->dy_d, in->dy, (size_t)(T1 * in->dy_stride) * 2, cudaMemcpyHostToDevice) == cudaSuccess &&
+             cudaMemcpy(in->ids_d, in->ids, (size_t)ns * 4, cudaMemcpyHostToDevice) == cudaSuccess &&
+             cudaMemcpy(in->p_d, in->p, (size_t)ns * 4, cudaMemcpyHostToDevice) == cudaSuccess;
+    CHECK(ok, "device buffers: %s", cudaGetErrorString(cudaGetLastError()));
+    return ok;
+}
+
+static void inputs_free(inputs *in) {
+    free(in->x);
+    free(in->dy);
+    free(in->ids);
+    free(in->p);
+    cudaFree(in->x_d);
+    cudaFree(in->dy_d);
+    cudaFree(in->dx_d);
+    cudaFree(in->y_d);
+    cudaFree(in->ids_d);
+    cudaFree(in->p_d);
+    cudaFree(in->dp_d);
+    cudaFree(in->saved_d);
+    memset(in, 0, sizeof *in);
+}
+
+static moefuse_bwd_args bwd_args(const inputs *in, int accumulate) {
+    moefuse_bwd_args b;
+    memset(&b, 0, sizeof b);
+    b.num_tokens = in->T;
+    b.x = in->x_d;
+    b.x_stride = in->x_stride;
+    b.ids = in->ids_d;
+    b.weights = in->p_d;
+    b.w13 = F.w13_d;
+    b.w2 = F.w2_d;
+    b.saved = in->saved_d;
+    b.dy = in->dy_d;
+    b.dy_stride = in->dy_stride;
+    b.dx = in->dx_d;
+    b.dx_stride = in->dx_stride;
+    b.dweights = in->dp_d;
+    b.dw13 = F.dw13_d;
+    b.dw2 = F.dw2_d;
+    b.accumulate = accumulate;
+    return b;
+}
+
+/* Poison (write mode: also dW), forward, backward on `layer`. */
+static moefuse_status run_fwd_bwd(moefuse_layer *layer, const inputs *in, int poison_dw) {
+    const int64_t T1 = in->T > 0 ? in->T : 1;
+    cudaMemsetAsync(in->dx_d, 0xff, (size_t)(T1 * in->dx_stride) * 2, F.stream);
+    cudaMemsetAsync(in->dp_d, 0xff, (size_t)(T1 * in->K) * 4, F.stream);
+    if (poison_dw) {
+        cudaMemsetAsync(F.dw13_d, 0xff, (size_t)n13() * 4, F.stream);
+        cudaMemsetAsync(F.dw2_d, 0xff, (size_t)n2() * 4, F.stream);
+    }
+    moefuse_fwd_args a;
+    memset(&a, 0, sizeof a);
+    a.num_tokens = in->T;
+    a.x = in->x_d;
+    a.x_stride = in->x_stride;
+    a.ids = in->ids_d;
+    a.weights = in->p_d;
+    a.w13 = F.w13_d;
+    a.w2 = F.w2_d;
+    a.y = in->y_d;
+    a.y_stride = F.m->H;
+    a.saved = in->saved_d;
+    moefuse_status st = moefuse_forward(layer, &a, F.stream);
+    if (st != MOEFUSE_OK) return st;
+    moefuse_bwd_args b = bwd_args(in, !poison_dw);
+    st = moefuse_backward(layer, &b, F.stream);
+    if (st != MOEFUSE_OK) return st;
+    return moefuse_layer_check(layer, F.stream);
+}
+
+/* ---- the reference, per group of slots of one expert -------------------------------- */
+
+typedef struct group {
+    int expert, n;
+    const int32_t *slot; /* [n] slots t*K+k, all routed to `expert` */
+} group;
+
+/* For each group: mf_ref_backward over its slots with E = 1, K = 1. dx_slot [n, H] and
+ * dp_slot [n] per slot (in group order, at out_row[g] + i); dW of the group into
+ * dw13_g / dw2_g (per group, [2I, H] / [H, I]) when non-NULL. Groups run in parallel,
+ * each reference call single-threaded (nested OpenMP regions are inactive). */
+static void ref_groups(const inputs *in, const group *g, int ng, const int64_t *out_row,
+                       double *dx_slot, double *dp_slot, double **dw13_g, double **dw2_g) {
+    const int H = F.m->H, I = F.m->I, K = F.m->K;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int gi = 0; gi < ng; gi++) {
+        const int n = g[gi].n, e = g[gi].expert;
+        double *x = malloc((size_t)n * H * 8), *dy = malloc((size_t)n * H * 8);
+        double *p = malloc((size_t)n * 8), *dx = malloc((size_t)n * H * 8), *dp = malloc((size_t)n * 8);
+        int32_t *ids = malloc((size_t)n * 4);
+        double *w13g = dw13_g ? dw13_g[gi] : malloc((size_t)2 * I * H * 8);
+        double *w2g = dw2_g ? dw2_g[gi] : malloc((size_t)H * I * 8);
+        for (int i = 0; i < n; i++) {
+            const int32_t s = g[gi].slot[i], t = s / K;
+            for (int h = 0; h < H; h++) {
+                x[(int64_t)i * H + h] = bf(in->x[(int64_t)t * in->x_stride + h]);
+                dy[(int64_t)i * H + h] = bf(in->dy[(int64_t)t * in->dy_stride + h]);
+            }
+            p[i] = in->p[s];
+            ids[i] = 0;
+        }
+        mf_ref_shape sh = {n, H, I, 1, 1};
+        mf_ref_backward(&sh, x, ids, p, F.w13_ref + (int64_t)e * 2 * I * H,
+                        F.w2_ref + (int64_t)e * H * I, dy, dx, dp, w13g, w2g);
+        if (dx_slot)
+            memcpy(dx_slot + out_row[gi] * H, dx, (size_t)n * H * 8);
+        if (dp_slot) memcpy(dp_slot + out_row[gi], dp, (size_t)n * 8);
+        if (!dw13_g) free(w13g);
+        if (!dw2_g) free(w2g);
+        free(x);
+        free(dy);
+        free(p);
+        free(dx);
+        free(dp);
+        free(ids);
+    }
+}
+
+/* dx (rows strided) and dweights: every element written, dropped slots 0, fully
+ * dropped tokens 0, stride padding untouched; a token subset against the reference. */
+static void check_dx_dp(const inputs *in, const uint16_t *dx, const float *dp) {
+    const int T = in->T, H = F.m->H, K = F.m->K;
+    int64_t nan_count = 0, pad_touched = 0, dropped_nonzero = 0;
+    for (int t = 0; t < T; t++) {
+        const uint16_t *row = dx + (int64_t)t * in->dx_stride;
+        int all_dropped = 1;
+        for (int k = 0; k < K; k++) {
+            const int64_t s = (int64_t)t * K + k;
+            all_dropped &= in->ids[s] < 0;
+            nan_count += isnan(dp[s]);
+            dropped_nonzero += in->ids[s] < 0 && dp[s] != 0.0f;
+        }
+        for (int h = 0; h < H; h++) {
+            nan_count += (row[h] & 0x7fff) > 0x7f80;
+            dropped_nonzero += all_dropped && row[h] != 0;
+        }
+        for (int64_t h = H; h < in->dx_stride; h++) pad_touched += row[h] != 0xffff;
+    }
+    CHECK(nan_count == 0, "%lld elements of dx / dweights are NaN (unwritten?)", (long long)nan_count);
+    CHECK(pad_touched == 0, "%lld elements past H in dx rows were written", (long long)pad_touched);
+    CHECK(dropped_nonzero == 0, "%lld elements of dropped slots / tokens are not 0",
+          (long long)dropped_nonzero);
+
+    const int n = T <= kCheckTokens ? T : kCheckTokens;
+    if (n == 0) return;
+    int tok[kCheckTokens];
+    for (int i = 0; i < n; i++) {
+        int t, dup;
+        do {
+            t = T <= kCheckTokens ? i : (i == 0 ? 0 : i == 1 ? T - 1 : th_rand_int(0, T - 1));
+            dup = 0;
+            for (int j = 0; j < i; j++) dup |= tok[j] == t;
+        } while (dup);
+        tok[i] = t;
+    }
+    /* the live slots of the subset sorted by expert (the order of out_pos), one group
+     * per run of one expert: each reference call writes its expert's whole dW, so
+     * fewer calls cost less */
+    group *g = malloc((size_t)n * K * sizeof(group));
+    int32_t *slots = malloc((size_t)n * K * 4);
+    int64_t *out_row = malloc((size_t)n * K * 8);
+    int32_t *out_pos = malloc((size_t)n * K * 4); /* [i*K + k]: row in dx_slot, -1 dropped */
+    int ng = 0, nl = 0;
+    for (int e = 0; e < F.m->E; e++) {
+        const int begin = nl;
+        for (int i = 0; i < n; i++)
+            for (int k = 0; k < K; k++)
+                if (in->ids[tok[i] * K + k] == e) {
+                    out_pos[i * K + k] = nl;
+                    slots[nl++] = tok[i] * K + k;
+                }
+        if (nl > begin) {
+            g[ng] = (group){e, nl - begin, &slots[begin]};
+            out_row[ng++] = begin;
+        }
+    }
+    for (int i = 0; i < n; i++)
+        for (int k = 0; k < K; k++)
+            if (in->ids[tok[i] * K + k] < 0) out_pos[i * K + k] = -1;
+    double *dx_slot = malloc((size_t)(nl > 0 ? nl : 1) * H * 8), *dp_slot = malloc((size_t)(nl > 0 ? nl : 1) * 8);
+    ref_groups(in, g, ng, out_row, dx_slot, dp_slot, NULL, NULL);
+    double *dxr = calloc((size_t)n * H, 8), *dxg = malloc((size_t)n * H * 8);
+    double *dpr = calloc((size_t)n * K, 8), *dpg = malloc((size_t)n * K * 8);
+    for (int i = 0; i < n; i++) {
+        for (int k = 0; k < K; k++) {
+            const int32_t s = tok[i] * K + k, r = out_pos[i * K + k];
+            dpg[i * K + k] = dp[s];
+            if (r < 0) continue;
+            for (int h = 0; h < H; h++) dxr[(int64_t)i * H + h] += dx_slot[(int64_t)r * H + h];
+            dpr[i * K + k] = dp_slot[r];
+        }
+        for (int h = 0; h < H; h++) dxg[(int64_t)i * H + h] = bf(dx[(int64_t)tok[i] * in->dx_stride + h]);
+    }
+    const double ex = th_rel_l2(dxg, dxr, (int64_t)n * H), tx = th_bf16_tolerance(5);
+    const double ep = th_rel_l2(dpg, dpr, (int64_t)n * K), tp = th_bf16_tolerance(3);
+    CHECK(ex <= tx, "dx: rel l2 %.3e over %d tokens > tol %.3e", ex, n, tx);
+    CHECK(ep <= tp, "dweights: rel l2 %.3e over %d tokens > tol %.3e", ep, n, tp);
+    printf("    %s T=%d: dx rel l2 %.2e (tol %.2e), dweights %.2e (tol %.2e), %d tokens\n",
+           F.m->name, T, ex, tx, ep, tp, n);
+    free(g);
+    free(slots);
+    free(out_row);
+    free(out_pos);
+    free(dx_slot);
+    free(dp_slot);
+    free(dxr);
+    free(dxg);
+    free(dpr);
+    free(dpg);
+}
+
+/* The masked call: keep the slots of the kMaskExperts most loaded experts (at most
+ * kMaskSlots each, the first in token order); run forward + backward on them; check
+ * dW13 / dW2 of the kept experts against the reference, every other expert exactly 0. */
+static void check_dw_masked(inputs *in) {
+    const int T = in->T, K = F.m->K, E = F.m->E, H = F.m->H, I = F.m->I;
+    const int64_t slots = (int64_t)T * K;
+    int32_t *counts = calloc((size_t)E, 4), *keep = malloc((size_t)E * 4);
+    int32_t *masked = malloc((size_t)slots * 4), *saved_ids = in->ids;
+    int nkeep = 0;
+    for (int64_t s = 0; s < slots; s++)
+        if (in->ids[s] >= 0) counts[in->ids[s]]++;
+    for (int j = 0; j < kMaskExperts; j++) { /* most loaded, ties to the lower id */
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int i = 0; i < nkeep; i++) taken |= keep[i] == e;
+            if (!taken && counts[e] > 0 && (best < 0 || counts[e] > counts[best])) best = e;
+        }
+        if (best >= 0) keep[nkeep++] = best;
+    }
+    /* groups of kGroupSlots slots of one kept expert, in slot order */
+    int32_t *kept_slots = malloc((size_t)(slots > 0 ? slots : 1) * 4);
+    group *g = malloc((size_t)(kMaskExperts * kMaskSlots / kGroupSlots + kMaskExperts) * sizeof(group));
+    int ng = 0, nkept = 0;
+    int group_begin[kMaskExperts + 1];
+    for (int64_t s = 0; s < slots; s++) masked[s] = -1;
+    for (int j = 0; j < nkeep; j++) {
+        group_begin[j] = ng;
+        int taken = 0;
+        for (int64_t s = 0; s < slots && taken < kMaskSlots; s++) {
+            if (in->ids[s] != keep[j]) continue;
+            masked[s] = keep[j];
+            if (taken % kGroupSlots == 0) g[ng++] = (group){keep[j], 0, &kept_slots[nkept]};
+            kept_slots[nkept++] = (int32_t)s;
+            g[ng - 1].n++;
+            taken++;
+        }
+    }
+    group_begin[nkeep] = ng;
+    const size_t e13 = (size_t)2 * I * H, e2 = (size_t)H * I;
+    double **dw13_g = malloc((size_t)(ng > 0 ? ng : 1) * sizeof(double *));
+    double **dw2_g = malloc((size_t)(ng > 0 ? ng : 1) * sizeof(double *));
+    for (int i = 0; i < ng; i++) {
+        dw13_g[i] = malloc(e13 * 8);
+        dw2_g[i] = malloc(e2 * 8);
+    }
+    CUDA_OK(cudaMemcpy(in->ids_d, masked, (size_t)slots * 4, cudaMemcpyHostToDevice));
+    MF_OK(run_fwd_bwd(F.layer, in, 1));
+    CUDA_OK(cudaMemcpy(F.dw13_h, F.dw13_d, (size_t)n13() * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(F.dw2_h, F.dw2_d, (size_t)n2() * 4, cudaMemcpyDeviceToHost));
+    in->ids = masked;
+    ref_groups(in, g, ng, NULL, NULL, NULL, dw13_g, dw2_g);
+    in->ids = saved_ids;
+
+    int64_t nonzero = 0;
+    for (int e = 0; e < E; e++) {
+        int kept = 0;
+        for (int j = 0; j < nkeep; j++) kept |= keep[j] == e;
+        if (kept) continue;
+        const float *a = F.dw13_h + (int64_t)e * e13, *b = F.dw2_h + (int64_t)e * e2;
+        for (size_t i = 0; i < e13; i++) nonzero += a[i] != 0.0f;
+        for (size_t i = 0; i < e2; i++) nonzero += b[i] != 0.0f;
+    }
+    CHECK(nonzero == 0, "%lld dW elements of experts without rows are not 0", (long long)nonzero);
+    double *r13 = malloc(e13 * 8), *g13 = malloc(e13 * 8), *r2 = malloc(e2 * 8), *g2 = malloc(e2 * 8);
+    for (int j = 0; j < nkeep; j++) {
+        const int e = keep[j];
+        memset(r13, 0, e13 * 8);
+        memset(r2, 0, e2 * 8);
+        for (int gi = group_begin[j]; gi < group_begin[j + 1]; gi++) {
+            for (size_t i = 0; i < e13; i++) r13[i] += dw13_g[gi][i];
+            for (size_t i = 0; i < e2; i++) r2[i] += dw2_g[gi][i];
+        }
+        for (size_t i = 0; i < e13; i++) g13[i] = F.dw13_h[(int64_t)e * e13 + i];
+        for (size_t i = 0; i < e2; i++) g2[i] = F.dw2_h[(int64_t)e * e2 + i];
+        const double a13 = th_rel_l2(g13, r13, (int64_t)e13), t13 = th_bf16_tolerance(3);
+        const double a2 = th_rel_l2(g2, r2, (int64_t)e2), t2 = th_bf16_tolerance(4);
+        const int rows = counts[e] < kMaskSlots ? counts[e] : kMaskSlots;
+        CHECK(a13 <= t13, "dW13 of expert %d (%d rows): rel l2 %.3e > tol %.3e", e, rows, a13, t13);
+        CHECK(a2 <= t2, "dW2 of expert %d (%d rows): rel l2 %.3e > tol %.3e", e, rows, a2, t2);
+        printf("    %s T=%d masked: expert %d, %d rows: dW13 rel l2 %.2e (tol %.2e), dW2 %.2e "
+               "(tol %.2e)\n", F.m->name, T, e, rows, a13, t13, a2, t2);
+    }
+    free(r13);
+    free(g13);
+    free(r2);
+    free(g2);
+done:
+    CHECK(cudaMemcpy(in->ids_d, saved_ids, (size_t)slots * 4, cudaMemcpyHostToDevice) == cudaSuccess,
+          "restore ids");
+    for (int i = 0; i < ng; i++) {
+        free(dw13_g[i]);
+        free(dw2_g[i]);
+    }
+    free(dw13_g);
+    free(dw2_g);
+    free(counts);
+    free(keep);
+    free(masked);
+    free(kept_slots);
+    free(g);
+}
+
+/* One backward on fresh inputs: dx and d p on the full call, dW on the masked one. */
+static void backward_case(int T, routing r, int64_t pad) {
+    if (!ready()) return;
+    inputs in;
+    uint16_t *dx = NULL;
+    float *dp = NULL;
+    if (!inputs_make(&in, T, r, pad)) goto done;
+    MF_OK(run_fwd_bwd(F.layer, &in, 1));
+    const int64_t T1 = T > 0 ? T : 1;
+    dx = malloc((size_t)(T1 * in.dx_stride) * 2);
+    dp = malloc((size_t)(T1 * in.K) * 4);
+    CUDA_OK(cudaMemcpy(dx, in.dx_d, (size_t)(T1 * in.dx_stride) * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(dp, in.dp_d, (size_t)(T1 * in.K) * 4, cudaMemcpyDeviceToHost));
+    check_dx_dp(&in, dx, dp);
+    check_dw_masked(&in);
+done:
+    free(dx);
+    free(dp);
+    inputs_free(&in);
+}
+
+/* ---- bitwise cases ------------------------------------------------------------------ */
+
+typedef struct outputs {
+    uint16_t *dx;
+    float *dp, *dw13, *dw2;
+    size_t dx_bytes, dp_bytes;
+} outputs;
+
+static int outputs_get(outputs *o, const inputs *in) {
+    o->dx_bytes = (size_t)in->T * in->dx_stride * 2;
+    o->dp_bytes = (size_t)in->T * in->K * 4;
+    if (!o->dx) {
+        o->dx = malloc(o->dx_bytes);
+        o->dp = malloc(o->dp_bytes);
+        o->dw13 = malloc((size_t)n13() * 4);
+        o->dw2 = malloc((size_t)n2() * 4);
+    }
+    return o->dw2 && cudaStreamSynchronize(F.stream) == cudaSuccess &&
+           cudaMemcpy(o->dx, in->dx_d, o->dx_bytes, cudaMemcpyDeviceToHost) == cudaSuccess &&
+           cudaMemcpy(o->dp, in->dp_d, o->dp_bytes, cudaMemcpyDeviceToHost) == cudaSuccess &&
+           cudaMemcpy(o->dw13, F.dw13_d, (size_t)n13() * 4, cudaMemcpyDeviceToHost) == cudaSuccess &&
+           cudaMemcpy(o->dw2, F.dw2_d, (size_t)n2() * 4, cudaMemcpyDeviceToHost) == cudaSuccess;
+}
+
+static int outputs_equal(const outputs *a, const outputs *b) {
+    return !memcmp(a->dx, b->dx, a->dx_bytes) && !memcmp(a->dp, b->dp, a->dp_bytes) &&
+           !memcmp(a->dw13, b->dw13, (size_t)n13() * 4) && !memcmp(a->dw2, b->dw2, (size_t)n2() * 4);
+}
+
+static void outputs_free(outputs *o) {
+    free(o->dx);
+    free(o->dp);
+    free(o->dw13);
+    free(o->dw2);
+    memset(o, 0, sizeof *o);
+}
+
+/* MOEFUSE_RECOMPUTE: the backward reruns gemm1, so it must give the saving layer's bits. */
+static void case_recompute(void) {
+    if (!ready()) return;
+    const int T = 512;
+    inputs in;
+    outputs a, b;
+    memset(&a, 0, sizeof a);
+    memset(&b, 0, sizeof b);
+    moefuse_layer *rl = make_layer(MOEFUSE_RECOMPUTE, T);
+    CHECK(rl != NULL, "recompute layer");
+    if (!rl || !inputs_make(&in, T, ROUTE_ZIPF, 0)) goto done;
+    MF_OK(run_fwd_bwd(F.layer, &in, 1));
+    CHECK(outputs_get(&a, &in), "copy");
+    size_t rbytes = 0;
+    MF_OK(moefuse_saved_bytes(rl, T, &rbytes));
+    CHECK(rbytes < in.saved_bytes, "recompute saves %zu bytes, activations %zu", rbytes, in.saved_bytes);
+    MF_OK(run_fwd_bwd(rl, &in, 1));
+    CHECK(outputs_get(&b, &in), "copy");
+    CHECK(outputs_equal(&a, &b), "MOEFUSE_RECOMPUTE differs from MOEFUSE_SAVE_ACTIVATIONS");
+done:
+    if (rl) moefuse_layer_destroy(rl);
+    outputs_free(&a);
+    outputs_free(&b);
+    inputs_free(&in);
+}
+
+/* accumulate = 1 on old values gives exactly old + the write-mode gradient (fp32). */
+static void case_accumulate(void) {
+    if (!ready()) return;
+    const int T = 700;
+    inputs in;
+    outputs w, acc;
+    memset(&w, 0, sizeof w);
+    memset(&acc, 0, sizeof acc);
+    float *old13 = NULL, *old2 = NULL;
+    if (!inputs_make(&in, T, ROUTE_FEW_EXPERTS, 0)) goto done;
+    MF_OK(run_fwd_bwd(F.layer, &in, 1));
+    CHECK(outputs_get(&w, &in), "copy");
+    old13 = malloc((size_t)n13() * 4);
+    old2 = malloc((size_t)n2() * 4);
+    for (int64_t i = 0; i < n13(); i++) old13[i] = (float)((int64_t)(i * 2654435761u % 1999) - 999) * 1e-3f;
+    for (int64_t i = 0; i < n2(); i++) old2[i] = (float)((int64_t)(i * 2246822519u % 1999) - 999) * 1e-3f;
+    CUDA_OK(cudaMemcpy(F.dw13_d, old13, (size_t)n13() * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(F.dw2_d, old2, (size_t)n2() * 4, cudaMemcpyHostToDevice));
+    MF_OK(run_fwd_bwd(F.layer, &in, 0));
+    CHECK(outputs_get(&acc, &in), "copy");
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n13(); i++) {
+        const float want = old13[i] + w.dw13[i];
+        bad += memcmp(&want, &acc.dw13[i], 4) != 0;
+    }
+    for (int64_t i = 0; i < n2(); i++) {
+        const float want = old2[i] + w.dw2[i];
+        bad += memcmp(&want, &acc.dw2[i], 4) != 0;
+    }
+    CHECK(bad == 0, "accumulate: %lld elements differ from old + write-mode gradient", (long long)bad);
+    CHECK(!memcmp(w.dx, acc.dx, w.dx_bytes) && !memcmp(w.dp, acc.dp, w.dp_bytes),
+          "accumulate changed dx / dweights");
+done:
+    free(old13);
+    free(old2);
+    outputs_free(&w);
+    outputs_free(&acc);
+    inputs_free(&in);
+}
+
+/* 50 repetitions of the backward on one saved buffer: bitwise the first. dx and d p
+ * are compared whole every time; dW (2.4 GB at qwen3-30b-a3b) in a window of 8 experts
+ * that moves each repetition, so the 50 cover every expert. */
+static void case_deterministic(void) {
+    if (!ready()) return;
+    const int T = 1536, W = 8;
+    inputs in;
+    outputs first;
+    memset(&first, 0, sizeof first);
+    uint16_t *dx = NULL;
+    float *dp = NULL, *w13 = NULL, *w2 = NULL;
+    if (!inputs_make(&in, T, ROUTE_ZIPF, 0)) goto done;
+    MF_OK(run_fwd_bwd(F.layer, &in, 1));
+    CHECK(outputs_get(&first, &in), "copy");
+    const size_t e13 = (size_t)2 * F.m->I * F.m->H, e2 = (size_t)F.m->H * F.m->I;
+    const int E = F.m->E, win = W < E ? W : E;
+    dx = malloc(first.dx_bytes);
+    dp = malloc(first.dp_bytes);
+    w13 = malloc(e13 * 4 * win);
+    w2 = malloc(e2 * 4 * win);
+    moefuse_bwd_args b = bwd_args(&in, 0);
+    int diff = 0;
+    for (int rep = 0; rep < 50; rep++) {
+        const int e0 = (rep * win) % E < E - win ? (rep * win) % E : E - win;
+        CUDA_OK(cudaMemsetAsync(in.dx_d, 0xff, first.dx_bytes, F.stream));
+        CUDA_OK(cudaMemsetAsync(in.dp_d, 0xff, first.dp_bytes, F.stream));
+        CUDA_OK(cudaMemsetAsync(F.dw13_d + e0 * e13, 0xff, e13 * 4 * win, F.stream));
+        CUDA_OK(cudaMemsetAsync(F.dw2_d + e0 * e2, 0xff, e2 * 4 * win, F.stream));
+        MF_OK(moefuse_backward(F.layer, &b, F.stream));
+        CUDA_OK(cudaStreamSynchronize(F.stream));
+        CUDA_OK(cudaMemcpy(dx, in.dx_d, first.dx_bytes, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(dp, in.dp_d, first.dp_bytes, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(w13, F.dw13_d + e0 * e13, e13 * 4 * win, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(w2, F.dw2_d + e0 * e2, e2 * 4 * win, cudaMemcpyDeviceToHost));
+        diff += memcmp(dx, first.dx, first.dx_bytes) || memcmp(dp, first.dp, first.dp_bytes) ||
+                memcmp(w13, first.dw13 + e0 * e13, e13 * 4 * win) ||
+                memcmp(w2, first.dw2 + e0 * e2, e2 * 4 * win);
+    }
+    CHECK(diff == 0, "the backward differed from the first run in %d of 50 repetitions", diff);
+    MF_OK(moefuse_layer_check(F.layer, F.stream));
+done:
+    free(dx);
+    free(dp);
+    free(w13);
+    free(w2);
+    outputs_free(&first);
+    inputs_free(&in);
+}
+
+/* The backward captured in a CUDA graph: two replays give the eager bits; then new dy
+ * written in place, replay again = eager again. */
+static void case_graph(void) {
+    if (!ready()) return;
+    const int T = 640;
+    inputs in;
+    outputs e, g;
+    memset(&e, 0, sizeof e);
+    memset(&g, 0, sizeof g);
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    if (!inputs_make(&in, T, ROUTE_RANDOM, 0)) goto done;
+    MF_OK(run_fwd_bwd(F.layer, &in, 1));
+    moefuse_bwd_args b = bwd_args(&in, 0);
+    CUDA_OK(cudaStreamBeginCapture(F.stream, cudaStreamCaptureModeGlobal));
+    moefuse_status st = moefuse_backward(F.layer, &b, F.stream);
+    cudaError_t ce = cudaStreamEndCapture(F.stream, &graph);
+    CHECK(st == MOEFUSE_OK, "backward under capture: %s", moefuse_last_error());
+    CUDA_OK(ce);
+    if (st != MOEFUSE_OK) goto done;
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int round = 0; round < 2; round++) {
+        if (round == 1) {
+            th_fill_bf16_normal(in.dy, NULL, (int64_t)T * in.dy_stride, 1.0);
+            CUDA_OK(cudaMemcpy(in.dy_d, in.dy, (size_t)T * in.dy_stride * 2, cudaMemcpyHostToDevice));
+        }
+        CUDA_OK(cudaMemsetAsync(in.dx_d, 0xff, (size_t)T * in.dx_stride * 2, F.stream));
+        MF_OK(moefuse_backward(F.layer, &b, F.stream));
+        MF_OK(moefuse_layer_check(F.layer, F.stream));
+        CHECK(outputs_get(&e, &in), "copy");
+        CUDA_OK(cudaMemsetAsync(in.dx_d, 0xff, (size_t)T * in.dx_stride * 2, F.stream));
+        CUDA_OK(cudaMemsetAsync(in.dp_d, 0xff, (size_t)T * in.K * 4, F.stream));
+        CUDA_OK(cudaMemsetAsync(F.dw13_d, 0xff, (size_t)n13() * 4, F.stream));
+        CUDA_OK(cudaGraphLaunch(exec, F.stream));
+        CUDA_OK(cudaGraphLaunch(exec, F.stream));
+        MF_OK(moefuse_layer_check(F.layer, F.stream));
+        CHECK(outputs_get(&g, &in), "copy");
+        CHECK(outputs_equal(&e, &g), "round %d: graph replay differs from the eager backward", round);
+    }
+    check_dx_dp(&in, g.dx, g.dp);
+done:
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    outputs_free(&e);
+    outputs_free(&g);
+    inputs_free(&in);
+}
+
+/* A saved buffer no forward wrote, and one of another T: the call returns OK (the plan
+ * is in device memory), moefuse_layer_check reports it, dx / dweights untouched; the
+ * next good backward works. */
+static void case_bad_saved(void) {
+    if (!ready()) return;
+    const int T = 300;
+    inputs in;
+    uint16_t *dx = NULL;
+    if (!inputs_make(&in, T, ROUTE_RANDOM, 0)) goto done;
+    MF_OK(run_fwd_bwd(F.layer, &in, 1));
+    moefuse_bwd_args b = bwd_args(&in, 0);
+    const size_t dxb = (size_t)T * in.dx_stride * 2;
+    dx = malloc(dxb);
+    for (int variant = 0; variant < 3; variant++) {
+        if (variant == 0) CUDA_OK(cudaMemset(in.saved_d, 0xcd, in.saved_bytes)); /* no forward */
+        if (variant == 1) { /* a good plan, but other ids */
+            MF_OK(run_fwd_bwd(F.layer, &in, 1));
+            int32_t *ids = malloc((size_t)T * in.K * 4);
+            memcpy(ids, in.ids, (size_t)T * in.K * 4);
+            int32_t t = ids[77 * in.K + 2];
+            ids[77 * in.K + 2] = ids[77 * in.K + 3];
+            ids[77 * in.K + 3] = t;
+            cudaMemcpy(in.ids_d, ids, (size_t)T * in.K * 4, cudaMemcpyHostToDevice);
+            free(ids);
+        }
+        if (variant == 2) { /* num_tokens of another forward */
+            CUDA_OK(cudaMemcpy(in.ids_d, in.ids, (size_t)T * in.K * 4, cudaMemcpyHostToDevice));
+            b.num_tokens = T - 1;
+        }
+        CUDA_OK(cudaMemset(in.dx_d, 0xff, dxb));
+        MF_OK(moefuse_backward(F.layer, &b, F.stream));
+        moefuse_status st = moefuse_layer_check(F.layer, F.stream);
+        CHECK(st == MOEFUSE_ERR_SAVED_STATE, "variant %d: check %s, expected SAVED_STATE", variant,
+              moefuse_status_string(st));
+        printf("    message: %s\n", moefuse_last_error());
+        CUDA_OK(cudaMemcpy(dx, in.dx_d, dxb, cudaMemcpyDeviceToHost));
+        int64_t touched = 0;
+        for (size_t i = 0; i < dxb / 2; i++) touched += dx[i] != 0xffff;
+        CHECK(touched == 0, "variant %d: %lld elements of dx written", variant, (long long)touched);
+    }
+    b.num_tokens = T;
+    MF_OK(run_fwd_bwd(F.layer, &in, 1));
+    MF_OK(moefuse_layer_check(F.layer, F.stream));
+done:
+    free(dx);
+    inputs_free(&in);
+}
+
+static void case_t1(void) { backward_case(1, ROUTE_RANDOM, 0); }
+static void case_t1_one_slot(void) { backward_case(1, ROUTE_ONE_EXPERT, 0); }
+static void case_t7(void) { backward_case(7, ROUTE_RANDOM, 0); }
+static void case_t512(void) { backward_case(512, ROUTE_RANDOM, 0); }
+static void case_tmax(void) { backward_case(kMaxTokens, ROUTE_RANDOM, 0); }
+static void case_one_expert(void) { backward_case(kMaxTokens, ROUTE_ONE_EXPERT, 0); }
+static void case_few_experts(void) { backward_case(777, ROUTE_FEW_EXPERTS, 0); }
+static void case_dropped(void) { backward_case(1000, ROUTE_DROPPED, 8); }
+static void case_zipf(void) { backward_case(3000, ROUTE_ZIPF, 0); }
+
+/* ---- main --------------------------------------------------------------------------- */
+
+static void detect_device(void) {
+    int n = 0;
+    cudaError_t err = cudaGetDeviceCount(&n);
+    if (err != cudaSuccess || n == 0) {
+        snprintf(g_skip, sizeof g_skip, "no CUDA device (%s)",
+                 err != cudaSuccess ? cudaGetErrorString(err) : "0 devices");
+        return;
+    }
+    struct cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
+        snprintf(g_skip, sizeof g_skip, "cudaGetDeviceProperties failed");
+        return;
+    }
+    if (prop.major != 9 || prop.minor != 0) {
+        snprintf(g_skip, sizeof g_skip, "device 0 (%.200s) is sm_%d%d; the kernels need sm_90",
+                 prop.name, prop.major, prop.minor);
+        return;
+    }
+    printf("device: %s, %d SMs; %d host threads for the reference\n", prop.name,
+           prop.multiProcessorCount, omp_get_max_threads());
+}
+
+/* Whether the library has the CUDA backward: a T = 0 backward is refused as
+ * UNSUPPORTED before touching anything when it does not. */
+static int backward_built(void) {
+    moefuse_bwd_args b;
+    memset(&b, 0, sizeof b);
+    b.x = b.dy = b.dx = F.w13_d;
+    b.x_stride = b.dy_stride = b.dx_stride = F.m->H;
+    b.ids = (const int32_t *)F.w2_d;
+    b.weights = (const float *)F.w2_d;
+    b.w13 = F.w13_d;
+    b.w2 = F.w2_d;
+    b.saved = F.dw13_d;
+    b.dweights = F.dw2_d;
+    b.dw13 = F.dw13_d;
+    b.dw2 = F.dw2_d;
+    b.accumulate = 1; /* T = 0 with accumulate: nothing to do, nothing written */
+    return moefuse_backward(F.layer, &b, F.stream) != MOEFUSE_ERR_UNSUPPORTED;
+}
+
+/* test_cuda_backward [model-substring [case-substring]] */
+int main(int argc, char **argv) {
+    th_seed_from_env_or_clock();
+    detect_device();
+    for (size_t i = 0; i < sizeof kModels / sizeof kModels[0]; i++) {
+        const model *m = &kModels[i];
+        if (argc > 1 && !strstr(m->name, argv[1])) continue;
+        memset(&F, 0, sizeof F);
+        F.m = m;
+        if (!g_skip[0] && fixture_setup(m)) F.built = backward_built();
+        char name[160];
+#define RUN(fn, what)                                                      \
+    snprintf(name, sizeof name, "cuda_backward %s %s", m->name, what);     \
+    if (argc < 3 || strstr(what, argv[2])) th_run(name, fn);
+        RUN(case_t1, "T=1")
+        RUN(case_t1_one_slot, "T=1 one slot")
+        RUN(case_t7, "T=7")
+        RUN(case_t512, "T=512")
+        RUN(case_tmax, "T=4096 (max)")
+        RUN(case_one_expert, "T=4096 all tokens on one expert")
+        RUN(case_few_experts, "T=777 three experts, rest empty")
+        RUN(case_dropped, "T=1000 dropped slots and tokens, strided x/dy/dx")
+        RUN(case_zipf, "T=3000 zipf routing")
+        RUN(case_recompute, "recompute bitwise = saved activations")
+        RUN(case_accumulate, "accumulate = old + write mode, exactly")
+        RUN(case_deterministic, "50 repetitions bitwise")
+        RUN(case_graph, "cuda graph replay")
+        RUN(case_bad_saved, "bad saved buffer")
+#undef RUN
+        fixture_teardown();
+    }
+    return th_finish();
+}

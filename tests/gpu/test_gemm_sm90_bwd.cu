@@ -1,0 +1,503 @@
+/* The sm_90a backward GEMM kernels (dgrad2 + SwiGLU backward + dp, dgrad1 + combine
+ * scatter, K-grouped wgrad) against an fp64 CPU computation, on expert-sorted rows with
+ * varied per-expert counts (empty experts, a one-row expert, 1000+-row experts) padded to
+ * 128 with zero padding rows; outputs poisoned first. Padding rows must come out zero,
+ * rows past num_rows and unrouted combine rows untouched, runs with different grid sizes
+ * bitwise equal, and wgrad's accumulate mode exactly write + old. Then times each kernel
+ * at the Qwen3 shapes and prints TFLOP/s.
+ *
+ * Tolerances (th_bf16_tolerance(n), n = bf16 roundings on the path, inputs exact bf16):
+ *   dh, act_p, combine: one rounding of an fp32 result -> n = 1.
+ *   dp: fp32 sum of da' * a with no bf16 rounding of its own; a = bf16(silu(g) u) is
+ *       computed on both sides but the device's __expf may land a different rounding
+ *       of a now and then, so n = 1 to be safe.
+ *   dW: fp32 accumulation only (n = 0): the norm-wise error of a K-term fp32 sum is
+ *       about sqrt(K) * 2^-24 (K <= 1152 here: ~2e-6), inside the rule's 1e-5 floor. */
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+extern "C" {
+#include "harness.h"
+}
+#include "kernels.h"
+
+#define CUDA_OK(call)                                                                  \
+    do {                                                                               \
+        cudaError_t e_ = (call);                                                       \
+        CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));             \
+        if (e_ != cudaSuccess) return;                                                 \
+    } while (0)
+
+static const uint16_t kPoison = 0xFFFF; /* bf16 NaN */
+
+static uint16_t f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static double bf2d(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static int have_sm90(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+        th_skip("no CUDA device: these kernels need an sm_90a GPU");
+        return 0;
+    }
+    cudaDeviceProp prop;
+    cudaGetDeviceProperties(&prop, 0);
+    if (prop.major != 9 || prop.minor != 0) {
+        th_skip("device is sm_%d%d, the kernels are built for sm_90a only", prop.major,
+                prop.minor);
+        return 0;
+    }
+    return 1;
+}
+
+static int num_sms(void) {
+    cudaDeviceProp prop;
+    cudaGetDeviceProperties(&prop, 0);
+    return prop.multiProcessorCount;
+}
+
+/* ---- the routing layout the plan would build (as in test_gemm_sm90.cu) ------------------ */
+struct Layout {
+    int E, num_rows, rows_cap, num_slots;
+    std::vector<int> counts;
+    std::vector<int32_t> offsets;          /* [E + 1] first row of each expert (padded) */
+    std::vector<int32_t> row_block_expert; /* [rows_cap / 128] */
+    std::vector<int32_t> row_slot;         /* [rows_cap] */
+    std::vector<int> row_expert;           /* [rows_cap], -1 for padding / unused */
+};
+
+static Layout make_layout(const std::vector<int> &counts, int extra_rows, int dropped) {
+    Layout L;
+    L.E = (int)counts.size();
+    L.counts = counts;
+    int rows = 0, valid = 0;
+    for (int e = 0; e < L.E; ++e) {
+        L.offsets.push_back(rows);
+        rows += (counts[e] + MF_SM90_BLOCK_M - 1) / MF_SM90_BLOCK_M * MF_SM90_BLOCK_M;
+        valid += counts[e];
+    }
+    L.offsets.push_back(rows);
+    L.num_rows = rows;
+    L.rows_cap = rows + extra_rows;
+    L.num_slots = valid + dropped;
+    std::vector<int> perm(L.num_slots);
+    for (int i = 0; i < L.num_slots; ++i) perm[i] = i;
+    for (int i = L.num_slots - 1; i > 0; --i) std::swap(perm[i], perm[th_rand_int(0, i)]);
+    L.row_block_expert.assign(L.rows_cap / MF_SM90_BLOCK_M, -1);
+    L.row_slot.assign(L.rows_cap, -1);
+    L.row_expert.assign(L.rows_cap, -1);
+    int next = 0;
+    for (int e = 0; e < L.E; ++e) {
+        for (int b = L.offsets[e]; b < L.offsets[e + 1]; b += MF_SM90_BLOCK_M)
+            L.row_block_expert[b / MF_SM90_BLOCK_M] = e;
+        for (int i = 0; i < counts[e]; ++i) {
+            L.row_slot[L.offsets[e] + i] = perm[next++];
+            L.row_expert[L.offsets[e] + i] = e;
+        }
+    }
+    return L;
+}
+
+template <class T>
+static T *dev_upload(const std::vector<T> &v) {
+    T *p = nullptr;
+    if (cudaMalloc((void **)&p, v.size() * sizeof(T) + 16) != cudaSuccess) return nullptr;
+    cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+    return p;
+}
+template <class T>
+static std::vector<T> dev_download(const T *p, size_t n) {
+    std::vector<T> v(n);
+    cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
+    return v;
+}
+static bool all_poison(const uint16_t *p, size_t n) {
+    for (size_t i = 0; i < n; ++i)
+        if (p[i] != kPoison) return false;
+    return true;
+}
+
+/* ---- dgrad2 + dgrad1 ------------------------------------------------------------------ */
+static void check_dgrad(int H, int I, const std::vector<int> &counts) {
+    if (!have_sm90()) return;
+    const int E = (int)counts.size();
+    Layout L = make_layout(counts, /*extra_rows=*/256, /*dropped=*/29);
+    const int R = L.rows_cap, parts = mf_dgrad2_dp_parts(I);
+    CHECK(parts > 0, "mf_dgrad2_dp_parts(%d) = %d", I, parts);
+    if (parts <= 0) return;
+    const size_t ny = (size_t)R * H, ngu = (size_t)R * 2 * I, n2 = (size_t)E * H * I,
+                 n13 = (size_t)E * 2 * I * H;
+    std::vector<uint16_t> dys(ny), gu(ngu), w2(n2), w13(n13);
+    std::vector<double> dys_d(ny), gu_d(ngu), w2_d(n2), w13_d(n13);
+    th_fill_bf16_normal(dys.data(), dys_d.data(), (int64_t)ny, 1.0);
+    th_fill_bf16_normal(gu.data(), gu_d.data(), (int64_t)ngu, 1.5);
+    th_fill_bf16_normal(w2.data(), w2_d.data(), (int64_t)n2, 1.0 / sqrt((double)H));
+    th_fill_bf16_normal(w13.data(), w13_d.data(), (int64_t)n13, 1.0 / sqrt((double)(2 * I)));
+    /* dys padding rows are zero (dispatch zeroes them); gate_up padding rows keep random
+     * values: the outputs of padding rows must be zero anyway. */
+    for (int r = 0; r < R; ++r)
+        if (L.row_expert[r] < 0)
+            for (int k = 0; k < H; ++k) { dys[(size_t)r * H + k] = 0; dys_d[(size_t)r * H + k] = 0; }
+    std::vector<float> sw(L.num_slots);
+    for (auto &w : sw) w = (float)(0.05 + th_uniform());
+
+    int32_t *d_rbe = dev_upload(L.row_block_expert), *d_slot = dev_upload(L.row_slot);
+    int32_t *d_nr = dev_upload(std::vector<int32_t>{L.num_rows});
+    uint16_t *d_dys = dev_upload(dys), *d_gu = dev_upload(gu), *d_w2 = dev_upload(w2),
+             *d_w13 = dev_upload(w13);
+    float *d_sw = dev_upload(sw);
+    uint16_t *d_dh = nullptr, *d_actp = nullptr, *d_comb = nullptr;
+    float *d_dp = nullptr;
+    CUDA_OK(cudaMalloc(&d_dh, ngu * 2));
+    CUDA_OK(cudaMalloc(&d_actp, (size_t)R * I * 2));
+    CUDA_OK(cudaMalloc(&d_comb, (size_t)L.num_slots * H * 2));
+    CUDA_OK(cudaMalloc(&d_dp, (size_t)R * parts * 4));
+    auto poison = [&]() {
+        cudaMemset(d_dh, 0xFF, ngu * 2);
+        cudaMemset(d_actp, 0xFF, (size_t)R * I * 2);
+        cudaMemset(d_comb, 0xFF, (size_t)L.num_slots * H * 2);
+        cudaMemset(d_dp, 0xFF, (size_t)R * parts * 4);
+    };
+    auto run = [&](int sms) -> cudaError_t {
+        mf_dgrad2_params p2 = {d_dys, d_w2, d_gu, d_rbe, d_nr, d_slot, d_sw, d_dh, d_actp, d_dp,
+                               R, H, I, E, sms};
+        cudaError_t e = mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&p2, 0);
+        if (e != cudaSuccess) return e;
+        mf_dgrad1_params p1 = {d_dh, d_w13, d_rbe, d_nr, d_slot, d_comb, R, H, I, E, sms};
+        return mf_sm90_gemm1_dgrad_bwd_bf16(&p1, 0);
+    };
+    poison();
+    CUDA_OK(run(num_sms()));
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<uint16_t> dh = dev_download(d_dh, ngu), actp = dev_download(d_actp, (size_t)R * I),
+                          comb = dev_download(d_comb, (size_t)L.num_slots * H);
+    std::vector<float> dp = dev_download(d_dp, (size_t)R * parts);
+
+    std::vector<int> valid;
+    for (int r = 0; r < L.num_rows; ++r)
+        if (L.row_expert[r] >= 0) valid.push_back(r);
+    const int nv = (int)valid.size();
+    std::vector<double> ref_dh((size_t)nv * 2 * I), got_dh((size_t)nv * 2 * I);
+    std::vector<double> ref_ap((size_t)nv * I), got_ap((size_t)nv * I);
+    std::vector<double> ref_dp(nv), got_dp(nv);
+    std::vector<double> ref_c((size_t)nv * H), got_c((size_t)nv * H);
+#pragma omp parallel for schedule(dynamic, 4)
+    for (int v = 0; v < nv; ++v) {
+        const int r = valid[v], e = L.row_expert[r], slot = L.row_slot[r];
+        const double p = sw[slot];
+        std::vector<double> dap(I, 0.0);
+        for (int k = 0; k < H; ++k) {
+            const double y = dys_d[(size_t)r * H + k];
+            const double *w = &w2_d[((size_t)e * H + k) * I];
+            for (int j = 0; j < I; ++j) dap[j] += y * w[j];
+        }
+        double dps = 0;
+        for (int j = 0; j < I; ++j) {
+            const double g = gu_d[(size_t)r * 2 * I + j], u = gu_d[(size_t)r * 2 * I + I + j];
+            const double s = 1.0 / (1.0 + exp(-g));
+            const double a = bf2d(f2bf((float)(g * s * u)));
+            dps += dap[j] * a;
+            ref_ap[(size_t)v * I + j] = p * a;
+            got_ap[(size_t)v * I + j] = bf2d(actp[(size_t)r * I + j]);
+            ref_dh[(size_t)v * 2 * I + j] = p * dap[j] * u * s * (1 + g * (1 - s));
+            ref_dh[(size_t)v * 2 * I + I + j] = p * dap[j] * g * s;
+            got_dh[(size_t)v * 2 * I + j] = bf2d(dh[(size_t)r * 2 * I + j]);
+            got_dh[(size_t)v * 2 * I + I + j] = bf2d(dh[(size_t)r * 2 * I + I + j]);
+        }
+        ref_dp[v] = dps;
+        double gs = 0;
+        for (int q = 0; q < parts; ++q) gs += dp[(size_t)r * parts + q];
+        got_dp[v] = gs;
+        /* dgrad1 from the device's dh (its exact bf16 values): one rounding. */
+        for (int n = 0; n < H; ++n) {
+            double s = 0;
+            for (int j = 0; j < 2 * I; ++j)
+                s += bf2d(dh[(size_t)r * 2 * I + j]) * w13_d[((size_t)e * 2 * I + j) * H + n];
+            ref_c[(size_t)v * H + n] = s;
+            got_c[(size_t)v * H + n] = bf2d(comb[(size_t)slot * H + n]);
+        }
+    }
+    const double tol = th_bf16_tolerance(1);
+    const double e_dh = th_rel_l2(got_dh.data(), ref_dh.data(), (int64_t)got_dh.size());
+    const double e_ap = th_rel_l2(got_ap.data(), ref_ap.data(), (int64_t)got_ap.size());
+    const double e_dp = th_rel_l2(got_dp.data(), ref_dp.data(), (int64_t)got_dp.size());
+    const double e_c = th_rel_l2(got_c.data(), ref_c.data(), (int64_t)got_c.size());
+    printf("  H=%d I=%d E=%d rows=%d (valid %d): rel err dh %.2e act_p %.2e dp %.2e "
+           "combine %.2e (tol %.2e)\n", H, I, E, L.num_rows, nv, e_dh, e_ap, e_dp, e_c, tol);
+    CHECK(e_dh <= tol, "dgrad2 dh rel error %.3e > %.3e", e_dh, tol);
+    CHECK(e_ap <= tol, "dgrad2 act_p rel error %.3e > %.3e", e_ap, tol);
+    CHECK(e_dp <= tol, "dgrad2 dp rel error %.3e > %.3e", e_dp, tol);
+    CHECK(e_c <= tol, "dgrad1 combine rel error %.3e > %.3e", e_c, tol);
+
+    /* Padding rows inside blocks: exact zeros; rows past num_rows: untouched. */
+    int bad_pad = 0;
+    for (int r = 0; r < L.num_rows; ++r) {
+        if (L.row_slot[r] >= 0) continue;
+        for (int j = 0; j < 2 * I; ++j) bad_pad += dh[(size_t)r * 2 * I + j] != 0;
+        for (int j = 0; j < I; ++j) bad_pad += actp[(size_t)r * I + j] != 0;
+        for (int q = 0; q < parts; ++q) bad_pad += dp[(size_t)r * parts + q] != 0.f;
+    }
+    CHECK(bad_pad == 0, "%d outputs of padding rows are not zero", bad_pad);
+    const size_t past = (size_t)(R - L.num_rows);
+    CHECK(all_poison(&dh[(size_t)L.num_rows * 2 * I], past * 2 * I), "dh written past num_rows");
+    CHECK(all_poison(&actp[(size_t)L.num_rows * I], past * I), "act_p written past num_rows");
+    {
+        uint32_t pat;
+        memset(&pat, 0xFF, 4);
+        int bad = 0;
+        for (size_t i = (size_t)L.num_rows * parts; i < (size_t)R * parts; ++i) {
+            uint32_t u;
+            memcpy(&u, &dp[i], 4);
+            bad += u != pat;
+        }
+        CHECK(bad == 0, "dp_partial written past num_rows (%d)", bad);
+    }
+    std::vector<char> routed(L.num_slots, 0);
+    for (int r = 0; r < L.num_rows; ++r)
+        if (L.row_slot[r] >= 0) routed[L.row_slot[r]] = 1;
+    int stray = 0;
+    for (int s = 0; s < L.num_slots; ++s)
+        if (!routed[s] && !all_poison(&comb[(size_t)s * H], H)) ++stray;
+    CHECK(stray == 0, "%d combine rows of unrouted slots were written", stray);
+
+    /* Bitwise repeatability with a small grid (many tiles per CTA, the ring wrapping). */
+    poison();
+    CUDA_OK(run(7));
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK(dev_download(d_dh, ngu) == dh, "dh differs between runs");
+    CHECK(dev_download(d_actp, (size_t)R * I) == actp, "act_p differs between runs");
+    CHECK(dev_download(d_comb, (size_t)L.num_slots * H) == comb, "combine differs between runs");
+    std::vector<float> dp2 = dev_download(d_dp, (size_t)R * parts);
+    CHECK(memcmp(dp2.data(), dp.data(), dp.size() * 4) == 0, "dp_partial differs between runs");
+
+    cudaFree(d_rbe); cudaFree(d_slot); cudaFree(d_nr); cudaFree(d_dys); cudaFree(d_gu);
+    cudaFree(d_w2); cudaFree(d_w13); cudaFree(d_sw); cudaFree(d_dh); cudaFree(d_actp);
+    cudaFree(d_comb); cudaFree(d_dp);
+}
+
+/* ---- wgrad ------------------------------------------------------------------------------ */
+static void check_wgrad(int M, int N, const std::vector<int> &counts) {
+    if (!have_sm90()) return;
+    const int E = (int)counts.size();
+    Layout L = make_layout(counts, /*extra_rows=*/128, 0);
+    const int R = L.rows_cap;
+    std::vector<uint16_t> lhs((size_t)R * M), rhs((size_t)R * N);
+    std::vector<double> lhs_d(lhs.size()), rhs_d(rhs.size());
+    th_fill_bf16_normal(lhs.data(), lhs_d.data(), (int64_t)lhs.size(), 1.0);
+    th_fill_bf16_normal(rhs.data(), rhs_d.data(), (int64_t)rhs.size(), 1.0);
+    /* Padding rows are zero (rows past num_rows too, though no expert covers them). */
+    for (int r = 0; r < R; ++r)
+        if (L.row_expert[r] < 0) {
+            for (int k = 0; k < M; ++k) { lhs[(size_t)r * M + k] = 0; lhs_d[(size_t)r * M + k] = 0; }
+            for (int k = 0; k < N; ++k) { rhs[(size_t)r * N + k] = 0; rhs_d[(size_t)r * N + k] = 0; }
+        }
+    const size_t ndw = (size_t)E * M * N;
+    uint16_t *d_l = dev_upload(lhs), *d_r = dev_upload(rhs);
+    int32_t *d_off = dev_upload(L.offsets);
+    float *d_dw = nullptr;
+    CUDA_OK(cudaMalloc(&d_dw, ndw * 4));
+    auto run = [&](int sms, int acc) {
+        mf_wgrad_params p = {d_l, d_r, d_off, d_dw, R, M, N, E, acc, sms};
+        return mf_sm90_wgrad_grouped_bf16(&p, 0);
+    };
+    CUDA_OK(cudaMemset(d_dw, 0xFF, ndw * 4));
+    CUDA_OK(run(num_sms(), 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<float> dw = dev_download(d_dw, ndw);
+
+    std::vector<double> ref(ndw, 0.0), got(ndw);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int em = 0; em < E * M; ++em) {
+        const int e = em / M, m = em % M;
+        double *out = &ref[(size_t)em * N];
+        for (int r = L.offsets[e]; r < L.offsets[e + 1]; ++r) {
+            const double a = lhs_d[(size_t)r * M + m];
+            if (a == 0) continue;
+            const double *b = &rhs_d[(size_t)r * N];
+            for (int n = 0; n < N; ++n) out[n] += a * b[n];
+        }
+    }
+    for (size_t i = 0; i < ndw; ++i) got[i] = dw[i];
+    const double tol = th_bf16_tolerance(0);
+    const double err = th_rel_l2(got.data(), ref.data(), (int64_t)ndw);
+    printf("  M=%d N=%d E=%d rows=%d: rel err dW %.2e (tol %.2e)\n", M, N, E, L.num_rows, err,
+           tol);
+    CHECK(err <= tol, "wgrad rel error %.3e > %.3e", err, tol);
+    int nonzero_empty = 0;
+    for (int e = 0; e < E; ++e)
+        if (L.counts[e] == 0)
+            for (size_t i = (size_t)e * M * N; i < (size_t)(e + 1) * M * N; ++i)
+                nonzero_empty += dw[i] != 0.f;
+    CHECK(nonzero_empty == 0, "%d dW elements of experts without rows are not 0",
+          nonzero_empty);
+
+    /* Bitwise repeatability with a small grid. */
+    CUDA_OK(cudaMemset(d_dw, 0xFF, ndw * 4));
+    CUDA_OK(run(7, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<float> dw2 = dev_download(d_dw, ndw);
+    CHECK(memcmp(dw.data(), dw2.data(), ndw * 4) == 0, "dW differs between runs");
+
+    /* Accumulate: exactly old + write result (one fp32 add); empty experts unchanged. */
+    std::vector<float> old(ndw);
+    for (auto &x : old) x = (float)th_normal();
+    CUDA_OK(cudaMemcpy(d_dw, old.data(), ndw * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(run(num_sms(), 1));
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<float> acc = dev_download(d_dw, ndw);
+    size_t bad = 0;
+    for (size_t i = 0; i < ndw; ++i) {
+        const float want = old[i] + dw[i];
+        bad += memcmp(&want, &acc[i], 4) != 0;
+    }
+    CHECK(bad == 0, "accumulate differs from write + old in %zu elements", bad);
+    cudaFree(d_l); cudaFree(d_r); cudaFree(d_off); cudaFree(d_dw);
+}
+
+static void test_dgrad_bn256(void) { check_dgrad(512, 256, {0, 1, 1037, 37, 0, 200, 128, 5}); }
+static void test_dgrad_bn128(void) { check_dgrad(384, 384, {3, 0, 0, 256, 1, 1100}); }
+static void test_wgrad_bn256(void) { check_wgrad(384, 512, {0, 1, 1037, 37, 0, 200, 128, 5}); }
+static void test_wgrad_bn128(void) { check_wgrad(256, 384, {3, 0, 0, 256, 1, 1100}); }
+
+/* ---- timing at the Qwen3 shapes -------------------------------------------------------- */
+__global__ void fill_hash_bf16(__nv_bfloat16 *out, size_t n, uint32_t seed, float scale) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t z = i * 0x9e3779b97f4a7c15ull + seed;
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        z ^= z >> 31;
+        out[i] = __float2bfloat16_rn(((float)(uint32_t)(z >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * scale);
+    }
+}
+
+static float median(std::vector<float> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+template <class F>
+static float time_ms(F &&launch) {
+    cudaEvent_t t0, t1;
+    cudaEventCreate(&t0);
+    cudaEventCreate(&t1);
+    std::vector<float> ms;
+    for (int it = 0; it < 13; ++it) {
+        float a = 0;
+        cudaEventRecord(t0);
+        const cudaError_t e = launch();
+        cudaEventRecord(t1);
+        cudaEventSynchronize(t1);
+        cudaEventElapsedTime(&a, t0, t1);
+        if (e != cudaSuccess) { ms.assign(1, -1.f); break; }
+        if (it >= 3) ms.push_back(a);
+    }
+    cudaEventDestroy(t0);
+    cudaEventDestroy(t1);
+    return median(ms);
+}
+
+static void time_model(const char *name, int H, int I, int E, int tokens, int top_k) {
+    if (!have_sm90()) return;
+    const int total = tokens * top_k;
+    std::vector<double> wt(E);
+    double ws = 0;
+    for (auto &w : wt) { const double u = th_uniform(); w = 0.25 + 3 * u * u; ws += w; }
+    std::vector<int> counts(E);
+    int assigned = 0;
+    for (int e = 0; e < E; ++e) { counts[e] = (int)(total * wt[e] / ws); assigned += counts[e]; }
+    counts[th_rand_int(0, E - 1)] += total - assigned;
+    Layout L = make_layout(counts, 0, 0);
+    const int R = L.rows_cap, parts = mf_dgrad2_dp_parts(I), sms = num_sms();
+
+    /* Padding rows hold hash values here too; timing does not depend on them. */
+    uint16_t *dys, *gu, *w2, *w13, *dh, *actp, *comb, *xs;
+    float *sw, *dp, *dw2, *dw13;
+    CUDA_OK(cudaMalloc(&dys, (size_t)R * H * 2));
+    CUDA_OK(cudaMalloc(&xs, (size_t)R * H * 2));
+    CUDA_OK(cudaMalloc(&gu, (size_t)R * 2 * I * 2));
+    CUDA_OK(cudaMalloc(&dh, (size_t)R * 2 * I * 2));
+    CUDA_OK(cudaMalloc(&actp, (size_t)R * I * 2));
+    CUDA_OK(cudaMalloc(&w2, (size_t)E * H * I * 2));
+    CUDA_OK(cudaMalloc(&w13, (size_t)E * 2 * I * H * 2));
+    CUDA_OK(cudaMalloc(&comb, (size_t)L.num_slots * H * 2));
+    CUDA_OK(cudaMalloc(&sw, (size_t)L.num_slots * 4));
+    CUDA_OK(cudaMalloc(&dp, (size_t)R * parts * 4));
+    CUDA_OK(cudaMalloc(&dw2, (size_t)E * H * I * 4));
+    CUDA_OK(cudaMalloc(&dw13, (size_t)E * 2 * I * H * 4));
+    const uint32_t seed = (uint32_t)th_rand_u64();
+    fill_hash_bf16<<<1024, 256>>>((__nv_bfloat16 *)dys, (size_t)R * H, seed, 1.f);
+    fill_hash_bf16<<<1024, 256>>>((__nv_bfloat16 *)xs, (size_t)R * H, seed + 1, 1.f);
+    fill_hash_bf16<<<1024, 256>>>((__nv_bfloat16 *)gu, (size_t)R * 2 * I, seed + 2, 2.f);
+    fill_hash_bf16<<<1024, 256>>>((__nv_bfloat16 *)w2, (size_t)E * H * I, seed + 3, 1.f / 32);
+    fill_hash_bf16<<<1024, 256>>>((__nv_bfloat16 *)w13, (size_t)E * 2 * I * H, seed + 4, 1.f / 32);
+    std::vector<float> swh(L.num_slots);
+    for (auto &w : swh) w = (float)(0.05 + th_uniform());
+    CUDA_OK(cudaMemcpy(sw, swh.data(), swh.size() * 4, cudaMemcpyHostToDevice));
+    int32_t *rbe = dev_upload(L.row_block_expert), *slot = dev_upload(L.row_slot),
+            *nr = dev_upload(std::vector<int32_t>{L.num_rows}), *off = dev_upload(L.offsets);
+    CUDA_OK(cudaDeviceSynchronize());
+
+    mf_dgrad2_params p2 = {dys, w2, gu, rbe, nr, slot, sw, dh, actp, dp, R, H, I, E, sms};
+    mf_dgrad1_params p1 = {dh, w13, rbe, nr, slot, comb, R, H, I, E, sms};
+    mf_wgrad_params pw2 = {dys, actp, off, dw2, R, H, I, E, 0, sms};
+    mf_wgrad_params pw13 = {dh, xs, off, dw13, R, 2 * I, H, E, 0, sms};
+    mf_wgrad_params pw13a = pw13;
+    pw13a.accumulate = 1;
+    const float m2 = time_ms([&] { return mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&p2, 0); });
+    const float m1 = time_ms([&] { return mf_sm90_gemm1_dgrad_bwd_bf16(&p1, 0); });
+    const float mw2 = time_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw2, 0); });
+    const float mw13 = time_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw13, 0); });
+    const float mw13a = time_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw13a, 0); });
+    CUDA_OK(cudaGetLastError());
+    CUDA_OK(cudaDeviceSynchronize());
+    const double v = (double)total;
+    const double f_small = 2.0 * v * H * I, f_big = 2.0 * v * 2 * I * H;
+    printf("  %-16s rows %d (padded %d) E=%d H=%d I=%d sms=%d\n", name, total, L.num_rows, E, H,
+           I, sms);
+    printf("  %-16s dgrad2+swiglu_bwd+dp  %8.3f ms %6.1f TFLOP/s\n", name, m2, f_small / m2 * 1e-9);
+    printf("  %-16s dgrad1+scatter        %8.3f ms %6.1f TFLOP/s\n", name, m1, f_big / m1 * 1e-9);
+    printf("  %-16s wgrad dW2  (write)    %8.3f ms %6.1f TFLOP/s\n", name, mw2, f_small / mw2 * 1e-9);
+    printf("  %-16s wgrad dW13 (write)    %8.3f ms %6.1f TFLOP/s\n", name, mw13, f_big / mw13 * 1e-9);
+    printf("  %-16s wgrad dW13 (accum)    %8.3f ms %6.1f TFLOP/s\n", name, mw13a, f_big / mw13a * 1e-9);
+    CHECK(m2 > 0 && m1 > 0 && mw2 > 0 && mw13 > 0 && mw13a > 0, "a timed launch failed");
+    cudaFree(dys); cudaFree(xs); cudaFree(gu); cudaFree(dh); cudaFree(actp); cudaFree(w2);
+    cudaFree(w13); cudaFree(comb); cudaFree(sw); cudaFree(dp); cudaFree(dw2); cudaFree(dw13);
+    cudaFree(rbe); cudaFree(slot); cudaFree(nr); cudaFree(off);
+}
+
+static void time_qwen3_30b(void) { time_model("qwen3-30b-a3b", 2048, 768, 128, 16384, 8); }
+static void time_qwen3_235b(void) { time_model("qwen3-235b-a22b", 4096, 1536, 128, 16384, 8); }
+
+/* An optional argument runs only the cases whose name contains it. */
+int main(int argc, char **argv) {
+    static const struct { const char *name; void (*fn)(void); } cases[] = {
+        {"gemm_sm90_bwd_dgrad_bn256", test_dgrad_bn256},
+        {"gemm_sm90_bwd_dgrad_bn128", test_dgrad_bn128},
+        {"gemm_sm90_bwd_wgrad_bn256", test_wgrad_bn256},
+        {"gemm_sm90_bwd_wgrad_bn128", test_wgrad_bn128},
+        {"gemm_sm90_bwd_time_qwen3_30b", time_qwen3_30b},
+        {"gemm_sm90_bwd_time_qwen3_235b", time_qwen3_235b},
+    };
+    th_seed_from_env_or_clock();
+    for (const auto &c : cases)
+        if (argc < 2 || strstr(c.name, argv[1])) th_run(c.name, c.fn);
+    return th_finish();
+}
