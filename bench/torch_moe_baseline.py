@@ -11,7 +11,8 @@ CUDA GPU of sm_90 or newer and bf16; elsewhere (the CPU) experts_torch() falls b
 a per-expert loop of F.linear calls and says so in grouped_mm_reason().
 
 Importable:
-    MODELS, experts_torch(x, ids, p, w13, w2), make_problem(...), grouped_mm_reason(device)
+    MODELS, experts_torch(x, ids, p, w13, w2), make_problem(...), grouped_mm_reason(device),
+    TorchQwen3MoeBlock (a drop-in for transformers' Qwen3MoeSparseMoeBlock on experts_torch)
 CLI (times forward and forward+backward of one case):
     python bench/torch_moe_baseline.py --model qwen3-30b-a3b --tokens 4096 --device cuda
 """
@@ -115,6 +116,54 @@ def experts_torch(x, ids, p, w13, w2) -> torch.Tensor:
     if grouped_mm_reason(x.device) is None:
         return experts_grouped_mm(x, ids, p, w13, w2)
     return experts_loop(x, ids, p, w13, w2)
+
+
+class _TorchExperts(torch.nn.Module):
+    """gate_up_proj [E, 2I, H] and down_proj [E, H, I] (transformers >= 5 names)."""
+
+    def __init__(self, num_experts, hidden, intermediate, device=None, dtype=torch.bfloat16):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.empty(
+            num_experts, 2 * intermediate, hidden, device=device, dtype=dtype))
+        self.down_proj = torch.nn.Parameter(torch.empty(
+            num_experts, hidden, intermediate, device=device, dtype=dtype))
+
+    def forward(self, x, ids, p):
+        return experts_torch(x, ids, p, self.gate_up_proj, self.down_proj)
+
+
+class TorchQwen3MoeBlock(torch.nn.Module):
+    """Qwen3 MoE block with the baseline experts: router gate (nn.Linear(H, E), no bias),
+    softmax over E in fp32, top-K, renormalized (norm_topk_prob), p kept fp32 (the same
+    routing code as moefuse.MoefuseQwen3MoeBlock(router="torch")), then experts_torch.
+    Parameter names follow transformers >= 5 (gate.weight, experts.gate_up_proj,
+    experts.down_proj); forward(hidden_states [..., H]) -> same shape."""
+
+    def __init__(self, hidden, intermediate, num_experts, top_k, norm_topk_prob=True,
+                 device=None, dtype=torch.bfloat16):
+        super().__init__()
+        self.hidden_size, self.top_k, self.norm_topk_prob = hidden, top_k, norm_topk_prob
+        self.gate = torch.nn.Linear(hidden, num_experts, bias=False, device=device, dtype=dtype)
+        self.experts = _TorchExperts(num_experts, hidden, intermediate, device, dtype)
+
+    @classmethod
+    def from_transformers(cls, block: torch.nn.Module) -> "TorchQwen3MoeBlock":
+        """From a transformers >= 5 Qwen3MoeSparseMoeBlock (fused expert weights)."""
+        num_experts, hidden = block.gate.weight.shape
+        new = cls(hidden, block.experts.gate_up_proj.shape[1] // 2, num_experts,
+                  block.gate.top_k, block.gate.norm_topk_prob,
+                  device=block.gate.weight.device, dtype=block.gate.weight.dtype)
+        new.load_state_dict(block.state_dict())
+        return new
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, self.hidden_size)
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        p, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            p = p / p.sum(dim=-1, keepdim=True)
+        return self.experts(x, ids, p).reshape(shape)
 
 
 def make_problem(num_tokens: int, hidden: int, intermediate: int, num_experts: int,

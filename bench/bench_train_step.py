@@ -1,0 +1,369 @@
+"""A real training step: transformers' Qwen3MoeForCausalLM, Qwen3-30B-A3B config reduced
+to a few layers, with (a) moefuse.MoefuseQwen3MoeBlock and (b) the TorchTitan-style
+PyTorch MoE of bench/torch_moe_baseline.py (TorchQwen3MoeBlock) in every layer.
+
+    Model      Qwen3-30B-A3B's config.json (attention, norms, vocab, ...) with --layers
+               decoder layers (default 4), random init (seed --seed), sdpa attention.
+    Precision  pure bf16: parameters, gradients and AdamW state (torch.optim.AdamW,
+               fused on CUDA) are bf16; no fp32 master weights, no autocast. The loss is
+               transformers' causal-LM cross entropy (computed in fp32).
+    Data       synthetic token batches of --batch x --seq (default 4 x 4096 = 16384
+               tokens per MoE call) from a fixed random first-order Markov chain
+               (each token has 4 possible successors), so the loss has something to
+               learn; the same --steps batches (default 50) for both runs.
+    Runs       both from the same initial weights (one model built once, its MoE
+               blocks swapped per run); both MoE blocks use the same routing code.
+    Timing     each step (zero_grad, forward, backward, optimizer step) bracketed by
+               CUDA events; median over the steps after --warmup (default 5).
+
+Prints per implementation the median step ms and tokens/s, the ratio, both loss
+curves side by side, max |loss_a - loss_b| with PASS/FAIL against --loss-tol (default
+0.05 nats: bf16 rounding differences between the two implementations, amplified by
+50 AdamW steps and routing flips of near-tied experts), and writes a PNG of the two
+curves to --plot (default $OUT/loss_curves.png when $OUT is set, else
+bench/loss_curves.png; matplotlib when installed, else a small built-in PNG writer).
+
+If the library's CUDA backward answers MOEFUSE_ERR_UNSUPPORTED, the moefuse run prints
+SKIP and the baseline still runs (exit 0). Without a CUDA device it prints SKIP and
+exits 0. Exit 1 when the loss curves disagree beyond --loss-tol.
+
+    python3 bench/bench_train_step.py [--layers 4] [--steps 50] [--batch 4 --seq 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import pathlib
+import statistics
+import struct
+import sys
+import time
+import zlib
+
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "python"))  # the checkout's package, when not installed
+
+import torch_moe_baseline as baseline  # noqa: E402
+
+# config.json of Qwen/Qwen3-30B-A3B (num_hidden_layers is overridden by --layers).
+QWEN3_30B_A3B = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+    num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+    mlp_only_layers=[], hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1e6,
+    max_position_embeddings=40960, max_window_layers=48, initializer_range=0.02,
+    tie_word_embeddings=False, attention_bias=False, attention_dropout=0.0,
+    use_sliding_window=False, sliding_window=None, output_router_logits=False,
+    router_aux_loss_coef=0.001)  # bos/eos ids left out: unused by the synthetic data
+
+# --tiny: a CPU-sized model with the same structure (for checking the script itself).
+TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16,
+            num_experts_per_tok=4)
+
+
+def parse_args(argv=None):
+    out = os.environ.get("OUT")
+    default_plot = (pathlib.Path(out) / "loss_curves.png") if out else HERE / "loss_curves.png"
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab", type=int, default=None, help="override the config's vocab size")
+    ap.add_argument("--loss-tol", type=float, default=0.05,
+                    help="max |loss_a - loss_b| (nats) for PASS")
+    ap.add_argument("--plot", type=pathlib.Path, default=default_plot)
+    ap.add_argument("--device", default="cuda",
+                    help="cuda (the benchmark); cpu only with --tiny, to check the script")
+    ap.add_argument("--tiny", action="store_true", help="a CPU-sized model (script check)")
+    args = ap.parse_args(argv)
+    if args.steps <= args.warmup:
+        ap.error("--steps must exceed --warmup")
+    return args
+
+
+# ---- data, model, training --------------------------------------------------------------
+
+
+def make_batches(steps, batch, seq, vocab, seed, device):
+    """steps batches [batch, seq] int64 from a random Markov chain with 4 successors per
+    token (over min(vocab, 8192) tokens). Generated on the CPU, so identical anywhere."""
+    g = torch.Generator().manual_seed(seed + 12345)
+    used = min(vocab, 8192)
+    successors = torch.randint(0, used, (used, 4), generator=g)
+    tokens = torch.empty(steps, batch, seq, dtype=torch.int64)
+    cur = torch.randint(0, used, (steps, batch), generator=g)
+    choice = torch.randint(0, 4, (steps, batch, seq), generator=g)
+    for s in range(seq):
+        tokens[:, :, s] = cur
+        cur = successors[cur, choice[:, :, s]]
+    return tokens.to(device)
+
+
+def build_model(args, device):
+    import transformers
+
+    cfg = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
+    if args.tiny:
+        cfg.update(TINY)
+    if args.vocab:
+        cfg["vocab_size"] = args.vocab
+    config = transformers.Qwen3MoeConfig(**cfg)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = transformers.Qwen3MoeForCausalLM(config)
+    return model.to(torch.bfloat16), config
+
+
+def swap_blocks(model, make_block):
+    for layer in model.model.layers:
+        layer.mlp = make_block(layer.mlp)
+    return model
+
+
+def train(model, batches, args, device, label):
+    """Runs len(batches) steps; returns (losses list[float], step times ms list[float])."""
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                            weight_decay=0.1, fused=fused)
+    model.train()
+    losses, events, cpu_ms = [], [], []
+    for step, tokens in enumerate(batches):
+        if fused:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+        if fused:
+            end.record()
+            events.append((start, end))
+        else:
+            cpu_ms.append((time.perf_counter() - t0) * 1e3)
+        if step == 0 and device.type == "cuda":
+            torch.cuda.synchronize()
+            print(f"  {label}: step 0 done, loss {losses[0].item():.4f}", flush=True)
+    if fused:
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) for s, e in events]
+    else:
+        times = cpu_ms
+    del opt
+    return [float(l.item()) for l in losses], times
+
+
+def moefuse_backward_reason(moefuse, device):
+    """None when moefuse has a backward on `device`, else why not (tried, small problem).
+    Only MOEFUSE_ERR_UNSUPPORTED is a reason to skip; other errors propagate."""
+    x, ids, p, w13, w2, dy = baseline.make_problem(64, 256, 128, 8, 2, device=device)
+    try:
+        torch.autograd.grad(moefuse.experts(x, ids, p, w13, w2), (x, p, w13, w2), dy)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    except moefuse.MoefuseError as err:
+        if err.status == moefuse.Status.ERR_UNSUPPORTED:
+            return f"{err.status_name}: {err.message}"
+        raise
+    return None
+
+
+# ---- the plot ---------------------------------------------------------------------------------
+
+
+def _png_bytes(width, height, rows) -> bytes:
+    """An 8-bit RGB PNG of rows (list of bytearrays, width*3 each)."""
+    raw = b"".join(b"\x00" + bytes(r) for r in rows)
+
+    def chunk(kind, data):
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+
+
+def write_png_plot(path, curves, width=800, height=500):
+    """Pure-Python line plot: white background, axes with ticks, one polyline per curve
+    (blue, orange, ...) and a legend of coloured boxes in the top-right corner (legend
+    labels are printed by the caller; there is no font here)."""
+    colours = [(31, 119, 180), (255, 127, 14), (44, 160, 44)]
+    rows = [bytearray(b"\xff" * (width * 3)) for _ in range(height)]
+
+    def put(x, y, c, thick=1):
+        for dx in range(-(thick // 2), thick - thick // 2):
+            for dy in range(-(thick // 2), thick - thick // 2):
+                xx, yy = x + dx, y + dy
+                if 0 <= xx < width and 0 <= yy < height:
+                    rows[yy][3 * xx:3 * xx + 3] = bytes(c)
+
+    def line(x0, y0, x1, y1, c, thick=1):
+        n = max(abs(x1 - x0), abs(y1 - y0), 1)
+        for i in range(n + 1):
+            put(round(x0 + (x1 - x0) * i / n), round(y0 + (y1 - y0) * i / n), c, thick)
+
+    left, right, top, bottom = 60, width - 20, 20, height - 40
+    values = [v for _, ys in curves for v in ys if math.isfinite(v)]
+    lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
+    if hi - lo < 1e-9:
+        lo, hi = lo - 0.5, hi + 0.5
+    pad = 0.05 * (hi - lo)
+    lo, hi = lo - pad, hi + pad
+    n = max(len(ys) for _, ys in curves)
+    black, grey = (0, 0, 0), (220, 220, 220)
+    for i in range(6):  # grid + ticks
+        y = round(bottom - (bottom - top) * i / 5)
+        line(left, y, right, y, grey)
+        line(left - 5, y, left, y, black)
+        x = round(left + (right - left) * i / 5)
+        line(x, bottom, x, bottom + 5, black)
+    line(left, top, left, bottom, black, 2)
+    line(left, bottom, right, bottom, black, 2)
+    for k, (_, ys) in enumerate(curves):
+        pts = [(round(left + (right - left) * i / max(n - 1, 1)),
+                round(bottom - (bottom - top) * (v - lo) / (hi - lo)))
+               for i, v in enumerate(ys) if math.isfinite(v)]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            # earlier curves drawn thicker, so a curve on top leaves them visible
+            line(x0, y0, x1, y1, colours[k % len(colours)], 2 + 2 * (len(curves) - 1 - k))
+        for dy in range(12):  # legend box
+            line(right - 40, top + 10 + 20 * k + dy, right - 20, top + 10 + 20 * k + dy,
+                 colours[k % len(colours)])
+    pathlib.Path(path).write_bytes(_png_bytes(width, height, rows))
+    return lo, hi
+
+
+def plot(path, curves, title):
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        lo, hi = write_png_plot(path, curves)
+        names = ", ".join(f"{name} = {c}" for (name, _), c in zip(curves, ("blue", "orange", "green")))
+        print(f"plot: {path} (built-in PNG writer, matplotlib not installed; x: step 0.."
+              f"{max(len(y) for _, y in curves) - 1}, y: loss {lo:.3f}..{hi:.3f}; {names})")
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, ys in curves:
+        ax.plot(range(len(ys)), ys, label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.legend()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"plot: {path} (matplotlib)")
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("SKIP bench_train_step: no CUDA device (torch.cuda.is_available() is False)")
+        return 0
+    if device.type == "cpu" and not args.tiny:
+        print("SKIP bench_train_step: --device cpu only with --tiny (the full model is a "
+              "GPU benchmark)")
+        return 0
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("SKIP bench_train_step: transformers is not installed")
+        return 0
+    import moefuse
+
+    moefuse_skip = None
+    try:
+        moefuse._lib.load()
+    except moefuse.LibraryNotFoundError as err:
+        moefuse_skip = f"libmoefuse not loadable: {err}"
+    if moefuse_skip is None:
+        moefuse_skip = moefuse_backward_reason(moefuse, device)
+        if moefuse_skip is not None:
+            moefuse_skip = f"the library's backward on {device.type} is unsupported ({moefuse_skip})"
+
+    base_model, config = build_model(args, device)
+    tokens_per_step = args.batch * args.seq
+    batches = make_batches(args.steps, args.batch, args.seq, config.vocab_size, args.seed, device)
+    gm = baseline.grouped_mm_reason(device)
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"# device {dev_name}; Qwen3MoeForCausalLM, Qwen3-30B-A3B config with "
+          f"{config.num_hidden_layers} layers (H={config.hidden_size}, I={config.moe_intermediate_size}, "
+          f"E={config.num_experts}, K={config.num_experts_per_tok}, vocab={config.vocab_size}), "
+          f"{sum(p.numel() for p in base_model.parameters()) / 1e9:.2f} B params")
+    print(f"# {args.steps} steps of {args.batch} x {args.seq} = {tokens_per_step} tokens "
+          f"(per MoE call), pure bf16 params/grads/AdamW state (lr {args.lr}, no master "
+          f"weights, no autocast); median over steps {args.warmup}..{args.steps - 1}")
+    print(f"# baseline experts: {'torch._grouped_mm' if gm is None else 'per-expert loop (' + gm + ')'}; "
+          f"library: {moefuse.library_path() if moefuse.is_available() else 'n/a'}")
+
+    runs = {}
+    plans = [("moefuse", lambda b: moefuse.MoefuseQwen3MoeBlock.from_transformers(b)),
+             ("baseline", baseline.TorchQwen3MoeBlock.from_transformers)]
+    for name, make_block in plans:
+        if name == "moefuse" and moefuse_skip is not None:
+            print(f"SKIP moefuse run: {moefuse_skip}")
+            continue
+        model = swap_blocks(copy.deepcopy(base_model), make_block)
+        losses, times = train(model, batches, args, device, name)
+        if name == "moefuse" and device.type == "cuda":
+            moefuse.check_device_errors()
+        runs[name] = (losses, times)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    print(f"\n{'impl':<10} {'median step ms':>15} {'tokens/s':>12}")
+    medians = {}
+    for name, (_, times) in runs.items():
+        medians[name] = statistics.median(times[args.warmup:])
+        print(f"{name:<10} {medians[name]:15.2f} {tokens_per_step / medians[name] * 1e3:12.0f}")
+    if len(medians) == 2:
+        print(f"ratio: baseline step ms / moefuse step ms = "
+              f"{medians['baseline'] / medians['moefuse']:.3f}x")
+
+    names = list(runs)
+    print("\nstep  " + "  ".join(f"{n:>10}" for n in names) + ("    |diff|" if len(names) == 2 else ""))
+    for i in range(args.steps):
+        vals = [runs[n][0][i] for n in names]
+        diff = f"  {abs(vals[0] - vals[1]):8.4f}" if len(vals) == 2 else ""
+        print(f"{i:4d}  " + "  ".join(f"{v:10.4f}" for v in vals) + diff)
+
+    rc = 0
+    if len(names) == 2:
+        la, lb = runs["moefuse"][0], runs["baseline"][0]
+        max_diff = max(abs(a - b) for a, b in zip(la, lb))
+        finite = all(math.isfinite(v) for v in la + lb)
+        ok = finite and max_diff <= args.loss_tol
+        print(f"max |loss_moefuse - loss_baseline| = {max_diff:.4f} over {args.steps} steps "
+              f"(tolerance {args.loss_tol}): {'PASS' if ok else 'FAIL'}")
+        rc = 0 if ok else 1
+    plot(args.plot, [(n, runs[n][0]) for n in names],
+         f"Qwen3-30B-A3B x{config.num_hidden_layers} layers, {tokens_per_step} tokens/step")
+    print(f"# total wall time {time.perf_counter() - t_start:.1f} s")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Everything a change to the CUDA code needs on the GPU machine, in one go, in order of
+# importance (a lease is short): build, GPU tests, the main job, benchmarks, Python
+# GPU tests, the training-step benchmark, SASS and sanitizer checks. Logs go to
+# build/gpu-logs; on the lent machine ($OUT set) they also come back as one archive
+# (the lease returns at most 8 files), with the loss-curve plot. A summary is printed last.
+#
+#   tools/gpu_checks.sh [quick]     quick: build, GPU tests and the forward bench only
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG_DIR=build/gpu-logs
+mkdir -p "$LOG_DIR"
+export PATH="$PATH:/usr/local/cuda/bin" PYTHONUNBUFFERED=1 MOEFUSE_LIB="$PWD/build/libmoefuse.so"
+export NCCL_NVLS_ENABLE=0
+summary=()
+step() { # name, log file, command...
+    local name=$1 log=$2; shift 2
+    local t0=$SECONDS
+    timeout "${STEP_TIMEOUT:-300}" "$@" > "$LOG_DIR/$log" 2>&1
+    local rc=$?
+    local line
+    line=$(printf '%-20s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) \
+        "$(grep -E '[0-9]+ passed|PASS|FAIL' "$LOG_DIR/$log" | tail -1)")
+    echo "$line"
+    summary+=("$line")
+    return $rc
+}
+
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+step build build.log make -j"$(nproc)" all || { tail -30 "$LOG_DIR/build.log"; exit 1; }
+step test_gemm_sm90 test_gemm_fwd.log build/tests/gpu/test_gemm_sm90
+step test_gemm_sm90_bwd test_gemm_bwd.log build/tests/gpu/test_gemm_sm90_bwd
+step test_cuda_forward test_cuda_forward.log build/tests/gpu/test_cuda_forward
+step test_cuda_backward test_cuda_backward.log build/tests/gpu/test_cuda_backward
+step moefuse_step moefuse_step.log build/moefuse_step
+step bench bench.log tools/run_bench.sh
+if [ "${1:-}" != quick ]; then
+    step python_tests python_tests.log python3 -m pytest -q -rs python/tests
+    [ -f bench/bench_train_step.py ] &&
+        step bench_train_step train_step.log python3 bench/bench_train_step.py --plot "$LOG_DIR/loss_curves.png"
+    step sass sass.log bash -c 'for o in build/src/cuda/sm90_*.o; do
+        echo "$o HGMMA=$(cuobjdump --dump-sass $o | grep -c HGMMA) LDL_STL=$(cuobjdump --dump-sass $o | grep -cE "LDL|STL")"; done'
+    step memcheck memcheck.log timeout 120 compute-sanitizer --tool memcheck build/tests/gpu/test_cuda_backward 30b "T=7"
+    step racecheck racecheck.log timeout 120 compute-sanitizer --tool racecheck build/tests/gpu/test_gemm_sm90_bwd dgrad_bn128
+fi
+printf '%s\n' "${summary[@]}" | tee "$LOG_DIR/summary.txt"
+if [ -n "${OUT:-}" ]; then
+    tar czf "$OUT/gpu-logs.tgz" -C build gpu-logs
+    cp "$LOG_DIR"/summary.txt "$OUT/"
+    [ -f "$LOG_DIR/loss_curves.png" ] && cp "$LOG_DIR/loss_curves.png" "$OUT/"
+fi
