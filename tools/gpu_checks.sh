@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 LOG_DIR=build/gpu-logs
 mkdir -p "$LOG_DIR"
 export PATH="$PATH:/usr/local/cuda/bin" PYTHONUNBUFFERED=1 MOEFUSE_LIB="$PWD/build/libmoefuse.so"
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0
 summary=()
 step() { # name, log file, command...

@@ -55,7 +55,7 @@ def library():
 def cuda_backward_unsupported() -> Optional[str]:
     """None when the library's CUDA backward runs, else the reason it answered
     MOEFUSE_ERR_UNSUPPORTED. Found by trying (a small problem), never assumed."""
-    x, ids, p, w13, w2, dy = (t.to(DEV) for t in random_problem(64, 128, 64, 8, 2, seed=99))
+    x, ids, p, w13, w2, dy = (t.to(DEV) for t in random_problem(64, 128, 128, 8, 2, seed=99))
     x, p, w13, w2 = (t.requires_grad_() for t in (x, p, w13, w2))
     try:
         torch.autograd.grad(moefuse.experts(x, ids, p, w13, w2), (x, p, w13, w2), dy)
@@ -115,12 +115,14 @@ def forward(x, ids, p, w13, w2, grad: bool, recompute=False):
 
 # ---- forward ---------------------------------------------------------------------------------
 
+# The CUDA backend takes H and I in multiples of 128 (its GEMM tiles; layer creation
+# refuses other sizes with MOEFUSE_ERR_UNSUPPORTED).
 SHAPES = [
     # T, H, I, E, K
-    (64, 128, 64, 8, 2),
-    (200, 256, 96, 16, 4),     # I not a power of two
-    (1, 64, 32, 8, 8),         # T = 1, K = E
-    (37, 64, 48, 128, 8),      # E = 128 like Qwen3, most experts empty
+    (64, 128, 128, 8, 2),
+    (200, 256, 384, 16, 4),    # I not a power of two
+    (1, 128, 128, 8, 8),       # T = 1, K = E
+    (37, 128, 128, 128, 8),    # E = 128 like Qwen3, most experts empty
     (512, 2048, 768, 128, 8),  # qwen3-30b-a3b
 ]
 
@@ -138,7 +140,7 @@ def test_forward_matches_reference(shape, recompute, grad):
 @pytest.mark.parametrize("skew, drop", [("one_expert", 0.0), ("zipf", 0.0), ("uniform", 0.3),
                                         ("uniform", 1.0)])
 def test_forward_routing_edge_cases(skew, drop):
-    x, ids, p, w13, w2, _ = random_problem(96, 128, 64, 16, 4, seed=2, drop_fraction=drop,
+    x, ids, p, w13, w2, _ = random_problem(96, 128, 128, 16, 4, seed=2, drop_fraction=drop,
                                            skew=skew)
     y = forward(x, ids, p, w13, w2, grad=True)
     if drop == 1.0:
@@ -162,7 +164,7 @@ def test_forward_deterministic_and_strided():
 
 
 def test_fp32_master_weights_forward():
-    x, ids, p, w13, w2, _ = random_problem(64, 128, 64, 8, 2, seed=3)
+    x, ids, p, w13, w2, _ = random_problem(64, 128, 128, 8, 2, seed=3)
     y = forward(x, ids, p, w13.float(), w2.float(), grad=False)
     assert torch.equal(y, forward(x, ids, p, w13, w2, grad=False))
 
@@ -170,7 +172,7 @@ def test_fp32_master_weights_forward():
 def test_bad_expert_id_is_reported_by_check_device_errors():
     """On CUDA ids are checked on the device; check_device_errors() raises the first bad
     id. A config no other test uses (E = 9), so its layer holds only this record."""
-    x, ids, p, w13, w2, _ = random_problem(16, 64, 32, 9, 2, seed=5)
+    x, ids, p, w13, w2, _ = random_problem(16, 128, 128, 9, 2, seed=5)
     ids = ids.clone()
     ids[5, 1] = 9
     with torch.no_grad():
@@ -201,7 +203,7 @@ def test_backward_matches_reference(shape, recompute):
                                         ("uniform", 1.0)])
 def test_backward_routing_edge_cases(skew, drop):
     require_backward()
-    x, ids, p, w13, w2, dy = random_problem(96, 128, 64, 16, 4, seed=2, drop_fraction=drop,
+    x, ids, p, w13, w2, dy = random_problem(96, 128, 128, 16, 4, seed=2, drop_fraction=drop,
                                             skew=skew)
     got = run_op(x, ids, p, w13, w2, dy)
     if drop == 1.0:
@@ -215,7 +217,7 @@ def test_backward_routing_edge_cases(skew, drop):
 
 def test_backward_fp32_master_weights_and_recompute_equal():
     require_backward()
-    x, ids, p, w13, w2, dy = random_problem(128, 128, 64, 8, 2, seed=3)
+    x, ids, p, w13, w2, dy = random_problem(128, 128, 128, 8, 2, seed=3)
     y, dx, dp, dw13, dw2 = run_op(x, ids, p, w13.float(), w2.float(), dy)
     assert dw13.dtype == torch.float32 and dw2.dtype == torch.float32
     for name, g, r in zip(NAMES, (y, dx, dp, dw13, dw2), reference(x, ids, p, w13, w2, dy)):
@@ -238,8 +240,8 @@ def test_backward_deterministic():
 
 def test_two_forwards_before_backward():
     require_backward()
-    x1, ids1, p1, w13, w2, dy1 = random_problem(64, 128, 64, 8, 2, seed=6)
-    x2, ids2, p2, _, _, dy2 = random_problem(80, 128, 64, 8, 2, seed=7)
+    x1, ids1, p1, w13, w2, dy1 = random_problem(64, 128, 128, 8, 2, seed=6)
+    x2, ids2, p2, _, _, dy2 = random_problem(80, 128, 128, 8, 2, seed=7)
     w13_l, w2_l = (t.to(DEV).requires_grad_() for t in (w13, w2))
     x1_l, x2_l = (t.to(DEV).requires_grad_() for t in (x1, x2))
     y1 = moefuse.experts(x1_l, ids1.to(DEV), p1.to(DEV), w13_l.float(), w2_l.float())
