@@ -28,7 +28,12 @@
  * elements (>= H); everything else is contiguous.
  *
  * Pointers are host pointers for MOEFUSE_BACKEND_CPU and device pointers for
- * MOEFUSE_BACKEND_CUDA. Every call returns a status; on any status other than
+ * MOEFUSE_BACKEND_CUDA. The CUDA backend needs an sm_90 GPU (H100/H200), H and I in
+ * multiples of 128, and 16-byte aligned bf16 tensors and row strides.
+ *
+ * A layer owns workspaces: calls on one layer must be ordered (one host thread at a
+ * time; on the CUDA backend, one stream or streams ordered by events). Use one layer
+ * per concurrent stream. Every call returns a status; on any status other than
  * MOEFUSE_OK, moefuse_last_error() says which argument was wrong and what was
  * expected, and no output has been touched. The library never exits or aborts.
  */
@@ -119,8 +124,9 @@ typedef struct moefuse_fwd_args {
     int64_t y_stride;            /* elements, >= H */
     void *saved;                 /* out, moefuse_saved_bytes(T) bytes, 256-byte aligned;
                                     NULL when no backward will follow */
-    int32_t *expert_counts;      /* optional out [E]: slots routed to each expert
-                                    (dropped slots not counted); NULL to skip */
+    int32_t *expert_counts;      /* optional out [E/R]: slots routed to each of this
+                                    rank's experts (dropped slots not counted); NULL
+                                    to skip */
 } moefuse_fwd_args;
 
 typedef struct moefuse_bwd_args {
@@ -143,7 +149,10 @@ typedef struct moefuse_bwd_args {
 } moefuse_bwd_args;
 
 /* Qwen3 routing: softmax over E logits in fp32, top-K, renormalize the K weights.
- * Ties pick the lower expert id. */
+ * Ties pick the lower expert id. With T = 0 the arrays may be NULL. A NaN or +inf
+ * logit makes that token's weights (and d logits) NaN while its ids stay valid and
+ * distinct; a -inf logit masks its expert. The backward refuses ids outside [0, E)
+ * (the forward never drops a slot) and repeated ids. */
 typedef struct moefuse_route_args {
     int num_tokens;              /* T */
     int num_experts;             /* E */

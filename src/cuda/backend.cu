@@ -168,11 +168,13 @@ moefuse_status cuda_create_checked(moefuse_layer *layer, cuda_state *s) {
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
                        "config.num_ranks = %d: the CUDA backend runs one rank only so far "
                        "(expert parallelism is not built); expected 1", c->num_ranks);
-    if (c->hidden % 8 != 0 || c->intermediate % 8 != 0)
+    /* The GEMM tiles: 128-row output blocks over H and 2I in the weight gradients and
+     * 128-column blocks over H and I in the dgrads (the launchers refuse the rest). */
+    if (c->hidden % 128 != 0 || c->intermediate % 128 != 0)
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
-                       "config.hidden = %d, config.intermediate = %d: the CUDA backend "
-                       "moves 16-byte vectors; expected multiples of 8",
-                       c->hidden, c->intermediate);
+                       "config.hidden = %d, config.intermediate = %d: the CUDA backend's "
+                       "GEMM tiles take multiples of 128; expected both multiples of 128 "
+                       "(or MOEFUSE_BACKEND_CPU)", c->hidden, c->intermediate);
 
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);
