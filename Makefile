@@ -80,14 +80,30 @@ $(BUILD)/tests/test_%: tests/test_%.c $(TEST_HARNESS) $(BUILD)/libmoefuse.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests $< $(TEST_HARNESS) $(BUILD)/libmoefuse.a -o $@ $(LDLIBS) $(CUDA_LIBS)
 
-$(BUILD)/tests/gpu/test_%: tests/gpu/test_%.c $(TEST_HARNESS) $(BUILD)/libmoefuse.a
+# Helpers shared by the GPU tests (not named test_*: they are no test of their own).
+GPU_TEST_UTIL_C  := $(BUILD)/tests/gpu/cuda_test_util.o
+GPU_TEST_UTIL_CU := $(BUILD)/tests/gpu/gemm_test_util.o
+$(GPU_TEST_UTIL_C): tests/gpu/cuda_test_util.c tests/gpu/cuda_test_util.h tests/harness.h \
+                    include/moefuse.h src/host/internal.h
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests $< $(TEST_HARNESS) $(BUILD)/libmoefuse.a -o $@ $(LDLIBS) $(CUDA_LIBS)
+	$(CC) $(CFLAGS) -Itests -c $< -o $@
 
-$(BUILD)/tests/gpu/test_%: tests/gpu/test_%.cu $(TEST_HARNESS) $(BUILD)/libmoefuse.a
+$(GPU_TEST_UTIL_CU): tests/gpu/gemm_test_util.cu tests/gpu/gemm_test_util.h tests/harness.h \
+                     src/cuda/kernels.h
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -Itests -Isrc/cpu $< $(TEST_HARNESS) $(BUILD)/libmoefuse.a -o $@ \
-	    -Xcompiler -fopenmp -lopenblas -lm
+	$(NVCC) $(NVCCFLAGS) -Itests -c $< -o $@
+
+$(BUILD)/tests/gpu/test_%: tests/gpu/test_%.c tests/gpu/cuda_test_util.h $(GPU_TEST_UTIL_C) \
+                           $(TEST_HARNESS) $(BUILD)/libmoefuse.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests $< $(GPU_TEST_UTIL_C) $(TEST_HARNESS) $(BUILD)/libmoefuse.a -o $@ \
+	    $(LDLIBS) $(CUDA_LIBS)
+
+$(BUILD)/tests/gpu/test_%: tests/gpu/test_%.cu tests/gpu/gemm_test_util.h $(GPU_TEST_UTIL_CU) \
+                           $(TEST_HARNESS) $(BUILD)/libmoefuse.a
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -Itests -Isrc/cpu $< $(GPU_TEST_UTIL_CU) $(TEST_HARNESS) \
+	    $(BUILD)/libmoefuse.a -o $@ -Xcompiler -fopenmp -lopenblas -lm
 
 $(BUILD)/moefuse_step: tools/moefuse_step.c $(BUILD)/libmoefuse.a
 	$(CC) $(CFLAGS) $< $(BUILD)/libmoefuse.a -o $@ $(LDLIBS) $(CUDA_LIBS)

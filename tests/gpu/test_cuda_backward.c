@@ -46,6 +46,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cuda_test_util.h"
 #include "harness.h"
 #include "internal.h"
 #include "moefuse.h"
@@ -57,32 +58,12 @@
 #define kMaskSlots 256
 #define kGroupSlots 32
 
-typedef struct model {
-    const char *name;
-    int H, I, E, K;
-} model;
-
 static const model kModels[] = {
     {"qwen3-30b-a3b", 2048, 768, 128, 8},
     {"qwen3-235b-a22b (E=16)", 4096, 1536, 16, 8},
 };
 
 static char g_skip[512];
-
-#define CUDA_OK(call)                                                                      \
-    do {                                                                                   \
-        cudaError_t e_ = (call);                                                           \
-        CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));                 \
-        if (e_ != cudaSuccess) goto done;                                                  \
-    } while (0)
-
-#define MF_OK(call)                                                                        \
-    do {                                                                                   \
-        moefuse_status s_ = (call);                                                        \
-        CHECK(s_ == MOEFUSE_OK, "%s: %s: %s", #call, moefuse_status_string(s_),            \
-              moefuse_last_error());                                                       \
-        if (s_ != MOEFUSE_OK) goto done;                                                   \
-    } while (0)
 
 /* ---- fixture: layer, weights, weight-gradient buffers ------------------------------- */
 
@@ -102,18 +83,6 @@ static fixture F;
 static double bf(uint16_t v) { return (double)mf_bf16_to_float(v); }
 static int64_t n13(void) { return (int64_t)F.m->E * 2 * F.m->I * F.m->H; }
 static int64_t n2(void) { return (int64_t)F.m->E * F.m->H * F.m->I; }
-
-static void fill_rows(uint16_t *out, int64_t rows, int cols, double scale) {
-    const int64_t pool_n = (int64_t)1 << 22;
-    uint16_t *pool = malloc((size_t)pool_n * 2);
-    int64_t *offs = malloc((size_t)rows * sizeof(int64_t));
-    th_fill_bf16_normal(pool, NULL, pool_n, scale);
-    for (int64_t r = 0; r < rows; r++) offs[r] = (int64_t)(th_rand_u64() % (uint64_t)(pool_n - cols));
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; r++) memcpy(out + r * cols, pool + offs[r], (size_t)cols * 2);
-    free(pool);
-    free(offs);
-}
 
 static moefuse_layer *make_layer(moefuse_saved_mode mode, int max_tokens) {
     moefuse_config cfg;
@@ -146,12 +115,7 @@ static int fixture_setup(const model *m) {
         F.layer = NULL;
         return 0;
     }
-    fill_rows(w13, (int64_t)m->E * 2 * m->I, m->H, 1.0 / sqrt((double)m->H));
-    fill_rows(w2, (int64_t)m->E * m->H, m->I, 1.0 / sqrt((double)m->I));
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n13(); i++) F.w13_ref[i] = bf(w13[i]);
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n2(); i++) F.w2_ref[i] = bf(w2[i]);
+    ct_fill_weights(m, w13, w2, F.w13_ref, F.w2_ref);
     int ok = cudaStreamCreateWithFlags(&F.stream, cudaStreamNonBlocking) == cudaSuccess &&
              cudaMalloc((void **)&F.w13_d, (size_t)n13() * 2) == cudaSuccess &&
              cudaMalloc((void **)&F.w2_d, (size_t)n2() * 2) == cudaSuccess &&
@@ -196,10 +160,6 @@ static int ready(void) {
 
 /* ---- inputs ------------------------------------------------------------------------- */
 
-typedef enum routing {
-    ROUTE_RANDOM, ROUTE_ONE_EXPERT, ROUTE_FEW_EXPERTS, ROUTE_DROPPED, ROUTE_ZIPF,
-} routing;
-
 typedef struct inputs {
     int T, K, H;
     int64_t x_stride, dy_stride, dx_stride;
@@ -212,59 +172,6 @@ typedef struct inputs {
     void *saved_d;
     size_t saved_bytes;
 } inputs;
-
-static void draw_ids(int T, int K, int E, routing r, int32_t *ids) {
-    static double zipf_cdf[1024];
-    int perm_e[1024];
-    for (int e = 0; e < E; e++) perm_e[e] = e;
-    for (int e = E - 1; e > 0; e--) {
-        int j = th_rand_int(0, e), t = perm_e[e];
-        perm_e[e] = perm_e[j];
-        perm_e[j] = t;
-    }
-    double acc = 0;
-    for (int e = 0; e < E; e++) zipf_cdf[e] = (acc += 1.0 / pow(e + 1.0, 1.2));
-    const int one = th_rand_int(0, E - 1);
-    const int few[3] = {perm_e[0], perm_e[1], perm_e[2]};
-    for (int t = 0; t < T; t++) {
-        int32_t *row = ids + (int64_t)t * K;
-        for (int k = 0; k < K; k++) row[k] = -1;
-        if (r == ROUTE_ONE_EXPERT) {
-            row[th_rand_int(0, K - 1)] = one;
-            continue;
-        }
-        if (r == ROUTE_FEW_EXPERTS) {
-            int n = th_rand_int(1, K < 3 ? K : 3);
-            for (int i = 0; i < n; i++) {
-                int k;
-                do k = th_rand_int(0, K - 1); while (row[k] != -1);
-                row[k] = few[i];
-            }
-            continue;
-        }
-        for (int k = 0; k < K; k++) {
-            int e, dup;
-            do {
-                if (r == ROUTE_ZIPF) {
-                    double u = th_uniform() * acc;
-                    int lo = 0;
-                    while (zipf_cdf[lo] < u && lo < E - 1) lo++;
-                    e = perm_e[lo];
-                } else {
-                    e = th_rand_int(0, E - 1);
-                }
-                dup = 0;
-                for (int j = 0; j < k; j++) dup |= row[j] == e;
-            } while (dup);
-            row[k] = e;
-        }
-        if (r == ROUTE_DROPPED) {
-            int all = t == 0 || t == T - 1 || t % 5 == 3;
-            for (int k = 0; k < K; k++)
-                if (all || th_uniform() < 0.3) row[k] = -1;
-        }
-    }
-}
 
 static int inputs_make(inputs *in, int T, routing r, int64_t pad) {
     const model *m = F.m;
@@ -283,13 +190,8 @@ static int inputs_make(inputs *in, int T, routing r, int64_t pad) {
     in->p = malloc((size_t)ns * 4);
     th_fill_bf16_normal(in->x, NULL, T1 * in->x_stride, 1.0);
     th_fill_bf16_normal(in->dy, NULL, T1 * in->dy_stride, 1.0);
-    draw_ids(T, m->K, m->E, r, in->ids);
-    for (int t = 0; t < T; t++) {
-        double sum = 0;
-        float *pr = in->p + (int64_t)t * m->K;
-        for (int k = 0; k < m->K; k++) sum += (pr[k] = (float)(0.05 + th_uniform()));
-        for (int k = 0; k < m->K; k++) pr[k] = (float)(pr[k] / sum);
-    }
+    ct_draw_ids(T, m->K, m->E, r, in->ids);
+    ct_draw_weights(T, m->K, in->p);
     moefuse_status st = moefuse_saved_bytes(F.layer, T, &in->saved_bytes);
     CHECK(st == MOEFUSE_OK, "moefuse_saved_bytes: %s", moefuse_last_error());
     int ok = st == MOEFUSE_OK &&
@@ -902,25 +804,10 @@ static void case_zipf(void) { backward_case(3000, ROUTE_ZIPF, 0); }
 /* ---- main --------------------------------------------------------------------------- */
 
 static void detect_device(void) {
-    int n = 0;
-    cudaError_t err = cudaGetDeviceCount(&n);
-    if (err != cudaSuccess || n == 0) {
-        snprintf(g_skip, sizeof g_skip, "no CUDA device (%s)",
-                 err != cudaSuccess ? cudaGetErrorString(err) : "0 devices");
-        return;
-    }
     struct cudaDeviceProp prop;
-    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
-        snprintf(g_skip, sizeof g_skip, "cudaGetDeviceProperties failed");
-        return;
-    }
-    if (prop.major != 9 || prop.minor != 0) {
-        snprintf(g_skip, sizeof g_skip, "device 0 (%.200s) is sm_%d%d; the kernels need sm_90",
-                 prop.name, prop.major, prop.minor);
-        return;
-    }
-    printf("device: %s, %d SMs; %d host threads for the reference\n", prop.name,
-           prop.multiProcessorCount, omp_get_max_threads());
+    if (ct_detect_sm90(g_skip, sizeof g_skip, &prop))
+        printf("device: %s, %d SMs; %d host threads for the reference\n", prop.name,
+               prop.multiProcessorCount, omp_get_max_threads());
 }
 
 /* Whether the library has the CUDA backward: a T = 0 backward is refused as

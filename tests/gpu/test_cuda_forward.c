@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cuda_test_util.h"
 #include "harness.h"
 #include "internal.h"
 #include "moefuse.h"
@@ -33,32 +34,12 @@
 #define kCheckTokens 64
 #define kMaxTokens 4096
 
-typedef struct model {
-    const char *name;
-    int H, I, E, K;
-} model;
-
 static const model kModels[] = {
     {"qwen3-30b-a3b", 2048, 768, 128, 8},
     {"qwen3-235b-a22b", 4096, 1536, 128, 8},
 };
 
 static char g_skip[512];  /* non-empty: why every case skips */
-
-#define CUDA_OK(call)                                                                      \
-    do {                                                                                   \
-        cudaError_t e_ = (call);                                                           \
-        CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));                 \
-        if (e_ != cudaSuccess) goto done;                                                  \
-    } while (0)
-
-#define MF_OK(call)                                                                        \
-    do {                                                                                   \
-        moefuse_status s_ = (call);                                                        \
-        CHECK(s_ == MOEFUSE_OK, "%s: %s: %s", #call, moefuse_status_string(s_),            \
-              moefuse_last_error());                                                       \
-        if (s_ != MOEFUSE_OK) goto done;                                                   \
-    } while (0)
 
 /* ---- the fixture of one model: layer, weights on the device, fp64 weights ---------- */
 
@@ -73,21 +54,6 @@ typedef struct fixture {
 static fixture F;
 
 static double bf16_to_double(uint16_t v) { return (double)mf_bf16_to_float(v); }
-
-/* rows x cols bf16 of N(0, scale^2): windows at random offsets of one pool of normals,
- * so every row differs (a wrong expert or row shows) at a fraction of the cost of
- * drawing 2.4 G normals for the larger model. */
-static void fill_rows(uint16_t *out, int64_t rows, int cols, double scale) {
-    const int64_t pool_n = (int64_t)1 << 22;
-    uint16_t *pool = malloc((size_t)pool_n * 2);
-    int64_t *offs = malloc((size_t)rows * sizeof(int64_t));
-    th_fill_bf16_normal(pool, NULL, pool_n, scale);
-    for (int64_t r = 0; r < rows; r++) offs[r] = (int64_t)(th_rand_u64() % (uint64_t)(pool_n - cols));
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; r++) memcpy(out + r * cols, pool + offs[r], (size_t)cols * 2);
-    free(pool);
-    free(offs);
-}
 
 static int fixture_setup(const model *m) {
     memset(&F, 0, sizeof F);
@@ -111,12 +77,7 @@ static int fixture_setup(const model *m) {
         free(w2);
         return 0;
     }
-    fill_rows(w13, (int64_t)m->E * 2 * m->I, m->H, 1.0 / sqrt((double)m->H));
-    fill_rows(w2, (int64_t)m->E * m->H, m->I, 1.0 / sqrt((double)m->I));
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n13; i++) F.w13_ref[i] = bf16_to_double(w13[i]);
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n2; i++) F.w2_ref[i] = bf16_to_double(w2[i]);
+    ct_fill_weights(m, w13, w2, F.w13_ref, F.w2_ref);
     int ok = cudaStreamCreateWithFlags(&F.stream, cudaStreamNonBlocking) == cudaSuccess &&
              cudaMalloc((void **)&F.w13_d, (size_t)n13 * 2) == cudaSuccess &&
              cudaMalloc((void **)&F.w2_d, (size_t)n2 * 2) == cudaSuccess &&
@@ -150,14 +111,6 @@ static int ready(void) {
 
 /* ---- inputs of one call ------------------------------------------------------------- */
 
-typedef enum routing {
-    ROUTE_RANDOM,      /* K distinct uniform experts per token */
-    ROUTE_ONE_EXPERT,  /* every token: one expert (the same for all) at a random k, rest -1 */
-    ROUTE_FEW_EXPERTS, /* every token: experts from a set of 3, rest -1: most experts empty */
-    ROUTE_DROPPED,     /* random, 30% of slots -1, every 5th token and the first/last fully */
-    ROUTE_ZIPF,        /* K distinct experts drawn by popularity 1/rank^1.2 */
-} routing;
-
 typedef struct inputs {
     int T, K, H;
     int64_t x_stride, y_stride;
@@ -171,59 +124,6 @@ typedef struct inputs {
     void *saved_d;
     size_t saved_bytes;
 } inputs;
-
-static void draw_ids(int T, int K, int E, routing r, int32_t *ids) {
-    static double zipf_cdf[1024];
-    int perm_e[1024];
-    for (int e = 0; e < E; e++) perm_e[e] = e;
-    for (int e = E - 1; e > 0; e--) { /* which experts are popular: random */
-        int j = th_rand_int(0, e), t = perm_e[e];
-        perm_e[e] = perm_e[j];
-        perm_e[j] = t;
-    }
-    double acc = 0;
-    for (int e = 0; e < E; e++) zipf_cdf[e] = (acc += 1.0 / pow(e + 1.0, 1.2));
-    const int one = th_rand_int(0, E - 1);
-    const int few[3] = {perm_e[0], perm_e[1], perm_e[2]};
-    for (int t = 0; t < T; t++) {
-        int32_t *row = ids + (int64_t)t * K;
-        for (int k = 0; k < K; k++) row[k] = -1;
-        if (r == ROUTE_ONE_EXPERT) {
-            row[th_rand_int(0, K - 1)] = one;
-            continue;
-        }
-        if (r == ROUTE_FEW_EXPERTS) {
-            int n = th_rand_int(1, K < 3 ? K : 3); /* distinct ones of the 3 at distinct k */
-            for (int i = 0; i < n; i++) {
-                int k;
-                do k = th_rand_int(0, K - 1); while (row[k] != -1);
-                row[k] = few[i];
-            }
-            continue;
-        }
-        for (int k = 0; k < K; k++) {
-            int e, dup;
-            do {
-                if (r == ROUTE_ZIPF) {
-                    double u = th_uniform() * acc;
-                    int lo = 0;
-                    while (zipf_cdf[lo] < u && lo < E - 1) lo++;
-                    e = perm_e[lo];
-                } else {
-                    e = th_rand_int(0, E - 1);
-                }
-                dup = 0;
-                for (int j = 0; j < k; j++) dup |= row[j] == e;
-            } while (dup);
-            row[k] = e;
-        }
-        if (r == ROUTE_DROPPED) {
-            int all = t == 0 || t == T - 1 || t % 5 == 3;
-            for (int k = 0; k < K; k++)
-                if (all || th_uniform() < 0.3) row[k] = -1;
-        }
-    }
-}
 
 /* Host inputs and device buffers; outputs poisoned. 0 on failure (recorded). */
 static int inputs_make(inputs *in, int T, routing r, int64_t x_pad, int64_t y_pad) {
@@ -241,13 +141,8 @@ static int inputs_make(inputs *in, int T, routing r, int64_t x_pad, int64_t y_pa
     in->ids = malloc((size_t)ns * 4);
     in->p = malloc((size_t)ns * 4);
     th_fill_bf16_normal(in->x, NULL, nx, 1.0);
-    draw_ids(T, m->K, m->E, r, in->ids);
-    for (int t = 0; t < T; t++) { /* positive weights summing to 1 over the live slots */
-        double sum = 0;
-        float *pr = in->p + (int64_t)t * m->K;
-        for (int k = 0; k < m->K; k++) sum += (pr[k] = (float)(0.05 + th_uniform()));
-        for (int k = 0; k < m->K; k++) pr[k] = (float)(pr[k] / sum);
-    }
+    ct_draw_ids(T, m->K, m->E, r, in->ids);
+    ct_draw_weights(T, m->K, in->p);
     moefuse_status st = moefuse_saved_bytes(F.layer, T, &in->saved_bytes);
     CHECK(st == MOEFUSE_OK, "moefuse_saved_bytes: %s", moefuse_last_error());
     int ok = st == MOEFUSE_OK &&
@@ -750,24 +645,9 @@ done:
 /* ---- main --------------------------------------------------------------------------- */
 
 static void detect_device(void) {
-    int n = 0;
-    cudaError_t err = cudaGetDeviceCount(&n);
-    if (err != cudaSuccess || n == 0) {
-        snprintf(g_skip, sizeof g_skip, "no CUDA device (%s)",
-                 err != cudaSuccess ? cudaGetErrorString(err) : "0 devices");
-        return;
-    }
     struct cudaDeviceProp prop;
-    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
-        snprintf(g_skip, sizeof g_skip, "cudaGetDeviceProperties failed");
-        return;
-    }
-    if (prop.major != 9 || prop.minor != 0) {
-        snprintf(g_skip, sizeof g_skip, "device 0 (%.200s) is sm_%d%d; the kernels need sm_90",
-                 prop.name, prop.major, prop.minor);
-        return;
-    }
-    printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+    if (ct_detect_sm90(g_skip, sizeof g_skip, &prop))
+        printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
 }
 
 /* test_cuda_forward [model-substring [case-substring]]: all cases by default; the

@@ -26,94 +26,8 @@
 extern "C" {
 #include "harness.h"
 }
+#include "gemm_test_util.h"
 #include "kernels.h"
-
-#define CUDA_OK(call)                                                                  \
-    do {                                                                               \
-        cudaError_t e_ = (call);                                                       \
-        CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));             \
-        if (e_ != cudaSuccess) return;                                                 \
-    } while (0)
-
-static const uint16_t kPoison = 0xFFFF; /* bf16 NaN */
-
-static uint16_t f2bf(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-static double bf2d(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static int have_sm90(void) {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-        th_skip("no CUDA device: these kernels need an sm_90a GPU");
-        return 0;
-    }
-    cudaDeviceProp prop;
-    cudaGetDeviceProperties(&prop, 0);
-    if (prop.major != 9 || prop.minor != 0) {
-        th_skip("device is sm_%d%d, the kernels are built for sm_90a only", prop.major,
-                prop.minor);
-        return 0;
-    }
-    return 1;
-}
-
-static int num_sms(void) {
-    cudaDeviceProp prop;
-    cudaGetDeviceProperties(&prop, 0);
-    return prop.multiProcessorCount;
-}
-
-/* ---- the routing layout the plan would build (as in test_gemm_sm90.cu) ------------------ */
-struct Layout {
-    int E, num_rows, rows_cap, num_slots;
-    std::vector<int> counts;
-    std::vector<int32_t> offsets;          /* [E + 1] first row of each expert (padded) */
-    std::vector<int32_t> row_block_expert; /* [rows_cap / 128] */
-    std::vector<int32_t> row_slot;         /* [rows_cap] */
-    std::vector<int> row_expert;           /* [rows_cap], -1 for padding / unused */
-};
-
-static Layout make_layout(const std::vector<int> &counts, int extra_rows, int dropped) {
-    Layout L;
-    L.E = (int)counts.size();
-    L.counts = counts;
-    int rows = 0, valid = 0;
-    for (int e = 0; e < L.E; ++e) {
-        L.offsets.push_back(rows);
-        rows += (counts[e] + MF_SM90_BLOCK_M - 1) / MF_SM90_BLOCK_M * MF_SM90_BLOCK_M;
-        valid += counts[e];
-    }
-    L.offsets.push_back(rows);
-    L.num_rows = rows;
-    L.rows_cap = rows + extra_rows;
-    L.num_slots = valid + dropped;
-    std::vector<int> perm(L.num_slots);
-    for (int i = 0; i < L.num_slots; ++i) perm[i] = i;
-    for (int i = L.num_slots - 1; i > 0; --i) std::swap(perm[i], perm[th_rand_int(0, i)]);
-    L.row_block_expert.assign(L.rows_cap / MF_SM90_BLOCK_M, -1);
-    L.row_slot.assign(L.rows_cap, -1);
-    L.row_expert.assign(L.rows_cap, -1);
-    int next = 0;
-    for (int e = 0; e < L.E; ++e) {
-        for (int b = L.offsets[e]; b < L.offsets[e + 1]; b += MF_SM90_BLOCK_M)
-            L.row_block_expert[b / MF_SM90_BLOCK_M] = e;
-        for (int i = 0; i < counts[e]; ++i) {
-            L.row_slot[L.offsets[e] + i] = perm[next++];
-            L.row_expert[L.offsets[e] + i] = e;
-        }
-    }
-    return L;
-}
 
 template <class T>
 static T *dev_upload(const std::vector<T> &v) {
@@ -128,12 +42,6 @@ static std::vector<T> dev_download(const T *p, size_t n) {
     cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
     return v;
 }
-static bool all_poison(const uint16_t *p, size_t n) {
-    for (size_t i = 0; i < n; ++i)
-        if (p[i] != kPoison) return false;
-    return true;
-}
-
 /* ---- dgrad2 + dgrad1 ------------------------------------------------------------------ */
 static void check_dgrad(int H, int I, const std::vector<int> &counts) {
     if (!have_sm90()) return;
@@ -269,12 +177,7 @@ static void check_dgrad(int H, int I, const std::vector<int> &counts) {
         }
         CHECK(bad == 0, "dp_partial written past num_rows (%d)", bad);
     }
-    std::vector<char> routed(L.num_slots, 0);
-    for (int r = 0; r < L.num_rows; ++r)
-        if (L.row_slot[r] >= 0) routed[L.row_slot[r]] = 1;
-    int stray = 0;
-    for (int s = 0; s < L.num_slots; ++s)
-        if (!routed[s] && !all_poison(&comb[(size_t)s * H], H)) ++stray;
+    const int stray = unrouted_rows_written(L, comb.data(), H);
     CHECK(stray == 0, "%d combine rows of unrouted slots were written", stray);
 
     /* Bitwise repeatability with a small grid (many tiles per CTA, the ring wrapping). */
@@ -377,22 +280,6 @@ static void test_wgrad_bn256(void) { check_wgrad(384, 512, {0, 1, 1037, 37, 0, 2
 static void test_wgrad_bn128(void) { check_wgrad(256, 384, {3, 0, 0, 256, 1, 1100}); }
 
 /* ---- timing at the Qwen3 shapes -------------------------------------------------------- */
-__global__ void fill_hash_bf16(__nv_bfloat16 *out, size_t n, uint32_t seed, float scale) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        uint64_t z = i * 0x9e3779b97f4a7c15ull + seed;
-        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-        z ^= z >> 31;
-        out[i] = __float2bfloat16_rn(((float)(uint32_t)(z >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * scale);
-    }
-}
-
-static float median(std::vector<float> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
-
 template <class F>
 static float time_ms(F &&launch) {
     cudaEvent_t t0, t1;
@@ -417,14 +304,7 @@ static float time_ms(F &&launch) {
 static void time_model(const char *name, int H, int I, int E, int tokens, int top_k) {
     if (!have_sm90()) return;
     const int total = tokens * top_k;
-    std::vector<double> wt(E);
-    double ws = 0;
-    for (auto &w : wt) { const double u = th_uniform(); w = 0.25 + 3 * u * u; ws += w; }
-    std::vector<int> counts(E);
-    int assigned = 0;
-    for (int e = 0; e < E; ++e) { counts[e] = (int)(total * wt[e] / ws); assigned += counts[e]; }
-    counts[th_rand_int(0, E - 1)] += total - assigned;
-    Layout L = make_layout(counts, 0, 0);
+    Layout L = make_layout(skewed_counts(E, total), 0, 0);
     const int R = L.rows_cap, parts = mf_dgrad2_dp_parts(I), sms = num_sms();
 
     /* Padding rows hold hash values here too; timing does not depend on them. */
