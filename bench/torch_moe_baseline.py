@@ -12,6 +12,7 @@ a per-expert loop of F.linear calls and says so in grouped_mm_reason().
 
 Importable:
     MODELS, experts_torch(x, ids, p, w13, w2), make_problem(...), grouped_mm_reason(device),
+    swiglu_grouped_mm / swiglu_linear (the expert FFN, used by torch_moe_ep_baseline.py),
     TorchQwen3MoeBlock (a drop-in for transformers' Qwen3MoeSparseMoeBlock on experts_torch)
 CLI (times forward and forward+backward of one case):
     python bench/torch_moe_baseline.py --model qwen3-30b-a3b --tokens 4096 --device cuda
@@ -74,22 +75,37 @@ def _expert_rows(ids: torch.Tensor, num_experts: int):
     return row_of_slot, valid, offsets, rows_cap
 
 
+def swiglu_grouped_mm(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor,
+                      w2: torch.Tensor) -> torch.Tensor:
+    """One expert FFN per group of rows via torch._grouped_mm: xs [rows, H] sorted by
+    expert, offsets [E] int32 cumulative group ends, w13 [E, 2I, H], w2 [E, H, I] ->
+    [rows, H] = down(silu(gate) * up). Differentiable."""
+    inter = w13.shape[1] // 2
+    gate_up = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offsets)  # [rows, 2I]
+    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    return torch._grouped_mm(act, w2.transpose(-2, -1), offs=offsets)  # [rows, H]
+
+
+def swiglu_linear(x: torch.Tensor, w13_e: torch.Tensor, w2_e: torch.Tensor) -> torch.Tensor:
+    """One expert's FFN with F.linear: x [n, H], w13_e [2I, H], w2_e [H, I] -> [n, H]."""
+    inter = w13_e.shape[0] // 2
+    gate_up = F.linear(x, w13_e)
+    return F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2_e)
+
+
 def experts_grouped_mm(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor,
                        w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """y [T, H] bf16 via torch._grouped_mm. x [T, H] bf16, ids [T, K] (-1 dropped),
     p [T, K] fp32, w13 [E, 2I, H] bf16, w2 [E, H, I] bf16. Differentiable."""
     T, H = x.shape
     K = ids.shape[1]
-    E, two_i, _ = w13.shape
-    inter = two_i // 2
+    E = w13.shape[0]
     row_of_slot, valid, offsets, rows_cap = _expert_rows(ids, E)
     token_of_slot = torch.arange(T * K, device=x.device) // K
     # Dispatch: token rows into the expert-sorted, padded buffer (padding rows stay 0).
     src_rows = row_of_slot[valid]
     xs = x.new_zeros(rows_cap, H).index_copy(0, src_rows, x[token_of_slot[valid]])
-    gate_up = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offsets)  # [rows, 2I]
-    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    out = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offsets)  # [rows, H]
+    out = swiglu_grouped_mm(xs, offsets, w13, w2)  # [rows, H]
     # Combine: weighted rows of each valid slot added into its token.
     slot_out = out[src_rows] * p.reshape(-1)[valid].unsqueeze(1).to(out.dtype)
     return x.new_zeros(T, H).index_add(0, token_of_slot[valid], slot_out)
@@ -100,13 +116,10 @@ def experts_loop(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch
     """The same math as a loop over experts (F.linear per expert), for devices without
     torch._grouped_mm. Differentiable; synchronizes on the routing."""
     T, H = x.shape
-    inter = w13.shape[1] // 2
     y = x.new_zeros(T, H)
     for e in torch.unique(ids[ids >= 0]).tolist():
         tok, slot = torch.where(ids == e)
-        gate_up = F.linear(x[tok], w13[e])
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        out = F.linear(act, w2[e]) * p[tok, slot].unsqueeze(1).to(x.dtype)
+        out = swiglu_linear(x[tok], w13[e], w2[e]) * p[tok, slot].unsqueeze(1).to(x.dtype)
         y = y.index_add(0, tok, out)
     return y
 
