@@ -69,17 +69,6 @@ def measure_bf16_peak_tflops(reps: int) -> float:
     return 2 * n ** 3 / ms / 1e9
 
 
-def moefuse_backward_reason(moefuse, device) -> str | None:
-    """None when moefuse has a backward on `device`, else why not (tried once, small)."""
-    x, ids, p, w13, w2, dy = baseline.make_problem(64, 256, 128, 8, 2, device=device)
-    try:
-        torch.autograd.grad(moefuse.experts(x, ids, p, w13, w2), (x, p, w13, w2), dy)
-        torch.cuda.synchronize()
-    except moefuse.MoefuseError as err:
-        return f"{err.status_name}: {err.message}"
-    return None
-
-
 def run_case(moefuse, model: str, T: int, peak: float, has_backward: bool, args) -> str:
     """Times one (model, T) case; returns its line."""
     shape = baseline.MODELS[model]
@@ -162,7 +151,7 @@ def main() -> None:
         skip(f"the library's CUDA forward does not run here: {err}")
 
     name = torch.cuda.get_device_name(device)
-    bwd_reason = moefuse_backward_reason(moefuse, device)
+    bwd_reason = moefuse.backward_unsupported_reason(device)
     peak = measure_bf16_peak_tflops(args.reps)
     gm = baseline.grouped_mm_reason(device)
     print(f"# device {name}; bf16 matmul peak {peak:.1f} TFLOP/s (8192^3, median of "

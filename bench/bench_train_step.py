@@ -166,21 +166,6 @@ def train(model, batches, args, device, label):
     return [float(l.item()) for l in losses], times
 
 
-def moefuse_backward_reason(moefuse, device):
-    """None when moefuse has a backward on `device`, else why not (tried, small problem).
-    Only MOEFUSE_ERR_UNSUPPORTED is a reason to skip; other errors propagate."""
-    x, ids, p, w13, w2, dy = baseline.make_problem(64, 256, 128, 8, 2, device=device)
-    try:
-        torch.autograd.grad(moefuse.experts(x, ids, p, w13, w2), (x, p, w13, w2), dy)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    except moefuse.MoefuseError as err:
-        if err.status == moefuse.Status.ERR_UNSUPPORTED:
-            return f"{err.status_name}: {err.message}"
-        raise
-    return None
-
-
 # ---- the plot ---------------------------------------------------------------------------------
 
 
@@ -299,7 +284,7 @@ def main(argv=None) -> int:
     except moefuse.LibraryNotFoundError as err:
         moefuse_skip = f"libmoefuse not loadable: {err}"
     if moefuse_skip is None:
-        moefuse_skip = moefuse_backward_reason(moefuse, device)
+        moefuse_skip = moefuse.backward_unsupported_reason(device)
         if moefuse_skip is not None:
             moefuse_skip = f"the library's backward on {device.type} is unsupported ({moefuse_skip})"
 

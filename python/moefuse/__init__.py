@@ -13,12 +13,14 @@ checkout, else a copy installed next to this package (see moefuse._lib).
 from ._lib import (EXPECTED_VERSION, LibraryNotFoundError, MoefuseError, Status,
                    is_available, library_path, version)
 from .modules import MoEExperts, MoefuseQwen3MoeBlock, fuse_per_expert_state_dict
-from .ops import check_device_errors, experts, layer_cache, route, saved_bytes
+from .ops import (backward_unsupported_reason, check_device_errors, experts, layer_cache,
+                  route, saved_bytes)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "EXPECTED_VERSION", "LibraryNotFoundError", "MoEExperts", "MoefuseError",
+    "backward_unsupported_reason",
     "MoefuseQwen3MoeBlock", "Status", "check_device_errors", "experts",
     "fuse_per_expert_state_dict", "is_available", "layer_cache", "library_path", "route",
     "saved_bytes", "version",

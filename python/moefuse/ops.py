@@ -131,6 +131,32 @@ def check_device_errors() -> None:
 # ---- helpers ----------------------------------------------------------------------------
 
 
+def backward_unsupported_reason(device) -> Optional[str]:
+    """None when the library runs the backward on `device`, else the message of its
+    MOEFUSE_ERR_UNSUPPORTED. Found by trying a small problem (H = I = 128, E = 8, K = 2),
+    never assumed; any other error propagates."""
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    T, H, I, E, K = 64, 128, 128, 8, 2
+    x = torch.randn(T, H, device=device, generator=g).to(torch.bfloat16).requires_grad_()
+    ids = torch.rand(T, E, device=device, generator=g).topk(K, dim=-1).indices.to(torch.int32)
+    p = torch.full((T, K), 1.0 / K, device=device, requires_grad=True)
+    w13 = (torch.randn(E, 2 * I, H, device=device, generator=g) * H ** -0.5).to(
+        torch.bfloat16).requires_grad_()
+    w2 = (torch.randn(E, H, I, device=device, generator=g) * I ** -0.5).to(
+        torch.bfloat16).requires_grad_()
+    dy = torch.randn(T, H, device=device, generator=g).to(torch.bfloat16)
+    try:
+        torch.autograd.grad(experts(x, ids, p, w13, w2), (x, p, w13, w2), dy)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except _lib.MoefuseError as err:
+        if err.status == _lib.Status.ERR_UNSUPPORTED:
+            return f"{err.status_name}: {err.message}"
+        raise
+    return None
+
+
 def _normalize_device(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import moefuse
-from moefuse import _lib
 
 from moe_reference import (assert_close_bf16, experts_reference, random_problem, rel_error,
                            tolerance)
@@ -18,12 +17,7 @@ from moe_reference import (assert_close_bf16, experts_reference, random_problem,
 H, I, E, K = 128, 64, 16, 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def library():
-    try:
-        _lib.load()
-    except _lib.LibraryNotFoundError as err:
-        pytest.fail(f"libmoefuse not loadable: {err}")
+pytestmark = pytest.mark.usefixtures("library")
 
 
 def qwen3_block_reference(x, gate_weight, w13, w2, top_k, norm_topk_prob=True, ids=None):

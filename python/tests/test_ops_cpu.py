@@ -30,15 +30,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 HEADER = REPO / "include" / "moefuse.h"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def library():
-    """The library is what is under test: missing is a failure, not a skip."""
-    if not moefuse.is_available():
-        try:
-            _lib.load()
-        except _lib.LibraryNotFoundError as err:
-            pytest.fail(f"libmoefuse not loadable: {err}")
-    yield
+pytestmark = pytest.mark.usefixtures("library")
 
 
 def run_op(x, ids, p, w13, w2, dy, recompute=False):

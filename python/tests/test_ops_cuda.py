@@ -32,40 +32,25 @@ from moefuse import _lib
 from moe_reference import (assert_close_bf16, experts_reference, experts_reference_grads,
                            random_problem, rel_error)
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="no CUDA device on this machine (torch.cuda.is_available() is False): the CUDA "
-           "backend is tested where one is")
+pytestmark = [
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="no CUDA device on this machine (torch.cuda.is_available() is False): the "
+               "CUDA backend is tested where one is"),
+    pytest.mark.usefixtures("library"),
+]
 
 DEV = torch.device("cuda")
 NAMES = ("y", "dx", "dp", "dw13", "dw2")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def library():
-    """The library is what is under test: missing is a failure, not a skip."""
-    try:
-        _lib.load()
-    except _lib.LibraryNotFoundError as err:
-        pytest.fail(f"libmoefuse not loadable: {err}")
-    yield
 
 
 @functools.lru_cache(maxsize=None)
 def cuda_backward_unsupported() -> Optional[str]:
     """None when the library's CUDA backward runs, else the reason it answered
     MOEFUSE_ERR_UNSUPPORTED. Found by trying (a small problem), never assumed."""
-    x, ids, p, w13, w2, dy = (t.to(DEV) for t in random_problem(64, 128, 128, 8, 2, seed=99))
-    x, p, w13, w2 = (t.requires_grad_() for t in (x, p, w13, w2))
-    try:
-        torch.autograd.grad(moefuse.experts(x, ids, p, w13, w2), (x, p, w13, w2), dy)
-        if DEV.type == "cuda":
-            torch.cuda.synchronize()
-    except moefuse.MoefuseError as err:
-        if err.status == _lib.Status.ERR_UNSUPPORTED:
-            return f"{err.status_name}: {err.message}"
-        raise
-    return None
+    return moefuse.backward_unsupported_reason(DEV)
 
 
 def require_backward() -> None:
