@@ -51,13 +51,6 @@
 #include "internal.h"
 #include "kernels.h"
 
-/* MF_CUDA_BACKWARD: 1 builds the CUDA backward, which links the backward GEMMs of
- * kernels.h (sm90_gemm2_dgrad_swiglu_bwd_bf16.cu, sm90_gemm1_dgrad_bwd_bf16.cu,
- * sm90_wgrad_grouped_bf16.cu); 0 keeps moefuse_backward at MOEFUSE_ERR_UNSUPPORTED. */
-#ifndef MF_CUDA_BACKWARD
-#define MF_CUDA_BACKWARD 1
-#endif
-
 namespace {
 
 /* ---- layout ------------------------------------------------------------------------ */
@@ -229,7 +222,6 @@ moefuse_status cuda_create_checked(moefuse_layer *layer, cuda_state *s) {
     ALLOC(plan_state, sizeof(mf_plan_state))
     ALLOC(gemm_num_rows, sizeof(int32_t))
     ALLOC(plan_ws, layout_for(layer, T, false).total)
-#if MF_CUDA_BACKWARD
     s->dp_parts = mf_dgrad2_dp_parts(c->intermediate);
     if (s->dp_parts < 1)
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
@@ -239,7 +231,6 @@ moefuse_status cuda_create_checked(moefuse_layer *layer, cuda_state *s) {
     ALLOC(dp_partial, rows_cap * s->dp_parts * 4)
     if (c->saved_mode == MOEFUSE_RECOMPUTE) ALLOC(gate_up, rows_cap * 2 * c->intermediate * 2)
     ALLOC(bwd_offsets, (int64_t)(EL + 1) * 4)
-#endif
 #undef ALLOC
     const mf_plan_state init = MF_PLAN_STATE_INIT;
     MF_CUDA_TRY(cudaMemcpy(s->plan_state, &init, sizeof init, cudaMemcpyHostToDevice));
@@ -387,8 +378,6 @@ moefuse_status cuda_forward(moefuse_layer *layer, const moefuse_fwd_args *a, voi
  *   reduce_dp dweights[t,k] = sum over the column blocks in order
  *   dW13      sum over e's rows of dh^T xs
  * Every sum has one owner and a fixed order: bitwise reproducible, no atomics. */
-
-#if MF_CUDA_BACKWARD
 
 /* Device check of the saved plan, three tiny kernels (the plan lives in device memory;
  * reading it on the host would need a synchronization):
@@ -691,19 +680,6 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&wg, stream));
     return MOEFUSE_OK;
 }
-
-#else  // !MF_CUDA_BACKWARD
-
-moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *stream) {
-    (void)layer;
-    (void)a;
-    (void)stream;
-    return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
-                   "moefuse_backward: the CUDA backward is not built (MF_CUDA_BACKWARD = 0, "
-                   "issue 4); use MOEFUSE_BACKEND_CPU");
-}
-
-#endif  // MF_CUDA_BACKWARD
 
 moefuse_status cuda_check(moefuse_layer *layer, void *stream_) {
     cuda_state *s = state_of(layer);
