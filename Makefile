@@ -15,7 +15,7 @@ CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -fPIC -fopenmp -Iinclude
            -Isrc/cpu $(if $(OPENBLAS_INC),-I$(OPENBLAS_INC))
 LDLIBS  := -lopenblas -lm -fopenmp
 
-HOST_SRC := $(wildcard src/host/*.c) $(wildcard src/cpu/*.c)
+HOST_SRC := $(wildcard src/host/*.c) $(wildcard src/cpu/*.c) $(wildcard src/comm/*.c)
 CUDA_SRC := $(wildcard src/cuda/*.cu)
 
 ifneq ($(NVCC),)
@@ -27,14 +27,23 @@ endif
 ifeq ($(HAVE_CUDA),1)
 CUDA_HOME   := $(patsubst %/bin/nvcc,%,$(NVCC))
 CUDA_ARCH   := -gencode=arch=compute_90a,code=sm_90a
-# NCCL: the headers of the libnccl that will be loaded (NCCL_HOME), else the toolkit's.
-NCCL_HOME   ?=
+# NCCL (expert parallelism over a communicator): the headers and the libnccl that will be
+# loaded, NCCL_HOME/include and NCCL_HOME/lib (PyTorch's: site-packages/nvidia/nccl);
+# else the toolkit's. Built in when nccl_device.h (NCCL >= 2.28) and a libnccl are there.
+NCCL_HOME   ?= $(CUDA_HOME)
+NCCL_LIB    := $(firstword $(wildcard $(NCCL_HOME)/lib/libnccl.so.2 $(NCCL_HOME)/lib64/libnccl.so.2))
+ifneq ($(and $(wildcard $(NCCL_HOME)/include/nccl_device.h),$(NCCL_LIB)),)
+HAVE_NCCL   := 1
+CUDA_SRC    += $(wildcard src/comm/*.cu)
+NCCL_LIBS   := -L$(dir $(NCCL_LIB)) -Wl,-rpath,$(dir $(NCCL_LIB)) -l:libnccl.so.2
+endif
 NVCCFLAGS   := -O3 -std=c++17 $(CUDA_ARCH) -lineinfo -Xptxas=--warn-on-spills \
                -Werror=all-warnings -Xcompiler -fPIC -Iinclude -Isrc/host -Isrc/cuda \
-               $(if $(NCCL_HOME),-I$(NCCL_HOME)/include)
+               $(if $(HAVE_NCCL),-I$(NCCL_HOME)/include -DMOEFUSE_HAVE_NCCL=1)
 CUDA_OBJ    := $(CUDA_SRC:%.cu=$(BUILD)/%.o)
-CUDA_LIBS   := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++
-CFLAGS      += -DMOEFUSE_HAVE_CUDA=1 -I$(CUDA_HOME)/include
+CUDA_LIBS   := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++ $(NCCL_LIBS)
+CFLAGS      += $(if $(HAVE_NCCL),-I$(NCCL_HOME)/include -DMOEFUSE_HAVE_NCCL=1) \
+               -DMOEFUSE_HAVE_CUDA=1 -I$(CUDA_HOME)/include
 else
 CUDA_OBJ    :=
 CUDA_LIBS   :=

@@ -110,7 +110,7 @@ void moefuse_config_init(moefuse_config *cfg, int hidden, int intermediate,
                          int num_experts, int top_k, int max_tokens);
 
 typedef struct moefuse_layer moefuse_layer; /* opaque */
-typedef struct moefuse_comm moefuse_comm;   /* opaque; expert parallelism (planned) */
+typedef struct moefuse_comm moefuse_comm;   /* opaque; expert parallelism, see below */
 
 typedef struct moefuse_fwd_args {
     int num_tokens;              /* T, 0 <= T <= max_tokens */
@@ -182,15 +182,64 @@ const char *moefuse_status_string(moefuse_status status);
  * expected. Empty string when the last call succeeded. Valid until the next call. */
 const char *moefuse_last_error(void);
 
+/* ---- expert parallelism (R > 1, CUDA backend) --------------------------------------
+ * Rank r holds experts r*E/R .. (r+1)*E/R - 1 (W13, W2 and their gradients are the
+ * local experts' only). Every rank calls the same sequence of forwards and backwards
+ * on its layer; each call's tokens go to the ranks that hold their experts and come
+ * back through the combine, all inside the calls' kernels (no host synchronization).
+ * Each rank may pass a different T (0 included); config.max_tokens must be the same
+ * on every rank. A rank receives up to R * max_tokens * K rows, so its workspaces and
+ * its saved buffer (gate_up of received rows) are sized for that many rows.
+ *
+ * Every wait for a peer is bounded by the comm's timeout: when it runs out, that call
+ * writes no output and moefuse_layer_check returns MOEFUSE_ERR_TIMEOUT naming the
+ * rank, the peer, the stage and the values seen. Destroy every rank's layer after a
+ * timeout; layers created again on the comm start from clean flags.
+ *
+ * A bad expert id on one rank (moefuse_layer_check there) makes that rank send no rows
+ * and write no y / expert_counts (no dx / d p in its backward), while it still serves
+ * the rows the other ranks send it. After a timeout the weight gradients of that call
+ * are not valid either.
+ *
+ * A comm is made once and given to moefuse_layer_create of every rank's layer (with
+ * config.num_ranks = R and config.rank = r); a call needs all R layers created. A
+ * one-rank comm runs the expert-parallel kernels with R = 1 (same results as no comm).
+ * Create and destroy layers while no call on the comm is in flight. */
+
+/* R virtual ranks inside this process on the current GPU (for tests): each rank's
+ * layer has its own buffers and its own stream; give each rank's calls their own
+ * stream and launch all ranks' calls before waiting for any (their kernels wait on
+ * each other). The GEMMs of each rank use SMs / R blocks, so all ranks are resident. */
+moefuse_status moefuse_comm_create_virtual(int num_ranks, moefuse_comm **out);
+
+/* One rank per process over the caller's NCCL communicator (an ncclComm_t, e.g. made
+ * from a ncclUniqueId the trainer broadcast; NCCL >= 2.28). The comm stays the caller's
+ * and must outlive every layer made with it. Needs: the loaded libnccl's version equal
+ * to the one moefuse was built against, NCCL_NVLS_ENABLE=0 in the environment, one GPU
+ * per rank, every rank reachable by NVLink load/store, and the communicator's device
+ * current. Layers are created (and destroyed) on all ranks together, with the same
+ * config but config.rank: their windows are registered collectively.
+ * MOEFUSE_ERR_UNSUPPORTED when the library was built without NCCL. */
+moefuse_status moefuse_comm_create_nccl(void *nccl_comm, moefuse_comm **out);
+
+/* The bound on every wait for a peer, in milliseconds (default 30000, >= 1); read by
+ * every call. */
+moefuse_status moefuse_comm_set_timeout_ms(moefuse_comm *comm, int timeout_ms);
+
+/* Frees the comm; every layer made with it must be destroyed first. NULL is allowed. */
+moefuse_status moefuse_comm_destroy(moefuse_comm *comm);
+
 /* Checks cfg, allocates the layer's workspaces for cfg->max_tokens.
- * comm: NULL for R = 1. */
-moefuse_status moefuse_layer_create(const moefuse_config *cfg, const moefuse_comm *comm,
+ * comm: NULL for one rank without expert-parallel kernels; else the comm of all R
+ * ranks (see above). */
+moefuse_status moefuse_layer_create(const moefuse_config *cfg, moefuse_comm *comm,
                                     moefuse_layer **out);
 
 /* Frees the layer. NULL is allowed. */
 moefuse_status moefuse_layer_destroy(moefuse_layer *layer);
 
-/* Bytes the forward writes into `saved` for T tokens (T <= max_tokens). */
+/* Bytes the forward writes into `saved` for T tokens (T <= max_tokens). With R > 1 the
+ * gate_up rows are those this rank receives: sized for R * max_tokens * K rows. */
 moefuse_status moefuse_saved_bytes(const moefuse_layer *layer, int num_tokens,
                                    size_t *bytes);
 

@@ -233,7 +233,7 @@ static void test_config_errors(void) {
     c = base; c.max_tokens = 0; expect_config(MOEFUSE_ERR_INVALID_CONFIG, "config.max_tokens", c);
     c = base; c.num_ranks = 3; expect_config(MOEFUSE_ERR_INVALID_CONFIG, "num_ranks (3)", c);
     c = base; c.num_ranks = 2; c.rank = 2; expect_config(MOEFUSE_ERR_INVALID_CONFIG, "config.rank", c);
-    c = base; c.num_ranks = 2; expect_config(MOEFUSE_ERR_UNSUPPORTED, "expert parallelism", c);
+    c = base; c.num_ranks = 2; expect_config(MOEFUSE_ERR_INVALID_CONFIG, "moefuse_comm", c);
     c = base; c.num_threads = -1; expect_config(MOEFUSE_ERR_INVALID_CONFIG, "config.num_threads", c);
     c = base; c.saved_mode = 7; expect_config(MOEFUSE_ERR_INVALID_CONFIG, "config.saved_mode", c);
     c = base; c.precision = MOEFUSE_PRECISION_FP8_BLOCK;
@@ -246,6 +246,38 @@ static void test_config_errors(void) {
     CHECK(moefuse_layer_create(NULL, NULL, &layer) == MOEFUSE_ERR_NULL_POINTER, "NULL cfg");
     CHECK(moefuse_layer_create(&base, NULL, NULL) == MOEFUSE_ERR_NULL_POINTER, "NULL out");
     CHECK(moefuse_layer_destroy(NULL) == MOEFUSE_OK, "destroy(NULL) is allowed");
+}
+
+/* The comm of expert parallelism: its own checks, and those of a layer made with it.
+ * (The CUDA backend's use of it is tested in tests/gpu/test_cuda_ep.c.) */
+static void test_comm_errors(void) {
+    moefuse_comm *comm = (moefuse_comm *)0x1;
+    CHECK(moefuse_comm_create_virtual(0, &comm) == MOEFUSE_ERR_INVALID_CONFIG, "0 ranks");
+    CHECK(comm == NULL, "out is NULL on failure");
+    CHECK(moefuse_comm_create_virtual(65, &comm) == MOEFUSE_ERR_INVALID_CONFIG, "65 ranks");
+    CHECK(strstr(moefuse_last_error(), "num_ranks") != NULL, "%s", moefuse_last_error());
+    CHECK(moefuse_comm_create_virtual(2, NULL) == MOEFUSE_ERR_NULL_POINTER, "NULL out");
+    CHECK(moefuse_comm_set_timeout_ms(NULL, 5) == MOEFUSE_ERR_NULL_POINTER, "NULL comm");
+    CHECK(moefuse_comm_destroy(NULL) == MOEFUSE_OK, "destroy(NULL) is allowed");
+    CHECK(moefuse_comm_create_virtual(2, &comm) == MOEFUSE_OK, "%s", moefuse_last_error());
+    if (!comm) return;
+    CHECK(moefuse_comm_set_timeout_ms(comm, 0) == MOEFUSE_ERR_INVALID_CONFIG, "timeout 0");
+    CHECK(moefuse_comm_set_timeout_ms(comm, 250) == MOEFUSE_OK, "%s", moefuse_last_error());
+
+    moefuse_config c;
+    moefuse_config_init(&c, H, I, E, K, TMAX);
+    moefuse_layer *layer = (moefuse_layer *)0x1;
+    /* R must match the comm's; EP runs on the CUDA backend */
+    CHECK(moefuse_layer_create(&c, comm, &layer) == MOEFUSE_ERR_INVALID_CONFIG, "R = 1, comm of 2");
+    CHECK(strstr(moefuse_last_error(), "comm has 2 ranks") != NULL, "%s", moefuse_last_error());
+    c.num_ranks = 4;
+    CHECK(moefuse_layer_create(&c, comm, &layer) == MOEFUSE_ERR_INVALID_CONFIG, "R = 4, comm of 2");
+    CHECK(strstr(moefuse_last_error(), "comm has 2 ranks") != NULL, "%s", moefuse_last_error());
+    c.num_ranks = 2;
+    CHECK(moefuse_layer_create(&c, comm, &layer) == MOEFUSE_ERR_UNSUPPORTED, "CPU backend with a comm");
+    CHECK(strstr(moefuse_last_error(), "MOEFUSE_BACKEND_CUDA") != NULL, "%s", moefuse_last_error());
+    CHECK(layer == (moefuse_layer *)0x1, "out must be untouched on failure");
+    CHECK(moefuse_comm_destroy(comm) == MOEFUSE_OK, "%s", moefuse_last_error());
 }
 
 static void test_saved_bytes_errors(void) {
@@ -319,6 +351,7 @@ int main(void) {
     th_run("forward: expert ids", test_forward_expert_ids);
     th_run("backward: every argument", test_backward_errors);
     th_run("config errors", test_config_errors);
+    th_run("comm errors", test_comm_errors);
     th_run("saved_bytes errors", test_saved_bytes_errors);
     th_run("T = 0 with NULL token tensors", test_zero_tokens);
     th_run("CUDA backend without a GPU", test_cuda_backend_without_gpu);

@@ -47,39 +47,22 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend.h"
 #include "check.h"
 #include "internal.h"
 #include "kernels.h"
 
-namespace {
+namespace mf {
+namespace backend {
 
 /* ---- layout ------------------------------------------------------------------------ */
 
-enum {
-    kHeaderMagic = 0,        /* kSavedMagic */
-    kHeaderVersion = 1,
-    kHeaderTokens = 2,
-    kHeaderTopK = 3,
-    kHeaderLocalExperts = 4,
-    kHeaderHidden = 5,
-    kHeaderIntermediate = 6,
-    kHeaderRowsCap = 7,
-    kHeaderSavedMode = 8,
-    kHeaderNumRows = 9,      /* written by the plan on the device */
-    kHeaderWords = 16,
-};
-constexpr int32_t kSavedMagic = 0x5653464d;  /* "MFSV" */
-constexpr int32_t kSavedVersion = 1;
-
-struct saved_layout {
-    size_t header, counts, offsets, row_block_expert, slot_row, row_slot, gate_up, total;
-    int rows_cap;
-};
-
-size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
+static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 
 int rows_cap_for(const moefuse_layer *layer, int num_tokens) {
-    const int64_t slots = (int64_t)num_tokens * layer->cfg.top_k;
+    const int64_t slots = layer->comm
+                              ? (int64_t)layer->cfg.num_ranks * layer->cfg.max_tokens * layer->cfg.top_k
+                              : (int64_t)num_tokens * layer->cfg.top_k;
     const int64_t experts = slots < layer->num_local_experts ? slots : layer->num_local_experts;
     const int64_t rows = slots + (int64_t)(MF_SM90_BLOCK_M - 1) * experts;
     return (int)((rows + MF_SM90_BLOCK_M - 1) / MF_SM90_BLOCK_M * MF_SM90_BLOCK_M);
@@ -95,7 +78,8 @@ saved_layout layout_for(const moefuse_layer *layer, int num_tokens, bool with_ga
     s.offsets = at;          at += align256((size_t)(EL + 1) * sizeof(int32_t));
     s.row_block_expert = at; at += align256((size_t)(s.rows_cap / MF_SM90_BLOCK_M) * sizeof(int32_t));
     s.slot_row = at;         at += align256((size_t)num_tokens * layer->cfg.top_k * sizeof(int32_t));
-    s.row_slot = at;         at += align256((size_t)s.rows_cap * sizeof(int32_t));
+    s.row_slot = at;  // one rank only (EP: the rows' sources are sent again by the backward)
+    if (!layer->comm) at += align256((size_t)s.rows_cap * sizeof(int32_t));
     s.gate_up = at;
     if (with_gate_up)
         at += align256((size_t)s.rows_cap * 2 * layer->cfg.intermediate * sizeof(uint16_t));
@@ -105,32 +89,13 @@ saved_layout layout_for(const moefuse_layer *layer, int num_tokens, bool with_ga
 
 /* ---- state ------------------------------------------------------------------------- */
 
-struct cuda_state {
-    int device;
-    int num_sms;
-    uint16_t *xs;               /* [rows_cap(max_tokens), H] */
-    uint16_t *act;              /* [rows_cap(max_tokens), I] */
-    uint16_t *combine;          /* [max_tokens * K, H] */
-    int32_t *slot_rank;         /* [max_tokens * K] */
-    int32_t *chunk_base;        /* [chunks(max_tokens), E_local] */
-    mf_plan_state *plan_state;  /* error record and per-call flags */
-    int32_t *gemm_num_rows;     /* device scalar */
-    void *plan_ws;              /* layout_for(max_tokens, no gate_up): the plan when saved = NULL */
-    /* backward */
-    int dp_parts;               /* mf_dgrad2_dp_parts(I) */
-    uint16_t *dh;               /* [rows_cap(max_tokens), 2I] */
-    float *dp_partial;          /* [rows_cap(max_tokens), dp_parts] */
-    uint16_t *gate_up;          /* [rows_cap(max_tokens), 2I], MOEFUSE_RECOMPUTE only */
-    int32_t *bwd_offsets;       /* [E_local + 1]: the checked expert_offsets, 0s on failure */
-};
-
-cuda_state *state_of(const moefuse_layer *layer) { return (cuda_state *)layer->backend; }
-
-void free_state(cuda_state *s) {
+static void free_state(cuda_state *s) {
     if (!s) return;
     void *bufs[] = {s->xs, s->act, s->combine, s->slot_rank, s->chunk_base, s->plan_state,
                     s->gemm_num_rows, s->plan_ws, s->dh, s->dp_partial, s->gate_up,
-                    s->bwd_offsets};
+                    s->bwd_offsets, s->dys, s->row_slot, s->row_weight, s->dp_slot, s->sync,
+                    s->peers, s->send_counts, s->send_offsets, s->send_rbe, s->send_slot_row,
+                    s->send_row_slot, s->send_scalars, s->dest_base, s->plan_num_rows};
     for (void *b : bufs)
         if (b) cudaFree(b);
     free(s);
@@ -149,6 +114,123 @@ moefuse_status alloc(void **p, size_t bytes, const char *what) {
     return MOEFUSE_OK;
 }
 
+/* ---- the stages both pipelines run (backend.h) ------------------------------------- */
+
+void header_words(const moefuse_layer *layer, int num_tokens, int rows_cap, bool save_act,
+                  int32_t words[kHeaderWords]) {
+    const moefuse_config *c = &layer->cfg;
+    memset(words, 0, sizeof(int32_t) * kHeaderWords);
+    words[kHeaderMagic] = kSavedMagic;
+    words[kHeaderVersion] = kSavedVersion;
+    words[kHeaderTokens] = num_tokens;
+    words[kHeaderTopK] = c->top_k;
+    words[kHeaderLocalExperts] = layer->num_local_experts;
+    words[kHeaderHidden] = c->hidden;
+    words[kHeaderIntermediate] = c->intermediate;
+    words[kHeaderRowsCap] = rows_cap;
+    words[kHeaderSavedMode] = save_act ? MOEFUSE_SAVE_ACTIVATIONS : MOEFUSE_RECOMPUTE;
+}
+
+mf_gemm1_params gemm1_params(const moefuse_layer *layer, const uint16_t *w13, const int32_t *rbe,
+                             uint16_t *gate_up, int rows_cap) {
+    const cuda_state *s = state_of(layer);
+    mf_gemm1_params g = {};
+    g.xs = s->xs;
+    g.w13 = w13;
+    g.row_block_expert = rbe;
+    g.num_rows = s->gemm_num_rows;
+    g.act = s->act;
+    g.gate_up = gate_up;
+    g.rows_cap = rows_cap;
+    g.hidden = layer->cfg.hidden;
+    g.intermediate = layer->cfg.intermediate;
+    g.num_local_experts = layer->num_local_experts;
+    g.num_sms = s->num_sms;
+    return g;
+}
+
+mf_gemm2_params gemm2_params(const moefuse_layer *layer, const uint16_t *w2, const int32_t *rbe,
+                             const int32_t *row_slot, int rows_cap) {
+    const cuda_state *s = state_of(layer);
+    mf_gemm2_params g = {};
+    g.act = s->act;
+    g.w2 = w2;
+    g.row_block_expert = rbe;
+    g.num_rows = s->gemm_num_rows;
+    g.row_slot = row_slot;
+    g.rows_cap = rows_cap;
+    g.hidden = layer->cfg.hidden;
+    g.intermediate = layer->cfg.intermediate;
+    g.num_local_experts = layer->num_local_experts;
+    g.num_sms = s->num_sms;
+    return g;
+}
+
+mf_dgrad2_params dgrad2_params(const moefuse_layer *layer, const uint16_t *dys,
+                               const uint16_t *w2, const uint16_t *gate_up, const int32_t *rbe,
+                               const int32_t *row_slot, int rows_cap) {
+    const cuda_state *s = state_of(layer);
+    mf_dgrad2_params d = {};
+    d.dys = dys;
+    d.w2 = w2;
+    d.gate_up = gate_up;
+    d.row_block_expert = rbe;
+    d.num_rows = s->gemm_num_rows;
+    d.row_slot = row_slot;
+    d.dh = s->dh;
+    d.act_p = s->act;
+    d.dp_partial = s->dp_partial;
+    d.rows_cap = rows_cap;
+    d.hidden = layer->cfg.hidden;
+    d.intermediate = layer->cfg.intermediate;
+    d.num_local_experts = layer->num_local_experts;
+    d.num_sms = s->num_sms;
+    return d;
+}
+
+mf_dgrad1_params dgrad1_params(const moefuse_layer *layer, const uint16_t *w13,
+                               const int32_t *rbe, const int32_t *row_slot, int rows_cap) {
+    const cuda_state *s = state_of(layer);
+    mf_dgrad1_params d = {};
+    d.dh = s->dh;
+    d.w13 = w13;
+    d.row_block_expert = rbe;
+    d.num_rows = s->gemm_num_rows;
+    d.row_slot = row_slot;
+    d.rows_cap = rows_cap;
+    d.hidden = layer->cfg.hidden;
+    d.intermediate = layer->cfg.intermediate;
+    d.num_local_experts = layer->num_local_experts;
+    d.num_sms = s->num_sms;
+    return d;
+}
+
+mf_wgrad_params wgrad_params(const moefuse_layer *layer, int rows_cap, int accumulate) {
+    const cuda_state *s = state_of(layer);
+    mf_wgrad_params w = {};
+    w.expert_offsets = s->bwd_offsets;
+    w.rows_cap = rows_cap;
+    w.num_local_experts = layer->num_local_experts;
+    w.accumulate = accumulate;
+    w.num_sms = s->num_sms;
+    return w;
+}
+
+mf_reduce_params reduce_params(const moefuse_layer *layer, const int32_t *ids, int num_tokens,
+                               uint16_t *out, int64_t out_stride) {
+    const cuda_state *s = state_of(layer);
+    mf_reduce_params r = {};
+    r.combine = s->combine;
+    r.ids = ids;
+    r.call_failed = &s->plan_state->call_failed;
+    r.y = out;
+    r.y_stride = out_stride;
+    r.num_tokens = num_tokens;
+    r.top_k = layer->cfg.top_k;
+    r.hidden = layer->cfg.hidden;
+    return r;
+}
+
 /* ---- ops --------------------------------------------------------------------------- */
 
 moefuse_status cuda_create_checked(moefuse_layer *layer, cuda_state *s) {
@@ -157,10 +239,6 @@ moefuse_status cuda_create_checked(moefuse_layer *layer, cuda_state *s) {
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
                        "config.precision = %d: the CUDA backend runs MOEFUSE_PRECISION_BF16 "
                        "only so far", (int)c->precision);
-    if (c->num_ranks != 1)
-        return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
-                       "config.num_ranks = %d: the CUDA backend runs one rank only so far "
-                       "(expert parallelism is not built); expected 1", c->num_ranks);
     /* The GEMM tiles: 128-row output blocks over H and 2I in the weight gradients and
      * 128-column blocks over H and I in the dgrads (the launchers refuse the rest). */
     if (c->hidden % 128 != 0 || c->intermediate % 128 != 0)
@@ -194,47 +272,57 @@ moefuse_status cuda_create_checked(moefuse_layer *layer, cuda_state *s) {
                        s->device, name, major, minor);
     }
     MF_CUDA_TRY(cudaDeviceGetAttribute(&s->num_sms, cudaDevAttrMultiProcessorCount, s->device));
+    s->num_ranks = c->num_ranks;
+    s->rank = c->rank;
+    /* Virtual ranks share the GPU: each rank's grids get SMs / R blocks, so every
+     * rank's kernels are resident together. */
+    if (layer->comm && layer->comm->kind == MF_COMM_VIRTUAL)
+        s->num_sms = s->num_sms / c->num_ranks > 0 ? s->num_sms / c->num_ranks : 1;
 
     const int K = c->top_k, EL = layer->num_local_experts;
+    /* EP plans this rank's slots over all E experts first (the sends), see backend_ep.cu */
+    const int plan_experts = layer->comm ? c->num_experts : EL;
     int smem_optin = 0;
     MF_CUDA_TRY(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                        s->device));
-    const size_t plan_smem = mf_plan_smem_bytes(K, EL);
+    const size_t plan_smem = mf_plan_smem_bytes(K, plan_experts);
     if (plan_smem > (size_t)smem_optin)
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
                        "config.num_experts = %d, top_k = %d: the GPU plan needs %zu bytes of "
                        "shared memory per block, the device allows %d",
                        c->num_experts, K, plan_smem, smem_optin);
-    MF_CUDA_TRY(mf_plan_prepare(K, EL));
+    MF_CUDA_TRY(mf_plan_prepare(K, plan_experts));
 
     const int T = c->max_tokens;
     const int64_t rows_cap = rows_cap_for(layer, T);
     const int tb = mf_plan_chunk_tokens(K);
     const int64_t chunks = (T + tb - 1) / tb;
-    moefuse_status st;
-#define ALLOC(field, bytes)                                                    \
-    if ((st = alloc((void **)&s->field, (size_t)(bytes), #field)) != MOEFUSE_OK) return st;
-    ALLOC(xs, rows_cap * c->hidden * 2)
-    ALLOC(act, rows_cap * c->intermediate * 2)
-    ALLOC(combine, rows_cap * c->hidden * 2)  // rows_cap >= T*K: also the backward's dys
-    ALLOC(slot_rank, (int64_t)T * K * 4)
-    ALLOC(chunk_base, (chunks > 0 ? chunks : 1) * EL * 4)
-    ALLOC(plan_state, sizeof(mf_plan_state))
-    ALLOC(gemm_num_rows, sizeof(int32_t))
-    ALLOC(plan_ws, layout_for(layer, T, false).total)
+    if (!layer->comm) {  // EP: xs and combine are windows (ep_create)
+        MF_ALLOC_FIELD(s, xs, rows_cap * c->hidden * 2);
+        // rows_cap >= T*K rows: also the backward's dys
+        MF_ALLOC_FIELD(s, combine, rows_cap * c->hidden * 2);
+    }
+    MF_ALLOC_FIELD(s, act, rows_cap * c->intermediate * 2);
+    MF_ALLOC_FIELD(s, slot_rank, (int64_t)T * K * 4);
+    MF_ALLOC_FIELD(s, chunk_base, (chunks > 0 ? chunks : 1) * plan_experts * 4);
+    MF_ALLOC_FIELD(s, plan_state, sizeof(mf_plan_state));
+    MF_ALLOC_FIELD(s, gemm_num_rows, sizeof(int32_t));
+    MF_ALLOC_FIELD(s, plan_ws, layout_for(layer, T, false).total);
     s->dp_parts = mf_dgrad2_dp_parts(c->intermediate);
     if (s->dp_parts < 1)
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
                        "config.intermediate = %d: the backward's dgrad2 takes no such size "
                        "(mf_dgrad2_dp_parts = %d)", c->intermediate, s->dp_parts);
-    ALLOC(dh, rows_cap * 2 * c->intermediate * 2)
-    ALLOC(dp_partial, rows_cap * s->dp_parts * 4)
-    if (c->saved_mode == MOEFUSE_RECOMPUTE) ALLOC(gate_up, rows_cap * 2 * c->intermediate * 2)
-    ALLOC(bwd_offsets, (int64_t)(EL + 1) * 4)
-#undef ALLOC
+    MF_ALLOC_FIELD(s, dh, rows_cap * 2 * c->intermediate * 2);
+    MF_ALLOC_FIELD(s, dp_partial, rows_cap * s->dp_parts * 4);
+    if (c->saved_mode == MOEFUSE_RECOMPUTE)
+        MF_ALLOC_FIELD(s, gate_up, rows_cap * 2 * c->intermediate * 2);
+    MF_ALLOC_FIELD(s, bwd_offsets, (int64_t)(EL + 1) * 4);
+    MF_ALLOC_FIELD(s, plan_num_rows, 4);
     const mf_plan_state init = MF_PLAN_STATE_INIT;
     MF_CUDA_TRY(cudaMemcpy(s->plan_state, &init, sizeof init, cudaMemcpyHostToDevice));
     MF_CUDA_TRY(cudaMemset(s->gemm_num_rows, 0, sizeof(int32_t)));
+    if (layer->comm) return ep_create(layer, s);
     return MOEFUSE_OK;
 }
 
@@ -243,6 +331,7 @@ moefuse_status cuda_create(moefuse_layer *layer) {
     if (!s) return mf_fail(MOEFUSE_ERR_NO_MEMORY, "moefuse_layer_create: out of host memory");
     const moefuse_status st = cuda_create_checked(layer, s);
     if (st != MOEFUSE_OK) {
+        if (layer->comm) ep_destroy(layer, s);
         free_state(s);
         return st;
     }
@@ -251,6 +340,7 @@ moefuse_status cuda_create(moefuse_layer *layer) {
 }
 
 void cuda_destroy(moefuse_layer *layer) {
+    if (layer->comm) ep_destroy(layer, state_of(layer));
     free_state(state_of(layer));
     layer->backend = NULL;
 }
@@ -263,6 +353,7 @@ size_t cuda_saved_bytes(const moefuse_layer *layer, int num_tokens) {
 moefuse_status cuda_forward(moefuse_layer *layer, const moefuse_fwd_args *a, void *stream_) {
     cuda_state *s = state_of(layer);
     const cudaStream_t stream = (cudaStream_t)stream_;
+    if (layer->comm) return ep_forward(layer, a, stream);
     const moefuse_config *c = &layer->cfg;
     const int T = a->num_tokens, K = c->top_k, EL = layer->num_local_experts;
     const bool save_act = a->saved && c->saved_mode == MOEFUSE_SAVE_ACTIVATIONS;
@@ -270,7 +361,7 @@ moefuse_status cuda_forward(moefuse_layer *layer, const moefuse_fwd_args *a, voi
     // ---- 1. plan: into the caller's saved buffer, else into the workspace ----
     const saved_layout lay = layout_for(layer, T, save_act);
     char *plan_base = a->saved ? (char *)a->saved : (char *)s->plan_ws;
-    mf_plan_params pp;
+    mf_plan_params pp = {};
     memset(&pp, 0, sizeof pp);
     pp.ids = a->ids;
     pp.num_tokens = T;
@@ -291,21 +382,13 @@ moefuse_status cuda_forward(moefuse_layer *layer, const moefuse_fwd_args *a, voi
     pp.saved_header = (int32_t *)(plan_base + lay.header);
     pp.num_rows = pp.saved_header + kHeaderNumRows;
     pp.user_counts = a->expert_counts;
-    pp.header_words[kHeaderMagic] = kSavedMagic;
-    pp.header_words[kHeaderVersion] = kSavedVersion;
-    pp.header_words[kHeaderTokens] = T;
-    pp.header_words[kHeaderTopK] = K;
-    pp.header_words[kHeaderLocalExperts] = EL;
-    pp.header_words[kHeaderHidden] = c->hidden;
-    pp.header_words[kHeaderIntermediate] = c->intermediate;
-    pp.header_words[kHeaderRowsCap] = lay.rows_cap;
-    pp.header_words[kHeaderSavedMode] = save_act ? MOEFUSE_SAVE_ACTIVATIONS : MOEFUSE_RECOMPUTE;
+    header_words(layer, T, lay.rows_cap, save_act, pp.header_words);
     MF_CUDA_TRY(mf_plan_build_cuda(&pp, stream));
     if (T == 0) return MOEFUSE_OK;  // the plan wrote expert_counts = 0; y has no rows
     const int32_t *call_failed = &s->plan_state->call_failed;
 
     // ---- 2. dispatch: x rows -> expert-sorted xs ----
-    mf_dispatch_params dp;
+    mf_dispatch_params dp = {};
     dp.x = a->x;
     dp.x_stride = a->x_stride;
     dp.row_slot = pp.row_slot;
@@ -320,46 +403,19 @@ moefuse_status cuda_forward(moefuse_layer *layer, const moefuse_fwd_args *a, voi
 
     // ---- 3. gemm1 + SwiGLU: xs -> act (and [g; u] into saved) ----
     // On bad ids gemm_num_rows is 0: the gemms touch nothing.
-    mf_gemm1_params g1;
-    g1.xs = s->xs;
-    g1.w13 = a->w13;
-    g1.row_block_expert = pp.row_block_expert;
-    g1.num_rows = s->gemm_num_rows;
-    g1.act = s->act;
-    g1.gate_up = save_act ? (uint16_t *)((char *)a->saved + lay.gate_up) : NULL;
-    g1.rows_cap = lay.rows_cap;
-    g1.hidden = c->hidden;
-    g1.intermediate = c->intermediate;
-    g1.num_local_experts = EL;
-    g1.num_sms = s->num_sms;
+    const mf_gemm1_params g1 = gemm1_params(
+        layer, a->w13, pp.row_block_expert,
+        save_act ? (uint16_t *)((char *)a->saved + lay.gate_up) : NULL, lay.rows_cap);
     MF_CUDA_TRY(mf_sm90_gemm1_swiglu_fwd_bf16(&g1, stream));
 
     // ---- 4. gemm2 + combine: act -> p-scaled slot rows of combine ----
-    mf_gemm2_params g2;
-    g2.act = s->act;
-    g2.w2 = a->w2;
-    g2.row_block_expert = pp.row_block_expert;
-    g2.num_rows = s->gemm_num_rows;
-    g2.row_slot = pp.row_slot;
+    mf_gemm2_params g2 = gemm2_params(layer, a->w2, pp.row_block_expert, pp.row_slot, lay.rows_cap);
     g2.slot_weight = a->weights;
     g2.combine = s->combine;
-    g2.rows_cap = lay.rows_cap;
-    g2.hidden = c->hidden;
-    g2.intermediate = c->intermediate;
-    g2.num_local_experts = EL;
-    g2.num_sms = s->num_sms;
     MF_CUDA_TRY(mf_sm90_gemm2_combine_fwd_bf16(&g2, stream));
 
     // ---- 5. reduce: y[t] = sum of its K slot rows, fp32, k order ----
-    mf_reduce_params rp;
-    rp.combine = s->combine;
-    rp.ids = a->ids;
-    rp.call_failed = call_failed;
-    rp.y = a->y;
-    rp.y_stride = a->y_stride;
-    rp.num_tokens = T;
-    rp.top_k = K;
-    rp.hidden = c->hidden;
+    const mf_reduce_params rp = reduce_params(layer, a->ids, T, a->y, a->y_stride);
     MF_CUDA_TRY(mf_reduce_slots_bf16(&rp, stream));
     return MOEFUSE_OK;
 }
@@ -400,6 +456,7 @@ struct bwd_check_params {
     const int32_t *ids;               /* [T, K] */
     int32_t want[kHeaderNumRows];     /* header words 0..8 a matching forward wrote */
     int num_tokens, top_k, num_local_experts, expert_begin, rows_cap;
+    int ep;                           /* expert parallelism (backend_ep.cu) */
     mf_plan_state *state;
     int32_t *gemm_num_rows;
     int32_t *bwd_offsets;             /* [E_local + 1] out */
@@ -464,7 +521,10 @@ __global__ void __launch_bounds__(256) bwd_check_header_kernel(const __grid_cons
                               : what == kBadOffsets ? p.offsets[index] : p.row_block_expert[index];
             record_saved_error(p.state, what, index, value);
         }
-        p.state->call_failed = bad ? 1 : 0;
+        /* EP: a rank whose forward ids were bad sent no rows and gets no dx, but still
+         * serves the rows the other ranks send it. */
+        const bool sent_nothing = p.ep && p.header[kHeaderSendFailed] != 0;
+        p.state->call_failed = bad || sent_nothing ? 1 : 0;
         *p.gemm_num_rows = bad ? 0 : nr;
     }
 }
@@ -475,7 +535,14 @@ __global__ void __launch_bounds__(256) bwd_check_slots_kernel(const __grid_const
     const int64_t slots = (int64_t)p.num_tokens * p.top_k;
     const int32_t nr = p.header[kHeaderNumRows];
     bool ok = true;
-    if (i < slots) {
+    if (p.ep) {
+        // EP: a routed slot has a row on its expert's rank (within every rank's capacity),
+        // a dropped one none; the rows live on the other ranks, their check is theirs
+        if (i < slots) {
+            const int32_t r = p.slot_row[i];
+            ok = p.ids[i] >= 0 ? r >= 0 && r < p.rows_cap : r == -1;
+        }
+    } else if (i < slots) {
         // a local slot has a row that points back at it; any other slot has none
         const int32_t e = p.ids[i] - p.expert_begin, r = p.slot_row[i];
         if (e >= 0 && e < p.num_local_experts)
@@ -509,6 +576,48 @@ __global__ void bwd_check_finish_kernel(const __grid_constant__ bwd_check_params
     p.state->first_bad_token = 0xffffffffu;
 }
 
+moefuse_status check_saved(moefuse_layer *layer, const moefuse_bwd_args *a,
+                           const saved_layout &lay, cudaStream_t stream) {
+    cuda_state *s = state_of(layer);
+    const moefuse_config *c = &layer->cfg;
+    const int T = a->num_tokens, K = c->top_k;
+    const char *base = (const char *)a->saved;
+    bwd_check_params cp;
+    memset(&cp, 0, sizeof cp);
+    cp.header = (const int32_t *)(base + lay.header);
+    cp.counts = (const int32_t *)(base + lay.counts);
+    cp.offsets = (const int32_t *)(base + lay.offsets);
+    cp.row_block_expert = (const int32_t *)(base + lay.row_block_expert);
+    cp.slot_row = (const int32_t *)(base + lay.slot_row);
+    cp.row_slot = (const int32_t *)(base + lay.row_slot);
+    cp.ids = a->ids;
+    int32_t want[kHeaderWords];
+    header_words(layer, T, lay.rows_cap, c->saved_mode == MOEFUSE_SAVE_ACTIVATIONS, want);
+    memcpy(cp.want, want, sizeof cp.want);
+    cp.num_tokens = T;
+    cp.top_k = K;
+    cp.num_local_experts = layer->num_local_experts;
+    cp.expert_begin = layer->expert_begin;
+    cp.rows_cap = lay.rows_cap;
+    cp.ep = layer->comm != NULL;
+    cp.state = s->plan_state;
+    cp.gemm_num_rows = s->gemm_num_rows;
+    cp.bwd_offsets = s->bwd_offsets;
+    bwd_check_header_kernel<<<1, 256, 0, stream>>>(cp);
+    MF_CUDA_LAUNCHED();
+    // EP checks the slots only (the rows are the other ranks' sends)
+    const int64_t check_n = (int64_t)T * K + (cp.ep ? 0 : lay.rows_cap);
+    if (check_n > 0) {
+        bwd_check_slots_kernel<<<(unsigned)((check_n + 255) / 256), 256, 0, stream>>>(cp);
+        MF_CUDA_LAUNCHED();
+    }
+    bwd_check_finish_kernel<<<1, 1, 0, stream>>>(cp);
+    MF_CUDA_LAUNCHED();
+    return MOEFUSE_OK;
+}
+
+namespace {
+
 moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *stream_) {
     cuda_state *s = state_of(layer);
     const cudaStream_t stream = (cudaStream_t)stream_;
@@ -516,6 +625,7 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     const int T = a->num_tokens, K = c->top_k, EL = layer->num_local_experts;
     const int H = c->hidden, I = c->intermediate;
     const bool recompute = c->saved_mode == MOEFUSE_RECOMPUTE;
+    if (layer->comm) return ep_backward(layer, a, stream);
     if (T == 0) {  // no rows: the weight gradients are 0
         if (!a->accumulate) {
             MF_CUDA_TRY(cudaMemsetAsync(a->dw13, 0, (size_t)EL * 2 * I * H * 4, stream));
@@ -530,43 +640,12 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     const int32_t *row_slot = (const int32_t *)(base + lay.row_slot);
     const int32_t *rbe = (const int32_t *)(base + lay.row_block_expert);
     const int32_t *call_failed = &s->plan_state->call_failed;
-    bwd_check_params cp;
-    memset(&cp, 0, sizeof cp);
-    cp.header = (const int32_t *)(base + lay.header);
-    cp.counts = (const int32_t *)(base + lay.counts);
-    cp.offsets = (const int32_t *)(base + lay.offsets);
-    cp.row_block_expert = rbe;
-    cp.slot_row = (const int32_t *)(base + lay.slot_row);
-    cp.row_slot = row_slot;
-    cp.ids = a->ids;
-    cp.want[kHeaderMagic] = kSavedMagic;
-    cp.want[kHeaderVersion] = kSavedVersion;
-    cp.want[kHeaderTokens] = T;
-    cp.want[kHeaderTopK] = K;
-    cp.want[kHeaderLocalExperts] = EL;
-    cp.want[kHeaderHidden] = H;
-    cp.want[kHeaderIntermediate] = I;
-    cp.want[kHeaderRowsCap] = lay.rows_cap;
-    cp.want[kHeaderSavedMode] = c->saved_mode;
-    cp.num_tokens = T;
-    cp.top_k = K;
-    cp.num_local_experts = EL;
-    cp.expert_begin = layer->expert_begin;
-    cp.rows_cap = lay.rows_cap;
-    cp.state = s->plan_state;
-    cp.gemm_num_rows = s->gemm_num_rows;
-    cp.bwd_offsets = s->bwd_offsets;
-    bwd_check_header_kernel<<<1, 256, 0, stream>>>(cp);
-    MF_CUDA_LAUNCHED();
-    const int64_t check_n = (int64_t)T * K + lay.rows_cap;
-    bwd_check_slots_kernel<<<(unsigned)((check_n + 255) / 256), 256, 0, stream>>>(cp);
-    MF_CUDA_LAUNCHED();
-    bwd_check_finish_kernel<<<1, 1, 0, stream>>>(cp);
-    MF_CUDA_LAUNCHED();
+    const moefuse_status checked = check_saved(layer, a, lay, stream);
+    if (checked != MOEFUSE_OK) return checked;
 
     // ---- 1. dispatch: dy -> dys (the combine workspace), x -> xs ----
     uint16_t *dys = s->combine;
-    mf_dispatch_params dp;
+    mf_dispatch_params dp = {};
     dp.x = a->dy;
     dp.x_stride = a->dy_stride;
     dp.row_slot = row_slot;
@@ -584,87 +663,41 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     MF_CUDA_TRY(mf_dispatch_rows_bf16(&dp, stream));
 
     // ---- 2. [g | u]: saved, or recomputed by the forward's gemm1 ----
+    // (act is not read: dgrad2 overwrites it with act_p)
     const uint16_t *gate_up = (const uint16_t *)(base + lay.gate_up);
     if (recompute) {
-        mf_gemm1_params g1;
-        g1.xs = s->xs;
-        g1.w13 = a->w13;
-        g1.row_block_expert = rbe;
-        g1.num_rows = s->gemm_num_rows;
-        g1.act = s->act;  // not read; dgrad2 overwrites it with act_p
-        g1.gate_up = s->gate_up;
-        g1.rows_cap = lay.rows_cap;
-        g1.hidden = H;
-        g1.intermediate = I;
-        g1.num_local_experts = EL;
-        g1.num_sms = s->num_sms;
+        const mf_gemm1_params g1 = gemm1_params(layer, a->w13, rbe, s->gate_up, lay.rows_cap);
         MF_CUDA_TRY(mf_sm90_gemm1_swiglu_fwd_bf16(&g1, stream));
         gate_up = s->gate_up;
     }
 
     // ---- 3. dgrad2 + SwiGLU backward: dh, act_p, d p partials ----
-    mf_dgrad2_params d2;
-    d2.dys = dys;
-    d2.w2 = a->w2;
-    d2.gate_up = gate_up;
-    d2.row_block_expert = rbe;
-    d2.num_rows = s->gemm_num_rows;
-    d2.row_slot = row_slot;
+    mf_dgrad2_params d2 = dgrad2_params(layer, dys, a->w2, gate_up, rbe, row_slot, lay.rows_cap);
     d2.slot_weight = a->weights;
-    d2.dh = s->dh;
-    d2.act_p = s->act;
-    d2.dp_partial = s->dp_partial;
-    d2.rows_cap = lay.rows_cap;
-    d2.hidden = H;
-    d2.intermediate = I;
-    d2.num_local_experts = EL;
-    d2.num_sms = s->num_sms;
     MF_CUDA_TRY(mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&d2, stream));
 
     // ---- 4. dW2 = dys^T act_p per expert: before dgrad1 overwrites dys ----
-    mf_wgrad_params wg;
+    mf_wgrad_params wg = wgrad_params(layer, lay.rows_cap, a->accumulate);
     wg.lhs = dys;
     wg.rhs = s->act;
-    wg.expert_offsets = s->bwd_offsets;
     wg.dw = a->dw2;
-    wg.rows_cap = lay.rows_cap;
     wg.m = H;
     wg.n = I;
-    wg.num_local_experts = EL;
-    wg.accumulate = a->accumulate;
-    wg.num_sms = s->num_sms;
     MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&wg, stream));
 
     // ---- 5. dgrad1: dh W13_e -> dx slot rows in combine ----
-    mf_dgrad1_params d1;
-    d1.dh = s->dh;
-    d1.w13 = a->w13;
-    d1.row_block_expert = rbe;
-    d1.num_rows = s->gemm_num_rows;
-    d1.row_slot = row_slot;
+    mf_dgrad1_params d1 = dgrad1_params(layer, a->w13, rbe, row_slot, lay.rows_cap);
     d1.combine = s->combine;
-    d1.rows_cap = lay.rows_cap;
-    d1.hidden = H;
-    d1.intermediate = I;
-    d1.num_local_experts = EL;
-    d1.num_sms = s->num_sms;
     MF_CUDA_TRY(mf_sm90_gemm1_dgrad_bwd_bf16(&d1, stream));
 
     // ---- 6. reduce: dx[t] = sum of its K slot rows, fp32, k order; and d p ----
-    mf_reduce_params rp;
-    rp.combine = s->combine;
-    rp.ids = a->ids;
-    rp.call_failed = call_failed;
-    rp.y = a->dx;
-    rp.y_stride = a->dx_stride;
-    rp.num_tokens = T;
-    rp.top_k = K;
-    rp.hidden = H;
+    const mf_reduce_params rp = reduce_params(layer, a->ids, T, a->dx, a->dx_stride);
     MF_CUDA_TRY(mf_reduce_slots_bf16(&rp, stream));
-    mf_reduce_dp_params rd;
+    mf_reduce_dp_params rd = {};
     rd.dp_partial = s->dp_partial;
     rd.parts = s->dp_parts;
     rd.slot_row = (const int32_t *)(base + lay.slot_row);
+    rd.ids = NULL;
     rd.call_failed = call_failed;
     rd.dweights = a->dweights;
     rd.num_tokens = T;
@@ -713,6 +746,33 @@ moefuse_status cuda_check(moefuse_layer *layer, void *stream_) {
                        rec.slot >= 0 && rec.slot < 5 ? what[rec.slot] : "entry", rec.token,
                        rec.value);
     }
+    if (rec.code == MOEFUSE_ERR_TIMEOUT || rec.code == MOEFUSE_ERR_TOO_MANY_TOKENS) {
+        static const char *const stage[] = {
+            "forward: row counts", "forward: x rows", "forward: y slot rows",
+            "backward: start of the call", "backward: dy and x rows",
+            "backward: dx slot rows and d p"};
+        const char *st = rec.slot >= 0 && rec.slot < 6 ? stage[rec.slot] : "?";
+        if (rec.code == MOEFUSE_ERR_TOO_MANY_TOKENS)
+            return mf_fail(MOEFUSE_ERR_TOO_MANY_TOKENS,
+                           "rank %d: rank %d would receive %d rows, over its capacity of %d "
+                           "(R * max_tokens * K + padding); expected the same config.max_tokens "
+                           "on every rank; that call wrote no output on any rank",
+                           layer->cfg.rank, rec.token, rec.value, rec.expected);
+        if (rec.value & 1)
+            return mf_fail(MOEFUSE_ERR_TIMEOUT,
+                           "rank %d: peer rank %d reported a failed wait (a timeout on its side) "
+                           "at stage '%s' (flag 0x%x, epoch %u); that call wrote no output on "
+                           "this rank; destroy and create every rank's layer",
+                           layer->cfg.rank, rec.token, st, (unsigned)rec.value,
+                           (unsigned)rec.expected >> 1);
+        return mf_fail(MOEFUSE_ERR_TIMEOUT,
+                       "rank %d: timeout after %d ms waiting for rank %d at stage '%s': its flag "
+                       "was 0x%x (epoch %u), expected epoch %u; that call wrote no output on "
+                       "this rank; destroy and create every rank's layer",
+                       layer->cfg.rank, layer->comm ? layer->comm->timeout_ms : 0, rec.token, st,
+                       (unsigned)rec.value, (unsigned)rec.value >> 1,
+                       (unsigned)rec.expected >> 1);
+    }
     return mf_fail(MOEFUSE_ERR_CUDA, "moefuse_layer_check: unexpected device error record %d",
                    rec.code);
 }
@@ -722,5 +782,7 @@ const mf_backend_ops kCudaOps = {
 };
 
 }  // namespace
+}  // namespace backend
+}  // namespace mf
 
-extern "C" const mf_backend_ops *mf_cuda_backend(void) { return &kCudaOps; }
+extern "C" const mf_backend_ops *mf_cuda_backend(void) { return &mf::backend::kCudaOps; }

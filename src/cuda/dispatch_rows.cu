@@ -20,6 +20,7 @@
 
 #include "check.h"
 #include "kernels.h"
+#include "row_copy.cuh"
 
 namespace {
 
@@ -36,23 +37,12 @@ dispatch_rows_kernel(const __grid_constant__ mf_dispatch_params p) {
         const int slot = __ldg(p.row_slot + r);
         int4 *dst = reinterpret_cast<int4 *>(p.xs + (int64_t)r * p.hidden);
         if (slot < 0) {
-            const int4 zero = make_int4(0, 0, 0, 0);
-            for (int v = lane; v < vecs; v += 32) dst[v] = zero;
+            mf::warp_zero_row(dst, vecs, lane);
             continue;
         }
         const int4 *src =
             reinterpret_cast<const int4 *>(p.x + (int64_t)(slot / p.top_k) * p.x_stride);
-        // Four loads in flight per lane before the stores (xs never aliases x).
-        int v = lane;
-        for (; v + 96 < vecs; v += 128) {
-            const int4 a0 = __ldg(src + v), a1 = __ldg(src + v + 32);
-            const int4 a2 = __ldg(src + v + 64), a3 = __ldg(src + v + 96);
-            dst[v] = a0;
-            dst[v + 32] = a1;
-            dst[v + 64] = a2;
-            dst[v + 96] = a3;
-        }
-        for (; v < vecs; v += 32) dst[v] = __ldg(src + v);
+        mf::warp_copy_row(dst, src, vecs, lane);
     }
 }
 

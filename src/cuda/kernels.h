@@ -48,6 +48,11 @@ typedef struct mf_gemm2_params {
     int intermediate;                 /* I */
     int num_local_experts;
     int num_sms;
+    /* Expert parallelism (NULL / 0 for one rank): row_slot[r] = slot * R + source rank;
+     * row r goes to combine_peers[source] (device table [R]) with p = row_weight[r]. */
+    const float *row_weight;          /* [rows_cap] replaces slot_weight when set */
+    uint16_t *const *combine_peers;   /* [R] replaces combine when set */
+    int num_ranks;
 } mf_gemm2_params;
 
 cudaError_t mf_sm90_gemm2_combine_fwd_bf16(const mf_gemm2_params *p, cudaStream_t stream);
@@ -78,6 +83,7 @@ typedef struct mf_dgrad2_params {
     uint16_t *act_p;                  /* out [rows_cap, I] bf16 */
     float *dp_partial;                /* out [rows_cap, mf_dgrad2_dp_parts(I)] fp32 */
     int rows_cap, hidden, intermediate, num_local_experts, num_sms;
+    const float *row_weight;          /* [rows_cap] replaces slot_weight when set (EP) */
 } mf_dgrad2_params;
 
 /* Column blocks of dgrad2 over I, i.e. the partial sums per row that make d p. */
@@ -95,6 +101,8 @@ typedef struct mf_dgrad1_params {
     const int32_t *row_slot;          /* [rows_cap] */
     uint16_t *combine;                /* out [T*K, H] bf16 */
     int rows_cap, hidden, intermediate, num_local_experts, num_sms;
+    uint16_t *const *combine_peers;   /* EP: [R] replaces combine, as in mf_gemm2_params */
+    int num_ranks;
 } mf_dgrad1_params;
 
 cudaError_t mf_sm90_gemm1_dgrad_bwd_bf16(const mf_dgrad1_params *p, cudaStream_t stream);
@@ -123,10 +131,13 @@ cudaError_t mf_sm90_wgrad_grouped_bf16(const mf_wgrad_params *p, cudaStream_t st
 /* Errors found by the plan on the device. `record` is the layer's, kept over calls
  * until moefuse_layer_check reads and clears it; the rest is per call. */
 typedef struct mf_plan_error {
-    int32_t code;    /* 0, MOEFUSE_ERR_EXPERT_ID or MOEFUSE_ERR_DUPLICATE_EXPERT */
-    int32_t token;   /* the smallest bad token of the first failed call */
-    int32_t slot;    /* k of the bad id */
-    int32_t value;   /* the bad id */
+    int32_t code;    /* 0, MOEFUSE_ERR_EXPERT_ID or MOEFUSE_ERR_DUPLICATE_EXPERT; EP also
+                        MOEFUSE_ERR_TIMEOUT and MOEFUSE_ERR_TOO_MANY_TOKENS */
+    int32_t token;   /* the smallest bad token of the first failed call; EP: the peer */
+    int32_t slot;    /* k of the bad id; EP: the stage (mf_ep_stage) */
+    int32_t value;   /* the bad id; EP: the flag value seen */
+    int32_t expected;/* EP: the flag value waited for */
+    int32_t pad_[3];
 } mf_plan_error;
 
 typedef struct mf_plan_state {
@@ -139,7 +150,7 @@ typedef struct mf_plan_state {
 } mf_plan_state;
 
 /* Initial contents of an mf_plan_state (the kernels restore the per-call fields). */
-#define MF_PLAN_STATE_INIT {{0, 0, 0, 0}, 0xffffffffu, 0u, 0, 0}
+#define MF_PLAN_STATE_INIT {{0, 0, 0, 0, 0, {0, 0, 0}}, 0xffffffffu, 0u, 0, 0}
 
 typedef struct mf_plan_params {
     /* in */
@@ -211,7 +222,10 @@ cudaError_t mf_reduce_slots_bf16(const mf_reduce_params *p, cudaStream_t stream)
 typedef struct mf_reduce_dp_params {
     const float *dp_partial;      /* [rows_cap, parts] (mf_sm90_gemm2_dgrad_swiglu_bwd_bf16) */
     int parts;                    /* mf_dgrad2_dp_parts(I), >= 1 */
-    const int32_t *slot_row;      /* [T*K] */
+    const int32_t *slot_row;      /* [T*K]; NULL: expert parallelism, dp_partial is [T*K]
+                                     (one sum per slot, mf_ep_push_dp) and ids say which
+                                     slots are routed */
+    const int32_t *ids;           /* [T, K], with slot_row NULL */
     const int32_t *call_failed;   /* device flag: nonzero = write nothing */
     float *dweights;              /* out [T, K] */
     int num_tokens;
@@ -219,6 +233,115 @@ typedef struct mf_reduce_dp_params {
 } mf_reduce_dp_params;
 
 cudaError_t mf_reduce_dp_f32(const mf_reduce_dp_params *p, cudaStream_t stream);
+
+/* ---- expert parallelism (src/cuda/ep_*.cu; layout of the sync window in ep_sync.h) ----
+ * peers: the layer's device table of every rank's windows, peers[w * R + q] = window w
+ * (MF_WIN_*, src/host/internal.h) of rank q. Flags carry (epoch << 1) | failed. */
+
+/* Stages named by a timeout record. */
+typedef enum mf_ep_stage {
+    MF_EP_STAGE_COUNTS = 0,    /* forward: the per-expert row counts */
+    MF_EP_STAGE_ROWS = 1,      /* forward: x rows */
+    MF_EP_STAGE_COMBINE = 2,   /* forward: y slot rows */
+    MF_EP_STAGE_READY = 3,     /* backward: every rank started the call */
+    MF_EP_STAGE_BWD_ROWS = 4,  /* backward: dy and x rows */
+    MF_EP_STAGE_BWD_COMBINE = 5/* backward: dx slot rows and d p */
+} mf_ep_stage;
+
+/* Forward, one block: a new epoch; this rank's send counts (its slots per expert, all E,
+ * from the plan over all experts; zeros when its ids were bad) to every rank; the
+ * wait for every rank's counts; then every rank's padded receive layout, from which:
+ * this rank's receive layout (counts, offsets, row_block_expert, num_rows, in the
+ * plan area) and dest_base[e] = the first row on e's rank of this rank's slots of e.
+ * A rank receives the rows of expert e in source-rank order, each source's rows in its
+ * slot order: the order of the one-rank plan on the ranks' concatenated tokens. */
+typedef struct mf_ep_exchange_params {
+    int rank, num_ranks, num_experts, num_local_experts;
+    int rows_cap;                 /* receive capacity, multiple of 128 */
+    const int32_t *send_counts;   /* [E] */
+    mf_plan_state *state;         /* call_failed in (bad ids) and out; error record */
+    void *const *peers;
+    uint32_t *sync;               /* this rank's sync window */
+    int64_t timeout_ns;
+    int32_t *recv_counts;         /* out [E_local] */
+    int32_t *recv_offsets;        /* out [E_local + 1] */
+    int32_t *row_block_expert;    /* out [rows_cap / 128] */
+    int32_t *num_rows;            /* out */
+    int32_t *gemm_num_rows;       /* out */
+    int32_t *user_counts;         /* optional out [E_local] */
+    int32_t *saved_header;        /* optional out: header_words, then num_rows */
+    int32_t header_words[16];
+    int header_send_failed_word;  /* header word that gets call_failed */
+    int32_t *dest_base;           /* out [E] */
+} mf_ep_exchange_params;
+
+cudaError_t mf_ep_exchange_counts(const mf_ep_exchange_params *p, cudaStream_t stream);
+
+/* Dispatch with expert parallelism: every routed slot's rows go to the rank of its
+ * expert: x -> MF_WIN_XS (and dy -> MF_WIN_DYS in the backward), its source
+ * (slot * R + rank) -> MF_WIN_ROW_SLOT and p -> MF_WIN_ROW_WEIGHT, at row
+ *   forward:  dest_base[e] + plan_slot_row[s] - plan_offsets[e]   (also written to
+ *             slot_row[s], which the backward reads; -1 when not routed)
+ *   backward: slot_row[s]
+ * This rank's own padding rows (from its receive layout) get zeros. The last block
+ * raises the rows flag on every rank. Writes nothing of this rank's own slots when
+ * call_failed; nothing at all when the call's comm failed. */
+typedef struct mf_ep_push_params {
+    int rank, num_ranks, num_local_experts, top_k, hidden, num_tokens;
+    const int32_t *ids;
+    const float *weights;
+    const uint16_t *x;
+    int64_t x_stride;
+    const uint16_t *dy;           /* backward only, else NULL */
+    int64_t dy_stride;
+    const int32_t *dest_base;     /* forward: [E] */
+    const int32_t *plan_slot_row; /* forward: [T*K] the plan over all experts */
+    const int32_t *plan_offsets;  /* forward: [E + 1] */
+    int32_t *slot_row;            /* forward: out [T*K]; backward: in */
+    int backward;
+    const int32_t *recv_counts;   /* [E_local] this rank's receive layout */
+    const int32_t *recv_offsets;  /* [E_local + 1] */
+    const int32_t *gemm_num_rows; /* 0: no receive layout this call (it failed) */
+    void *const *peers;
+    uint32_t *sync;
+    mf_plan_state *state;
+    int num_sms;
+} mf_ep_push_params;
+
+cudaError_t mf_ep_push_rows(const mf_ep_push_params *p, cudaStream_t stream);
+
+/* One block: optionally a new epoch (the backward's first kernel), optionally raise
+ * `flag` on every rank, optionally wait until every rank raised `flag` here. A wait
+ * that runs out records MOEFUSE_ERR_TIMEOUT (peer, stage, values) and fails the call;
+ * a flag raised by a failed peer fails the call too. Waits are skipped once the call
+ * failed that way. */
+typedef struct mf_ep_signal_params {
+    int rank, num_ranks;
+    void *const *peers;
+    uint32_t *sync;
+    int flag;                     /* MF_EP_FLAG_* (ep_sync.h) */
+    int new_epoch, signal, wait;
+    int stage;                    /* mf_ep_stage, for the record */
+    mf_plan_state *state;
+    int32_t *gemm_num_rows;       /* set to 0 when the call fails here */
+    int64_t timeout_ns;
+} mf_ep_signal_params;
+
+cudaError_t mf_ep_signal_wait(const mf_ep_signal_params *p, cudaStream_t stream);
+
+/* Backward: d p of every received row (the sum of its dgrad2 partials, in order) to
+ * its source rank's MF_WIN_DP at its slot. */
+typedef struct mf_ep_push_dp_params {
+    const float *dp_partial;      /* [rows_cap, parts] */
+    int parts;
+    const int32_t *row_slot;      /* [rows_cap] slot * R + source */
+    const int32_t *num_rows;      /* device scalar */
+    int rank, num_ranks;
+    void *const *peers;
+    int num_sms;
+} mf_ep_push_dp_params;
+
+cudaError_t mf_ep_push_dp(const mf_ep_push_dp_params *p, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -4,6 +4,7 @@
  *
  *   dx_r = dh_r W13_e          dh [rows, 2I] ([dg | du]), W13_e [2I, H] (H contiguous)
  *   combine[row_slot[r], :] = bf16(dx_r)       rows with row_slot -1 skipped
+ *   (expert parallelism: into the source rank's combine, see ScatterTarget)
  *
  * A = dh is K-major (K = 2I). B = W13_e is MN-major: the reduction runs over its rows,
  * its N = H index is contiguous, so each stage loads BN/64 boxes of 64 H columns x 64
@@ -26,8 +27,7 @@ struct Dgrad1Args {
     CUtensorMap map_w13;   /* [E * 2I, H], box 64 rows x 64 columns (MN-major B) */
     const int32_t *row_block_expert;
     const int32_t *num_rows;
-    const int32_t *row_slot;
-    uint16_t *combine;
+    ScatterTarget to;
     int rows_cap, hidden, intermediate;
 };
 
@@ -59,8 +59,7 @@ struct Dgrad1Epilogue {
 
     __device__ __forceinline__ void operator()(int m_block, int n_block,
                                                float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
-        epi_scatter_rows<Cfg>(m_block, n_block, acc, buf, args.row_slot, nullptr, args.combine,
-                              args.hidden);
+        epi_scatter_rows<Cfg>(m_block, n_block, acc, buf, args.to);
     }
 };
 
@@ -88,8 +87,8 @@ cudaError_t launch(const mf_dgrad1_params *p, cudaStream_t stream) {
         return err;
     args.row_block_expert = p->row_block_expert;
     args.num_rows = p->num_rows;
-    args.row_slot = p->row_slot;
-    args.combine = p->combine;
+    args.to = ScatterTarget{p->row_slot, nullptr, nullptr, p->combine, p->combine_peers,
+                            p->num_ranks, p->hidden};
     args.rows_cap = p->rows_cap;
     args.hidden = p->hidden;
     args.intermediate = p->intermediate;
@@ -103,7 +102,7 @@ cudaError_t launch(const mf_dgrad1_params *p, cudaStream_t stream) {
 extern "C" cudaError_t mf_sm90_gemm1_dgrad_bwd_bf16(const mf_dgrad1_params *p,
                                                     cudaStream_t stream) {
     if (!p || !p->dh || !p->w13 || !p->row_block_expert || !p->num_rows || !p->row_slot ||
-        !p->combine)
+        (!p->combine && !p->combine_peers) || (p->combine_peers && p->num_ranks < 1))
         return cudaErrorInvalidValue;
     if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % 128 ||
         p->intermediate <= 0 || p->intermediate % 32 || p->num_local_experts <= 0 ||

@@ -2,6 +2,8 @@
  *
  *   o_r = act_r W2_e^T                        act [rows, I], W2_e [H, I] (I contiguous)
  *   combine[row_slot[r], :] = bf16(p[row_slot[r]] * o_r)    rows with row_slot -1 skipped
+ *   (expert parallelism: the row goes to its source rank's combine, p = row_weight[r];
+ *   see ScatterTarget in sm90_grouped_gemm.cuh)
  *
  * Both operands are K-major (K = I). Each output row goes to its slot's row of the
  * combine buffer, so the epilogue scatters whole rows; the reduce over a token's K slots
@@ -26,9 +28,7 @@ struct Gemm2Args {
     CUtensorMap map_w2;    /* [E * H, I], box BN x 64 */
     const int32_t *row_block_expert;
     const int32_t *num_rows;
-    const int32_t *row_slot;
-    const float *slot_weight;
-    __nv_bfloat16 *combine;
+    ScatterTarget to;
     int rows_cap, hidden, intermediate;
 };
 
@@ -58,8 +58,7 @@ struct Gemm2Epilogue {
 
     __device__ __forceinline__ void operator()(int m_block, int n_block,
                                                float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
-        epi_scatter_rows<Cfg>(m_block, n_block, acc, buf, args.row_slot, args.slot_weight,
-                              reinterpret_cast<uint16_t *>(args.combine), args.hidden);
+        epi_scatter_rows<Cfg>(m_block, n_block, acc, buf, args.to);
     }
 };
 
@@ -88,9 +87,8 @@ cudaError_t launch(const mf_gemm2_params *p, cudaStream_t stream) {
         return err;
     args.row_block_expert = p->row_block_expert;
     args.num_rows = p->num_rows;
-    args.row_slot = p->row_slot;
-    args.slot_weight = p->slot_weight;
-    args.combine = reinterpret_cast<__nv_bfloat16 *>(p->combine);
+    args.to = ScatterTarget{p->row_slot, p->slot_weight, p->row_weight, p->combine,
+                            p->combine_peers, p->num_ranks, p->hidden};
     args.rows_cap = p->rows_cap;
     args.hidden = p->hidden;
     args.intermediate = p->intermediate;
@@ -104,7 +102,8 @@ cudaError_t launch(const mf_gemm2_params *p, cudaStream_t stream) {
 extern "C" cudaError_t mf_sm90_gemm2_combine_fwd_bf16(const mf_gemm2_params *p,
                                                       cudaStream_t stream) {
     if (!p || !p->act || !p->w2 || !p->row_block_expert || !p->num_rows || !p->row_slot ||
-        !p->slot_weight || !p->combine)
+        (!p->slot_weight && !p->row_weight) || (!p->combine && !p->combine_peers) ||
+        (p->combine_peers && p->num_ranks < 1))
         return cudaErrorInvalidValue;
     if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % 128 ||
         p->intermediate <= 0 || p->intermediate % kBlockK || p->num_local_experts <= 0 ||

@@ -3,7 +3,7 @@
  *   da'_r = dys_r W2_e                dys [rows, H], W2_e [H, I] (I contiguous), fp32
  *   a     = bf16(silu(g) * u)         g, u from the saved gate_up [rows, 2I]
  *   dp_partial[r, n block] = sum over the tile's columns of da' * a       (fp32)
- *   da    = p * da'                   p = slot_weight[row_slot[r]]
+ *   da    = p * da'                   p = slot_weight[row_slot[r]], or row_weight[r]
  *   dh_r  = bf16([da * u * silu'(g) | da * silu(g)])      [rows, 2I], like gate_up
  *   act_p_r = bf16(p * a)             [rows, I], the A operand of dW2
  * Padding rows (row_slot -1) get zeros in all three outputs.
@@ -37,6 +37,7 @@ struct Dgrad2Args {
     const int32_t *num_rows;
     const int32_t *row_slot;
     const float *slot_weight;
+    const float *row_weight;
     const uint16_t *gate_up;
     uint16_t *dh;
     uint16_t *act_p;
@@ -101,7 +102,7 @@ struct Dgrad2Epilogue {
             const int64_t r = row0 + warp * 16 + lane / 4 + 8 * h;
             const int slot = args.row_slot[r];
             valid[h] = slot >= 0;
-            w[h] = valid[h] ? args.slot_weight[slot] : 0.f;
+            w[h] = !valid[h] ? 0.f : args.row_weight ? args.row_weight[r] : args.slot_weight[slot];
             gu_row[h] = reinterpret_cast<const uint32_t *>(args.gate_up + r * 2 * I + col0 +
                                                            2 * (lane % 4));
         }
@@ -208,6 +209,7 @@ cudaError_t launch(const mf_dgrad2_params *p, cudaStream_t stream) {
     args.num_rows = p->num_rows;
     args.row_slot = p->row_slot;
     args.slot_weight = p->slot_weight;
+    args.row_weight = p->row_weight;
     args.gate_up = p->gate_up;
     args.dh = p->dh;
     args.act_p = p->act_p;
@@ -235,7 +237,7 @@ extern "C" int mf_dgrad2_dp_parts(int intermediate) {
 extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(const mf_dgrad2_params *p,
                                                            cudaStream_t stream) {
     if (!p || !p->dys || !p->w2 || !p->gate_up || !p->row_block_expert || !p->num_rows ||
-        !p->row_slot || !p->slot_weight || !p->dh || !p->act_p || !p->dp_partial)
+        !p->row_slot || (!p->slot_weight && !p->row_weight) || !p->dh || !p->act_p || !p->dp_partial)
         return cudaErrorInvalidValue;
     if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % kBlockK ||
         p->intermediate <= 0 || p->intermediate % 128 || p->num_local_experts <= 0 ||

@@ -337,8 +337,11 @@ __device__ __forceinline__ void run_grouped_gemm(uint8_t *smem_raw, const CUtens
 }
 
 /* ---- shared epilogue: scatter rows to their slots -------------------------------------
- * combine[row_slot[r], n-block columns] = bf16(w[r] * C[r, :]) for rows with a slot, where
- * w = slot_weight[slot] (gemm2's routing weight) or 1 when slot_weight is null (dgrad1).
+ * Each row with row_slot[r] >= 0 goes to one slot row of a combine buffer, scaled by w:
+ *   dst = combine + slot * ld                      (one rank: row_slot[r] = slot)
+ *   dst = combine_peers[v % R] + (v / R) * ld      (expert parallelism, v = row_slot[r]
+ *                                                  = slot * R + source rank)
+ *   w   = row_weight[r], else slot_weight[slot], else 1 (dgrad1)
  * Rows with row_slot -1 are not written. Chunks of 128 columns. */
 __device__ __forceinline__ uint32_t pack_bf16x2_rn(float lo, float hi) {
     uint32_t v;
@@ -346,25 +349,41 @@ __device__ __forceinline__ uint32_t pack_bf16x2_rn(float lo, float hi) {
     return v;
 }
 
+struct ScatterTarget {
+    const int32_t *row_slot;       /* [rows_cap] */
+    const float *slot_weight;      /* [T*K] or null */
+    const float *row_weight;       /* [rows_cap] or null (takes precedence) */
+    uint16_t *combine;             /* one rank */
+    uint16_t *const *combine_peers;/* [R] or null (takes precedence) */
+    int num_ranks;
+    int ld;
+
+    __device__ __forceinline__ float weight(int64_t r) const {
+        if (row_weight) return row_weight[r];
+        if (!slot_weight) return 1.f;
+        const int v = row_slot[r];
+        return v >= 0 ? slot_weight[v] : 0.f;
+    }
+    __device__ __forceinline__ uint16_t *row_ptr(int64_t r) const {
+        const int v = row_slot[r];
+        if (v < 0) return nullptr;
+        if (!combine_peers) return combine + (int64_t)v * ld;
+        return combine_peers[v % num_ranks] + (int64_t)(v / num_ranks) * ld;
+    }
+};
+
 template <class Cfg>
 __device__ __forceinline__ void epi_scatter_rows(int m_block, int n_block,
                                                  float (&acc)[Cfg::kAccRegs], uint8_t *buf,
-                                                 const int32_t *row_slot,
-                                                 const float *slot_weight, uint16_t *combine,
-                                                 int ld) {
+                                                 const ScatterTarget &to) {
     constexpr int kChunks = Cfg::BN / kEpiMaxCols;
     static_assert(Cfg::BN % kEpiMaxCols == 0, "BN must be whole chunks");
     const int t = threadIdx.x % 128;
     const int lane = t % 32, warp = t / 32;
     const int row0 = m_block * kBlockM + (threadIdx.x / 128) * 64;
-    float w[2] = {1.f, 1.f};
-    if (slot_weight) {
+    float w[2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int slot = row_slot[row0 + warp * 16 + lane / 4 + 8 * h];
-            w[h] = slot >= 0 ? slot_weight[slot] : 0.f;
-        }
-    }
+    for (int h = 0; h < 2; ++h) w[h] = to.weight(row0 + warp * 16 + lane / 4 + 8 * h);
 #pragma unroll
     for (int ch = 0; ch < kChunks; ++ch) {
         constexpr int kR = kEpiMaxCols / 2;   /* accumulator registers per chunk */
@@ -375,9 +394,8 @@ __device__ __forceinline__ void epi_scatter_rows(int m_block, int n_block,
                                       w[h] * acc[ch * kR + 4 * c + 2 * h + 1]);
             },
             [&](int r) -> void * {
-                const int slot = row_slot[row0 + r];
-                if (slot < 0) return nullptr;
-                return combine + (int64_t)slot * ld + n_block * Cfg::BN + ch * kEpiMaxCols;
+                uint16_t *row = to.row_ptr(row0 + r);
+                return row ? row + n_block * Cfg::BN + ch * kEpiMaxCols : nullptr;
             });
     }
 }

@@ -73,7 +73,62 @@ struct moefuse_layer {
     int expert_begin;         /* rank * E / R */
     const mf_backend_ops *ops;
     void *backend;            /* the backend's own state */
+    moefuse_comm *comm;       /* NULL for R = 1 */
 };
+
+/* ---- expert parallelism: the comm (src/comm/comm.c) -------------------------------
+ * Each rank's layer owns "windows": buffers its peers write into (received rows,
+ * combine slots, flags). The comm keeps every rank's window base pointers, so a
+ * backend can build the table of peer pointers its kernels use. Virtual ranks: the
+ * windows are plain allocations of one GPU. NCCL: symmetric windows registered with the
+ * caller's communicator, one rank (layer) per process (src/comm/nccl_comm.cu). */
+enum {
+    MF_WIN_XS = 0,       /* received x rows        [rows_cap, H] bf16 */
+    MF_WIN_DYS,          /* received dy rows       [rows_cap, H] bf16 */
+    MF_WIN_ROW_SLOT,     /* received rows' source  [rows_cap] int32: slot * R + rank */
+    MF_WIN_ROW_WEIGHT,   /* received rows' p       [rows_cap] fp32 */
+    MF_WIN_COMBINE,      /* slot rows of y or dx   [max_tokens * K, H] bf16 */
+    MF_WIN_DP,           /* d p of each slot       [max_tokens * K] fp32 */
+    MF_WIN_SYNC,         /* epoch, flags, count matrix (see src/cuda/ep_sync.h) */
+    MF_WIN_COUNT
+};
+
+enum { MF_COMM_VIRTUAL = 1, MF_COMM_NCCL = 2 };
+#define MF_MAX_RANKS 64
+
+struct moefuse_comm {
+    int kind;                           /* MF_COMM_VIRTUAL or MF_COMM_NCCL */
+    int num_ranks;
+    int timeout_ms;
+    int num_attached;                   /* layers of this process on the comm */
+    void *nccl_comm;                    /* NCCL: the caller's ncclComm_t */
+    int nccl_rank;                      /* NCCL: this process's rank */
+    void *nccl_dev_comm;                /* NCCL: ncclDevComm (host copy) */
+    moefuse_layer *layers[MF_MAX_RANKS];               /* NULL: rank not created */
+    void *windows[MF_MAX_RANKS][MF_WIN_COUNT];         /* each rank's window bases */
+    size_t sync_bytes[MF_MAX_RANKS];                   /* size of each MF_WIN_SYNC */
+    void *peer_table[MF_MAX_RANKS];   /* each rank's device table [MF_WIN_COUNT][R] */
+};
+
+/* Records rank's layer and windows; the caller (a backend) then refreshes the peer
+ * tables when mf_comm_complete says every rank is in. */
+moefuse_status mf_comm_attach(moefuse_comm *comm, int rank, moefuse_layer *layer,
+                              void *const windows[MF_WIN_COUNT], size_t sync_bytes,
+                              void *peer_table);
+void mf_comm_detach(moefuse_comm *comm, int rank);
+/* Every rank's layer of this process is in: R for virtual ranks, 1 for NCCL. */
+int mf_comm_complete(const moefuse_comm *comm);
+/* MOEFUSE_OK when every rank's layer exists; else names the first missing rank. */
+moefuse_status mf_comm_check_ready(const moefuse_comm *comm, const char *call);
+
+/* NCCL comms (src/comm/nccl_comm.cu, built when NCCL's device API headers and libnccl
+ * are found): windows, their peer table, and the comm's own release. */
+void mf_nccl_comm_release(moefuse_comm *comm);
+moefuse_status mf_nccl_window_alloc(moefuse_comm *comm, size_t bytes, void **ptr,
+                                    void **handle);
+void mf_nccl_window_free(moefuse_comm *comm, void *ptr, void *handle);
+moefuse_status mf_nccl_peer_table(moefuse_comm *comm, void *const handles[MF_WIN_COUNT],
+                                  void **device_table);
 
 extern const mf_backend_ops mf_cpu_backend;  /* src/cpu/backend.c */
 /* NULL when the library was built without nvcc. */

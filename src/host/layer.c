@@ -77,15 +77,26 @@ static moefuse_status check_config(const moefuse_config *c, const moefuse_comm *
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
                        "config.backend = %d: expected MOEFUSE_BACKEND_CPU (0) or "
                        "MOEFUSE_BACKEND_CUDA (1)", (int)c->backend);
-    if (comm != NULL || c->num_ranks > 1)
+    if (c->num_ranks > 1 && comm == NULL)
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                       "config.num_ranks = %d with comm = NULL: expected a moefuse_comm of %d "
+                       "ranks (moefuse_comm_create_virtual)", c->num_ranks, c->num_ranks);
+    if (comm != NULL && comm->num_ranks != c->num_ranks)
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                       "config.num_ranks = %d: the comm has %d ranks; expected the same",
+                       c->num_ranks, comm->num_ranks);
+    if (comm != NULL && comm->kind == MF_COMM_NCCL && c->rank != comm->nccl_rank)
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                       "config.rank = %d: this process is rank %d of the NCCL communicator; "
+                       "expected the same", c->rank, comm->nccl_rank);
+    if (comm != NULL && c->backend != MOEFUSE_BACKEND_CUDA)
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
-                       "config.num_ranks = %d with comm %s: expert parallelism is not built "
-                       "yet; expected num_ranks = 1 and comm = NULL",
-                       c->num_ranks, comm ? "given" : "NULL");
+                       "config.backend = %d with a comm: expert parallelism runs on "
+                       "MOEFUSE_BACKEND_CUDA only", (int)c->backend);
     return MOEFUSE_OK;
 }
 
-moefuse_status moefuse_layer_create(const moefuse_config *cfg, const moefuse_comm *comm,
+moefuse_status moefuse_layer_create(const moefuse_config *cfg, moefuse_comm *comm,
                                     moefuse_layer **out) {
     mf_clear_error();
     if (!out) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "out: expected a moefuse_layer **");
@@ -106,6 +117,7 @@ moefuse_status moefuse_layer_create(const moefuse_config *cfg, const moefuse_com
     layer->num_local_experts = cfg->num_experts / cfg->num_ranks;
     layer->expert_begin = cfg->rank * layer->num_local_experts;
     layer->ops = ops;
+    layer->comm = comm;
     st = ops->create(layer);
     if (st != MOEFUSE_OK) {
         free(layer);
@@ -227,6 +239,7 @@ moefuse_status moefuse_forward(moefuse_layer *layer, const moefuse_fwd_args *a, 
     mf_clear_error();
     if (!layer) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "layer: expected a layer");
     if (!a) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "args: expected a moefuse_fwd_args *");
+    if (layer->comm) TRY(mf_comm_check_ready(layer->comm, "moefuse_forward"));
     TRY(check_inputs(layer, a->num_tokens, a->x, a->x_stride, a->ids, a->weights, a->w13,
                      a->w2, "fwd_args"));
     TRY(need_rows(layer, a->y, a->y_stride, a->num_tokens, "fwd_args.y", "fwd_args.y_stride"));
@@ -241,6 +254,7 @@ moefuse_status moefuse_backward(moefuse_layer *layer, const moefuse_bwd_args *a,
     mf_clear_error();
     if (!layer) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "layer: expected a layer");
     if (!a) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "args: expected a moefuse_bwd_args *");
+    if (layer->comm) TRY(mf_comm_check_ready(layer->comm, "moefuse_backward"));
     TRY(check_inputs(layer, a->num_tokens, a->x, a->x_stride, a->ids, a->weights, a->w13,
                      a->w2, "bwd_args"));
     TRY(need_ptr(a->saved, "bwd_args.saved", 256));

@@ -1,0 +1,134 @@
+/* What the CUDA backend's two files share: backend.cu (layer state, one rank, the
+ * saved-buffer check, moefuse_layer_check) and backend_ep.cu (expert parallelism).
+ * The saved-buffer layout and the workspaces are described in backend.cu. */
+#ifndef MOEFUSE_CUDA_BACKEND_H
+#define MOEFUSE_CUDA_BACKEND_H
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "internal.h"
+#include "kernels.h"
+
+namespace mf {
+namespace backend {
+
+enum {
+    kHeaderMagic = 0,        /* kSavedMagic */
+    kHeaderVersion = 1,
+    kHeaderTokens = 2,
+    kHeaderTopK = 3,
+    kHeaderLocalExperts = 4,
+    kHeaderHidden = 5,
+    kHeaderIntermediate = 6,
+    kHeaderRowsCap = 7,
+    kHeaderSavedMode = 8,
+    kHeaderNumRows = 9,      /* written by the plan on the device */
+    kHeaderSendFailed = 10,  /* EP: this rank's ids were bad (it sent no rows) */
+    kHeaderWords = 16,
+};
+constexpr int32_t kSavedMagic = 0x5653464d;  /* "MFSV" */
+constexpr int32_t kSavedVersion = 2;
+
+struct saved_layout {
+    size_t header, counts, offsets, row_block_expert, slot_row, row_slot, gate_up, total;
+    int rows_cap;
+};
+
+struct cuda_state {
+    int device;
+    int num_sms;                /* the GEMMs' persistent grid: SMs, or SMs / R for virtual ranks */
+    int num_ranks, rank;
+    uint16_t *xs;               /* [rows_cap, H]; EP: window MF_WIN_XS */
+    uint16_t *act;              /* [rows_cap, I] */
+    uint16_t *combine;          /* R = 1: [rows_cap, H] (also dys); EP: [max_tokens*K, H] window */
+    int32_t *slot_rank;         /* [max_tokens * K] */
+    int32_t *chunk_base;        /* [chunks(max_tokens), E_local] (EP: E) */
+    mf_plan_state *plan_state;  /* error record and per-call flags */
+    int32_t *gemm_num_rows;     /* device scalar */
+    void *plan_ws;              /* layout_for(max_tokens, no gate_up): the plan when saved = NULL */
+    /* backward */
+    int dp_parts;               /* mf_dgrad2_dp_parts(I) */
+    uint16_t *dh;               /* [rows_cap, 2I] */
+    float *dp_partial;          /* [rows_cap, dp_parts] */
+    uint16_t *gate_up;          /* [rows_cap, 2I], MOEFUSE_RECOMPUTE only */
+    int32_t *bwd_offsets;       /* [E_local + 1]: the checked expert_offsets, 0s on failure */
+    /* expert parallelism (R > 1), see backend_ep.cu */
+    uint16_t *dys;              /* window [rows_cap, H] */
+    int32_t *row_slot;          /* window [rows_cap] */
+    float *row_weight;          /* window [rows_cap] */
+    float *dp_slot;             /* window [max_tokens * K] */
+    uint32_t *sync;             /* window, mf_ep_sync_bytes */
+    void *win_handle[MF_WIN_COUNT]; /* NCCL: each window's ncclWindow_t */
+    void **peers;               /* device [MF_WIN_COUNT * R] */
+    int32_t *send_counts;       /* [E] the plan over all experts (this rank's sends) */
+    int32_t *send_offsets;      /* [E + 1] */
+    int32_t *send_rbe;          /* [send_rows_cap / 128] */
+    int32_t *send_slot_row;     /* [max_tokens * K] */
+    int32_t *send_row_slot;     /* [send_rows_cap] */
+    int32_t *send_scalars;      /* [2]: num_rows, gemm rows of the send plan */
+    int32_t *dest_base;         /* [E] */
+    int32_t *plan_num_rows;     /* scalar: num_rows when the plan has no saved header */
+};
+
+inline cuda_state *state_of(const moefuse_layer *layer) { return (cuda_state *)layer->backend; }
+
+/* Rows of the expert-sorted buffers of a call with T tokens: without a comm, its T*K
+ * slots and each local expert's padding; with a comm (expert parallelism, R >= 1), the
+ * receive capacity R * max_tokens * K plus padding, whatever T is (the rows come from
+ * every rank). */
+int rows_cap_for(const moefuse_layer *layer, int num_tokens);
+saved_layout layout_for(const moefuse_layer *layer, int num_tokens, bool with_gate_up);
+
+/* cudaMalloc with a clear error (MOEFUSE_ERR_NO_MEMORY / _CUDA naming `what`). */
+moefuse_status alloc(void **p, size_t bytes, const char *what);
+
+/* s->field = alloc(bytes), or return its status from the enclosing function. */
+#define MF_ALLOC_FIELD(s, field, bytes)                                                    \
+    do {                                                                                   \
+        const moefuse_status st_ = alloc((void **)&(s)->field, (size_t)(bytes), #field);   \
+        if (st_ != MOEFUSE_OK) return st_;                                                 \
+    } while (0)
+
+/* The saved header a forward writes (words 0 .. kHeaderSavedMode; the rest 0). */
+void header_words(const moefuse_layer *layer, int num_tokens, int rows_cap, bool save_act,
+                  int32_t words[kHeaderWords]);
+
+/* The params of the stages both pipelines run, on the layer's workspaces (xs, act, dh,
+ * dp_partial, combine, gemm_num_rows, num_sms); the caller sets what differs:
+ *   gemm2:  slot_weight + combine (one rank) or row_weight + combine_peers (EP)
+ *   dgrad2: slot_weight or row_weight;  dgrad1: combine or combine_peers
+ *   wgrad:  lhs, rhs, dw, m, n */
+mf_gemm1_params gemm1_params(const moefuse_layer *layer, const uint16_t *w13, const int32_t *rbe,
+                             uint16_t *gate_up, int rows_cap);
+mf_gemm2_params gemm2_params(const moefuse_layer *layer, const uint16_t *w2, const int32_t *rbe,
+                             const int32_t *row_slot, int rows_cap);
+mf_dgrad2_params dgrad2_params(const moefuse_layer *layer, const uint16_t *dys,
+                               const uint16_t *w2, const uint16_t *gate_up, const int32_t *rbe,
+                               const int32_t *row_slot, int rows_cap);
+mf_dgrad1_params dgrad1_params(const moefuse_layer *layer, const uint16_t *w13,
+                               const int32_t *rbe, const int32_t *row_slot, int rows_cap);
+mf_wgrad_params wgrad_params(const moefuse_layer *layer, int rows_cap, int accumulate);
+mf_reduce_params reduce_params(const moefuse_layer *layer, const int32_t *ids, int num_tokens,
+                               uint16_t *out, int64_t out_stride);
+
+/* The backward's device check of the saved buffer (backend.cu): fails the call
+ * (call_failed, gemm_num_rows 0, bwd_offsets 0) and records MOEFUSE_ERR_SAVED_STATE
+ * when the buffer does not match a forward of this layer with these T and ids. */
+moefuse_status check_saved(moefuse_layer *layer, const moefuse_bwd_args *a,
+                           const saved_layout &lay, cudaStream_t stream);
+
+/* Expert parallelism (backend_ep.cu): every layer made with a comm, R = 1 included
+ * (a one-rank comm runs the expert-parallel kernels: the one-rank path's bits).
+ * ep_destroy also undoes a partial ep_create (NCCL windows are freed there; the rest
+ * by free_state). */
+moefuse_status ep_create(moefuse_layer *layer, cuda_state *s);
+void ep_destroy(moefuse_layer *layer, cuda_state *s);
+moefuse_status ep_forward(moefuse_layer *layer, const moefuse_fwd_args *a, cudaStream_t stream);
+moefuse_status ep_backward(moefuse_layer *layer, const moefuse_bwd_args *a, cudaStream_t stream);
+
+}  // namespace backend
+}  // namespace mf
+
+#endif /* MOEFUSE_CUDA_BACKEND_H */

@@ -1,0 +1,391 @@
+/* The CUDA backend with expert parallelism (R > 1): the one-rank pipeline of
+ * backend.cu with the transport in its kernels. Rank r holds experts
+ * r*E/R .. (r+1)*E/R - 1.
+ *
+ * Forward, on each rank's stream, no host synchronization:
+ *   plan      this rank's slots over all E experts (moe_plan.cu): per-expert counts
+ *             and each slot's rank among its expert's slots
+ *   exchange  counts to every rank, wait for theirs; receive layout, dest_base
+ *             (ep_exchange_counts.cu)
+ *   push      x rows, sources and p to the experts' ranks; own padding rows zeroed;
+ *             raise ROWS (ep_push_rows.cu)
+ *   wait      ROWS of every rank
+ *   gemm1     received rows -> act (and gate_up into saved)
+ *   gemm2     rows scaled by p, each into its source rank's combine slot row
+ *   signal    DONE on every rank, wait for every rank's DONE (ep_signal_wait.cu)
+ *   reduce    y from this rank's combine slot rows, as with one rank
+ * Backward: check the saved buffer, a READY barrier (every rank has finished its
+ * previous call, so its windows are free), push dy and x rows again (the saved
+ * slot_row says where; no count exchange), wait ROWS, dgrad2, dW2, dgrad1 into the
+ * source ranks' combine slot rows, d p to the source ranks, raise DONE, dW13, wait
+ * DONE, reduce dx and copy d p.
+ *
+ * Windows (MF_WIN_*, written by peers): xs, dys, row_slot, row_weight, combine, dp,
+ * sync. Each receiver sizes its row buffers for R * max_tokens * K rows plus padding
+ * (every rank may route every slot to it). Virtual ranks: every window a cudaMalloc of
+ * this GPU; the peer table of each rank is written when the last rank's layer is
+ * created, and every rank's sync window zeroed then.
+ *
+ * Results: the receive order is the one-rank plan's order on the ranks' concatenated
+ * tokens (see ep_exchange_counts.cu), so y, dx, d p and dW are the bits of one rank
+ * running the concatenated batch. */
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "check.h"
+#include "ep_sync.h"
+#include "internal.h"
+#include "kernels.h"
+
+namespace mf {
+namespace backend {
+
+namespace {
+
+int send_rows_cap(const moefuse_layer *layer, int num_tokens) {
+    const int64_t slots = (int64_t)num_tokens * layer->cfg.top_k;
+    const int64_t experts = slots < layer->cfg.num_experts ? slots : layer->cfg.num_experts;
+    const int64_t rows = slots + (int64_t)(MF_SM90_BLOCK_M - 1) * experts;
+    return (int)((rows + MF_SM90_BLOCK_M - 1) / MF_SM90_BLOCK_M * MF_SM90_BLOCK_M);
+}
+
+int64_t timeout_ns(const moefuse_layer *layer) {
+    return (int64_t)layer->comm->timeout_ms * 1000000;
+}
+
+/* Every rank's table of every rank's windows, and clean sync windows: once all the
+ * comm's layers exist. Nothing of the comm is in flight (moefuse.h). */
+moefuse_status refresh_peer_tables(moefuse_comm *comm) {
+    const int R = comm->num_ranks;
+    void *table[MF_WIN_COUNT * MF_MAX_RANKS];
+    for (int w = 0; w < MF_WIN_COUNT; w++)
+        for (int q = 0; q < R; q++) table[w * R + q] = comm->windows[q][w];
+    MF_CUDA_TRY(cudaDeviceSynchronize());
+    for (int q = 0; q < R; q++) {
+        MF_CUDA_TRY(cudaMemcpy(comm->peer_table[q], table, sizeof(void *) * MF_WIN_COUNT * R,
+                               cudaMemcpyHostToDevice));
+        MF_CUDA_TRY(cudaMemset(comm->windows[q][MF_WIN_SYNC], 0, comm->sync_bytes[q]));
+    }
+    MF_CUDA_TRY(cudaDeviceSynchronize());
+    return MOEFUSE_OK;
+}
+
+mf_ep_signal_params signal_params(const moefuse_layer *layer, int flag, int stage) {
+    const cuda_state *s = state_of(layer);
+    mf_ep_signal_params sp = {};
+    sp.rank = s->rank;
+    sp.num_ranks = s->num_ranks;
+    sp.peers = s->peers;
+    sp.sync = s->sync;
+    sp.flag = flag;
+    sp.stage = stage;
+    sp.state = s->plan_state;
+    sp.gemm_num_rows = s->gemm_num_rows;
+    sp.timeout_ns = timeout_ns(layer);
+    return sp;
+}
+
+mf_ep_push_params push_params(const moefuse_layer *layer, const saved_layout &lay,
+                              const char *plan_base, int num_tokens, const int32_t *ids,
+                              const float *weights, const uint16_t *x, int64_t x_stride) {
+    const cuda_state *s = state_of(layer);
+    mf_ep_push_params pu = {};
+    pu.rank = s->rank;
+    pu.num_ranks = s->num_ranks;
+    pu.num_local_experts = layer->num_local_experts;
+    pu.top_k = layer->cfg.top_k;
+    pu.hidden = layer->cfg.hidden;
+    pu.num_tokens = num_tokens;
+    pu.ids = ids;
+    pu.weights = weights;
+    pu.x = x;
+    pu.x_stride = x_stride;
+    pu.slot_row = (int32_t *)(plan_base + lay.slot_row);
+    pu.recv_counts = (const int32_t *)(plan_base + lay.counts);
+    pu.recv_offsets = (const int32_t *)(plan_base + lay.offsets);
+    pu.gemm_num_rows = s->gemm_num_rows;
+    pu.peers = s->peers;
+    pu.sync = s->sync;
+    pu.state = s->plan_state;
+    pu.num_sms = s->num_sms;
+    return pu;
+}
+
+uint16_t *const *combine_peers(const cuda_state *s) {
+    return (uint16_t *const *)(s->peers + MF_WIN_COMBINE * s->num_ranks);
+}
+
+}  // namespace
+
+/* The windows of s, in the order every rank registers them. */
+static void window_fields(cuda_state *s, void **fields[MF_WIN_COUNT]) {
+    fields[MF_WIN_XS] = (void **)&s->xs;
+    fields[MF_WIN_DYS] = (void **)&s->dys;
+    fields[MF_WIN_ROW_SLOT] = (void **)&s->row_slot;
+    fields[MF_WIN_ROW_WEIGHT] = (void **)&s->row_weight;
+    fields[MF_WIN_COMBINE] = (void **)&s->combine;
+    fields[MF_WIN_DP] = (void **)&s->dp_slot;
+    fields[MF_WIN_SYNC] = (void **)&s->sync;
+}
+
+moefuse_status ep_create(moefuse_layer *layer, cuda_state *s) {
+    const moefuse_config *c = &layer->cfg;
+    moefuse_comm *comm = layer->comm;
+    const int R = c->num_ranks, E = c->num_experts, K = c->top_k, T = c->max_tokens;
+    const int64_t rows_cap = rows_cap_for(layer, T), send_cap = send_rows_cap(layer, T);
+    size_t bytes[MF_WIN_COUNT];
+    bytes[MF_WIN_XS] = (size_t)rows_cap * c->hidden * 2;
+    bytes[MF_WIN_DYS] = (size_t)rows_cap * c->hidden * 2;
+    bytes[MF_WIN_ROW_SLOT] = (size_t)rows_cap * 4;
+    bytes[MF_WIN_ROW_WEIGHT] = (size_t)rows_cap * 4;
+    bytes[MF_WIN_COMBINE] = (size_t)T * K * c->hidden * 2;  // this rank's slot rows
+    bytes[MF_WIN_DP] = (size_t)T * K * 4;
+    bytes[MF_WIN_SYNC] = mf_ep_sync_bytes(R, E);
+    void **fields[MF_WIN_COUNT];
+    window_fields(s, fields);
+    for (int w = 0; w < MF_WIN_COUNT; w++) {
+        if (comm->kind == MF_COMM_NCCL) {
+#ifdef MOEFUSE_HAVE_NCCL
+            const moefuse_status st = mf_nccl_window_alloc(comm, bytes[w], fields[w], &s->win_handle[w]);
+            if (st != MOEFUSE_OK) return st;
+#else
+            return mf_fail(MOEFUSE_ERR_UNSUPPORTED, "an NCCL comm in a build without NCCL");
+#endif
+        } else {
+            const moefuse_status st = alloc(fields[w], bytes[w], "a window");
+            if (st != MOEFUSE_OK) return st;
+            MF_CUDA_TRY(cudaMemset(*fields[w], 0, bytes[w]));
+        }
+    }
+    MF_ALLOC_FIELD(s, peers, sizeof(void *) * MF_WIN_COUNT * R);
+    MF_ALLOC_FIELD(s, send_counts, (int64_t)E * 4);
+    MF_ALLOC_FIELD(s, send_offsets, (int64_t)(E + 1) * 4);
+    MF_ALLOC_FIELD(s, send_rbe, send_cap / MF_SM90_BLOCK_M * 4);
+    MF_ALLOC_FIELD(s, send_slot_row, (int64_t)T * K * 4);
+    MF_ALLOC_FIELD(s, send_row_slot, send_cap * 4);
+    MF_ALLOC_FIELD(s, send_scalars, 2 * 4);
+    MF_ALLOC_FIELD(s, dest_base, (int64_t)E * 4);
+
+    void *windows[MF_WIN_COUNT];
+    for (int w = 0; w < MF_WIN_COUNT; w++) windows[w] = *fields[w];
+    const moefuse_status st =
+        mf_comm_attach(comm, c->rank, layer, windows, bytes[MF_WIN_SYNC], s->peers);
+    if (st != MOEFUSE_OK) return st;
+    moefuse_status built = MOEFUSE_OK;
+#ifdef MOEFUSE_HAVE_NCCL
+    if (comm->kind == MF_COMM_NCCL) built = mf_nccl_peer_table(comm, s->win_handle, (void **)s->peers);
+#endif
+    if (comm->kind == MF_COMM_VIRTUAL && mf_comm_complete(comm)) built = refresh_peer_tables(comm);
+    if (built != MOEFUSE_OK) mf_comm_detach(comm, c->rank);
+    return built;
+}
+
+void ep_destroy(moefuse_layer *layer, cuda_state *s) {
+    moefuse_comm *comm = layer->comm;
+    if (comm->layers[layer->cfg.rank] == layer) mf_comm_detach(comm, layer->cfg.rank);
+    if (comm->kind != MF_COMM_NCCL) return;  // virtual windows: cudaFree in free_state
+#ifdef MOEFUSE_HAVE_NCCL
+    void **fields[MF_WIN_COUNT];
+    window_fields(s, fields);
+    for (int w = 0; w < MF_WIN_COUNT; w++) {
+        mf_nccl_window_free(comm, *fields[w], s->win_handle[w]);
+        *fields[w] = NULL;
+        s->win_handle[w] = NULL;
+    }
+#else
+    (void)s;
+#endif
+}
+
+moefuse_status ep_forward(moefuse_layer *layer, const moefuse_fwd_args *a, cudaStream_t stream) {
+    cuda_state *s = state_of(layer);
+    const moefuse_config *c = &layer->cfg;
+    const int T = a->num_tokens, K = c->top_k, E = c->num_experts, EL = layer->num_local_experts;
+    const int R = s->num_ranks;
+    const bool save_act = a->saved && c->saved_mode == MOEFUSE_SAVE_ACTIVATIONS;
+    const saved_layout lay = layout_for(layer, T, save_act);
+    char *plan_base = a->saved ? (char *)a->saved : (char *)s->plan_ws;
+    int32_t *header = (int32_t *)(plan_base + lay.header);
+
+    // ---- 1. plan of this rank's slots over all experts (the sends); checks ids ----
+    mf_plan_params pp = {};
+    pp.ids = a->ids;
+    pp.num_tokens = T;
+    pp.top_k = K;
+    pp.num_experts = E;
+    pp.expert_begin = 0;
+    pp.num_local_experts = E;
+    pp.rows_cap = send_rows_cap(layer, T);
+    pp.slot_rank = s->slot_rank;
+    pp.chunk_base = s->chunk_base;
+    pp.state = s->plan_state;
+    pp.gemm_num_rows = s->send_scalars + 1;
+    pp.expert_counts = s->send_counts;
+    pp.expert_offsets = s->send_offsets;
+    pp.row_block_expert = s->send_rbe;
+    pp.num_rows = s->send_scalars;
+    pp.slot_row = s->send_slot_row;
+    pp.row_slot = s->send_row_slot;
+    MF_CUDA_TRY(mf_plan_build_cuda(&pp, stream));
+
+    // ---- 2. counts to every rank; receive layout and where this rank's rows go ----
+    mf_ep_exchange_params ex = {};
+    ex.rank = s->rank;
+    ex.num_ranks = R;
+    ex.num_experts = E;
+    ex.num_local_experts = EL;
+    ex.rows_cap = lay.rows_cap;
+    ex.send_counts = s->send_counts;
+    ex.state = s->plan_state;
+    ex.peers = s->peers;
+    ex.sync = s->sync;
+    ex.timeout_ns = timeout_ns(layer);
+    ex.recv_counts = (int32_t *)(plan_base + lay.counts);
+    ex.recv_offsets = (int32_t *)(plan_base + lay.offsets);
+    ex.row_block_expert = (int32_t *)(plan_base + lay.row_block_expert);
+    ex.num_rows = header + kHeaderNumRows;
+    ex.gemm_num_rows = s->gemm_num_rows;
+    ex.user_counts = a->expert_counts;
+    ex.saved_header = header;
+    header_words(layer, T, lay.rows_cap, save_act, ex.header_words);
+    ex.header_send_failed_word = kHeaderSendFailed;
+    ex.dest_base = s->dest_base;
+    MF_CUDA_TRY(mf_ep_exchange_counts(&ex, stream));
+
+    // ---- 3. x rows to the experts' ranks; 4. every rank's rows here ----
+    mf_ep_push_params pu = push_params(layer, lay, plan_base, T, a->ids, a->weights, a->x,
+                                       a->x_stride);
+    pu.dest_base = s->dest_base;
+    pu.plan_slot_row = s->send_slot_row;
+    pu.plan_offsets = s->send_offsets;
+    MF_CUDA_TRY(mf_ep_push_rows(&pu, stream));
+    mf_ep_signal_params sp = signal_params(layer, MF_EP_FLAG_ROWS, MF_EP_STAGE_ROWS);
+    sp.wait = 1;
+    MF_CUDA_TRY(mf_ep_signal_wait(&sp, stream));
+
+    // ---- 5. gemm1 + SwiGLU on the received rows ----
+    const int32_t *rbe = (const int32_t *)(plan_base + lay.row_block_expert);
+    const mf_gemm1_params g1 = gemm1_params(
+        layer, a->w13, rbe, save_act ? (uint16_t *)((char *)a->saved + lay.gate_up) : NULL,
+        lay.rows_cap);
+    MF_CUDA_TRY(mf_sm90_gemm1_swiglu_fwd_bf16(&g1, stream));
+
+    // ---- 6. gemm2: p-scaled rows into their source ranks' combine slot rows ----
+    mf_gemm2_params g2 = gemm2_params(layer, a->w2, rbe, s->row_slot, lay.rows_cap);
+    g2.row_weight = s->row_weight;
+    g2.combine_peers = combine_peers(s);
+    g2.num_ranks = R;
+    MF_CUDA_TRY(mf_sm90_gemm2_combine_fwd_bf16(&g2, stream));
+
+    // ---- 7. every rank's combine rows here; 8. the reduce, as with one rank ----
+    sp = signal_params(layer, MF_EP_FLAG_DONE, MF_EP_STAGE_COMBINE);
+    sp.signal = 1;
+    sp.wait = 1;
+    MF_CUDA_TRY(mf_ep_signal_wait(&sp, stream));
+    const mf_reduce_params rp = reduce_params(layer, a->ids, T, a->y, a->y_stride);
+    MF_CUDA_TRY(mf_reduce_slots_bf16(&rp, stream));
+    return MOEFUSE_OK;
+}
+
+moefuse_status ep_backward(moefuse_layer *layer, const moefuse_bwd_args *a, cudaStream_t stream) {
+    cuda_state *s = state_of(layer);
+    const moefuse_config *c = &layer->cfg;
+    const int T = a->num_tokens, K = c->top_k;
+    const int H = c->hidden, I = c->intermediate, R = s->num_ranks;
+    const bool recompute = c->saved_mode == MOEFUSE_RECOMPUTE;
+    const saved_layout lay = layout_for(layer, T, !recompute);
+    const char *base = (const char *)a->saved;
+    const int32_t *rbe = (const int32_t *)(base + lay.row_block_expert);
+
+    // ---- 0. the saved buffer, checked; every rank done with its previous call ----
+    const moefuse_status checked = check_saved(layer, a, lay, stream);
+    if (checked != MOEFUSE_OK) return checked;
+    mf_ep_signal_params sp = signal_params(layer, MF_EP_FLAG_READY, MF_EP_STAGE_READY);
+    sp.new_epoch = 1;
+    sp.signal = 1;
+    sp.wait = 1;
+    MF_CUDA_TRY(mf_ep_signal_wait(&sp, stream));
+
+    // ---- 1. dy and x rows to the experts' ranks again; every rank's rows here ----
+    mf_ep_push_params pu = push_params(layer, lay, base, T, a->ids, a->weights, a->x,
+                                       a->x_stride);
+    pu.dy = a->dy;
+    pu.dy_stride = a->dy_stride;
+    pu.backward = 1;
+    MF_CUDA_TRY(mf_ep_push_rows(&pu, stream));
+    sp = signal_params(layer, MF_EP_FLAG_ROWS, MF_EP_STAGE_BWD_ROWS);
+    sp.wait = 1;
+    MF_CUDA_TRY(mf_ep_signal_wait(&sp, stream));
+
+    // ---- 2. [g | u]: saved, or recomputed by the forward's gemm1 ----
+    const uint16_t *gate_up = (const uint16_t *)(base + lay.gate_up);
+    if (recompute) {
+        const mf_gemm1_params g1 = gemm1_params(layer, a->w13, rbe, s->gate_up, lay.rows_cap);
+        MF_CUDA_TRY(mf_sm90_gemm1_swiglu_fwd_bf16(&g1, stream));
+        gate_up = s->gate_up;
+    }
+
+    // ---- 3. dgrad2 + SwiGLU backward; 4. dW2 ----
+    mf_dgrad2_params d2 = dgrad2_params(layer, s->dys, a->w2, gate_up, rbe, s->row_slot,
+                                        lay.rows_cap);
+    d2.row_weight = s->row_weight;
+    MF_CUDA_TRY(mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&d2, stream));
+    mf_wgrad_params wg = wgrad_params(layer, lay.rows_cap, a->accumulate);
+    wg.lhs = s->dys;
+    wg.rhs = s->act;
+    wg.dw = a->dw2;
+    wg.m = H;
+    wg.n = I;
+    MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&wg, stream));
+
+    // ---- 5. dgrad1 into the source ranks' combine slot rows; d p to the sources ----
+    mf_dgrad1_params d1 = dgrad1_params(layer, a->w13, rbe, s->row_slot, lay.rows_cap);
+    d1.combine_peers = combine_peers(s);
+    d1.num_ranks = R;
+    MF_CUDA_TRY(mf_sm90_gemm1_dgrad_bwd_bf16(&d1, stream));
+    mf_ep_push_dp_params pd = {};
+    pd.dp_partial = s->dp_partial;
+    pd.parts = s->dp_parts;
+    pd.row_slot = s->row_slot;
+    pd.num_rows = s->gemm_num_rows;
+    pd.rank = s->rank;
+    pd.num_ranks = R;
+    pd.peers = s->peers;
+    pd.num_sms = s->num_sms;
+    MF_CUDA_TRY(mf_ep_push_dp(&pd, stream));
+
+    // ---- 6. DONE raised; dW13 while the other ranks finish; wait for their DONE ----
+    sp = signal_params(layer, MF_EP_FLAG_DONE, MF_EP_STAGE_BWD_COMBINE);
+    sp.signal = 1;
+    MF_CUDA_TRY(mf_ep_signal_wait(&sp, stream));
+    wg.lhs = s->dh;
+    wg.rhs = s->xs;
+    wg.dw = a->dw13;
+    wg.m = 2 * I;
+    wg.n = H;
+    MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&wg, stream));
+    sp.signal = 0;
+    sp.wait = 1;
+    MF_CUDA_TRY(mf_ep_signal_wait(&sp, stream));
+
+    // ---- 7. dx = sum of its slot rows; d p of each slot ----
+    const mf_reduce_params rp = reduce_params(layer, a->ids, T, a->dx, a->dx_stride);
+    MF_CUDA_TRY(mf_reduce_slots_bf16(&rp, stream));
+    mf_reduce_dp_params rd = {};
+    rd.dp_partial = s->dp_slot;
+    rd.parts = 1;
+    rd.slot_row = NULL;
+    rd.ids = a->ids;
+    rd.call_failed = &s->plan_state->call_failed;
+    rd.dweights = a->dweights;
+    rd.num_tokens = T;
+    rd.top_k = K;
+    MF_CUDA_TRY(mf_reduce_dp_f32(&rd, stream));
+    return MOEFUSE_OK;
+}
+
+}  // namespace backend
+}  // namespace mf

@@ -1,0 +1,38 @@
+/* Flags between ranks (expert parallelism): release stores and acquire loads at
+ * system scope, so a peer that sees the flag also sees the data written before it,
+ * over NVLink as on one GPU; and the global nanosecond timer that bounds every wait.
+ * Inline device helpers only. */
+#pragma once
+
+#include <stdint.h>
+
+namespace mf {
+namespace ptx {
+
+__device__ __forceinline__ void st_release_sys(uint32_t *p, uint32_t v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t *p) {
+    uint32_t v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+/* Orders this thread's earlier writes (to peers included) before its later ones at
+ * system scope. */
+__device__ __forceinline__ void fence_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
+
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+/* Epochs grow by one per call and wrap: a >= b in the order of their distance. */
+__device__ __forceinline__ bool epoch_reached(uint32_t seen, uint32_t want) {
+    return (int32_t)(seen - want) >= 0;
+}
+
+}  // namespace ptx
+}  // namespace mf
