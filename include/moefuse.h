@@ -203,6 +203,8 @@ const char *moefuse_last_error(void);
  *
  * A comm is made once and given to moefuse_layer_create of every rank's layer (with
  * config.num_ranks = R and config.rank = r); a call needs all R layers created. A
+ * virtual comm takes one layer per rank; an NCCL comm takes any number of layers (one
+ * per MoE layer of a model), created and destroyed on all ranks in the same order. A
  * one-rank comm runs the expert-parallel kernels with R = 1 (same results as no comm).
  * Create and destroy layers while no call on the comm is in flight. */
 

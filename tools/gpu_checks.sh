@@ -13,6 +13,11 @@ mkdir -p "$LOG_DIR"
 export PATH="$PATH:/usr/local/cuda/bin" PYTHONUNBUFFERED=1 MOEFUSE_LIB="$PWD/build/libmoefuse.so"
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0
+# Build against the libnccl PyTorch loads (DESIGN 4: the headers of the library that runs).
+if [ -z "${NCCL_HOME:-}" ]; then
+    NCCL_HOME=$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0])" 2>/dev/null) &&
+        export NCCL_HOME || unset NCCL_HOME
+fi
 summary=()
 step() { # name, log file, command...
     local name=$1 log=$2; shift 2
@@ -33,16 +38,20 @@ step test_gemm_sm90 test_gemm_fwd.log build/tests/gpu/test_gemm_sm90
 step test_gemm_sm90_bwd test_gemm_bwd.log build/tests/gpu/test_gemm_sm90_bwd
 step test_cuda_forward test_cuda_forward.log build/tests/gpu/test_cuda_forward
 step test_cuda_backward test_cuda_backward.log build/tests/gpu/test_cuda_backward
+step test_cuda_ep test_cuda_ep.log build/tests/gpu/test_cuda_ep
 step moefuse_step moefuse_step.log build/moefuse_step
 step bench bench.log tools/run_bench.sh
 if [ "${1:-}" != quick ]; then
     step python_tests python_tests.log python3 -m pytest -q -rs python/tests
+    step bench_ep_r1 bench_ep.log timeout 240 torchrun --standalone --nproc-per-node 1 \
+        bench/bench_ep.py --tokens 4096 --check --bench
     [ -f bench/bench_train_step.py ] &&
         step bench_train_step train_step.log python3 bench/bench_train_step.py --plot "$LOG_DIR/loss_curves.png"
     step sass sass.log bash -c 'for o in build/src/cuda/sm90_*.o; do
         echo "$o HGMMA=$(cuobjdump --dump-sass $o | grep -c HGMMA) LDL_STL=$(cuobjdump --dump-sass $o | grep -cE "LDL|STL")"; done'
     step memcheck memcheck.log timeout 120 compute-sanitizer --tool memcheck build/tests/gpu/test_cuda_backward 30b "T=7"
     step racecheck racecheck.log timeout 120 compute-sanitizer --tool racecheck build/tests/gpu/test_gemm_sm90_bwd dgrad_bn128
+    step memcheck_ep memcheck_ep.log timeout 150 compute-sanitizer --tool memcheck build/tests/gpu/test_cuda_ep "R=1 comm"
 fi
 printf '%s\n' "${summary[@]}" | tee "$LOG_DIR/summary.txt"
 if [ -n "${OUT:-}" ]; then

@@ -5,13 +5,17 @@ nn.Modules on top.
     moefuse.experts(x, ids, p, w13, w2) -> y        differentiable custom op
     moefuse.route(logits, top_k) -> (ids, weights)  Qwen3 routing, differentiable
     moefuse.MoEExperts, moefuse.MoefuseQwen3MoeBlock
+    moefuse.ExpertParallelExperts, moefuse.nccl_comm_from_group  expert parallelism
+                                                    (moefuse.distributed)
 
 The C library is found through MOEFUSE_LIB, else build/libmoefuse.so of the source
 checkout, else a copy installed next to this package (see moefuse._lib).
 """
 
-from ._lib import (EXPECTED_VERSION, LibraryNotFoundError, MoefuseError, Status,
-                   is_available, library_path, version)
+from ._lib import (EXPECTED_VERSION, Comm, LibraryNotFoundError, MoefuseError, SavedMode,
+                   Status, is_available, library_path, version)
+from .distributed import (ExpertParallelExperts, load_local_experts, nccl_comm_from_group,
+                          virtual_comm)
 from .modules import MoEExperts, MoefuseQwen3MoeBlock, fuse_per_expert_state_dict
 from .ops import (backward_unsupported_reason, check_device_errors, experts, layer_cache,
                   route, saved_bytes)
@@ -19,8 +23,9 @@ from .ops import (backward_unsupported_reason, check_device_errors, experts, lay
 __version__ = "0.1.0"
 
 __all__ = [
-    "EXPECTED_VERSION", "LibraryNotFoundError", "MoEExperts", "MoefuseError",
-    "backward_unsupported_reason",
+    "EXPECTED_VERSION", "Comm", "ExpertParallelExperts", "LibraryNotFoundError", "MoEExperts",
+    "MoefuseError", "SavedMode", "backward_unsupported_reason", "load_local_experts",
+    "nccl_comm_from_group", "virtual_comm",
     "MoefuseQwen3MoeBlock", "Status", "check_device_errors", "experts",
     "fuse_per_expert_state_dict", "is_available", "layer_cache", "library_path", "route",
     "saved_bytes", "version",

@@ -185,7 +185,7 @@ class RouteBwdArgs(ctypes.Structure):
 
 
 LayerHandle = ctypes.c_void_p  # moefuse_layer*, opaque
-CommHandle = ctypes.c_void_p  # moefuse_comm*, opaque (expert parallelism, planned)
+CommHandle = ctypes.c_void_p  # moefuse_comm*, opaque (expert parallelism)
 
 _STATUS = ctypes.c_int
 
@@ -199,6 +199,10 @@ _SIGNATURES = {
     "moefuse_version": (ctypes.c_int, []),
     "moefuse_status_string": (ctypes.c_char_p, [_STATUS]),
     "moefuse_last_error": (ctypes.c_char_p, []),
+    "moefuse_comm_create_virtual": (_STATUS, [ctypes.c_int, ctypes.POINTER(CommHandle)]),
+    "moefuse_comm_create_nccl": (_STATUS, [ctypes.c_void_p, ctypes.POINTER(CommHandle)]),
+    "moefuse_comm_set_timeout_ms": (_STATUS, [CommHandle, ctypes.c_int]),
+    "moefuse_comm_destroy": (_STATUS, [CommHandle]),
     "moefuse_layer_create": (
         _STATUS, [ctypes.POINTER(Config), CommHandle, ctypes.POINTER(LayerHandle)]),
     "moefuse_layer_destroy": (_STATUS, [LayerHandle]),
@@ -337,25 +341,114 @@ def config_init(hidden: int, intermediate: int, num_experts: int, top_k: int,
     return cfg
 
 
-class Layer:
-    """Owns one moefuse_layer handle. Not thread-safe: the layer's workspaces are used
-    by every call, so calls on one Layer must be ordered (one host thread at a time,
-    and for CUDA one stream at a time or streams ordered by events)."""
+def comm_create_virtual(num_ranks: int) -> CommHandle:
+    """moefuse_comm_create_virtual: a new handle of num_ranks ranks in this process."""
+    handle = CommHandle()
+    check("moefuse_comm_create_virtual",
+          load().moefuse_comm_create_virtual(num_ranks, ctypes.byref(handle)))
+    return handle
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self._lib = load()
-        handle = LayerHandle()
-        check("moefuse_layer_create",
-              self._lib.moefuse_layer_create(ctypes.byref(cfg), None, ctypes.byref(handle)))
-        self._handle = handle
-        self.lock = threading.Lock()
+
+def comm_create_nccl(nccl_comm: Optional[int]) -> CommHandle:
+    """moefuse_comm_create_nccl over an ncclComm_t (an int address); MOEFUSE_ERR_UNSUPPORTED
+    when the library was built without NCCL."""
+    handle = CommHandle()
+    check("moefuse_comm_create_nccl",
+          load().moefuse_comm_create_nccl(nccl_comm, ctypes.byref(handle)))
+    return handle
+
+
+class _Owner:
+    """An object owning one opaque handle (`_handle`, None once closed)."""
+
+    _what = "handle"
 
     @property
-    def handle(self) -> LayerHandle:
+    def handle(self):
         if self._handle is None:
-            raise ValueError("moefuse layer used after close()")
+            raise ValueError(f"moefuse {self._what} used after close()")
         return self._handle
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+
+class Comm(_Owner):
+    """Owns one moefuse_comm handle (expert parallelism) and the layers made with it.
+
+    Comm.virtual(R) makes R ranks inside this process; an NCCL comm comes from
+    moefuse.distributed.nccl_comm_from_group. A virtual comm holds one Layer per rank
+    (the library's rule), keyed by rank; an NCCL comm any number (one per MoE layer of
+    a model), keyed by creation order. The comm keeps them alive: close() destroys the
+    layers still open, in key order, then the comm. For an NCCL comm that is collective
+    (every rank calls close() together), as creating the layers was."""
+
+    _what = "comm"
+
+    def __init__(self, handle: CommHandle, num_ranks: int, rank: Optional[int] = None):
+        self._lib = load()
+        self._handle = handle
+        self.num_ranks = num_ranks
+        self.rank = rank  # this process's rank for an NCCL comm; None for virtual ranks
+        self.layers: dict[int, "Layer"] = {}
+        self._next_key = 0  # NCCL: creation order of the layers
+
+    @classmethod
+    def virtual(cls, num_ranks: int) -> "Comm":
+        """R virtual ranks on the current GPU (moefuse_comm_create_virtual), for tests."""
+        return cls(comm_create_virtual(num_ranks), num_ranks)
+
+    def set_timeout_ms(self, timeout_ms: int) -> None:
+        """The bound on every wait for a peer, read by every later call (>= 1)."""
+        check("moefuse_comm_set_timeout_ms",
+              self._lib.moefuse_comm_set_timeout_ms(self.handle, timeout_ms))
+
+    def close(self) -> None:
+        if self._handle is None:
+            return
+        for rank in sorted(self.layers):
+            self.layers[rank].close()
+        handle, self._handle = self._handle, None
+        check("moefuse_comm_destroy", self._lib.moefuse_comm_destroy(handle))
+
+    def __enter__(self) -> "Comm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Layer(_Owner):
+    """Owns one moefuse_layer handle. Not thread-safe: the layer's workspaces are used
+    by every call, so calls on one Layer must be ordered (one host thread at a time,
+    and for CUDA one stream at a time or streams ordered by events).
+
+    comm: None for one rank without expert-parallel kernels; else the Comm of all
+    cfg.num_ranks ranks, which keeps this layer (as its rank cfg.rank) until close()."""
+
+    _what = "layer"
+
+    def __init__(self, cfg: Config, comm: Optional[Comm] = None):
+        self.cfg = cfg
+        self._lib = load()
+        if comm is not None and comm.rank is None and cfg.rank in comm.layers:
+            raise ValueError(f"the virtual comm already has a layer for rank {cfg.rank}; one "
+                             "layer per rank (close the old one, or make another comm)")
+        handle = LayerHandle()
+        check("moefuse_layer_create",
+              self._lib.moefuse_layer_create(ctypes.byref(cfg),
+                                             None if comm is None else comm.handle,
+                                             ctypes.byref(handle)))
+        self._handle = handle
+        self.comm = comm
+        if comm is not None:
+            if comm.rank is None:
+                self._comm_key = cfg.rank
+            else:
+                self._comm_key, comm._next_key = comm._next_key, comm._next_key + 1
+            comm.layers[self._comm_key] = self
+        self.lock = threading.Lock()
 
     def saved_bytes(self, num_tokens: int) -> int:
         out = ctypes.c_size_t()
@@ -372,12 +465,15 @@ class Layer:
               self._lib.moefuse_backward(self.handle, ctypes.byref(args), stream or None))
 
     def check_ids(self, stream: int = 0) -> None:
-        """moefuse_layer_check: waits for `stream`, raises the first device-side id error."""
+        """moefuse_layer_check: waits for `stream`, raises the first device-side error
+        (a bad expert id; with a comm also MOEFUSE_ERR_TIMEOUT of a peer wait)."""
         check("moefuse_layer_check", self._lib.moefuse_layer_check(self.handle, stream or None))
 
     def close(self) -> None:
         if self._handle is not None:
             handle, self._handle = self._handle, None
+            if self.comm is not None:
+                self.comm.layers.pop(self._comm_key, None)
             check("moefuse_layer_destroy", self._lib.moefuse_layer_destroy(handle))
 
 

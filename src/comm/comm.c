@@ -52,6 +52,9 @@ moefuse_status moefuse_comm_destroy(moefuse_comm *comm) {
                 return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
                                "moefuse_comm_destroy: rank %d's layer still exists; expected "
                                "every layer of the comm destroyed first", r);
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                       "moefuse_comm_destroy: %d layers of the comm still exist; expected "
+                       "every layer of the comm destroyed first", comm->num_attached);
     }
 #ifdef MOEFUSE_HAVE_NCCL
     if (comm->kind == MF_COMM_NCCL) mf_nccl_comm_release(comm);
@@ -60,9 +63,15 @@ moefuse_status moefuse_comm_destroy(moefuse_comm *comm) {
     return MOEFUSE_OK;
 }
 
+/* Virtual ranks: one layer per rank, whose windows the peer tables are made of. NCCL:
+ * any number of layers (the peers' windows come from NCCL), counted. */
 moefuse_status mf_comm_attach(moefuse_comm *comm, int rank, moefuse_layer *layer,
                               void *const windows[MF_WIN_COUNT], size_t sync_bytes,
                               void *peer_table) {
+    if (comm->kind == MF_COMM_NCCL) {
+        comm->num_attached++;
+        return MOEFUSE_OK;
+    }
     if (comm->layers[rank])
         return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
                        "config.rank = %d: this comm already has a layer for rank %d; expected "
@@ -76,7 +85,11 @@ moefuse_status mf_comm_attach(moefuse_comm *comm, int rank, moefuse_layer *layer
 }
 
 void mf_comm_detach(moefuse_comm *comm, int rank) {
-    if (!comm || !comm->layers[rank]) return;
+    if (comm->kind == MF_COMM_NCCL) {
+        comm->num_attached--;
+        return;
+    }
+    if (!comm->layers[rank]) return;
     comm->layers[rank] = NULL;
     memset(comm->windows[rank], 0, sizeof comm->windows[rank]);
     comm->peer_table[rank] = NULL;
@@ -84,7 +97,7 @@ void mf_comm_detach(moefuse_comm *comm, int rank) {
 }
 
 int mf_comm_complete(const moefuse_comm *comm) {
-    return comm->num_attached == (comm->kind == MF_COMM_NCCL ? 1 : comm->num_ranks);
+    return comm->kind == MF_COMM_NCCL || comm->num_attached == comm->num_ranks;
 }
 
 moefuse_status mf_comm_check_ready(const moefuse_comm *comm, const char *call) {

@@ -61,6 +61,7 @@ struct cuda_state {
     float *dp_slot;             /* window [max_tokens * K] */
     uint32_t *sync;             /* window, mf_ep_sync_bytes */
     void *win_handle[MF_WIN_COUNT]; /* NCCL: each window's ncclWindow_t */
+    bool attached;              /* mf_comm_attach succeeded */
     void **peers;               /* device [MF_WIN_COUNT * R] */
     int32_t *send_counts;       /* [E] the plan over all experts (this rank's sends) */
     int32_t *send_offsets;      /* [E + 1] */

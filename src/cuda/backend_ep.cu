@@ -174,18 +174,23 @@ moefuse_status ep_create(moefuse_layer *layer, cuda_state *s) {
     const moefuse_status st =
         mf_comm_attach(comm, c->rank, layer, windows, bytes[MF_WIN_SYNC], s->peers);
     if (st != MOEFUSE_OK) return st;
+    s->attached = true;
     moefuse_status built = MOEFUSE_OK;
 #ifdef MOEFUSE_HAVE_NCCL
     if (comm->kind == MF_COMM_NCCL) built = mf_nccl_peer_table(comm, s->win_handle, (void **)s->peers);
 #endif
     if (comm->kind == MF_COMM_VIRTUAL && mf_comm_complete(comm)) built = refresh_peer_tables(comm);
-    if (built != MOEFUSE_OK) mf_comm_detach(comm, c->rank);
+    if (built != MOEFUSE_OK) {
+        mf_comm_detach(comm, c->rank);
+        s->attached = false;
+    }
     return built;
 }
 
 void ep_destroy(moefuse_layer *layer, cuda_state *s) {
     moefuse_comm *comm = layer->comm;
-    if (comm->layers[layer->cfg.rank] == layer) mf_comm_detach(comm, layer->cfg.rank);
+    if (s->attached) mf_comm_detach(comm, layer->cfg.rank);
+    s->attached = false;
     if (comm->kind != MF_COMM_NCCL) return;  // virtual windows: cudaFree in free_state
 #ifdef MOEFUSE_HAVE_NCCL
     void **fields[MF_WIN_COUNT];

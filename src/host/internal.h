@@ -110,13 +110,15 @@ struct moefuse_comm {
     void *peer_table[MF_MAX_RANKS];   /* each rank's device table [MF_WIN_COUNT][R] */
 };
 
-/* Records rank's layer and windows; the caller (a backend) then refreshes the peer
- * tables when mf_comm_complete says every rank is in. */
+/* Records rank's layer and windows (virtual ranks: one layer per rank; NCCL: counts the
+ * layers); the caller (a backend) then refreshes the peer tables when mf_comm_complete
+ * says every rank is in. mf_comm_detach undoes one attach. */
 moefuse_status mf_comm_attach(moefuse_comm *comm, int rank, moefuse_layer *layer,
                               void *const windows[MF_WIN_COUNT], size_t sync_bytes,
                               void *peer_table);
 void mf_comm_detach(moefuse_comm *comm, int rank);
-/* Every rank's layer of this process is in: R for virtual ranks, 1 for NCCL. */
+/* Every rank's layer is in: all R for virtual ranks; always for NCCL (the other
+ * ranks' layers are in their processes, created collectively with this one). */
 int mf_comm_complete(const moefuse_comm *comm);
 /* MOEFUSE_OK when every rank's layer exists; else names the first missing rank. */
 moefuse_status mf_comm_check_ready(const moefuse_comm *comm, const char *call);

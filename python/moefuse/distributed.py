@@ -1,0 +1,540 @@
+"""Expert parallelism from PyTorch: the routed experts sharded over the ranks of a
+torch.distributed process group, one GPU per rank, tokens exchanged inside moefuse's
+kernels (include/moefuse.h, "expert parallelism").
+
+    nccl_comm_from_group(group=None, timeout_ms=30000) -> NcclComm
+        an NCCL communicator of the group's ranks (made through the libnccl PyTorch
+        loaded) and moefuse's comm over it. Collective.
+    virtual_comm(num_ranks) -> Comm
+        R ranks inside this process on one GPU, for tests.
+    ExpertParallelExperts(hidden, intermediate, num_experts, top_k, max_tokens, comm,
+                          rank, num_ranks)
+        nn.Module with this rank's experts only: W13 [E/R, 2I, H], W2 [E/R, H, I];
+        forward(x [T, H] bf16, ids [T, K] global expert ids, p [T, K] fp32) -> y [T, H].
+    load_local_experts(w13_global, w2_global, rank, num_ranks) -> (w13, w2) of the rank.
+
+Sharding is contiguous: rank r holds experts r*E/R .. (r+1)*E/R - 1. Each rank passes
+its own tokens (T may differ per rank, 0 included; T <= max_tokens, which is the same
+on every rank).
+
+Ordering: every rank of the comm must run the same sequence of forwards and backwards
+on its module (a model's MoE layers in the same order on every rank, the backward of
+each forward on every rank, also where a rank has T = 0 or its loss ignores y). A rank
+that skips a call leaves the others waiting until the comm's timeout.
+
+Nothing synchronizes the host: a bad expert id or a peer that never came shows up in
+module.check() (it waits for the current stream), as MoefuseError with
+MOEFUSE_ERR_EXPERT_ID / MOEFUSE_ERR_DUPLICATE_EXPERT or MOEFUSE_ERR_TIMEOUT. After a
+timeout, close() every rank's module (the next forward makes a fresh layer).
+
+One comm serves one module per rank (the library keeps one layer per rank and comm):
+make a comm for each MoE layer of a model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pathlib
+from typing import Optional, Union
+
+import torch
+
+from . import _lib
+from .modules import MoEExperts
+from .ops import (_BF16, _aligned_saved, _alloc_saved, _as_rows, _bf16_weight,
+                  _normalize_device, _on_device, _ptr, _row_stride, _stream)
+
+_CUDA_MULTIPLE = 128  # H and I of the CUDA backend (moefuse.h)
+
+
+# ---- NCCL through ctypes ----------------------------------------------------------------
+
+
+class NcclError(RuntimeError):
+    """An NCCL call returned something other than ncclSuccess."""
+
+
+class _NcclUniqueId(ctypes.Structure):
+    """ncclUniqueId: 128 opaque bytes, passed by value to ncclCommInitRank."""
+
+    _fields_ = [("internal", ctypes.c_byte * 128)]
+
+
+_NCCL_SIGNATURES = {
+    "ncclGetVersion": (ctypes.c_int, [ctypes.POINTER(ctypes.c_int)]),
+    "ncclGetUniqueId": (ctypes.c_int, [ctypes.POINTER(_NcclUniqueId)]),
+    "ncclCommInitRank": (
+        ctypes.c_int, [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, _NcclUniqueId, ctypes.c_int]),
+    "ncclCommDestroy": (ctypes.c_int, [ctypes.c_void_p]),
+    "ncclGetErrorString": (ctypes.c_char_p, [ctypes.c_int]),
+    "ncclGetLastError": (ctypes.c_char_p, [ctypes.c_void_p]),
+}
+
+_nccl: Optional[ctypes.CDLL] = None
+
+
+def _loaded_nccl_path() -> Optional[str]:
+    """The libnccl this process has mapped, if any (for messages)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if "libnccl.so" in line:
+                    return line.split()[-1]
+    except OSError:
+        pass
+    return None
+
+
+def load_nccl() -> ctypes.CDLL:
+    """The libnccl that PyTorch and libmoefuse use in this process.
+
+    libmoefuse is loaded first, so its libnccl.so.2 dependency is the copy already in the
+    process (PyTorch's, loaded at `import torch`) or, failing that, its own; dlopen of
+    the soname then returns that same copy. One copy matters: the ncclComm_t made here
+    goes to libmoefuse. Without a loaded copy, PyTorch's nvidia/nccl package is tried."""
+    global _nccl
+    if _nccl is not None:
+        return _nccl
+    _lib.load()
+    try:
+        cdll = ctypes.CDLL("libnccl.so.2")
+    except OSError as err:
+        try:
+            import nvidia.nccl  # PyTorch's pip dependency
+            path = pathlib.Path(list(nvidia.nccl.__path__)[0]) / "lib" / "libnccl.so.2"
+            cdll = ctypes.CDLL(str(path))
+        except (ImportError, OSError) as err2:
+            raise NcclError(f"libnccl.so.2 not loadable ({err}; nvidia.nccl: {err2})") from err2
+    for name, (restype, argtypes) in _NCCL_SIGNATURES.items():
+        fn = getattr(cdll, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    _nccl = cdll
+    return cdll
+
+
+def _nccl_check(nccl: ctypes.CDLL, function: str, result: int) -> None:
+    if result != 0:
+        detail = (nccl.ncclGetLastError(None) or b"").decode(errors="replace")
+        raise NcclError(f"{function}: {nccl.ncclGetErrorString(result).decode()} ({result})"
+                        f"{': ' + detail if detail else ''} [libnccl: {_loaded_nccl_path()}]")
+
+
+class NcclComm(_lib.Comm):
+    """moefuse's comm over an NCCL communicator this object owns (nccl_comm, an
+    ncclComm_t as an int, of CUDA device `device`). close() destroys the layers,
+    moefuse's comm, then the NCCL communicator; every rank calls it together."""
+
+    def __init__(self, nccl: ctypes.CDLL, nccl_comm: int, num_ranks: int, rank: int,
+                 device: int):
+        super().__init__(_lib.comm_create_nccl(nccl_comm), num_ranks, rank)
+        self._nccl = nccl
+        self.nccl_comm: Optional[int] = nccl_comm
+        self.device = device
+
+    def close(self) -> None:
+        with torch.cuda.device(self.device):
+            super().close()  # raises, keeping the NCCL communicator, if moefuse still uses it
+            if self.nccl_comm is not None:
+                comm, self.nccl_comm = self.nccl_comm, None
+                _nccl_check(self._nccl, "ncclCommDestroy", self._nccl.ncclCommDestroy(comm))
+
+
+def nccl_unsupported_reason() -> Optional[str]:
+    """None when the loaded libmoefuse was built with NCCL, else the message of its
+    MOEFUSE_ERR_UNSUPPORTED. Asks the library (moefuse_comm_create_nccl(NULL)); needs no
+    GPU and no communicator."""
+    try:
+        _lib.Comm(_lib.comm_create_nccl(None), 1).close()  # not expected to succeed
+    except _lib.MoefuseError as err:
+        if err.status == _lib.Status.ERR_UNSUPPORTED:
+            return f"{err.status_name}: {err.message}"
+        if err.status != _lib.Status.ERR_NULL_POINTER:
+            raise
+    return None
+
+
+def _check_timeout(timeout_ms) -> None:
+    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms < 1:
+        raise ValueError(f"timeout_ms must be an int >= 1, got {timeout_ms!r}")
+
+
+def nccl_comm_from_group(group=None, timeout_ms: int = 30000) -> NcclComm:
+    """An NCCL communicator of the ranks of `group` (default: the world) and moefuse's
+    comm over it. Collective: every rank of the group calls it, with its GPU current
+    (torch.cuda.set_device); rank i of the group is rank i of the comm.
+
+    Rank 0 of the group makes an ncclUniqueId, torch.distributed.broadcast_object_list
+    sends it over the group, and every rank calls ncclCommInitRank through ctypes on the
+    libnccl PyTorch loaded (see load_nccl) on torch.cuda.current_device(). The group
+    itself may be NCCL or gloo; only the id travels through it.
+
+    NCCL_NVLS_ENABLE: moefuse refuses NVLink multicast, so this sets
+    os.environ["NCCL_NVLS_ENABLE"] to "0" when it is unset (setdefault) and raises
+    when it is set to anything else. NCCL may read its variables once per process, at
+    its first communicator, so where torch's process group may already have made one,
+    set NCCL_NVLS_ENABLE=0 in the launch environment (as bench/bench_ep.py's usage
+    line does).
+
+    timeout_ms bounds every wait for a peer inside moefuse's kernels. close() the
+    returned comm on every rank together (after the modules using it are done), or
+    let the process exit."""
+    import torch.distributed as dist
+
+    _check_timeout(timeout_ms)
+    nvls = os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if nvls != "0":
+        raise ValueError(f"NCCL_NVLS_ENABLE={nvls!r}: moefuse never uses NVLink multicast; "
+                         "expected NCCL_NVLS_ENABLE=0")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("nccl_comm_from_group: torch.distributed is not initialized; call "
+                           "torch.distributed.init_process_group first")
+    if not torch.cuda.is_available():
+        raise RuntimeError("nccl_comm_from_group: no CUDA device (expert parallelism runs on "
+                           "one GPU per rank)")
+    # Every rank answers the same here, so a library without NCCL fails on all of them
+    # before any collective.
+    reason = nccl_unsupported_reason()
+    if reason is not None:
+        raise _lib.MoefuseError("moefuse_comm_create_nccl", _lib.Status.ERR_UNSUPPORTED,
+                                "MOEFUSE_ERR_UNSUPPORTED", reason)
+    nccl = load_nccl()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    device = torch.cuda.current_device()
+
+    # Rank 0 sends the id, or why it has none, so no rank waits in ncclCommInitRank
+    # for an id that never comes.
+    payload: list = [None]
+    if rank == 0:
+        uid = _NcclUniqueId()
+        try:
+            _nccl_check(nccl, "ncclGetUniqueId", nccl.ncclGetUniqueId(ctypes.byref(uid)))
+            payload = [bytes(uid)]
+        except NcclError as err:
+            payload = [str(err)]
+    src = dist.get_global_rank(group if group is not None else dist.group.WORLD, 0)
+    dist.broadcast_object_list(payload, src=src, group=group)
+    if isinstance(payload[0], str):
+        raise NcclError(f"rank 0 of the group: {payload[0]}")
+    uid = _NcclUniqueId.from_buffer_copy(payload[0])
+
+    comm = ctypes.c_void_p()
+    with torch.cuda.device(device):
+        _nccl_check(nccl, "ncclCommInitRank",
+                    nccl.ncclCommInitRank(ctypes.byref(comm), world, uid, rank))
+        try:
+            out = NcclComm(nccl, comm.value, world, rank, device)
+        except BaseException:
+            nccl.ncclCommDestroy(comm.value)
+            raise
+    try:
+        out.set_timeout_ms(timeout_ms)
+    except BaseException:
+        out.close()
+        raise
+    return out
+
+
+def virtual_comm(num_ranks: int, timeout_ms: int = 30000) -> _lib.Comm:
+    """R virtual ranks in this process (moefuse_comm_create_virtual), for tests on one
+    GPU: make every rank's module (on CUDA, so each creates its layer) before the first
+    forward, give each rank's calls their own stream, and launch all ranks' calls
+    before waiting on any."""
+    _check_timeout(timeout_ms)
+    comm = _lib.Comm.virtual(num_ranks)
+    try:
+        comm.set_timeout_ms(timeout_ms)
+    except BaseException:
+        comm.close()
+        raise
+    return comm
+
+
+# ---- sharding ------------------------------------------------------------------------------
+
+
+def _shard_size(num_experts: int, rank: int, num_ranks: int) -> int:
+    """E/R, after checking rank and divisibility."""
+    for name, v in (("rank", rank), ("num_ranks", num_ranks)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if num_ranks < 1 or not 0 <= rank < num_ranks:
+        raise ValueError(f"expected num_ranks >= 1 and 0 <= rank < num_ranks, got rank={rank}, "
+                         f"num_ranks={num_ranks}")
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts={num_experts} is not divisible by num_ranks={num_ranks}")
+    return num_experts // num_ranks
+
+
+def load_local_experts(w13_global: torch.Tensor, w2_global: torch.Tensor, rank: int,
+                       num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's experts r*E/R .. (r+1)*E/R - 1 of W13 [E, 2I, H] and W2 [E, H, I]:
+    views (no copy) of [E/R, 2I, H] and [E/R, H, I]."""
+    for name, w in (("w13_global", w13_global), ("w2_global", w2_global)):
+        if not isinstance(w, torch.Tensor) or w.dim() != 3:
+            got = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+            raise ValueError(f"load_local_experts: {name} must be a 3-d tensor, got {got}")
+    num_experts, two_i, hidden = w13_global.shape
+    if two_i % 2 or tuple(w2_global.shape) != (num_experts, hidden, two_i // 2):
+        raise ValueError(f"load_local_experts: expected w13 [E, 2I, H] and w2 [E, H, I], got "
+                         f"{tuple(w13_global.shape)} and {tuple(w2_global.shape)}")
+    e_loc = _shard_size(num_experts, rank, num_ranks)
+    return (w13_global[rank * e_loc:(rank + 1) * e_loc],
+            w2_global[rank * e_loc:(rank + 1) * e_loc])
+
+
+# ---- the autograd function ------------------------------------------------------------------
+
+
+class _ExpertParallelFn(torch.autograd.Function):
+    """y = the routed experts of this rank's tokens; the layer's kernels exchange rows
+    with the other ranks. Backward: dx, d p and this rank's dW13, dW2 (fp32 from the
+    library, returned in each weight's dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, ids, p, w13, w2, layer: _lib.Layer, need_saved: bool):
+        T, H = x.shape
+        device = x.device
+        x = _as_rows(x, H)
+        w13_bf16, w2_bf16 = _bf16_weight(w13), _bf16_weight(w2)
+        y = torch.empty((T, H), dtype=_BF16, device=device)
+        # With R > 1 the saved buffer holds the rows this rank receives: not empty even
+        # at T = 0, and every rank's backward needs one.
+        saved = _alloc_saved(layer.saved_bytes(T), device) if need_saved else None
+        args = _lib.FwdArgs(
+            num_tokens=T, x=_ptr(x), x_stride=_row_stride(x, H), ids=_ptr(ids),
+            weights=_ptr(p), w13=w13_bf16.data_ptr(), w2=w2_bf16.data_ptr(), y=_ptr(y),
+            y_stride=H, saved=_ptr(saved), expert_counts=None)
+        with layer.lock, _on_device(device):
+            layer.forward(args, _stream(device))
+        ctx.layer = layer
+        ctx.save_for_backward(x, ids, p, w13, w2, saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, ids, p, w13, w2, saved = ctx.saved_tensors
+        if saved is None:
+            raise RuntimeError("ExpertParallelExperts: backward through a forward that kept "
+                               "nothing for it (it ran with grad disabled)")
+        layer: _lib.Layer = ctx.layer
+        T, H = x.shape
+        device = x.device
+        dy = _as_rows(dy.to(_BF16), H)
+        dx = torch.empty((T, H), dtype=_BF16, device=device)
+        dp = torch.empty(tuple(ids.shape), dtype=torch.float32, device=device)
+        dw13 = torch.empty(w13.shape, dtype=torch.float32, device=device)
+        dw2 = torch.empty(w2.shape, dtype=torch.float32, device=device)
+        w13_bf16, w2_bf16 = _bf16_weight(w13), _bf16_weight(w2)
+        saved = _aligned_saved(saved)
+        args = _lib.BwdArgs(
+            num_tokens=T, x=_ptr(x), x_stride=_row_stride(x, H), ids=_ptr(ids),
+            weights=_ptr(p), w13=w13_bf16.data_ptr(), w2=w2_bf16.data_ptr(),
+            saved=saved.data_ptr(), dy=_ptr(dy), dy_stride=_row_stride(dy, H), dx=_ptr(dx),
+            dx_stride=H, dweights=_ptr(dp), dw13=dw13.data_ptr(), dw2=dw2.data_ptr(),
+            accumulate=0)
+        # Always called, whatever needs a gradient: the other ranks' backwards wait for
+        # this rank's.
+        with layer.lock, _on_device(device):
+            layer.backward(args, _stream(device))
+        need = ctx.needs_input_grad
+        return (dx if need[0] else None, None, dp if need[2] else None,
+                dw13.to(w13.dtype) if need[3] else None, dw2.to(w2.dtype) if need[4] else None,
+                None, None)
+
+
+# ---- the module -------------------------------------------------------------------------------
+
+
+def _check_module_config(hidden, intermediate, num_experts, top_k, max_tokens, comm, rank,
+                         num_ranks, dtype, saved_mode) -> None:
+    """Raises TypeError / ValueError before anything touches the library."""
+    sizes = dict(hidden=hidden, intermediate=intermediate, num_experts=num_experts,
+                 top_k=top_k, max_tokens=max_tokens)
+    for name, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"ExpertParallelExperts: {name} must be an int, got {type(v).__name__}")
+        if v < 1:
+            raise ValueError(f"ExpertParallelExperts: {name} must be >= 1, got {v}")
+    for name in ("hidden", "intermediate"):
+        if sizes[name] % _CUDA_MULTIPLE:
+            raise ValueError(f"ExpertParallelExperts: {name}={sizes[name]}: the CUDA backend "
+                             f"needs a multiple of {_CUDA_MULTIPLE}")
+    if top_k > num_experts:
+        raise ValueError(f"ExpertParallelExperts: top_k={top_k} must be <= num_experts="
+                         f"{num_experts}")
+    _shard_size(num_experts, rank, num_ranks)
+    if not isinstance(comm, _lib.Comm):
+        raise TypeError("ExpertParallelExperts: comm must be a moefuse Comm (nccl_comm_from_group "
+                        f"or virtual_comm), got {type(comm).__name__}")
+    if comm.closed:
+        raise ValueError("ExpertParallelExperts: the comm is closed")
+    if comm.num_ranks != num_ranks:
+        raise ValueError(f"ExpertParallelExperts: num_ranks={num_ranks} but the comm has "
+                         f"{comm.num_ranks} ranks")
+    if comm.rank is not None and comm.rank != rank:
+        raise ValueError(f"ExpertParallelExperts: rank={rank} but this process is rank "
+                         f"{comm.rank} of the comm")
+    if dtype not in (_BF16, torch.float32):
+        raise TypeError(f"ExpertParallelExperts: dtype must be bfloat16 (or float32 master "
+                        f"weights), got {dtype}")
+    if saved_mode not in tuple(_lib.SavedMode):
+        raise ValueError(f"ExpertParallelExperts: saved_mode must be a moefuse SavedMode, got "
+                         f"{saved_mode!r}")
+
+
+class ExpertParallelExperts(MoEExperts):
+    """This rank's share of the routed experts, computed by libmoefuse with expert
+    parallelism over `comm` (nccl_comm_from_group, or virtual_comm in tests).
+
+    Parameters (the local experts only, names as MoEExperts):
+        gate_up_proj: W13 [E/R, 2I, H], experts rank*E/R .. (rank+1)*E/R - 1
+        down_proj:    W2 [E/R, H, I]
+    bf16 by default; float32 works as master weights (cast to bf16 per call, gradients
+    stay fp32). load_global_experts() copies this rank's shard of global weights in.
+
+    forward(x [T, H] bf16, ids [T, K] int32 (int64 converted) global expert ids in
+    [-1, E), -1 = dropped, no repeats in a row, p [T, K] fp32) -> y [T, H] bf16, all on
+    the module's CUDA device; T <= max_tokens (the same max_tokens on every rank). Runs
+    on torch.cuda.current_stream() and never synchronizes; check() reports device-side
+    errors. Gradients flow to x, p and the local weights.
+
+    Collective: every rank of the comm runs the same sequence of forwards and backwards
+    (see the module docstring), and creates and closes its module together with the
+    others. The library layer (workspaces sized for R * max_tokens * K received rows) is
+    made here when the parameters are on CUDA, else at the first forward.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                 max_tokens: int, comm: _lib.Comm, rank: int, num_ranks: int,
+                 dtype: torch.dtype = _BF16,
+                 saved_mode: _lib.SavedMode = _lib.SavedMode.SAVE_ACTIVATIONS,
+                 device: Optional[Union[torch.device, str]] = None):
+        _check_module_config(hidden, intermediate, num_experts, top_k, max_tokens, comm, rank,
+                             num_ranks, dtype, saved_mode)
+        super().__init__(num_experts // num_ranks, hidden, intermediate,
+                         recompute=saved_mode == _lib.SavedMode.RECOMPUTE, device=device,
+                         dtype=dtype)
+        self.num_experts = num_experts  # E over all ranks; the parameters hold E/R
+        self.num_local_experts = num_experts // num_ranks
+        self.top_k = top_k
+        self.max_tokens = max_tokens
+        self.comm = comm
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.saved_mode = _lib.SavedMode(saved_mode)
+        self._layer: Optional[_lib.Layer] = None
+        if self.gate_up_proj.device.type == "cuda":
+            self._layer_on(self.gate_up_proj.device)
+
+    @property
+    def expert_range(self) -> range:
+        """The global ids of this rank's experts."""
+        return range(self.rank * self.num_local_experts,
+                     (self.rank + 1) * self.num_local_experts)
+
+    def load_global_experts(self, w13_global: torch.Tensor, w2_global: torch.Tensor) -> None:
+        """Copies this rank's shard of W13 [E, 2I, H] and W2 [E, H, I] into the parameters."""
+        w13, w2 = load_local_experts(w13_global, w2_global, self.rank, self.num_ranks)
+        if w13.shape != self.gate_up_proj.shape:
+            raise ValueError(f"load_global_experts: this rank's shard is {tuple(w13.shape)}, "
+                             f"the parameter {tuple(self.gate_up_proj.shape)}")
+        with torch.no_grad():
+            self.gate_up_proj.copy_(w13)
+            self.down_proj.copy_(w2)
+
+    def _layer_on(self, device: torch.device) -> _lib.Layer:
+        """The layer, created on `device` the first time (collective with NCCL)."""
+        device = _normalize_device(device)
+        layer = self._layer
+        if layer is not None and not layer.closed:
+            if layer.device != device:
+                raise ValueError(f"ExpertParallelExperts: its layer is on {layer.device}, the "
+                                 f"inputs on {device}; move the module before its first forward")
+            return layer
+        comm_device = getattr(self.comm, "device", None)  # an NCCL comm's GPU
+        if comm_device is not None and device.index != comm_device:
+            raise ValueError(f"ExpertParallelExperts: the comm's NCCL communicator is on "
+                             f"cuda:{comm_device}, the module on {device}")
+        cfg = _lib.config_init(self.hidden_size, self.intermediate_size, self.num_experts,
+                               self.top_k, self.max_tokens)
+        cfg.num_ranks = self.num_ranks
+        cfg.rank = self.rank
+        cfg.backend = _lib.Backend.CUDA
+        cfg.saved_mode = self.saved_mode
+        with _on_device(device):
+            layer = _lib.Layer(cfg, self.comm)
+        layer.device = device
+        self._layer = layer
+        return layer
+
+    def _validate(self, x, ids, p) -> torch.Tensor:
+        """Raises TypeError / ValueError naming the argument; returns ids as int32."""
+        where = "ExpertParallelExperts.forward"
+        for name, t in (("x", x), ("ids", ids), ("p", p)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        for name, t, dtypes in (("x", x, (_BF16,)), ("ids", ids, (torch.int32, torch.int64)),
+                                ("p", p, (torch.float32,))):
+            if t.dtype not in dtypes:
+                raise TypeError(f"{where}: {name} must be {' or '.join(map(str, dtypes))}, "
+                                f"got {t.dtype}")
+        H, K = self.hidden_size, self.top_k
+        if x.dim() != 2 or x.shape[1] != H:
+            raise ValueError(f"{where}: x must be [T, H={H}], got shape {tuple(x.shape)}")
+        T = x.shape[0]
+        for name, t in (("ids", ids), ("p", p)):
+            if tuple(t.shape) != (T, K):
+                raise ValueError(f"{where}: {name} must be [T={T}, K={K}], got shape "
+                                 f"{tuple(t.shape)}")
+        if T > self.max_tokens:
+            raise ValueError(f"{where}: T={T} tokens > max_tokens={self.max_tokens} (the "
+                             "module's, the same on every rank)")
+        if x.device.type != "cuda":
+            raise ValueError(f"{where}: expert parallelism runs on CUDA tensors, x is on "
+                             f"{x.device}")
+        for name, t in (("ids", ids), ("p", p), ("gate_up_proj", self.gate_up_proj),
+                        ("down_proj", self.down_proj)):
+            if t.device != x.device:
+                raise ValueError(f"{where}: {name} is on {t.device} but x is on {x.device}")
+        for name, w in (("gate_up_proj", self.gate_up_proj), ("down_proj", self.down_proj)):
+            if not w.is_contiguous():
+                raise ValueError(f"{where}: {name} must be contiguous, got strides {w.stride()}")
+        return ids.to(torch.int32)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """x [T, H] bf16, ids [T, K] global expert ids, p [T, K] fp32 -> y [T, H] bf16."""
+        ids = self._validate(x, ids, p).contiguous()
+        layer = self._layer_on(x.device)
+        w13, w2 = self.gate_up_proj, self.down_proj
+        need_saved = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (x, p, w13, w2))
+        return _ExpertParallelFn.apply(x, ids, p.contiguous(), w13, w2, layer, need_saved)
+
+    def check(self) -> None:
+        """Waits for the current stream and raises MoefuseError for the first device-side
+        error of this rank's calls since the last check: a bad expert id
+        (MOEFUSE_ERR_EXPERT_ID, MOEFUSE_ERR_DUPLICATE_EXPERT) or a peer that did not come
+        within the comm's timeout (MOEFUSE_ERR_TIMEOUT; then close() every rank's module).
+        No-op before the first forward."""
+        layer = self._layer
+        if layer is None or layer.closed:
+            return
+        with _on_device(layer.device):
+            layer.check_ids(_stream(layer.device))
+
+    def close(self) -> None:
+        """Destroys the library layer (with NCCL, on every rank together). A later forward
+        makes a new one; forwards awaiting their backward must not be pending."""
+        layer, self._layer = self._layer, None
+        if layer is not None and not layer.closed:
+            with _on_device(layer.device):
+                layer.close()
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts} (local {self.expert_range.start}.."
+                f"{self.expert_range.stop - 1}), hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, top_k={self.top_k}, "
+                f"max_tokens={self.max_tokens}, rank={self.rank}, num_ranks={self.num_ranks}, "
+                f"saved_mode={self.saved_mode.name}")
