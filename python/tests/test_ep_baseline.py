@@ -140,9 +140,12 @@ def _rank_main(rank: int, world: int, port: int, argv, patch):
         os._exit(code)
 
 
-def _run_forked(world: int, argv, patch=None, timeout: float = 60) -> list:
-    """Runs main(argv) as `world` forked ranks; returns their exit codes."""
-    ctx = multiprocessing.get_context("fork")
+def _run_ranks(world: int, argv, patch=None, timeout: float = 60) -> list:
+    """Runs main(argv) as `world` ranks in fresh processes; returns their exit codes.
+
+    spawn, not fork: on a GPU machine earlier tests of this pytest process have made a
+    CUDA context, which a forked child cannot use (the script asks for the device)."""
+    ctx = multiprocessing.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, argv, patch))
              for r in range(world)]
@@ -164,7 +167,7 @@ TINY_CHECK = ["--model", "tiny", "--device", "cpu", "--check", "--routing",
 
 @pytest.mark.parametrize("experts", ["loop", "grouped"])
 def test_four_ranks_check(experts, capfd):
-    codes = _run_forked(4, TINY_CHECK + ["--experts", experts, "--tokens", "7,0,3,5", "9", "0"])
+    codes = _run_ranks(4, TINY_CHECK + ["--experts", experts, "--tokens", "7,0,3,5", "9", "0"])
     out = capfd.readouterr().out
     assert codes == [0, 0, 0, 0], out
     assert out.count(": ok (") == 9 and "FAILED" not in out, out
@@ -181,7 +184,7 @@ def _break_backward():
 
 
 def test_check_catches_a_wrong_gradient(capfd):
-    codes = _run_forked(2, TINY_CHECK[:5] + ["--tokens", "4,6"], patch=_break_backward)
+    codes = _run_ranks(2, TINY_CHECK[:5] + ["--tokens", "4,6"], patch=_break_backward)
     out = capfd.readouterr().out
     assert codes == [1, 1], out
     assert "CHECK FAILED" in out and "dx" in out, out
