@@ -211,7 +211,10 @@ const char *moefuse_last_error(void);
 /* R virtual ranks inside this process on the current GPU (for tests): each rank's
  * layer has its own buffers and its own stream; give each rank's calls their own
  * stream and launch all ranks' calls before waiting for any (their kernels wait on
- * each other). The GEMMs of each rank use SMs / R blocks, so all ranks are resident. */
+ * each other). The GEMMs of each rank use SMs / R blocks, so all ranks are resident.
+ * Each rank uses two streams (its caller's and one of its own); layer creation asks for
+ * CUDA_DEVICE_MAX_CONNECTIONS >= 2R + 2 in the environment before CUDA starts, so that
+ * no waiting kernel shares a hardware queue with a kernel it waits for. */
 moefuse_status moefuse_comm_create_virtual(int num_ranks, moefuse_comm **out);
 
 /* One rank per process over the caller's NCCL communicator (an ncclComm_t, e.g. made

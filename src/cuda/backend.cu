@@ -758,6 +758,14 @@ moefuse_status cuda_check(moefuse_layer *layer, void *stream_) {
                            "(R * max_tokens * K + padding); expected the same config.max_tokens "
                            "on every rank; that call wrote no output on any rank",
                            layer->cfg.rank, rec.token, rec.value, rec.expected);
+        if (rec.token < 0)  // gemm1 waiting for the rows of one receive block
+            return mf_fail(MOEFUSE_ERR_TIMEOUT,
+                           "rank %d: timeout after %d ms waiting for the rows of its receive "
+                           "block %d at stage '%s': %u rows counted in, expected %u; that "
+                           "call wrote no output on this rank; destroy and create every "
+                           "rank's layer",
+                           layer->cfg.rank, layer->comm ? layer->comm->timeout_ms : 0,
+                           -1 - rec.token, st, (unsigned)rec.value, (unsigned)rec.expected);
         if (rec.value & 1)
             return mf_fail(MOEFUSE_ERR_TIMEOUT,
                            "rank %d: peer rank %d reported a failed wait (a timeout on its side) "

@@ -62,6 +62,9 @@ struct cuda_state {
     uint32_t *sync;             /* window, mf_ep_sync_bytes */
     void *win_handle[MF_WIN_COUNT]; /* NCCL: each window's ncclWindow_t */
     bool attached;              /* mf_comm_attach succeeded */
+    int push_sms;               /* forward: SMs of the row push, beside gemm1's */
+    cudaStream_t side;          /* forward: the row push runs here, beside gemm1 */
+    cudaEvent_t fork, join;     /* caller's stream -> side -> caller's stream */
     void **peers;               /* device [MF_WIN_COUNT * R] */
     int32_t *send_counts;       /* [E] the plan over all experts (this rank's sends) */
     int32_t *send_offsets;      /* [E + 1] */

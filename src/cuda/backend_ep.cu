@@ -7,13 +7,16 @@
  *             and each slot's rank among its expert's slots
  *   exchange  counts to every rank, wait for theirs; receive layout, dest_base
  *             (ep_exchange_counts.cu)
- *   push      x rows, sources and p to the experts' ranks; own padding rows zeroed;
- *             raise ROWS (ep_push_rows.cu)
- *   wait      ROWS of every rank
- *   gemm1     received rows -> act (and gate_up into saved)
+ *   push      on the layer's side stream, an eighth of the SMs: x rows, sources and p
+ *             to the experts' ranks, each row counted on its receive block's arrival
+ *             counter there; own padding rows zeroed and counted (ep_push_rows.cu)
+ *   gemm1     beside the push, on the rest of the SMs: its producer starts each 128-row
+ *             block when the block's 128 rows are counted in (the exchange set the
+ *             targets), so the GEMM overlaps the dispatch; -> act (and gate_up)
  *   gemm2     rows scaled by p, each into its source rank's combine slot row
  *   signal    DONE on every rank, wait for every rank's DONE (ep_signal_wait.cu)
- *   reduce    y from this rank's combine slot rows, as with one rank
+ *   reduce    y from this rank's combine slot rows, as with one rank, after the side
+ *             stream joined
  * Backward: check the saved buffer, a READY barrier (every rank has finished its
  * previous call, so its windows are free), push dy and x rows again (the saved
  * slot_row says where; no count exchange), wait ROWS, dgrad2, dW2, dgrad1 into the
@@ -95,7 +98,9 @@ mf_ep_push_params push_params(const moefuse_layer *layer, const saved_layout &la
     mf_ep_push_params pu = {};
     pu.rank = s->rank;
     pu.num_ranks = s->num_ranks;
+    pu.num_experts = layer->cfg.num_experts;
     pu.num_local_experts = layer->num_local_experts;
+    pu.recv_blocks = lay.rows_cap / MF_SM90_BLOCK_M;
     pu.top_k = layer->cfg.top_k;
     pu.hidden = layer->cfg.hidden;
     pu.num_tokens = num_tokens;
@@ -135,6 +140,20 @@ moefuse_status ep_create(moefuse_layer *layer, cuda_state *s) {
     const moefuse_config *c = &layer->cfg;
     moefuse_comm *comm = layer->comm;
     const int R = c->num_ranks, E = c->num_experts, K = c->top_k, T = c->max_tokens;
+    if (comm->kind == MF_COMM_VIRTUAL) {
+        /* Each virtual rank's kernels wait for the others': its two streams (the caller's
+         * and the push's) need hardware queues of their own, or a waiting kernel can sit
+         * in front of the kernel it waits for. */
+        const char *env = getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+        const int queues = env ? atoi(env) : 8;
+        if (queues < 2 * R + 2)
+            return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
+                           "moefuse_layer_create: %d virtual ranks need %d CUDA hardware queues "
+                           "(2 streams per rank and the caller's), CUDA_DEVICE_MAX_CONNECTIONS "
+                           "is %s; expected CUDA_DEVICE_MAX_CONNECTIONS=%d or more (at most 32) "
+                           "in the environment before CUDA starts",
+                           R, 2 * R + 2, env ? env : "not set (8)", 2 * R + 2);
+    }
     const int64_t rows_cap = rows_cap_for(layer, T), send_cap = send_rows_cap(layer, T);
     size_t bytes[MF_WIN_COUNT];
     bytes[MF_WIN_XS] = (size_t)rows_cap * c->hidden * 2;
@@ -143,7 +162,7 @@ moefuse_status ep_create(moefuse_layer *layer, cuda_state *s) {
     bytes[MF_WIN_ROW_WEIGHT] = (size_t)rows_cap * 4;
     bytes[MF_WIN_COMBINE] = (size_t)T * K * c->hidden * 2;  // this rank's slot rows
     bytes[MF_WIN_DP] = (size_t)T * K * 4;
-    bytes[MF_WIN_SYNC] = mf_ep_sync_bytes(R, E);
+    bytes[MF_WIN_SYNC] = mf_ep_sync_bytes(R, E, (int)(rows_cap / MF_SM90_BLOCK_M));
     void **fields[MF_WIN_COUNT];
     window_fields(s, fields);
     for (int w = 0; w < MF_WIN_COUNT; w++) {
@@ -168,6 +187,12 @@ moefuse_status ep_create(moefuse_layer *layer, cuda_state *s) {
     MF_ALLOC_FIELD(s, send_row_slot, send_cap * 4);
     MF_ALLOC_FIELD(s, send_scalars, 2 * 4);
     MF_ALLOC_FIELD(s, dest_base, (int64_t)E * 4);
+    MF_CUDA_TRY(cudaStreamCreateWithFlags(&s->side, cudaStreamNonBlocking));
+    MF_CUDA_TRY(cudaEventCreateWithFlags(&s->fork, cudaEventDisableTiming));
+    MF_CUDA_TRY(cudaEventCreateWithFlags(&s->join, cudaEventDisableTiming));
+    /* The push is bound by NVLink (or, with virtual ranks, by HBM): an eighth of the SMs
+     * carry it, the rest run gemm1 beside it. */
+    s->push_sms = s->num_sms / 8 > 0 ? s->num_sms / 8 : 1;
 
     void *windows[MF_WIN_COUNT];
     for (int w = 0; w < MF_WIN_COUNT; w++) windows[w] = *fields[w];
@@ -189,6 +214,11 @@ moefuse_status ep_create(moefuse_layer *layer, cuda_state *s) {
 
 void ep_destroy(moefuse_layer *layer, cuda_state *s) {
     moefuse_comm *comm = layer->comm;
+    if (s->side) cudaStreamDestroy(s->side);
+    if (s->fork) cudaEventDestroy(s->fork);
+    if (s->join) cudaEventDestroy(s->join);
+    s->side = NULL;
+    s->fork = s->join = NULL;
     if (s->attached) mf_comm_detach(comm, layer->cfg.rank);
     s->attached = false;
     if (comm->kind != MF_COMM_NCCL) return;  // virtual windows: cudaFree in free_state
@@ -260,22 +290,30 @@ moefuse_status ep_forward(moefuse_layer *layer, const moefuse_fwd_args *a, cudaS
     ex.dest_base = s->dest_base;
     MF_CUDA_TRY(mf_ep_exchange_counts(&ex, stream));
 
-    // ---- 3. x rows to the experts' ranks; 4. every rank's rows here ----
+    // ---- 3. x rows to the experts' ranks, on the side stream; 4. gemm1 + SwiGLU beside
+    // it, each 128-row block as soon as its rows are in (arrival counts) ----
     mf_ep_push_params pu = push_params(layer, lay, plan_base, T, a->ids, a->weights, a->x,
                                        a->x_stride);
     pu.dest_base = s->dest_base;
     pu.plan_slot_row = s->send_slot_row;
     pu.plan_offsets = s->send_offsets;
-    MF_CUDA_TRY(mf_ep_push_rows(&pu, stream));
-    mf_ep_signal_params sp = signal_params(layer, MF_EP_FLAG_ROWS, MF_EP_STAGE_ROWS);
-    sp.wait = 1;
-    MF_CUDA_TRY(mf_ep_signal_wait(&sp, stream));
+    pu.count_arrivals = 1;
+    pu.num_sms = s->push_sms;
+    MF_CUDA_TRY(cudaEventRecord(s->fork, stream));
+    MF_CUDA_TRY(cudaStreamWaitEvent(s->side, s->fork, 0));
+    MF_CUDA_TRY(mf_ep_push_rows(&pu, s->side));
+    MF_CUDA_TRY(cudaEventRecord(s->join, s->side));
 
-    // ---- 5. gemm1 + SwiGLU on the received rows ----
     const int32_t *rbe = (const int32_t *)(plan_base + lay.row_block_expert);
-    const mf_gemm1_params g1 = gemm1_params(
+    mf_gemm1_params g1 = gemm1_params(
         layer, a->w13, rbe, save_act ? (uint16_t *)((char *)a->saved + lay.gate_up) : NULL,
         lay.rows_cap);
+    const int blocks = lay.rows_cap / MF_SM90_BLOCK_M;
+    g1.arrivals = s->sync + mf_ep_arrivals_word(R, c->num_experts);
+    g1.arrival_target = s->sync + mf_ep_targets_word(R, c->num_experts, blocks);
+    g1.state = s->plan_state;
+    g1.timeout_ns = timeout_ns(layer);
+    g1.num_sms = s->num_sms - s->push_sms > 0 ? s->num_sms - s->push_sms : 1;
     MF_CUDA_TRY(mf_sm90_gemm1_swiglu_fwd_bf16(&g1, stream));
 
     // ---- 6. gemm2: p-scaled rows into their source ranks' combine slot rows ----
@@ -286,10 +324,11 @@ moefuse_status ep_forward(moefuse_layer *layer, const moefuse_fwd_args *a, cudaS
     MF_CUDA_TRY(mf_sm90_gemm2_combine_fwd_bf16(&g2, stream));
 
     // ---- 7. every rank's combine rows here; 8. the reduce, as with one rank ----
-    sp = signal_params(layer, MF_EP_FLAG_DONE, MF_EP_STAGE_COMBINE);
+    mf_ep_signal_params sp = signal_params(layer, MF_EP_FLAG_DONE, MF_EP_STAGE_COMBINE);
     sp.signal = 1;
     sp.wait = 1;
     MF_CUDA_TRY(mf_ep_signal_wait(&sp, stream));
+    MF_CUDA_TRY(cudaStreamWaitEvent(stream, s->join, 0));  // the push is part of the call
     const mf_reduce_params rp = reduce_params(layer, a->ids, T, a->y, a->y_stride);
     MF_CUDA_TRY(mf_reduce_slots_bf16(&rp, stream));
     return MOEFUSE_OK;

@@ -8,7 +8,8 @@
  * each source's rows in its own slot order. That is the one-rank plan of the ranks'
  * tokens concatenated, so the GEMMs see the same rows in the same order as one rank
  * would (bitwise equal results). From M this rank takes its own receive layout and,
- * for each expert e, dest_base[e]: where its first row of e lands on e's rank.
+ * for each expert e, dest_base[e]: where its first row of e lands on e's rank; and the
+ * arrival targets of its receive blocks (gemm1 starts a block when all its rows are in).
  *
  * A receiver whose rows would pass its capacity fails the call on every rank alike
  * (every rank sees the same M): no rank sends, nothing is written, the error record
@@ -123,6 +124,10 @@ ep_exchange_counts_kernel(const __grid_constant__ mf_ep_exchange_params p) {
         }
         p.row_block_expert[j] = e;
     }
+    // the blocks gemm1 will wait for: 128 rows each (padding included)
+    uint32_t *target = sync + mf_ep_targets_word(R, E, p.rows_cap / MF_SM90_BLOCK_M);
+    for (int b = threadIdx.x; b < total / MF_SM90_BLOCK_M; b += kThreads)
+        target[b] += MF_SM90_BLOCK_M;
     if (threadIdx.x == 0) {
         p.recv_offsets[EL] = total;
         if (p.saved_header) {

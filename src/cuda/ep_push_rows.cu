@@ -7,8 +7,10 @@
  *   [T*K, T*K + E_local*128) candidate padding rows of this rank's receive layout
  *                            (expert l, j-th row past its count): zeros, source -1.
  * The peers' rows and this rank's padding rows are disjoint, so no ordering is needed
- * between them; the rows flag is raised by the last block to finish, after every
- * block made its writes visible at system scope (threadfence reduction pattern).
+ * between them. Forward: each row written counts one arrival on its receive block
+ * (gemm1 starts a block once all 128 are in). Both directions: the rows flag is raised
+ * by the last block to finish, after every block made its writes visible at system
+ * scope (threadfence reduction pattern).
  *
  * NOTE: the same bytes as the one-rank gather (T*K*H*2 read and written per tensor),
  * but the writes cross NVLink: at ~450 GB/s per direction per H200 link set, 16384
@@ -30,6 +32,17 @@ constexpr int kWarps = kThreads / 32;
 template <class T>
 __device__ inline T *window(void *const *peers, int w, int q, int R) {
     return static_cast<T *>(peers[w * R + q]);
+}
+
+/* One row of rank q's receive block is written (by this warp): every lane's writes made
+ * visible at system scope, then one count on the block's arrival counter there. */
+__device__ inline void count_arrival(const mf_ep_push_params &p, int q, int row, int lane) {
+    mf::ptx::fence_sys();
+    __syncwarp();
+    if (lane != 0) return;
+    uint32_t *arrivals = mf::ep::sync_of(p.peers, q, p.num_ranks) +
+                         mf_ep_arrivals_word(p.num_ranks, p.num_experts);
+    atomicAdd_system(arrivals + row / MF_SM90_BLOCK_M, 1u);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -68,6 +81,7 @@ ep_push_rows_kernel(const __grid_constant__ mf_ep_push_params p) {
                 window<int32_t>(p.peers, MF_WIN_ROW_SLOT, q, R)[row] = (int32_t)(i * R + me);
                 window<float>(p.peers, MF_WIN_ROW_WEIGHT, q, R)[row] = __ldg(p.weights + i);
             }
+            if (p.count_arrivals) count_arrival(p, q, row, lane);
         } else {
             const int64_t j = i - slots;
             const int l = (int)(j / MF_SM90_BLOCK_M);
@@ -81,6 +95,7 @@ ep_push_rows_kernel(const __grid_constant__ mf_ep_push_params p) {
                 window<int32_t>(p.peers, MF_WIN_ROW_SLOT, me, R)[row] = -1;
                 window<float>(p.peers, MF_WIN_ROW_WEIGHT, me, R)[row] = 0.f;
             }
+            if (p.count_arrivals) count_arrival(p, me, row, lane);
         }
     }
 

@@ -7,6 +7,11 @@
  *   flags [4][R]            flag f from rank q at 16 + f * R + q: (epoch << 1) | failed
  *   counts [2][R][E]        int32, the counts of rank q for epoch parity b at
  *                           counts_at(b, q): written by rank q
+ *   arrivals [blocks]       rows written into each 128-row receive block, by every rank
+ *                           (forward pushes), never reset: they only grow
+ *   targets [blocks]        this rank's running sum of 128 per block of every forward:
+ *                           block b of a forward is complete when arrivals[b] reaches
+ *                           targets[b] (written by this rank only)
  *
  * Epochs: each forward and each backward adds one on every rank (all ranks make the
  * same calls), so epoch n on one rank meets epoch n on the others; flags are never
@@ -49,8 +54,18 @@ MF_HD size_t mf_ep_counts_word(int parity, int from_rank, int num_ranks, int num
     return base + ((size_t)parity * num_ranks + from_rank) * num_experts;
 }
 
-MF_HD size_t mf_ep_sync_bytes(int num_ranks, int num_experts) {
-    return mf_ep_counts_word(2, 0, num_ranks, num_experts) * sizeof(uint32_t);
+MF_HD size_t mf_ep_arrivals_word(int num_ranks, int num_experts) {
+    return mf_ep_counts_word(2, 0, num_ranks, num_experts);
+}
+
+MF_HD size_t mf_ep_targets_word(int num_ranks, int num_experts, int blocks) {
+    return mf_ep_arrivals_word(num_ranks, num_experts) + (size_t)blocks;
+}
+
+/* blocks: receive capacity / 128 */
+MF_HD size_t mf_ep_sync_bytes(int num_ranks, int num_experts, int blocks) {
+    return mf_ep_targets_word(num_ranks, num_experts, blocks) * sizeof(uint32_t) +
+           (size_t)blocks * sizeof(uint32_t);
 }
 
 #undef MF_HD

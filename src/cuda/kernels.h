@@ -29,6 +29,15 @@ typedef struct mf_gemm1_params {
     int intermediate;                 /* I */
     int num_local_experts;
     int num_sms;                      /* persistent grid size */
+    /* Expert parallelism (NULL: the rows are all there): before its first TMA load of a
+     * 128-row block, the producer waits until arrivals[b] reaches arrival_target[b]
+     * (rows written into the block, counted by mf_ep_push_rows; wrap-safe), at most
+     * timeout_ns per block; a wait that runs out is recorded in state (MOEFUSE_ERR_TIMEOUT)
+     * and fails the call (its results are not used), and the kernel stops waiting. */
+    const uint32_t *arrivals;         /* [rows_cap / 128], in this rank's sync window */
+    const uint32_t *arrival_target;   /* [rows_cap / 128] */
+    struct mf_plan_state *state;      /* below */
+    int64_t timeout_ns;
 } mf_gemm1_params;
 
 cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p, cudaStream_t stream);
@@ -257,6 +266,8 @@ typedef enum mf_ep_stage {
  * slot order: the order of the one-rank plan on the ranks' concatenated tokens. */
 typedef struct mf_ep_exchange_params {
     int rank, num_ranks, num_experts, num_local_experts;
+    /* also: arrival_target[b] += 128 for every receive block b of this call (the rows
+     * gemm1 waits for), in the sync window (mf_ep_targets_word) */
     int rows_cap;                 /* receive capacity, multiple of 128 */
     const int32_t *send_counts;   /* [E] */
     mf_plan_state *state;         /* call_failed in (bad ids) and out; error record */
@@ -287,7 +298,8 @@ cudaError_t mf_ep_exchange_counts(const mf_ep_exchange_params *p, cudaStream_t s
  * raises the rows flag on every rank. Writes nothing of this rank's own slots when
  * call_failed; nothing at all when the call's comm failed. */
 typedef struct mf_ep_push_params {
-    int rank, num_ranks, num_local_experts, top_k, hidden, num_tokens;
+    int rank, num_ranks, num_experts, num_local_experts, top_k, hidden, num_tokens;
+    int recv_blocks;              /* receive capacity / 128 (sync window layout) */
     const int32_t *ids;
     const float *weights;
     const uint16_t *x;
@@ -302,6 +314,8 @@ typedef struct mf_ep_push_params {
     const int32_t *recv_counts;   /* [E_local] this rank's receive layout */
     const int32_t *recv_offsets;  /* [E_local + 1] */
     const int32_t *gemm_num_rows; /* 0: no receive layout this call (it failed) */
+    int count_arrivals;           /* forward: +1 per row written on the receiver's block
+                                     counter (mf_ep_arrivals_word), own padding included */
     void *const *peers;
     uint32_t *sync;
     mf_plan_state *state;

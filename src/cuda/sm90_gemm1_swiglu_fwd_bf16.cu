@@ -12,6 +12,7 @@
  * 1.0 ms at 790 TFLOP/s, against about 1.4 GB of DRAM traffic (0.3 ms): matrix-bound. */
 #include <cuda_bf16.h>
 
+#include "ep_wait.cuh"
 #include "kernels.h"
 #include "sm90_grouped_gemm.cuh"
 #include "tensor_map.h"
@@ -28,6 +29,10 @@ struct Gemm1Args {
     const int32_t *num_rows;
     __nv_bfloat16 *act;
     __nv_bfloat16 *gate_up;
+    const uint32_t *arrivals;        /* EP: rows in of each block, or null */
+    const uint32_t *arrival_target;
+    mf_plan_state *state;
+    int64_t timeout_ns;
     int rows_cap, hidden, intermediate;
 };
 
@@ -36,8 +41,33 @@ template <class Cfg>
 struct Gemm1Load {
     const Gemm1Args &args;
     int m_row, w_gate_row, w_up_row;
+    bool gave_up;   /* a wait ran out: the call failed, wait no more */
+
+    /* Expert parallelism: the block's rows are still arriving from the other ranks. The
+     * generic-proxy acquire, then a proxy fence, orders the TMA reads after the rows. */
+    __device__ __forceinline__ void wait_rows(int m_block) {
+        if (!args.arrivals || gave_up) return;
+        const uint32_t want = args.arrival_target[m_block];
+        const uint32_t *count = args.arrivals + m_block;
+        uint32_t seen = ptx::ld_acquire_sys(count);
+        if ((int32_t)(seen - want) < 0) {
+            const uint64_t t0 = ptx::globaltimer_ns();
+            while ((int32_t)((seen = ptx::ld_acquire_sys(count)) - want) < 0) {
+                if ((int64_t)(ptx::globaltimer_ns() - t0) > args.timeout_ns) {
+                    ep::record_failure(args.state, MOEFUSE_ERR_TIMEOUT, -1 - m_block,
+                                       MF_EP_STAGE_ROWS, seen, want);
+                    args.state->call_failed = 1;
+                    gave_up = true;
+                    break;
+                }
+                __nanosleep(64);
+            }
+        }
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+    }
 
     __device__ __forceinline__ void tile_begin(int m_block, int n_block) {
+        wait_rows(m_block);
         const int e = args.row_block_expert[m_block];
         m_row = m_block * kBlockM;
         w_gate_row = e * 2 * args.intermediate + n_block * (Cfg::BN / 2);
@@ -99,7 +129,7 @@ template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_gemm1_swiglu_fwd_bf16_kernel(const __grid_constant__ Gemm1Args args) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
-    Gemm1Load<Cfg> load{args, 0, 0, 0};
+    Gemm1Load<Cfg> load{args, 0, 0, 0, false};
     Gemm1Epilogue<Cfg> epi{args};
     run_grouped_gemm<Cfg>(smem_raw, &args.map_xs, &args.map_w13, args.num_rows, args.rows_cap,
                           (2 * args.intermediate) / Cfg::BN, args.hidden / kBlockK, load, epi);
@@ -120,6 +150,10 @@ cudaError_t launch(const mf_gemm1_params *p, cudaStream_t stream) {
     args.num_rows = p->num_rows;
     args.act = reinterpret_cast<__nv_bfloat16 *>(p->act);
     args.gate_up = reinterpret_cast<__nv_bfloat16 *>(p->gate_up);
+    args.arrivals = p->arrivals;
+    args.arrival_target = p->arrival_target;
+    args.state = p->state;
+    args.timeout_ns = p->timeout_ns;
     args.rows_cap = p->rows_cap;
     args.hidden = p->hidden;
     args.intermediate = p->intermediate;
@@ -133,7 +167,8 @@ cudaError_t launch(const mf_gemm1_params *p, cudaStream_t stream) {
  * else BN = 128 (6 stages of 32 KB). */
 extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p,
                                                      cudaStream_t stream) {
-    if (!p || !p->xs || !p->w13 || !p->row_block_expert || !p->num_rows || !p->act)
+    if (!p || !p->xs || !p->w13 || !p->row_block_expert || !p->num_rows || !p->act ||
+        (p->arrivals && (!p->arrival_target || !p->state)))
         return cudaErrorInvalidValue;
     if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % kBlockK ||
         p->intermediate <= 0 || p->intermediate % 64 || p->num_local_experts <= 0 ||

@@ -1039,6 +1039,8 @@ static void run_case(void (*fn)(void), const char *what, const char *filter) {
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0); /* lines before a hang exit are not lost */
     setenv("NCCL_NVLS_ENABLE", "0", 0);  /* moefuse never uses NVLS (DESIGN 4) */
+    /* R = 8 virtual ranks: 2 streams each + ours (moefuse_comm_create_virtual) */
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
     signal(SIGALRM, on_alarm);
     th_seed_from_env_or_clock();
     detect_device();
