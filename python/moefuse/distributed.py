@@ -240,7 +240,8 @@ def virtual_comm(num_ranks: int, timeout_ms: int = 30000) -> _lib.Comm:
     """R virtual ranks in this process (moefuse_comm_create_virtual), for tests on one
     GPU: make every rank's module (on CUDA, so each creates its layer) before the first
     forward, give each rank's calls their own stream, and launch all ranks' calls
-    before waiting on any."""
+    before waiting on any. Layer creation asks for CUDA_DEVICE_MAX_CONNECTIONS >= 2R + 2
+    in the environment before CUDA starts (the default 8 covers R <= 3)."""
     _check_timeout(timeout_ms)
     comm = _lib.Comm.virtual(num_ranks)
     try:
