@@ -95,7 +95,7 @@ static void free_state(cuda_state *s) {
                     s->gemm_num_rows, s->plan_ws, s->dh, s->dp_partial, s->gate_up,
                     s->bwd_offsets, s->dys, s->row_slot, s->row_weight, s->dp_slot, s->sync,
                     s->peers, s->send_counts, s->send_offsets, s->send_rbe, s->send_slot_row,
-                    s->send_row_slot, s->send_scalars, s->dest_base, s->plan_num_rows};
+                    s->send_row_slot, s->send_scalars, s->dest_base};
     for (void *b : bufs)
         if (b) cudaFree(b);
     free(s);
@@ -318,7 +318,6 @@ moefuse_status cuda_create_checked(moefuse_layer *layer, cuda_state *s) {
     if (c->saved_mode == MOEFUSE_RECOMPUTE)
         MF_ALLOC_FIELD(s, gate_up, rows_cap * 2 * c->intermediate * 2);
     MF_ALLOC_FIELD(s, bwd_offsets, (int64_t)(EL + 1) * 4);
-    MF_ALLOC_FIELD(s, plan_num_rows, 4);
     const mf_plan_state init = MF_PLAN_STATE_INIT;
     MF_CUDA_TRY(cudaMemcpy(s->plan_state, &init, sizeof init, cudaMemcpyHostToDevice));
     MF_CUDA_TRY(cudaMemset(s->gemm_num_rows, 0, sizeof(int32_t)));
@@ -362,7 +361,6 @@ moefuse_status cuda_forward(moefuse_layer *layer, const moefuse_fwd_args *a, voi
     const saved_layout lay = layout_for(layer, T, save_act);
     char *plan_base = a->saved ? (char *)a->saved : (char *)s->plan_ws;
     mf_plan_params pp = {};
-    memset(&pp, 0, sizeof pp);
     pp.ids = a->ids;
     pp.num_tokens = T;
     pp.top_k = K;

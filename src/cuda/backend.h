@@ -73,7 +73,6 @@ struct cuda_state {
     int32_t *send_row_slot;     /* [send_rows_cap] */
     int32_t *send_scalars;      /* [2]: num_rows, gemm rows of the send plan */
     int32_t *dest_base;         /* [E] */
-    int32_t *plan_num_rows;     /* scalar: num_rows when the plan has no saved header */
 };
 
 inline cuda_state *state_of(const moefuse_layer *layer) { return (cuda_state *)layer->backend; }

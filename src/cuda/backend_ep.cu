@@ -100,7 +100,6 @@ mf_ep_push_params push_params(const moefuse_layer *layer, const saved_layout &la
     pu.num_ranks = s->num_ranks;
     pu.num_experts = layer->cfg.num_experts;
     pu.num_local_experts = layer->num_local_experts;
-    pu.recv_blocks = lay.rows_cap / MF_SM90_BLOCK_M;
     pu.top_k = layer->cfg.top_k;
     pu.hidden = layer->cfg.hidden;
     pu.num_tokens = num_tokens;

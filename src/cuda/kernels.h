@@ -299,7 +299,6 @@ cudaError_t mf_ep_exchange_counts(const mf_ep_exchange_params *p, cudaStream_t s
  * call_failed; nothing at all when the call's comm failed. */
 typedef struct mf_ep_push_params {
     int rank, num_ranks, num_experts, num_local_experts, top_k, hidden, num_tokens;
-    int recv_blocks;              /* receive capacity / 128 (sync window layout) */
     const int32_t *ids;
     const float *weights;
     const uint16_t *x;
