@@ -12,9 +12,14 @@
  * its N = I index is contiguous, so each stage loads BN/64 boxes of 64 I columns x 64 W2
  * rows and the wgmma reads B transposed.
  *
- * Epilogue: three passes through the staged store (act_p with the dp sum, dg, du); each
- * pass reads the thread's g and u pairs straight from gate_up (4-byte loads, the second
- * and third hit L2).
+ * The gate_up tile (g: 128 rows x BN columns, u: the same I columns on) comes into
+ * shared memory by TMA, issued by the producer after the tile's last K stage, so it lands
+ * while the K loop runs; the epilogue reads it from there (conflict-free: the 128-byte
+ * swizzle puts the 8 rows of a warp's read in distinct banks) and writes dg and du back
+ * in place of g and u.
+ * NOTE: measured on an H200 (qwen3-30b-a3b, 131072 rows): reading g/u straight from
+ * global memory in three passes (act_p, dg, du; 4-byte loads) ran at 178 TFLOP/s,
+ * 2.32 ms; the smem tile with the same three passes 1.54 ms.
  *
  * FLOPs: 2 * rows * H * I. qwen3-30b-a3b at 131072 rows: 412 GFLOP, about 0.52 ms at
  * 790 TFLOP/s; outputs dh + act_p are 3 * rows * I * 2 bytes (0.6 GB) and the gate_up
@@ -33,23 +38,33 @@ using namespace mf::sm90;
 struct Dgrad2Args {
     CUtensorMap map_dys;   /* [rows_cap, H], box 128 x 64 (K-major) */
     CUtensorMap map_w2;    /* [E * H, I], box 64 rows x 64 columns (MN-major B) */
+    CUtensorMap map_gu;    /* [rows_cap, 2I], box 128 rows x 64 columns */
     const int32_t *row_block_expert;
     const int32_t *num_rows;
     const int32_t *row_slot;
     const float *slot_weight;
     const float *row_weight;
-    const uint16_t *gate_up;
     uint16_t *dh;
     uint16_t *act_p;
     float *dp_partial;
     int rows_cap, hidden, intermediate, dp_parts;
 };
 
-/* ---- producer: A rows of the block, then BN/64 boxes of W2_e rows k.. k+63 ----------- */
+/* The gate_up tile in shared memory: g then u, each BN/64 boxes of 128 rows x 64 columns
+ * (16 KB, 128-byte swizzle). */
+constexpr int kGuBoxBytes = kBlockM * 64 * 2;
+constexpr int kTileN = 128;                           /* BN */
+constexpr int kGuBytes = 2 * (kTileN / 64) * kGuBoxBytes;
+using Dgrad2Cfg = TileConfig<kTileN, 4, false, true, kGuBytes>;
+
+/* ---- producer: A rows of the block, then BN/64 boxes of W2_e rows k.. k+63; after the
+ * last K stage, the tile's gate_up (once the epilogue of the tile before let go of it). */
 template <class Cfg>
 struct Dgrad2Load {
     const Dgrad2Args &args;
+    Ring<Cfg> ring;
     int m_row, w_row, n_col;
+    uint32_t gu_phase;
 
     __device__ __forceinline__ void tile_begin(int m_block, int n_block) {
         const int e = args.row_block_expert[m_block];
@@ -64,75 +79,94 @@ struct Dgrad2Load {
         for (int j = 0; j < Cfg::BN / 64; ++j)
             ptx::tma_load_2d(b + j * Cfg::kMnBoxBytes, &args.map_w2, bar, n_col + 64 * j,
                              w_row + k);
+        if (k + kBlockK < args.hidden) return;
+        ptx::mbar_wait(ring.extra_empty, gu_phase ^ 1u);
+        ptx::mbar_arrive_expect_tx(ring.extra_full, Cfg::kExtraBytes);
+#pragma unroll
+        for (int j = 0; j < Cfg::BN / 64; ++j) {
+            ptx::tma_load_2d(ring.extra + j * kGuBoxBytes, &args.map_gu, ring.extra_full,
+                             n_col + 64 * j, m_row);
+            ptx::tma_load_2d(ring.extra + (Cfg::BN / 64 + j) * kGuBoxBytes, &args.map_gu,
+                             ring.extra_full, args.intermediate + n_col + 64 * j, m_row);
+        }
+        gu_phase ^= 1u;
     }
 };
 
 __device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
-__device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + __expf(-g)); }
-/* The forward's silu (sm90_gemm1_swiglu_fwd_bf16.cu), so a matches its rounding path. */
-__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
-__device__ __forceinline__ float round_bf16(float x) {
-    return __bfloat162float(__float2bfloat16_rn(x));
-}
 
 /* ---- epilogue ----------------------------------------------------------------------------
+ * One pass over the accumulators: each element's exp, silu and sigmoid are computed once.
+ * act_p goes through the staged store; dg and du overwrite the g and u words they were
+ * computed from in the gate_up tile (each word is read and written by one thread only),
+ * which is then copied out as whole rows.
  * Accumulator layout of m64nN (per warpgroup): register 4c + 2h + {0,1} of lane l in warp
- * w holds row 16w + l/4 + 8h, columns 8c + 2(l%4) + {0,1}. */
+ * w holds row 16w + l/4 + 8h, columns 8c + 2(l%4) + {0,1}. Those two g (or u) values are
+ * one 4-byte word of the swizzled gate_up tile: box c/8, row R, 16-byte piece
+ * (c%8) ^ (R%8), word l%4; R%8 = l/4 for every row this lane holds. */
+struct SwigluBwd {
+    float act, dg, du;   /* bf16-rounded a, and p da' u silu'(g), p da' silu(g) */
+};
+
+/* s = sigmoid(g), silu(g) = g / (1 + e^-g) exactly as the forward computes it (so a
+ * matches its rounding path), silu'(g) = s (1 + g (1 - s)). */
+__device__ __forceinline__ SwigluBwd swiglu_bwd(float g, float u, float da) {
+    const float den = 1.f + __expf(-g);
+    const float silu = g / den, s = 1.f / den;
+    return {__bfloat162float(__float2bfloat16_rn(silu * u)), da * u * (s * (1.f + g * (1.f - s))),
+            da * silu};
+}
+
 template <class Cfg>
 struct Dgrad2Epilogue {
     const Dgrad2Args &args;
+    Ring<Cfg> ring;
+    uint32_t gu_phase;
 
     __device__ __forceinline__ void operator()(int m_block, int n_block,
                                                float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
-        constexpr int kChunkCols = Cfg::BN < kEpiMaxCols ? Cfg::BN : kEpiMaxCols;
-        constexpr int kChunks = Cfg::BN / kChunkCols;
-        constexpr int kR = kChunkCols / 2;   /* accumulator registers per chunk */
-        const int t = threadIdx.x % 128;
+        static_assert(Cfg::BN == kEpiMaxCols, "one epilogue chunk per tile");
+        const int t = threadIdx.x % 128, wg = threadIdx.x / 128;
         const int lane = t % 32, warp = t / 32;
         const int I = args.intermediate;
-        const int64_t row0 = (int64_t)m_block * kBlockM + (threadIdx.x / 128) * 64;
+        const int64_t row0 = (int64_t)m_block * kBlockM + wg * 64;
         const int col0 = n_block * Cfg::BN;
+        uint8_t *const g_tile = ring.extra + wg * 64 * 128;   /* this warpgroup's rows */
+        uint8_t *const u_tile = g_tile + kGuBytes / 2;
 
         float w[2];
         bool valid[2];
-        const uint32_t *gu_row[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int64_t r = row0 + warp * 16 + lane / 4 + 8 * h;
             const int slot = args.row_slot[r];
             valid[h] = slot >= 0;
             w[h] = !valid[h] ? 0.f : args.row_weight ? args.row_weight[r] : args.slot_weight[slot];
-            gu_row[h] = reinterpret_cast<const uint32_t *>(args.gate_up + r * 2 * I + col0 +
-                                                           2 * (lane % 4));
         }
-        /* g and u pair of accumulator registers (4c + 2h, +1) of chunk ch: word 4c of the
-         * row (8 columns per c), the u half I columns on. */
-        auto load_gu = [&](int ch, int c, int h, uint32_t &g2, uint32_t &u2) {
-            const uint32_t *p = gu_row[h] + (ch * kChunkCols + 8 * c) / 2;
-            g2 = __ldg(p);
-            u2 = __ldg(p + I / 2);
+        auto word_offset = [&](int c, int h) {
+            return (c / 8) * kGuBoxBytes + (warp * 16 + lane / 4 + 8 * h) * 128 +
+                   (((c % 8) ^ (lane / 4)) << 4) + 4 * (lane % 4);
         };
+        ptx::mbar_wait(ring.extra_full, gu_phase);
+        gu_phase ^= 1u;
 
-        /* Pass 1: act_p = bf16(p * a) and the dp partial sums over this tile's columns. */
         float dp[2] = {0.f, 0.f};
-#pragma unroll
-        for (int ch = 0; ch < kChunks; ++ch) {
-            epi_store_chunk<kChunkCols>(
-                buf,
-                [&](int c, int h) {
-                    uint32_t g2, u2;
-                    load_gu(ch, c, h, g2, u2);
-                    const float a0 = round_bf16(silu(bf16_lo(g2)) * bf16_lo(u2));
-                    const float a1 = round_bf16(silu(bf16_hi(g2)) * bf16_hi(u2));
-                    const float d0 = acc[ch * kR + 4 * c + 2 * h];
-                    const float d1 = acc[ch * kR + 4 * c + 2 * h + 1];
-                    dp[h] = fmaf(d0, a0, dp[h]);
-                    dp[h] = fmaf(d1, a1, dp[h]);
-                    return valid[h] ? pack_bf16x2_rn(w[h] * a0, w[h] * a1) : 0u;
-                },
-                [&](int r) -> void * { return args.act_p + (row0 + r) * I + col0 + ch * kChunkCols; });
-        }
+        epi_store_chunk<Cfg::BN>(
+            buf,
+            [&](int c, int h) {
+                uint32_t *g2 = reinterpret_cast<uint32_t *>(g_tile + word_offset(c, h));
+                uint32_t *u2 = reinterpret_cast<uint32_t *>(u_tile + word_offset(c, h));
+                const float d0 = acc[4 * c + 2 * h], d1 = acc[4 * c + 2 * h + 1];
+                const SwigluBwd lo = swiglu_bwd(bf16_lo(*g2), bf16_lo(*u2), w[h] * d0);
+                const SwigluBwd hi = swiglu_bwd(bf16_hi(*g2), bf16_hi(*u2), w[h] * d1);
+                dp[h] = fmaf(d0, lo.act, dp[h]);
+                dp[h] = fmaf(d1, hi.act, dp[h]);
+                *g2 = valid[h] ? pack_bf16x2_rn(lo.dg, hi.dg) : 0u;
+                *u2 = valid[h] ? pack_bf16x2_rn(lo.du, hi.du) : 0u;
+                return valid[h] ? pack_bf16x2_rn(w[h] * lo.act, w[h] * hi.act) : 0u;
+            },
+            [&](int r) -> void * { return args.act_p + (row0 + r) * I + col0; });
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             dp[h] += __shfl_xor_sync(0xffffffffu, dp[h], 1);
@@ -143,43 +177,22 @@ struct Dgrad2Epilogue {
             }
         }
 
-        /* Pass 2: dg = p da' u silu'(g), silu'(g) = s (1 + g (1 - s)), s = sigmoid(g). */
+        /* dg and du rows out of the tile (epi_store_chunk's barrier after the packs made
+         * every thread's words visible): 16 pieces of 16 bytes per row, 8 rows per pass. */
+        const int v = t % 16;
 #pragma unroll
-        for (int ch = 0; ch < kChunks; ++ch) {
-            epi_store_chunk<kChunkCols>(
-                buf,
-                [&](int c, int h) {
-                    uint32_t g2, u2;
-                    load_gu(ch, c, h, g2, u2);
-                    const float g0 = bf16_lo(g2), g1 = bf16_hi(g2);
-                    const float s0 = sigmoid(g0), s1 = sigmoid(g1);
-                    const float da0 = w[h] * acc[ch * kR + 4 * c + 2 * h];
-                    const float da1 = w[h] * acc[ch * kR + 4 * c + 2 * h + 1];
-                    const float dg0 = da0 * bf16_lo(u2) * (s0 * (1.f + g0 * (1.f - s0)));
-                    const float dg1 = da1 * bf16_hi(u2) * (s1 * (1.f + g1 * (1.f - s1)));
-                    return valid[h] ? pack_bf16x2_rn(dg0, dg1) : 0u;
-                },
-                [&](int r) -> void * {
-                    return args.dh + (row0 + r) * 2 * I + col0 + ch * kChunkCols;
-                });
+        for (int r0 = 0; r0 < 64; r0 += 8) {
+            const int r = r0 + t / 16;
+            const int off = (v / 8) * kGuBoxBytes + r * 128 + (((v % 8) ^ (r % 8)) << 4);
+            uint4 *dst = reinterpret_cast<uint4 *>(args.dh + (row0 + r) * 2 * I + col0) + v;
+            dst[0] = *reinterpret_cast<const uint4 *>(g_tile + off);
+            dst[I / 8] = *reinterpret_cast<const uint4 *>(u_tile + off);
         }
-        /* Pass 3: du = p da' silu(g). */
-#pragma unroll
-        for (int ch = 0; ch < kChunks; ++ch) {
-            epi_store_chunk<kChunkCols>(
-                buf,
-                [&](int c, int h) {
-                    const uint32_t g2 = __ldg(gu_row[h] + (ch * kChunkCols + 8 * c) / 2);
-                    const float da0 = w[h] * acc[ch * kR + 4 * c + 2 * h];
-                    const float da1 = w[h] * acc[ch * kR + 4 * c + 2 * h + 1];
-                    const float du0 = da0 * silu(bf16_lo(g2));
-                    const float du1 = da1 * silu(bf16_hi(g2));
-                    return valid[h] ? pack_bf16x2_rn(du0, du1) : 0u;
-                },
-                [&](int r) -> void * {
-                    return args.dh + (row0 + r) * 2 * I + I + col0 + ch * kChunkCols;
-                });
-        }
+        /* Hand the tile back to the producer's next TMA load: order this thread's
+         * generic accesses before it (async proxy), then one arrival per warp. */
+        ptx::fence_proxy_async_smem();
+        __syncwarp();
+        if (lane == 0) ptx::mbar_arrive(ring.extra_empty);
     }
 };
 
@@ -187,8 +200,9 @@ template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel(const __grid_constant__ Dgrad2Args args) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
-    Dgrad2Load<Cfg> load{args, 0, 0, 0};
-    Dgrad2Epilogue<Cfg> epi{args};
+    const Ring<Cfg> ring = ring_from_smem<Cfg>(smem_raw);
+    Dgrad2Load<Cfg> load{args, ring, 0, 0, 0, 0u};
+    Dgrad2Epilogue<Cfg> epi{args, ring, 0u};
     run_grouped_gemm<Cfg>(smem_raw, &args.map_dys, &args.map_w2, args.num_rows, args.rows_cap,
                           args.intermediate / Cfg::BN, args.hidden / kBlockK, load, epi);
 }
@@ -205,12 +219,15 @@ cudaError_t launch(const mf_dgrad2_params *p, cudaStream_t stream) {
                                      p->intermediate, p->intermediate, kBlockK, 64)) !=
         cudaSuccess)
         return err;
+    if ((err = mf_tensor_map_bf16_2d(&args.map_gu, p->gate_up, (uint64_t)p->rows_cap,
+                                     2 * (uint64_t)p->intermediate, 2 * (uint64_t)p->intermediate,
+                                     kBlockM, 64)) != cudaSuccess)
+        return err;
     args.row_block_expert = p->row_block_expert;
     args.num_rows = p->num_rows;
     args.row_slot = p->row_slot;
     args.slot_weight = p->slot_weight;
     args.row_weight = p->row_weight;
-    args.gate_up = p->gate_up;
     args.dh = p->dh;
     args.act_p = p->act_p;
     args.dp_partial = p->dp_partial;
@@ -224,14 +241,12 @@ cudaError_t launch(const mf_dgrad2_params *p, cudaStream_t stream) {
 
 }  // namespace
 
-/* Tile choice (and so the dp partials per row): BN = 128, 6 stages of 32 KB. 0 when I is
- * not supported.
- * NOTE: BN = 256 spills (284 bytes) under the 168-register compile budget of the
- * 384-thread kernel: the epilogue's g/u loads get hoisted next to 128 accumulators.
- * Staging gate_up through shared memory would make BN = 256 possible. */
+/* Tile choice (and so the dp partials per row): BN = 128, 4 stages of 32 KB and the 64 KB
+ * gate_up tile. 0 when I is not supported.
+ * NOTE: BN = 256 would need a 128 KB gate_up tile beside the ring: it does not fit. */
 extern "C" int mf_dgrad2_dp_parts(int intermediate) {
-    if (intermediate <= 0 || intermediate % 128) return 0;
-    return intermediate / 128;
+    if (intermediate <= 0 || intermediate % kTileN) return 0;
+    return intermediate / kTileN;
 }
 
 extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(const mf_dgrad2_params *p,
@@ -243,10 +258,10 @@ extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(const mf_dgrad2_param
         p->intermediate <= 0 || p->intermediate % 128 || p->num_local_experts <= 0 ||
         p->num_sms <= 0)
         return cudaErrorInvalidValue;
-    /* TMA sources, the 16-byte epilogue stores and the 4-byte gate_up loads. */
+    /* TMA sources and the 16-byte epilogue stores. */
     if (misaligned16(p->dys, p->w2, p->gate_up, p->dh, p->act_p) ||
         (reinterpret_cast<uintptr_t>(p->dp_partial) & 3u))
         return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
-    return launch<TileConfig<128, 6, false, true>>(p, stream);
+    return launch<Dgrad2Cfg>(p, stream);
 }

@@ -59,10 +59,15 @@ static_assert(kConsumerWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
               "register budget after setmaxnreg exceeds the register file");
 
 /* ---- tile configuration ------------------------------------------------------------ */
-template <int BN_, int STAGES_, bool A_MN_MAJOR = false, bool B_MN_MAJOR = false>
+/* EXTRA_BYTES: shared memory of the kernel's own (a multiple of 1024, so a swizzled TMA
+ * box can land there), with one full/empty barrier pair: a per-tile operand of the
+ * epilogue that the producer loads once per tile (dgrad2's gate_up tile). */
+template <int BN_, int STAGES_, bool A_MN_MAJOR = false, bool B_MN_MAJOR = false,
+          int EXTRA_BYTES = 0>
 struct TileConfig {
     static constexpr int BN = BN_;
     static constexpr int kStages = STAGES_;
+    static constexpr int kExtraBytes = EXTRA_BYTES;
     static constexpr bool kAMnMajor = A_MN_MAJOR;   /* A stored [K, M]: M contiguous */
     static constexpr bool kBMnMajor = B_MN_MAJOR;   /* B stored [K, N]: N contiguous */
     static constexpr int kMnBoxBytes = 64 * kBlockK * 2;   /* one MN-major TMA box */
@@ -70,11 +75,13 @@ struct TileConfig {
     static constexpr int kABytes = kBlockM * kBlockK * 2;
     static constexpr int kBBytes = BN * kBlockK * 2;
     static constexpr int kStageBytes = kABytes + kBBytes;
-    /* ring | epilogue buffers | barriers; the base is 1024-aligned (checked at entry). */
-    static constexpr int kSmemBytes =
-        kStages * kStageBytes + kConsumerWarpgroups * kEpiBytes + 2 * kStages * 8;
+    /* ring | extra | epilogue buffers | barriers (full, empty, extra full, extra empty);
+     * the base is 1024-aligned (checked at entry). */
+    static constexpr int kSmemBytes = kStages * kStageBytes + kExtraBytes +
+                                      kConsumerWarpgroups * kEpiBytes + (2 * kStages + 2) * 8;
 
     static_assert(BN == 128 || BN == 256, "wgmma wrappers exist for N = 128 and 256");
+    static_assert(kExtraBytes % 1024 == 0, "the extra region starts on a swizzle atom");
     static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0,
                   "every operand tile must start on a 1024-byte swizzle atom");
     static_assert(kSmemBytes <= 227 * 1024, "shared-memory ring exceeds the 227 KB limit");
@@ -101,9 +108,12 @@ struct OperandDesc {
 template <class Cfg>
 struct Ring {
     uint8_t *base;      /* 1024-aligned: stage s at base + s * kStageBytes, A then B */
+    uint8_t *extra;     /* [kExtraBytes], 1024-aligned */
     uint8_t *epi;       /* [kConsumerWarpgroups][64][kEpiRowBytes] epilogue staging */
     uint64_t *full;     /* [kStages] TMA bytes landed */
     uint64_t *empty;    /* [kStages] consumers done reading */
+    uint64_t *extra_full;    /* the extra region's bytes landed (one arrival + tx) */
+    uint64_t *extra_empty;   /* the consumers done with it (one arrival per warp) */
 
     __device__ __forceinline__ uint8_t *epi_buf(int wg) const { return epi + wg * kEpiBytes; }
     __device__ __forceinline__ uint8_t *a(int s) const { return base + s * Cfg::kStageBytes; }
@@ -116,9 +126,12 @@ template <class Cfg>
 __device__ __forceinline__ Ring<Cfg> ring_from_smem(uint8_t *raw) {
     Ring<Cfg> r;
     r.base = raw;
-    r.epi = raw + Cfg::kStages * Cfg::kStageBytes;
+    r.extra = raw + Cfg::kStages * Cfg::kStageBytes;
+    r.epi = r.extra + Cfg::kExtraBytes;
     r.full = reinterpret_cast<uint64_t *>(r.epi + kConsumerWarpgroups * kEpiBytes);
     r.empty = r.full + Cfg::kStages;
+    r.extra_full = r.empty + Cfg::kStages;
+    r.extra_empty = r.extra_full + 1;
     return r;
 }
 
@@ -129,6 +142,8 @@ __device__ __forceinline__ void ring_init(const Ring<Cfg> &r) {
         ptx::mbar_init(&r.full[s], 1);                          /* producer's expect_tx */
         ptx::mbar_init(&r.empty[s], kConsumerWarpgroups * 4);   /* one per consumer warp */
     }
+    ptx::mbar_init(r.extra_full, 1);
+    ptx::mbar_init(r.extra_empty, kConsumerWarpgroups * 4);
     ptx::mbar_fence_init();
 }
 
