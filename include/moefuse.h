@@ -48,7 +48,7 @@ extern "C" {
 #endif
 
 #define MOEFUSE_VERSION_MAJOR 0
-#define MOEFUSE_VERSION_MINOR 1
+#define MOEFUSE_VERSION_MINOR 2
 #define MOEFUSE_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH */
 #define MOEFUSE_VERSION                                                         \
@@ -143,9 +143,14 @@ typedef struct moefuse_bwd_args {
     uint16_t *dx;                /* out [T, H] bf16; tokens with every slot dropped get 0 */
     int64_t dx_stride;
     float *dweights;             /* out [T, K] fp32, d p; dropped slots get 0 */
-    float *dw13;                 /* out [E/R, 2I, H] fp32 */
-    float *dw2;                  /* out [E/R, H, I] fp32 */
+    float *dw13;                 /* out [E/R, 2I, H] fp32; NULL when dw13_bf16 is set */
+    float *dw2;                  /* out [E/R, H, I] fp32; NULL when dw2_bf16 is set */
     int accumulate;              /* 0: dw13/dw2 = grad; 1: dw13/dw2 += grad */
+    /* Weight gradients in bf16 instead (both or neither, write mode only): the fp32
+     * gradient rounded to nearest even, bitwise that of dw13/dw2. For trainers whose
+     * parameters and gradients are bf16: half the bytes, no cast afterwards. */
+    uint16_t *dw13_bf16;         /* out [E/R, 2I, H] bf16, or NULL */
+    uint16_t *dw2_bf16;          /* out [E/R, H, I] bf16, or NULL */
 } moefuse_bwd_args;
 
 /* Qwen3 routing: softmax over E logits in fp32, top-K, renormalize the K weights.

@@ -1,7 +1,8 @@
 /* The CPU backend through the public API, against the fp64 reference, on fresh
  * random inputs: accuracy on the Qwen3 shapes, routing edge cases, every output
- * written (outputs are poisoned first), accumulate mode, MOEFUSE_RECOMPUTE versus
- * saved activations, several forwards in flight, determinism, refused saved buffers.
+ * written (outputs are poisoned first), accumulate mode, bf16 weight gradients,
+ * MOEFUSE_RECOMPUTE versus saved activations, several forwards in flight, determinism,
+ * refused saved buffers.
  *
  * Tolerances: th_bf16_tolerance(n), n = the bf16 roundings on a value's path (x, dy,
  * the weights and p are inputs, exact in both computations):
@@ -318,6 +319,20 @@ static moefuse_status backward(moefuse_layer *layer, const problem *pb, outputs 
               moefuse_last_error());                                                     \
     } while (0)
 
+/* backward() in write mode with the weight gradients in bf16 (o->dw13, o->dw2 unused). */
+static moefuse_status backward_bf16(moefuse_layer *layer, const problem *pb, outputs *o,
+                                    const void *saved,
+                                    uint16_t *dw13, /* [E, 2I, H] */
+                                    uint16_t *dw2) { /* [E, H, I] */
+    moefuse_bwd_args a = {
+        .num_tokens = pb->T, .x = pb->x, .x_stride = pb->stride, .ids = pb->ids,
+        .weights = pb->p, .w13 = pb->w13, .w2 = pb->w2, .saved = saved, .dy = pb->dy,
+        .dy_stride = pb->stride, .dx = o->dx, .dx_stride = pb->stride, .dweights = o->dp,
+        .dw13_bf16 = dw13, .dw2_bf16 = dw2,
+    };
+    return moefuse_backward(layer, &a, NULL);
+}
+
 /* Poisoned outputs, forward, backward (write mode). */
 static void run_pair(moefuse_layer *layer, const problem *pb, outputs *o) {
     void *saved = saved_make(layer, pb->T);
@@ -603,6 +618,97 @@ static void accumulate_is_old_plus_grad(void) {
     }
 }
 
+/* bf16 of an fp32 value, round to nearest even, worked out apart from the library's
+ * bit trick: 8 significant bits kept by rint() (ties to even in the default rounding
+ * mode), or a multiple of 2^-133 below 2^-126, where bf16 is subnormal. */
+static uint16_t bf16_rne(float f) {
+    double d = f, r;
+    if (fabs(d) < ldexp(1.0, -126)) {
+        r = ldexp(rint(ldexp(d, 133)), -133);
+    } else {
+        int ex;
+        double m = frexp(d, &ex); /* d = m 2^ex, 0.5 <= |m| < 1 */
+        r = ldexp(rint(ldexp(m, 8)), ex - 8);
+    }
+    float rf = (float)r; /* exact: 8 significant bits */
+    uint32_t u;
+    memcpy(&u, &rf, 4);
+    return (uint16_t)(u >> 16);
+}
+
+static int bf16_is_nan(uint16_t v) { return (v & 0x7f80) == 0x7f80 && (v & 0x007f) != 0; }
+
+/* Elements of a bf16 output that are not the fp32 one rounded to nearest even: other
+ * bits for a finite value, no NaN for a NaN. *nans counts the NaNs. */
+static int64_t count_not_rounded(const float *f32, const uint16_t *b16, int64_t n,
+                                 int64_t *nans) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (isnan(f32[i])) {
+            ++*nans;
+            bad += !bf16_is_nan(b16[i]);
+        } else {
+            bad += b16[i] != bf16_rne(f32[i]);
+        }
+    }
+    return bad;
+}
+
+/* dw13_bf16 / dw2_bf16 are bitwise the fp32 write-mode dw13 / dw2 of the same inputs
+ * rounded to nearest even, every element (the bf16 outputs are poisoned with +inf,
+ * which no gradient here rounds to and which is no NaN); experts without slots get
+ * +0; y, dx and dp are the fp32 run's. nan_in_x puts a NaN into x of token 0, whose
+ * experts' gradients must then come out NaN in bf16 too. */
+static void bf16_wgrads_case(shape s, int T, routing r, moefuse_saved_mode mode,
+                             int nan_in_x) {
+    moefuse_layer *layer = make_layer(s, T > 0 ? T : 8, mode, 0);
+    if (!layer) return;
+    problem pb = problem_make(s, T, s.H, r);
+    if (nan_in_x) pb.x[0] = 0x7fc1;
+    outputs w = outputs_make(&pb), b = outputs_make(&pb);
+    run_pair(layer, &pb, &w);
+    uint16_t *dw13 = malloc(sizeof(uint16_t) * (size_t)w.n_dw13); /* [E, 2I, H] */
+    uint16_t *dw2 = malloc(sizeof(uint16_t) * (size_t)w.n_dw2);   /* [E, H, I] */
+    for (int64_t i = 0; i < w.n_dw13; i++) dw13[i] = 0x7f80;
+    for (int64_t i = 0; i < w.n_dw2; i++) dw2[i] = 0x7f80;
+    void *saved = saved_make(layer, T);
+    outputs_poison(&b, s.E);
+    CHECK_OK(forward(layer, &pb, &b, saved));
+    CHECK_OK(backward_bf16(layer, &pb, &b, saved, dw13, dw2));
+    int64_t nans = 0;
+    int64_t bad13 = count_not_rounded(w.dw13, dw13, w.n_dw13, &nans);
+    int64_t bad2 = count_not_rounded(w.dw2, dw2, w.n_dw2, &nans);
+    CHECK(bad13 == 0, "%s T=%d: %lld of dw13_bf16 not bf16(fp32 dw13)", s.name, T,
+          (long long)bad13);
+    CHECK(bad2 == 0, "%s T=%d: %lld of dw2_bf16 not bf16(fp32 dw2)", s.name, T,
+          (long long)bad2);
+    CHECK(!nan_in_x || nans > 0, "%s: the NaN in x reached no weight gradient", s.name);
+    CHECK(!memcmp(w.y, b.y, sizeof(uint16_t) * (size_t)w.n_y) &&
+          !memcmp(w.dx, b.dx, sizeof(uint16_t) * (size_t)w.n_y) &&
+          !memcmp(w.dp, b.dp, sizeof(float) * (size_t)w.n_dp),
+          "%s T=%d: y, dx or dp differ between the fp32 and bf16 weight-gradient runs",
+          s.name, T);
+    CHECK(count_poison32(b.dw13, b.n_dw13) == b.n_dw13 &&
+          count_poison32(b.dw2, b.n_dw2) == b.n_dw2, "fp32 buffers not passed were written");
+    free(saved);
+    free(dw13);
+    free(dw2);
+    outputs_free(&w);
+    outputs_free(&b);
+    problem_free(&pb);
+    moefuse_layer_destroy(layer);
+}
+
+static void bf16_wgrads_are_rounded_fp32(void) {
+    /* 1000 rows on expert 0: past sgemm's K block, where a different call would differ */
+    bf16_wgrads_case(SMALL, 1000, ROUTE_ONE_EXPERT, MOEFUSE_SAVE_ACTIVATIONS, 0);
+    bf16_wgrads_case(SMALL, 40, ROUTE_FEW, MOEFUSE_SAVE_ACTIVATIONS, 0);
+    bf16_wgrads_case(ODD, 17, ROUTE_DROPPED, MOEFUSE_RECOMPUTE, 0);
+    bf16_wgrads_case(QWEN3_30B_E16, 8, ROUTE_RANDOM, MOEFUSE_SAVE_ACTIVATIONS, 0);
+    bf16_wgrads_case(SMALL, 0, ROUTE_RANDOM, MOEFUSE_SAVE_ACTIVATIONS, 0);
+    bf16_wgrads_case(SMALL, 64, ROUTE_RANDOM, MOEFUSE_SAVE_ACTIVATIONS, 1);
+}
+
 /* MOEFUSE_RECOMPUTE repeats the forward's gemm1 exactly: same bits everywhere, for
  * less saved memory. */
 static void recompute_equals_saved(void) {
@@ -753,6 +859,7 @@ int main(void) {
     th_run("odd shape H=200 I=72 E=9 K=3", odd_shape);
     th_run("T = 0", zero_tokens);
     th_run("accumulate = old + write-mode gradient, bitwise", accumulate_is_old_plus_grad);
+    th_run("bf16 weight gradients = bf16(fp32 write mode), bitwise", bf16_wgrads_are_rounded_fp32);
     th_run("MOEFUSE_RECOMPUTE bitwise equals MOEFUSE_SAVE_ACTIVATIONS", recompute_equals_saved);
     th_run("two forwards then two backwards", two_forwards_then_two_backwards);
     th_run("bitwise deterministic, any thread count", deterministic);

@@ -18,6 +18,7 @@ typedef struct {
     int32_t ids[TMAX * K], counts[E];
     float p[TMAX * K], dp[TMAX * K];
     float dw13[E * 2 * I * H], dw2[E * H * I];
+    uint16_t dw13_bf16[E * 2 * I * H], dw2_bf16[E * H * I];
     void *saved;
     moefuse_fwd_args fa;
     moefuse_bwd_args ba;
@@ -31,6 +32,8 @@ static void poison_outputs(fixture *f) {
     memset(f->dp, POISON, sizeof f->dp);
     memset(f->dw13, POISON, sizeof f->dw13);
     memset(f->dw2, POISON, sizeof f->dw2);
+    memset(f->dw13_bf16, POISON, sizeof f->dw13_bf16);
+    memset(f->dw2_bf16, POISON, sizeof f->dw2_bf16);
     memset(f->counts, POISON, sizeof f->counts);
 }
 
@@ -44,7 +47,10 @@ static int all_bytes(const void *p, size_t n, unsigned char v) {
 static int outputs_untouched(const fixture *f) {
     return all_bytes(f->y, sizeof f->y, POISON) && all_bytes(f->dx, sizeof f->dx, POISON) &&
            all_bytes(f->dp, sizeof f->dp, POISON) && all_bytes(f->dw13, sizeof f->dw13, POISON) &&
-           all_bytes(f->dw2, sizeof f->dw2, POISON) && all_bytes(f->counts, sizeof f->counts, POISON);
+           all_bytes(f->dw2, sizeof f->dw2, POISON) &&
+           all_bytes(f->dw13_bf16, sizeof f->dw13_bf16, POISON) &&
+           all_bytes(f->dw2_bf16, sizeof f->dw2_bf16, POISON) &&
+           all_bytes(f->counts, sizeof f->counts, POISON);
 }
 
 static fixture *fixture_new(void) {
@@ -154,6 +160,30 @@ static void bwd_id_dup(fixture *f) { f->ids[1] = f->ids[0]; }
 static void bwd_accumulate(fixture *f) { f->ba.accumulate = 2; }
 static void bwd_too_many(fixture *f) { f->ba.num_tokens = TMAX + 5; }
 
+/* The weight gradients in bf16: dw13_bf16 and dw2_bf16 instead of dw13 and dw2. */
+static void use_bf16_wgrads(fixture *f) {
+    f->ba.dw13 = NULL;
+    f->ba.dw2 = NULL;
+    f->ba.dw13_bf16 = f->dw13_bf16;
+    f->ba.dw2_bf16 = f->dw2_bf16;
+}
+static void bwd_no_wgrads(fixture *f) { f->ba.dw13 = NULL; f->ba.dw2 = NULL; }
+static void bwd_both_pairs(fixture *f) {
+    f->ba.dw13_bf16 = f->dw13_bf16;
+    f->ba.dw2_bf16 = f->dw2_bf16;
+}
+static void bwd_bf16_with_dw2(fixture *f) { use_bf16_wgrads(f); f->ba.dw2 = f->dw2; }
+static void bwd_bf16_pair_and_dw13(fixture *f) { use_bf16_wgrads(f); f->ba.dw13 = f->dw13; }
+static void bwd_only_dw13_bf16(fixture *f) { use_bf16_wgrads(f); f->ba.dw2_bf16 = NULL; }
+static void bwd_only_dw2_bf16(fixture *f) { use_bf16_wgrads(f); f->ba.dw13_bf16 = NULL; }
+static void bwd_odd_dw2_bf16(fixture *f) {
+    use_bf16_wgrads(f);
+    f->ba.dw2_bf16 = (uint16_t *)((char *)f->dw2_bf16 + 1);
+}
+static void bwd_bf16_accumulate(fixture *f) { use_bf16_wgrads(f); f->ba.accumulate = 1; }
+/* The fp32 pair and one stray bf16 pointer: refused, not the stray pointer ignored. */
+static void bwd_fp32_pair_and_dw13_bf16(fixture *f) { f->ba.dw13_bf16 = f->dw13_bf16; }
+
 static void test_valid_calls_pass(void) {
     fixture *f = fixture_new();
     CHECK(f != NULL, "fixture");
@@ -162,6 +192,15 @@ static void test_valid_calls_pass(void) {
     CHECK(moefuse_last_error()[0] == '\0', "a successful call leaves an empty message");
     CHECK(moefuse_backward(f->layer, &f->ba, NULL) == MOEFUSE_OK, "%s", moefuse_last_error());
     CHECK(moefuse_layer_check(f->layer, NULL) == MOEFUSE_OK, "%s", moefuse_last_error());
+    /* the bf16 weight gradients: written, and the fp32 buffers (not passed) untouched */
+    poison_outputs(f);
+    use_bf16_wgrads(f);
+    CHECK(moefuse_backward(f->layer, &f->ba, NULL) == MOEFUSE_OK, "bf16 weight gradients: %s",
+          moefuse_last_error());
+    CHECK(!all_bytes(f->dw13_bf16, sizeof f->dw13_bf16, POISON) &&
+          !all_bytes(f->dw2_bf16, sizeof f->dw2_bf16, POISON), "bf16 weight gradients not written");
+    CHECK(all_bytes(f->dw13, sizeof f->dw13, POISON) && all_bytes(f->dw2, sizeof f->dw2, POISON),
+          "a bf16-gradient backward wrote dw13 / dw2");
     fixture_free(f);
     expect_fwd(MOEFUSE_OK, "", nothing);
 }
@@ -208,6 +247,21 @@ static void test_backward_errors(void) {
     expect_bwd(MOEFUSE_ERR_DUPLICATE_EXPERT, "ids[0]", bwd_id_dup);
     expect_bwd(MOEFUSE_ERR_INVALID_CONFIG, "bwd_args.accumulate", bwd_accumulate);
     expect_bwd(MOEFUSE_ERR_TOO_MANY_TOKENS, "bwd_args.num_tokens", bwd_too_many);
+}
+
+/* Exactly one whole pair of weight-gradient outputs, the bf16 pair in write mode only. */
+static void test_backward_wgrad_outputs(void) {
+    expect_bwd(MOEFUSE_ERR_NULL_POINTER, "bwd_args.dw13: expected a non-NULL pointer",
+               bwd_no_wgrads);
+    expect_bwd(MOEFUSE_ERR_INVALID_CONFIG, "bwd_args.dw13 = ", bwd_both_pairs);
+    expect_bwd(MOEFUSE_ERR_INVALID_CONFIG, "bwd_args.dw13 = ", bwd_fp32_pair_and_dw13_bf16);
+    expect_bwd(MOEFUSE_ERR_INVALID_CONFIG, "bwd_args.dw2 = ", bwd_bf16_with_dw2);
+    expect_bwd(MOEFUSE_ERR_INVALID_CONFIG, "bwd_args.dw13 = ", bwd_bf16_pair_and_dw13);
+    expect_bwd(MOEFUSE_ERR_NULL_POINTER, "bwd_args.dw2_bf16: NULL", bwd_only_dw13_bf16);
+    expect_bwd(MOEFUSE_ERR_NULL_POINTER, "bwd_args.dw13_bf16: NULL", bwd_only_dw2_bf16);
+    expect_bwd(MOEFUSE_ERR_MISALIGNED, "bwd_args.dw2_bf16", bwd_odd_dw2_bf16);
+    expect_bwd(MOEFUSE_ERR_INVALID_CONFIG, "accumulate needs the fp32 buffers",
+               bwd_bf16_accumulate);
 }
 
 /* Config errors: each field out of range gets INVALID_CONFIG (or UNSUPPORTED for
@@ -350,6 +404,7 @@ int main(void) {
     th_run("forward: shapes and T", test_forward_shapes);
     th_run("forward: expert ids", test_forward_expert_ids);
     th_run("backward: every argument", test_backward_errors);
+    th_run("backward: fp32 or bf16 weight gradients", test_backward_wgrad_outputs);
     th_run("config errors", test_config_errors);
     th_run("comm errors", test_comm_errors);
     th_run("saved_bytes errors", test_saved_bytes_errors);

@@ -20,7 +20,7 @@ from .modules import MoEExperts, MoefuseQwen3MoeBlock, fuse_per_expert_state_dic
 from .ops import (backward_unsupported_reason, check_device_errors, experts, layer_cache,
                   route, saved_bytes)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "EXPECTED_VERSION", "Comm", "ExpertParallelExperts", "LibraryNotFoundError", "MoEExperts",

@@ -25,7 +25,7 @@ from typing import Optional
 # The MOEFUSE_VERSION (MAJOR * 10000 + MINOR * 100 + PATCH) whose structs this file
 # mirrors. While MAJOR is 0 a MINOR change may change the structs, so MAJOR and MINOR
 # must match exactly; PATCH may differ.
-EXPECTED_VERSION = 100
+EXPECTED_VERSION = 200
 
 
 class Status(enum.IntEnum):
@@ -151,9 +151,13 @@ class BwdArgs(ctypes.Structure):
         ("dx", ctypes.c_void_p),  # uint16_t* out [T, H] bf16
         ("dx_stride", ctypes.c_int64),
         ("dweights", ctypes.c_void_p),  # float* out [T, K]
-        ("dw13", ctypes.c_void_p),  # float* out [E/R, 2I, H] fp32
-        ("dw2", ctypes.c_void_p),  # float* out [E/R, H, I] fp32
+        ("dw13", ctypes.c_void_p),  # float* out [E/R, 2I, H] fp32; NULL with dw13_bf16
+        ("dw2", ctypes.c_void_p),  # float* out [E/R, H, I] fp32; NULL with dw2_bf16
         ("accumulate", ctypes.c_int),  # 0: write dw13/dw2, 1: add into them
+        # bf16 weight gradients instead (both or neither, accumulate = 0): the fp32 ones
+        # rounded to nearest even
+        ("dw13_bf16", ctypes.c_void_p),  # uint16_t* out [E/R, 2I, H] bf16, or NULL
+        ("dw2_bf16", ctypes.c_void_p),  # uint16_t* out [E/R, H, I] bf16, or NULL
     ]
 
 

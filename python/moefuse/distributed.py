@@ -43,7 +43,8 @@ import torch
 from . import _lib
 from .modules import MoEExperts
 from .ops import (_BF16, _aligned_saved, _alloc_saved, _as_rows, _bf16_weight,
-                  _normalize_device, _on_device, _ptr, _row_stride, _stream)
+                  _normalize_device, _on_device, _ptr, _row_stride, _stream, _wgrad_dtype,
+                  _wgrad_fields)
 
 _CUDA_MULTIPLE = 128  # H and I of the CUDA backend (moefuse.h)
 
@@ -290,8 +291,8 @@ def load_local_experts(w13_global: torch.Tensor, w2_global: torch.Tensor, rank: 
 
 class _ExpertParallelFn(torch.autograd.Function):
     """y = the routed experts of this rank's tokens; the layer's kernels exchange rows
-    with the other ranks. Backward: dx, d p and this rank's dW13, dW2 (fp32 from the
-    library, returned in each weight's dtype)."""
+    with the other ranks. Backward: dx, d p and this rank's dW13, dW2 (written by the
+    library in bf16 for bf16 weights, else in fp32; returned in each weight's dtype)."""
 
     @staticmethod
     def forward(ctx, x, ids, p, w13, w2, layer: _lib.Layer, need_saved: bool):
@@ -325,16 +326,16 @@ class _ExpertParallelFn(torch.autograd.Function):
         dy = _as_rows(dy.to(_BF16), H)
         dx = torch.empty((T, H), dtype=_BF16, device=device)
         dp = torch.empty(tuple(ids.shape), dtype=torch.float32, device=device)
-        dw13 = torch.empty(w13.shape, dtype=torch.float32, device=device)
-        dw2 = torch.empty(w2.shape, dtype=torch.float32, device=device)
+        wgrad_dtype = _wgrad_dtype(w13, w2)
+        dw13 = torch.empty(w13.shape, dtype=wgrad_dtype, device=device)
+        dw2 = torch.empty(w2.shape, dtype=wgrad_dtype, device=device)
         w13_bf16, w2_bf16 = _bf16_weight(w13), _bf16_weight(w2)
         saved = _aligned_saved(saved)
         args = _lib.BwdArgs(
             num_tokens=T, x=_ptr(x), x_stride=_row_stride(x, H), ids=_ptr(ids),
             weights=_ptr(p), w13=w13_bf16.data_ptr(), w2=w2_bf16.data_ptr(),
             saved=saved.data_ptr(), dy=_ptr(dy), dy_stride=_row_stride(dy, H), dx=_ptr(dx),
-            dx_stride=H, dweights=_ptr(dp), dw13=dw13.data_ptr(), dw2=dw2.data_ptr(),
-            accumulate=0)
+            dx_stride=H, dweights=_ptr(dp), accumulate=0, **_wgrad_fields(dw13, dw2))
         # Always called, whatever needs a gradient: the other ranks' backwards wait for
         # this rank's.
         with layer.lock, _on_device(device):

@@ -11,8 +11,9 @@ Public functions (differentiable, torch.compile(fullgraph=True) friendly):
                          gradient returned in fp32 without the bf16 round trip)
         w2   [E, H, I]   bf16 (or fp32, as w13)
         y    [T, H]      bf16
-      Gradients flow to x, p, w13 and w2. The C library returns weight gradients in
-      fp32; they come back in each weight's dtype.
+      Gradients flow to x, p, w13 and w2, each weight's in its dtype: bf16 weights get
+      bf16 gradients written by the library (the fp32 gradients rounded to nearest
+      even, no cast afterwards), fp32 master weights fp32 gradients.
 
     route(logits, top_k) -> (ids int32 [T, K], weights fp32 [T, K])
         Qwen3 routing: softmax over E in fp32, top-K (ties: lower id), renormalize.
@@ -228,6 +229,22 @@ def _aligned_saved(saved: torch.Tensor) -> torch.Tensor:
     return copy
 
 
+def _wgrad_dtype(w13: torch.Tensor, w2: torch.Tensor) -> torch.dtype:
+    """The dtype the library writes the weight gradients in: bf16 when both weights are
+    bf16 (moefuse_bwd_args.dw13_bf16 / dw2_bf16: the fp32 gradients rounded to nearest
+    even, half the bytes, no cast), else fp32 (master weights; the pair is both or
+    neither, so mixed weights get fp32 and a cast)."""
+    return _BF16 if w13.dtype == _BF16 and w2.dtype == _BF16 else torch.float32
+
+
+def _wgrad_fields(dw13: torch.Tensor, dw2: torch.Tensor) -> dict:
+    """The BwdArgs pointers of the weight-gradient outputs, by their dtype: the bf16 pair
+    or the fp32 pair, the other NULL (the bf16 pair takes accumulate = 0 only)."""
+    if dw13.dtype == _BF16:
+        return dict(dw13=None, dw2=None, dw13_bf16=dw13.data_ptr(), dw2_bf16=dw2.data_ptr())
+    return dict(dw13=dw13.data_ptr(), dw2=dw2.data_ptr(), dw13_bf16=None, dw2_bf16=None)
+
+
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     """data_ptr for the args structs; None (NULL) for empty tensors."""
     if t is None or t.numel() == 0:
@@ -304,16 +321,18 @@ def _experts_bwd(dy: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, p: torch.
                  w13: torch.Tensor, w2: torch.Tensor, saved: torch.Tensor,
                  recompute: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                            torch.Tensor]:
-    """(dx [T, H] bf16, dp [T, K] fp32, dw13 [E, 2I, H] fp32, dw2 [E, H, I] fp32)."""
+    """(dx [T, H] bf16, dp [T, K] fp32, dw13 [E, 2I, H], dw2 [E, H, I]); the weight
+    gradients bf16 when w13 and w2 are bf16, else fp32 (_wgrad_dtype)."""
     T, H, I, E, K = _shape_of(x, ids, w13)
     device = x.device
     dx = torch.empty((T, H), dtype=_BF16, device=device)
     dp = torch.empty((T, K), dtype=torch.float32, device=device)
+    wgrad_dtype = _wgrad_dtype(w13, w2)
     if T == 0:
-        return (dx, dp, torch.zeros(w13.shape, dtype=torch.float32, device=device),
-                torch.zeros(w2.shape, dtype=torch.float32, device=device))
-    dw13 = torch.empty(w13.shape, dtype=torch.float32, device=device)
-    dw2 = torch.empty(w2.shape, dtype=torch.float32, device=device)
+        return (dx, dp, torch.zeros(w13.shape, dtype=wgrad_dtype, device=device),
+                torch.zeros(w2.shape, dtype=wgrad_dtype, device=device))
+    dw13 = torch.empty(w13.shape, dtype=wgrad_dtype, device=device)
+    dw2 = torch.empty(w2.shape, dtype=wgrad_dtype, device=device)
     layer = layer_cache.get(H, I, E, K, T, device, recompute)
     x, dy = _as_rows(x, H), _as_rows(dy.to(_BF16), H)
     w13, w2 = _bf16_weight(w13), _bf16_weight(w2)
@@ -322,7 +341,7 @@ def _experts_bwd(dy: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, p: torch.
         num_tokens=T, x=x.data_ptr(), x_stride=_row_stride(x, H), ids=ids.data_ptr(),
         weights=p.data_ptr(), w13=w13.data_ptr(), w2=w2.data_ptr(), saved=saved.data_ptr(),
         dy=dy.data_ptr(), dy_stride=_row_stride(dy, H), dx=dx.data_ptr(), dx_stride=H,
-        dweights=dp.data_ptr(), dw13=dw13.data_ptr(), dw2=dw2.data_ptr(), accumulate=0)
+        dweights=dp.data_ptr(), accumulate=0, **_wgrad_fields(dw13, dw2))
     with layer.lock, _on_device(device):
         layer.backward(args, _stream(device))
     return dx, dp, dw13, dw2
@@ -331,9 +350,10 @@ def _experts_bwd(dy: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, p: torch.
 @_experts_bwd.register_fake
 def _experts_bwd_fake(dy, x, ids, p, w13, w2, saved, recompute):
     T, H, _, _, K = _shape_of(x, ids, w13)
+    wgrad_dtype = _wgrad_dtype(w13, w2)
     return (x.new_empty((T, H), dtype=_BF16), x.new_empty((T, K), dtype=torch.float32),
-            w13.new_empty(w13.shape, dtype=torch.float32),
-            w2.new_empty(w2.shape, dtype=torch.float32))
+            w13.new_empty(w13.shape, dtype=wgrad_dtype),
+            w2.new_empty(w2.shape, dtype=wgrad_dtype))
 
 
 def _experts_setup_context(ctx, inputs, output):
@@ -354,6 +374,7 @@ def _experts_backward(ctx, dy, _dsaved):
     dx, dp, dw13, dw2 = torch.ops.moefuse.experts_bwd(dy, x, ids, p, w13, w2, saved,
                                                       ctx.recompute)
     need = ctx.needs_input_grad
+    # Already each weight's dtype (a no-op) unless one weight is bf16 and the other fp32.
     return (dx if need[0] else None, None, dp if need[2] else None,
             dw13.to(w13.dtype) if need[3] else None, dw2.to(w2.dtype) if need[4] else None,
             None, None)

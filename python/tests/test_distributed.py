@@ -320,6 +320,23 @@ def test_function_gives_the_single_rank_bits(cpu_layer, saved_mode, T):
                    [y_ref.detach()] + [t.grad for t in want])
 
 
+def test_function_bf16_weight_gradients_are_rounded_fp32(cpu_layer):
+    """bf16 weights: dW13 / dW2 come from the library in bf16, bitwise the fp32 ones of
+    master weights holding the same values, rounded to nearest even."""
+    x, ids, p, w13, w2, dy = random_problem(37, 64, 32, 8, 2, seed=7, drop_fraction=0.2)
+    grads = []
+    for weights in ((w13, w2), (w13.float(), w2.float())):
+        leaves = _fn_leaves(x, p, *weights)
+        y = distributed._ExpertParallelFn.apply(leaves[0], ids, leaves[1], leaves[2],
+                                                leaves[3], cpu_layer(), True)
+        y.backward(dy)
+        grads.append((leaves[2].grad, leaves[3].grad))
+    (dw13_b, dw2_b), (dw13_f, dw2_f) = grads
+    assert dw13_b.dtype == torch.bfloat16 and dw13_f.dtype == torch.float32
+    assert torch.equal(dw13_b.view(torch.int16), dw13_f.bfloat16().view(torch.int16))
+    assert torch.equal(dw2_b.view(torch.int16), dw2_f.bfloat16().view(torch.int16))
+
+
 def test_function_with_zero_tokens_and_fp32_weights(cpu_layer):
     x = torch.zeros(0, 64, dtype=torch.bfloat16, requires_grad=True)
     p = torch.zeros(0, 2, requires_grad=True)

@@ -158,6 +158,50 @@ def test_fp32_master_weights_get_fp32_gradients():
     assert torch.equal(dw13.to(torch.bfloat16), dw13_b)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+def test_bf16_weight_gradients_are_rounded_fp32():
+    """bf16 weights get bf16 gradients written by the library (dw13_bf16 / dw2_bf16), no
+    cast: bitwise the fp32 gradients of master weights holding the same values, rounded
+    to nearest even (torch's fp32 -> bf16 is that rounding). Weights of mixed dtypes get
+    fp32 from the library, then a cast: the same bits. The op's fake returns the real
+    op's dtypes."""
+    x, ids, p, w13, w2, dy = random_problem(200, 256, 96, 16, 4, seed=13, drop_fraction=0.2)
+    _, dx_b, dp_b, dw13_b, dw2_b = run_op(x, ids, p, w13, w2, dy)
+    _, dx_f, dp_f, dw13_f, dw2_f = run_op(x, ids, p, w13.float(), w2.float(), dy)
+    assert dw13_b.dtype == torch.bfloat16 and dw2_b.dtype == torch.bfloat16
+    assert dw13_f.dtype == torch.float32 and dw2_f.dtype == torch.float32
+    assert torch.equal(_bits(dw13_b), _bits(dw13_f.to(torch.bfloat16)))
+    assert torch.equal(_bits(dw2_b), _bits(dw2_f.to(torch.bfloat16)))
+    assert torch.equal(dx_b, dx_f) and torch.equal(dp_b, dp_f)
+    _, _, _, dw13_m, dw2_m = run_op(x, ids, p, w13, w2.float(), dy)
+    assert dw13_m.dtype == torch.bfloat16 and dw2_m.dtype == torch.float32
+    assert torch.equal(_bits(dw13_m), _bits(dw13_b)) and torch.equal(dw2_m, dw2_f)
+
+    _, saved = torch.ops.moefuse.experts_fwd(x, ids, p, w13, w2, True, False)
+    for a, b, want in ((w13, w2, torch.bfloat16), (w13.float(), w2.float(), torch.float32),
+                       (w13, w2.float(), torch.float32)):
+        args = (dy, x, ids, p, a, b, saved, False)
+        dw13, dw2 = torch.ops.moefuse.experts_bwd(*args)[2:]
+        assert dw13.dtype == want and dw2.dtype == want
+        torch.library.opcheck(torch.ops.moefuse.experts_bwd.default, args,
+                              test_utils=("test_faketensor",))
+
+
+def test_bf16_weight_gradients_zero_tokens():
+    """T = 0: zero gradients, in the weights' dtype."""
+    _, _, _, w13, w2, _ = random_problem(1, 64, 32, 8, 2)
+    x = torch.empty(0, 64, dtype=torch.bfloat16)
+    ids, p = torch.empty(0, 2, dtype=torch.int32), torch.empty(0, 2)
+    saved = torch.empty(0, dtype=torch.uint8)
+    for a, b, want in ((w13, w2, torch.bfloat16), (w13.float(), w2.float(), torch.float32)):
+        dw13, dw2 = torch.ops.moefuse.experts_bwd(x, x, ids, p, a, b, saved, False)[2:]
+        assert dw13.dtype == want and dw2.dtype == want
+        assert not dw13.any() and not dw2.any()
+
+
 def test_deterministic():
     problem = random_problem(128, 128, 64, 8, 4, seed=4)
     first, second = run_op(*problem), run_op(*problem)

@@ -9,7 +9,8 @@
  *
  * Rounding points are the GPU's: [g;u] and a are stored as bf16 (and every later use
  * reads the rounded values), [dg;du] is rounded to bf16 before both of its GEMMs,
- * y and dx are rounded once after the fp32 reduce. Everything else is fp32.
+ * y and dx are rounded once after the fp32 reduce, bf16 weight gradients once after
+ * their fp32 GEMM. Everything else is fp32.
  *
  * Threads: one OpenMP team per call. Work is cut into tasks whose boundaries depend
  * only on the plan and the shapes, never on the thread count, and every output
@@ -61,7 +62,8 @@ typedef struct row_task {
 
 typedef struct thread_scratch {
     float *wblock;      /* [wblock_elems] a converted block of one weight matrix */
-    float *wgrad;       /* [WGRAD_CHUNK, max(H, I)] one weight-gradient chunk (accumulate) */
+    float *wgrad;       /* [WGRAD_CHUNK, max(H, I)] one weight-gradient chunk (accumulate,
+                         * bf16 outputs) */
     float *row;         /* [max(H, 2I)] one fp32 row (reduce, SwiGLU) */
     uint16_t *row16;    /* [max(H, 2I)] the same row rounded to bf16 */
 } thread_scratch;
@@ -604,7 +606,8 @@ static void bwd_task(const bwd_ctx *c, const row_task *task, thread_scratch *ts)
  * reducing over all of expert e's rows in one call. Accumulate mode computes the
  * same call into scratch and adds it, so accumulate is exactly old + write-mode
  * value (sgemm with beta = 1 is not: past its K block it adds partial sums to C one
- * at a time). */
+ * at a time). The bf16 outputs likewise take the same call into scratch and round
+ * it, so they are exactly bf16(write-mode value). */
 static void wgrad_chunk(const bwd_ctx *c, int64_t idx, thread_scratch *ts) {
     const cpu_state *st = c->st;
     const moefuse_bwd_args *a = c->a;
@@ -617,8 +620,7 @@ static void wgrad_chunk(const bwd_ctx *c, int64_t idx, thread_scratch *ts) {
     int64_t r0 = c->pv.offsets[e];
 
     const float *A, *B;   /* the GEMM dst[m, n] = A[rows, m]^T B[rows, n] */
-    int64_t lda, n, m0, m;
-    float *dst;
+    int64_t lda, n, m0, m, first; /* first: the chunk's offset in dW13 or dW2 */
     if (chunk < c13) {    /* dW13_e[m0 .. m0+m) = [dg;du][:, m0 .. m0+m)^T Xs */
         m0 = chunk * WGRAD_CHUNK;
         m = 2 * I - m0 < WGRAD_CHUNK ? 2 * I - m0 : WGRAD_CHUNK;
@@ -626,7 +628,7 @@ static void wgrad_chunk(const bwd_ctx *c, int64_t idx, thread_scratch *ts) {
         A = st->gu + r0 * 2 * I + m0;
         lda = 2 * I;
         B = st->xs + r0 * H;
-        dst = a->dw13 + (int64_t)e * 2 * I * H + m0 * H;
+        first = (int64_t)e * 2 * I * H + m0 * H;
     } else {              /* dW2_e[m0 .. m0+m) = (p dy)[:, m0 .. m0+m)^T A */
         m0 = (chunk - c13) * WGRAD_CHUNK;
         m = H - m0 < WGRAD_CHUNK ? H - m0 : WGRAD_CHUNK;
@@ -634,16 +636,27 @@ static void wgrad_chunk(const bwd_ctx *c, int64_t idx, thread_scratch *ts) {
         A = st->dys + r0 * H + m0;
         lda = H;
         B = st->act + r0 * I;
-        dst = a->dw2 + (int64_t)e * H * I + m0 * I;
+        first = (int64_t)e * H * I + m0 * I;
     }
+    /* The host layer let through exactly one pair, and the bf16 one in write mode only. */
+    int bf16 = a->dw13_bf16 != NULL;
+    float *dst = NULL;       /* [m, n] rows of dW13_e or dW2_e, fp32 */
+    uint16_t *dst16 = NULL;  /* the same rows, bf16 */
+    if (bf16)
+        dst16 = (chunk < c13 ? a->dw13_bf16 : a->dw2_bf16) + first;
+    else
+        dst = (chunk < c13 ? a->dw13 : a->dw2) + first;
     if (rows == 0) {
-        if (!a->accumulate) memset(dst, 0, sizeof(float) * (size_t)(m * n));
+        if (bf16) memset(dst16, 0, sizeof(uint16_t) * (size_t)(m * n)); /* bf16 +0 */
+        else if (!a->accumulate) memset(dst, 0, sizeof(float) * (size_t)(m * n));
         return;
     }
-    float *out = a->accumulate ? ts->wgrad : dst; /* [m, n] */
+    float *out = a->accumulate || bf16 ? ts->wgrad : dst; /* [m, n] */
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)m, (int)n, rows, 1.0f, A,
                 (int)lda, B, (int)n, 0.0f, out, (int)n);
-    if (a->accumulate)
+    if (bf16)
+        mf_float_to_bf16_n(out, dst16, m * n);
+    else if (a->accumulate)
         for (int64_t i = 0; i < m * n; i++) dst[i] += out[i];
 }
 

@@ -205,13 +205,21 @@ mf_dgrad1_params dgrad1_params(const moefuse_layer *layer, const uint16_t *w13,
     return d;
 }
 
-mf_wgrad_params wgrad_params(const moefuse_layer *layer, int rows_cap, int accumulate) {
+mf_wgrad_params wgrad_params(const moefuse_layer *layer, const moefuse_bwd_args *a,
+                             int rows_cap, bool dw13, const uint16_t *dys) {
     const cuda_state *s = state_of(layer);
+    const int H = layer->cfg.hidden, I = layer->cfg.intermediate;
     mf_wgrad_params w = {};
+    w.lhs = dw13 ? s->dh : dys;
+    w.rhs = dw13 ? s->xs : s->act;
+    w.dw = dw13 ? a->dw13 : a->dw2;
+    w.dw_bf16 = dw13 ? a->dw13_bf16 : a->dw2_bf16;
+    w.m = dw13 ? 2 * I : H;
+    w.n = dw13 ? H : I;
     w.expert_offsets = s->bwd_offsets;
     w.rows_cap = rows_cap;
     w.num_local_experts = layer->num_local_experts;
-    w.accumulate = accumulate;
+    w.accumulate = a->accumulate;
     w.num_sms = s->num_sms;
     return w;
 }
@@ -626,8 +634,11 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     if (layer->comm) return ep_backward(layer, a, stream);
     if (T == 0) {  // no rows: the weight gradients are 0
         if (!a->accumulate) {
-            MF_CUDA_TRY(cudaMemsetAsync(a->dw13, 0, (size_t)EL * 2 * I * H * 4, stream));
-            MF_CUDA_TRY(cudaMemsetAsync(a->dw2, 0, (size_t)EL * H * I * 4, stream));
+            const size_t bytes = a->dw13_bf16 ? 2 : 4;   // bf16 or fp32 gradients
+            MF_CUDA_TRY(cudaMemsetAsync(a->dw13_bf16 ? (void *)a->dw13_bf16 : a->dw13, 0,
+                                        (size_t)EL * 2 * I * H * bytes, stream));
+            MF_CUDA_TRY(cudaMemsetAsync(a->dw2_bf16 ? (void *)a->dw2_bf16 : a->dw2, 0,
+                                        (size_t)EL * H * I * bytes, stream));
         }
         return MOEFUSE_OK;
     }
@@ -675,13 +686,8 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     MF_CUDA_TRY(mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&d2, stream));
 
     // ---- 4. dW2 = dys^T act_p per expert: before dgrad1 overwrites dys ----
-    mf_wgrad_params wg = wgrad_params(layer, lay.rows_cap, a->accumulate);
-    wg.lhs = dys;
-    wg.rhs = s->act;
-    wg.dw = a->dw2;
-    wg.m = H;
-    wg.n = I;
-    MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&wg, stream));
+    const mf_wgrad_params dw2 = wgrad_params(layer, a, lay.rows_cap, false, dys);
+    MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw2, stream));
 
     // ---- 5. dgrad1: dh W13_e -> dx slot rows in combine ----
     mf_dgrad1_params d1 = dgrad1_params(layer, a->w13, rbe, row_slot, lay.rows_cap);
@@ -703,12 +709,8 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     MF_CUDA_TRY(mf_reduce_dp_f32(&rd, stream));
 
     // ---- 7. dW13 = dh^T xs per expert ----
-    wg.lhs = s->dh;
-    wg.rhs = s->xs;
-    wg.dw = a->dw13;
-    wg.m = 2 * I;
-    wg.n = H;
-    MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&wg, stream));
+    const mf_wgrad_params dw13 = wgrad_params(layer, a, lay.rows_cap, true, dys);
+    MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw13, stream));
     return MOEFUSE_OK;
 }
 

@@ -337,7 +337,7 @@ moefuse_status ep_backward(moefuse_layer *layer, const moefuse_bwd_args *a, cuda
     cuda_state *s = state_of(layer);
     const moefuse_config *c = &layer->cfg;
     const int T = a->num_tokens, K = c->top_k;
-    const int H = c->hidden, I = c->intermediate, R = s->num_ranks;
+    const int R = s->num_ranks;
     const bool recompute = c->saved_mode == MOEFUSE_RECOMPUTE;
     const saved_layout lay = layout_for(layer, T, !recompute);
     const char *base = (const char *)a->saved;
@@ -376,13 +376,8 @@ moefuse_status ep_backward(moefuse_layer *layer, const moefuse_bwd_args *a, cuda
                                         lay.rows_cap);
     d2.row_weight = s->row_weight;
     MF_CUDA_TRY(mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&d2, stream));
-    mf_wgrad_params wg = wgrad_params(layer, lay.rows_cap, a->accumulate);
-    wg.lhs = s->dys;
-    wg.rhs = s->act;
-    wg.dw = a->dw2;
-    wg.m = H;
-    wg.n = I;
-    MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&wg, stream));
+    const mf_wgrad_params dw2 = wgrad_params(layer, a, lay.rows_cap, false, s->dys);
+    MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw2, stream));
 
     // ---- 5. dgrad1 into the source ranks' combine slot rows; d p to the sources ----
     mf_dgrad1_params d1 = dgrad1_params(layer, a->w13, rbe, s->row_slot, lay.rows_cap);
@@ -404,12 +399,8 @@ moefuse_status ep_backward(moefuse_layer *layer, const moefuse_bwd_args *a, cuda
     sp = signal_params(layer, MF_EP_FLAG_DONE, MF_EP_STAGE_BWD_COMBINE);
     sp.signal = 1;
     MF_CUDA_TRY(mf_ep_signal_wait(&sp, stream));
-    wg.lhs = s->dh;
-    wg.rhs = s->xs;
-    wg.dw = a->dw13;
-    wg.m = 2 * I;
-    wg.n = H;
-    MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&wg, stream));
+    const mf_wgrad_params dw13 = wgrad_params(layer, a, lay.rows_cap, true, s->dys);
+    MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw13, stream));
     sp.signal = 0;
     sp.wait = 1;
     MF_CUDA_TRY(mf_ep_signal_wait(&sp, stream));

@@ -119,7 +119,8 @@ cudaError_t mf_sm90_gemm1_dgrad_bwd_bf16(const mf_dgrad1_params *p, cudaStream_t
 /* K-grouped weight gradient: for every local expert e, over its padded rows
  * [expert_offsets[e], expert_offsets[e+1]):
  *     dw_e [M, N] = (accumulate ? dw_e : 0) + sum_r lhs[r, :]^T rhs[r, :]
- * in fp32, each output element owned by one CTA (no atomics: deterministic).
+ * in fp32, each output element owned by one CTA (no atomics: deterministic); or, into
+ * dw_bf16 instead (write mode only), that fp32 sum rounded to nearest even.
  * dW2:  lhs = dys [rows, H] (M = H),   rhs = act_p [rows, I] (N = I)
  * dW13: lhs = dh  [rows, 2I] (M = 2I), rhs = xs [rows, H]   (N = H)
  * Both operands are MN-major (rows are the reduction). Experts without rows get zeros
@@ -128,8 +129,9 @@ typedef struct mf_wgrad_params {
     const uint16_t *lhs;              /* [rows_cap, M] bf16 */
     const uint16_t *rhs;              /* [rows_cap, N] bf16 */
     const int32_t *expert_offsets;    /* [E_local + 1] device, multiples of 128 */
-    float *dw;                        /* [E_local, M, N] fp32 */
+    float *dw;                        /* [E_local, M, N] fp32, or NULL */
     int rows_cap, m, n, num_local_experts, accumulate, num_sms;
+    uint16_t *dw_bf16;                /* [E_local, M, N] bf16, when dw is NULL */
 } mf_wgrad_params;
 
 cudaError_t mf_sm90_wgrad_grouped_bf16(const mf_wgrad_params *p, cudaStream_t stream);

@@ -1,5 +1,5 @@
-/* K-grouped weight gradient (sm_90a, bf16 in, fp32 out): for every local expert e, over
- * its padded rows [expert_offsets[e], expert_offsets[e+1]),
+/* K-grouped weight gradient (sm_90a, bf16 in, fp32 or bf16 out): for every local expert
+ * e, over its padded rows [expert_offsets[e], expert_offsets[e+1]),
  *
  *   dw_e [M, N] = (accumulate ? dw_e : 0) + sum_r lhs[r, :]^T rhs[r, :]
  *
@@ -17,6 +17,8 @@
  *
  * Epilogue: fp32 straight from the accumulators, 8-byte stores (4 lanes cover 32
  * contiguous bytes of a row, whole sectors); accumulate mode loads, adds once, stores.
+ * bf16 output (write mode): rounded to nearest even and sent through the staged store
+ * (whole 16-byte row pieces), half the bytes of fp32.
  *
  * FLOPs: 2 * rows * M * N. qwen3-30b-a3b at 131072 rows: dW2 412 GFLOP, dW13 825 GFLOP;
  * the fp32 outputs are E * M * N * 4 bytes (0.8 GB / 1.6 GB, written once, read once more
@@ -35,6 +37,7 @@ struct WgradArgs {
     CUtensorMap map_rhs;   /* [rows_cap, N], box 64 rows x 64 columns */
     const int32_t *expert_offsets;
     float *dw;
+    uint16_t *dw_bf16;
     int m, n, m_blocks, n_blocks, num_experts, accumulate;
 };
 
@@ -92,10 +95,18 @@ struct WgradEpilogue {
     const WgradArgs &args;
 
     __device__ __forceinline__ void operator()(int m_block, int n_block,
-                                               float (&acc)[Cfg::kAccRegs], uint8_t *) {
+                                               float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
         const int e = m_block / args.m_blocks;
         const int t = threadIdx.x % 128;
         const int lane = t % 32, warp = t / 32;
+        if (args.dw_bf16) {
+            const int64_t row0 = (int64_t)e * args.m + (m_block - e * args.m_blocks) * kBlockM +
+                                 (threadIdx.x / 128) * 64;
+            const float one[2] = {1.f, 1.f};
+            epi_store_rows_bf16<Cfg>(n_block, acc, buf, one,
+                                     [&](int r) { return args.dw_bf16 + (row0 + r) * args.n; });
+            return;
+        }
         const int row = (m_block - e * args.m_blocks) * kBlockM + (threadIdx.x / 128) * 64 +
                         warp * 16 + lane / 4;
         float *base = args.dw + ((int64_t)e * args.m + row) * args.n + n_block * Cfg::BN +
@@ -146,6 +157,7 @@ cudaError_t launch(const mf_wgrad_params *p, cudaStream_t stream) {
         return err;
     args.expert_offsets = p->expert_offsets;
     args.dw = p->dw;
+    args.dw_bf16 = p->dw_bf16;
     args.m = p->m;
     args.n = p->n;
     args.m_blocks = p->m / kBlockM;
@@ -153,7 +165,7 @@ cudaError_t launch(const mf_wgrad_params *p, cudaStream_t stream) {
     args.num_experts = p->num_local_experts;
     args.accumulate = p->accumulate;
 
-    return launch_persistent(sm90_wgrad_grouped_bf16_kernel<Cfg>, Cfg::kSmemBytes, p->num_sms, args, stream);
+    return launch_persistent<Cfg>(sm90_wgrad_grouped_bf16_kernel<Cfg>, p->num_sms, args, stream);
 }
 
 }  // namespace
@@ -161,14 +173,18 @@ cudaError_t launch(const mf_wgrad_params *p, cudaStream_t stream) {
 /* Tile choice: BN = 256 (4 stages of 48 KB) when N allows it, else BN = 128. */
 extern "C" cudaError_t mf_sm90_wgrad_grouped_bf16(const mf_wgrad_params *p,
                                                   cudaStream_t stream) {
-    if (!p || !p->lhs || !p->rhs || !p->expert_offsets || !p->dw) return cudaErrorInvalidValue;
+    if (!p || !p->lhs || !p->rhs || !p->expert_offsets || !p->dw == !p->dw_bf16 ||
+        (p->dw_bf16 && p->accumulate))
+        return cudaErrorInvalidValue;
     if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->m <= 0 || p->m % kBlockM || p->n <= 0 ||
         p->n % 128 || p->num_local_experts <= 0 || p->num_sms <= 0)
         return cudaErrorInvalidValue;
-    if (misaligned16(p->lhs, p->rhs, p->dw)) return cudaErrorInvalidValue;
+    if (misaligned16(p->lhs, p->rhs, p->dw, p->dw_bf16)) return cudaErrorInvalidValue;
     if (p->rows_cap == 0) {
         if (p->accumulate) return cudaSuccess;
-        return cudaMemsetAsync(p->dw, 0, (size_t)p->num_local_experts * p->m * p->n * 4, stream);
+        const size_t elems = (size_t)p->num_local_experts * p->m * p->n;
+        return p->dw ? cudaMemsetAsync(p->dw, 0, elems * 4, stream)
+                     : cudaMemsetAsync(p->dw_bf16, 0, elems * 2, stream);
     }
     if (p->n % 256 == 0) return launch<TileConfig<256, 4, true, true>>(p, stream);
     return launch<TileConfig<128, 6, true, true>>(p, stream);

@@ -210,6 +210,43 @@ static moefuse_status check_tokens(const moefuse_layer *layer, int num_tokens,
         if (st_ != MOEFUSE_OK) return st_;                                               \
     } while (0)
 
+/* The weight-gradient outputs: the fp32 pair (dw13, dw2) or the bf16 pair (dw13_bf16,
+ * dw2_bf16), exactly one of them whole. Either bf16 pointer set picks the bf16 pair,
+ * so a NULL in it is reported as half a pair rather than as a missing dw13. */
+static moefuse_status check_wgrad_outputs(const moefuse_layer *layer,
+                                          const moefuse_bwd_args *a) {
+    if (a->dw13_bf16 == NULL && a->dw2_bf16 == NULL) {
+        if (!a->dw13)
+            return mf_fail(MOEFUSE_ERR_NULL_POINTER,
+                           "bwd_args.dw13: expected a non-NULL pointer (fp32 weight "
+                           "gradients), or dw13_bf16 and dw2_bf16 with dw13 = dw2 = NULL");
+        if (!a->dw2)
+            return mf_fail(MOEFUSE_ERR_NULL_POINTER,
+                           "bwd_args.dw2: expected a non-NULL pointer (fp32 weight "
+                           "gradients), or dw13_bf16 and dw2_bf16 with dw13 = dw2 = NULL");
+        TRY(need_ptr(a->dw13, "bwd_args.dw13", 4));
+        return need_ptr(a->dw2, "bwd_args.dw2", 4);
+    }
+    if (a->dw13 || a->dw2)
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                       "bwd_args.%s = %p with bwd_args.dw13_bf16 / dw2_bf16 set: expected "
+                       "NULL (weight gradients go to the fp32 pair or the bf16 pair, not both)",
+                       a->dw13 ? "dw13" : "dw2", a->dw13 ? (void *)a->dw13 : (void *)a->dw2);
+    if (!a->dw13_bf16 || !a->dw2_bf16)
+        return mf_fail(MOEFUSE_ERR_NULL_POINTER,
+                       "bwd_args.%s: NULL while bwd_args.%s is set; expected both bf16 "
+                       "weight-gradient pointers or neither",
+                       a->dw13_bf16 ? "dw2_bf16" : "dw13_bf16",
+                       a->dw13_bf16 ? "dw13_bf16" : "dw2_bf16");
+    TRY(need_ptr(a->dw13_bf16, "bwd_args.dw13_bf16", (size_t)bf16_align(layer)));
+    TRY(need_ptr(a->dw2_bf16, "bwd_args.dw2_bf16", (size_t)bf16_align(layer)));
+    if (a->accumulate == 1)
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                       "bwd_args.accumulate = 1 with dw13_bf16 / dw2_bf16: accumulate needs "
+                       "the fp32 buffers dw13 / dw2; expected 0 (write) with the bf16 pair");
+    return MOEFUSE_OK;
+}
+
 /* Checks shared by forward and backward: the forward's inputs. */
 static moefuse_status check_inputs(const moefuse_layer *layer, int T, const uint16_t *x,
                                    int64_t x_stride, const int32_t *ids, const float *weights,
@@ -261,11 +298,10 @@ moefuse_status moefuse_backward(moefuse_layer *layer, const moefuse_bwd_args *a,
     TRY(need_rows(layer, a->dy, a->dy_stride, a->num_tokens, "bwd_args.dy", "bwd_args.dy_stride"));
     TRY(need_rows(layer, a->dx, a->dx_stride, a->num_tokens, "bwd_args.dx", "bwd_args.dx_stride"));
     TRY(need_slots(a->dweights, a->num_tokens, "bwd_args.dweights"));
-    TRY(need_ptr(a->dw13, "bwd_args.dw13", 4));
-    TRY(need_ptr(a->dw2, "bwd_args.dw2", 4));
     if (a->accumulate != 0 && a->accumulate != 1)
         return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
                        "bwd_args.accumulate = %d: expected 0 (write) or 1 (add)", a->accumulate);
+    TRY(check_wgrad_outputs(layer, a));
     return layer->ops->backward(layer, a, stream);
 }
 

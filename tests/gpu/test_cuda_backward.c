@@ -682,6 +682,58 @@ done:
     inputs_free(&in);
 }
 
+/* bf16 weight gradients (dw13_bf16 / dw2_bf16): the write-mode fp32 gradients rounded
+ * to nearest even, bitwise, experts without rows 0; dx and d p unchanged. */
+static void case_dw_bf16(void) {
+    if (!ready()) return;
+    const int T = 700;
+    inputs in;
+    outputs w;
+    memset(&w, 0, sizeof w);
+    uint16_t *d13 = NULL, *d2 = NULL, *h13 = NULL, *h2 = NULL, *dx = NULL;
+    float *dp = NULL;
+    if (!inputs_make(&in, T, ROUTE_FEW_EXPERTS, 0)) goto done;
+    MF_OK(run_fwd_bwd(F.layer, &in, 1));
+    CHECK(outputs_get(&w, &in), "copy");
+    CUDA_OK(cudaMalloc((void **)&d13, (size_t)n13() * 2));
+    CUDA_OK(cudaMalloc((void **)&d2, (size_t)n2() * 2));
+    if (!d13 || !d2) goto done;
+    CUDA_OK(cudaMemsetAsync(d13, 0xff, (size_t)n13() * 2, F.stream));
+    CUDA_OK(cudaMemsetAsync(d2, 0xff, (size_t)n2() * 2, F.stream));
+    CUDA_OK(cudaMemsetAsync(in.dx_d, 0xff, w.dx_bytes, F.stream));
+    CUDA_OK(cudaMemsetAsync(in.dp_d, 0xff, w.dp_bytes, F.stream));
+    moefuse_bwd_args b = bwd_args(&in, 0);
+    b.dw13 = NULL;
+    b.dw2 = NULL;
+    b.dw13_bf16 = d13;
+    b.dw2_bf16 = d2;
+    MF_OK(moefuse_backward(F.layer, &b, F.stream));
+    CUDA_OK(cudaStreamSynchronize(F.stream));
+    h13 = malloc((size_t)n13() * 2);
+    h2 = malloc((size_t)n2() * 2);
+    dx = malloc(w.dx_bytes);
+    dp = malloc(w.dp_bytes);
+    CUDA_OK(cudaMemcpy(h13, d13, (size_t)n13() * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(h2, d2, (size_t)n2() * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(dx, in.dx_d, w.dx_bytes, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(dp, in.dp_d, w.dp_bytes, cudaMemcpyDeviceToHost));
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n13(); i++) bad += h13[i] != mf_float_to_bf16(w.dw13[i]);
+    for (int64_t i = 0; i < n2(); i++) bad += h2[i] != mf_float_to_bf16(w.dw2[i]);
+    CHECK(bad == 0, "bf16 dW: %lld elements differ from the rounded fp32 gradient", (long long)bad);
+    CHECK(!memcmp(w.dx, dx, w.dx_bytes) && !memcmp(w.dp, dp, w.dp_bytes),
+          "bf16 dW changed dx / dweights");
+done:
+    cudaFree(d13);
+    cudaFree(d2);
+    free(h13);
+    free(h2);
+    free(dx);
+    free(dp);
+    outputs_free(&w);
+    inputs_free(&in);
+}
+
 /* 50 repetitions of the backward on one saved buffer: bitwise the first. dx and d p
  * are compared whole every time; dW (2.4 GB at qwen3-30b-a3b) in a window of 8 experts
  * that moves each repetition, so the 50 cover every expert. */
@@ -871,6 +923,7 @@ int main(int argc, char **argv) {
         RUN(case_zipf, "T=3000 zipf routing")
         RUN(case_recompute, "recompute bitwise = saved activations")
         RUN(case_accumulate, "accumulate = old + write mode, exactly")
+        RUN(case_dw_bf16, "bf16 dW = rounded fp32 dW, bitwise")
         RUN(case_deterministic, "50 repetitions bitwise")
         RUN(case_graph, "cuda graph replay")
         RUN(case_bad_saved, "bad saved buffer")

@@ -28,6 +28,9 @@ extern "C" {
 }
 #include "gemm_test_util.h"
 #include "kernels.h"
+extern "C" {
+#include "internal.h"
+}
 
 template <class T>
 static T *dev_upload(const std::vector<T> &v) {
@@ -271,6 +274,23 @@ static void check_wgrad(int M, int N, const std::vector<int> &counts) {
         bad += memcmp(&want, &acc[i], 4) != 0;
     }
     CHECK(bad == 0, "accumulate differs from write + old in %zu elements", bad);
+
+    /* bf16 output: the write-mode fp32 gradient rounded to nearest even, bitwise; with
+     * accumulate it is refused. */
+    uint16_t *d_dwb = nullptr;
+    CUDA_OK(cudaMalloc(&d_dwb, ndw * 2));
+    CUDA_OK(cudaMemset(d_dwb, 0xFF, ndw * 2));
+    mf_wgrad_params pb = {d_l, d_r, d_off, nullptr, R, M, N, E, 0, num_sms(), d_dwb};
+    CUDA_OK(mf_sm90_wgrad_grouped_bf16(&pb, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<uint16_t> dwb = dev_download(d_dwb, ndw);
+    size_t bad_bf16 = 0;
+    for (size_t i = 0; i < ndw; ++i) bad_bf16 += dwb[i] != mf_float_to_bf16(dw[i]);
+    CHECK(bad_bf16 == 0, "bf16 dW differs from the rounded fp32 dW in %zu elements", bad_bf16);
+    pb.accumulate = 1;
+    CHECK(mf_sm90_wgrad_grouped_bf16(&pb, 0) == cudaErrorInvalidValue,
+          "bf16 dW with accumulate was not refused");
+    cudaFree(d_dwb);
     cudaFree(d_l); cudaFree(d_r); cudaFree(d_off); cudaFree(d_dw);
 }
 
