@@ -45,7 +45,7 @@ struct Dgrad1Load {
     }
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
         const int k = kb * kBlockK;
-        tma_load_a<Cfg>(a, &args.map_dh, bar, k, m_row);
+        ptx::tma_load_2d(a, &args.map_dh, bar, k, m_row);
 #pragma unroll
         for (int j = 0; j < Cfg::BN / 64; ++j)
             ptx::tma_load_2d(b + j * Cfg::kMnBoxBytes, &args.map_w13, bar, n_col + 64 * j,
@@ -79,7 +79,7 @@ cudaError_t launch(const mf_dgrad1_params *p, cudaStream_t stream) {
     cudaError_t err;
     const int two_i = 2 * p->intermediate;
     if ((err = mf_tensor_map_bf16_2d(&args.map_dh, p->dh, (uint64_t)p->rows_cap, two_i, two_i,
-                                     a_box_rows<Cfg>(), kBlockK)) != cudaSuccess)
+                                     kBlockM, kBlockK)) != cudaSuccess)
         return err;
     if ((err = mf_tensor_map_bf16_2d(&args.map_w13, p->w13,
                                      (uint64_t)p->num_local_experts * two_i, p->hidden,
@@ -93,13 +93,12 @@ cudaError_t launch(const mf_dgrad1_params *p, cudaStream_t stream) {
     args.hidden = p->hidden;
     args.intermediate = p->intermediate;
 
-    return launch_persistent<Cfg>(sm90_gemm1_dgrad_bwd_bf16_kernel<Cfg>, p->num_sms, args, stream);
+    return launch_persistent(sm90_gemm1_dgrad_bwd_bf16_kernel<Cfg>, Cfg::kSmemBytes, p->num_sms, args, stream);
 }
 
 }  // namespace
 
-/* Tile choice: BN = 256 (4 stages of 48 KB) when H allows it, else BN = 128; in clusters
- * of 2 sharing A when the n blocks pair up. */
+/* Tile choice: BN = 256 (4 stages of 48 KB) when H allows it, else BN = 128. */
 extern "C" cudaError_t mf_sm90_gemm1_dgrad_bwd_bf16(const mf_dgrad1_params *p,
                                                     cudaStream_t stream) {
     if (!p || !p->dh || !p->w13 || !p->row_block_expert || !p->num_rows || !p->row_slot ||
@@ -112,11 +111,6 @@ extern "C" cudaError_t mf_sm90_gemm1_dgrad_bwd_bf16(const mf_dgrad1_params *p,
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
     if (misaligned16(p->dh, p->w13, p->combine)) return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
-    const int bn = p->hidden % 256 == 0 ? 256 : 128;
-    const bool pair = pairs_n_blocks(p->hidden / bn, p->num_sms);
-    if (bn == 256)
-        return pair ? launch<TileConfig<256, 4, false, true, 0, 2>>(p, stream)
-                    : launch<TileConfig<256, 4, false, true>>(p, stream);
-    return pair ? launch<TileConfig<128, 6, false, true, 0, 2>>(p, stream)
-                : launch<TileConfig<128, 6, false, true>>(p, stream);
+    if (p->hidden % 256 == 0) return launch<TileConfig<256, 4, false, true>>(p, stream);
+    return launch<TileConfig<128, 6, false, true>>(p, stream);
 }

@@ -75,7 +75,7 @@ struct Gemm1Load {
     }
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
         const int k = kb * kBlockK;
-        tma_load_a<Cfg>(a, &args.map_xs, bar, k, m_row);
+        ptx::tma_load_2d(a, &args.map_xs, bar, k, m_row);
         ptx::tma_load_2d(b, &args.map_w13, bar, k, w_gate_row);
         ptx::tma_load_2d(b + Cfg::kBBytes / 2, &args.map_w13, bar, k, w_up_row);
     }
@@ -140,7 +140,7 @@ cudaError_t launch(const mf_gemm1_params *p, cudaStream_t stream) {
     Gemm1Args args;
     cudaError_t err;
     if ((err = mf_tensor_map_bf16_2d(&args.map_xs, p->xs, (uint64_t)p->rows_cap, p->hidden,
-                                     p->hidden, a_box_rows<Cfg>(), kBlockK)) != cudaSuccess)
+                                     p->hidden, kBlockM, kBlockK)) != cudaSuccess)
         return err;
     if ((err = mf_tensor_map_bf16_2d(&args.map_w13, p->w13,
                                      (uint64_t)p->num_local_experts * 2 * p->intermediate,
@@ -158,15 +158,13 @@ cudaError_t launch(const mf_gemm1_params *p, cudaStream_t stream) {
     args.hidden = p->hidden;
     args.intermediate = p->intermediate;
 
-    return launch_persistent<Cfg>(sm90_gemm1_swiglu_fwd_bf16_kernel<Cfg>, p->num_sms, args, stream);
+    return launch_persistent(sm90_gemm1_swiglu_fwd_bf16_kernel<Cfg>, Cfg::kSmemBytes, p->num_sms, args, stream);
 }
 
 }  // namespace
 
 /* Tile choice: BN = 256 (128 gate + 128 up columns, 4 stages of 48 KB) when I allows it,
- * else BN = 128 (6 stages of 32 KB); in clusters of 2 sharing A when the n blocks pair up,
- * except while waiting for rows (expert parallelism): a waiting CTA must not hold back
- * the SM of another that could run. */
+ * else BN = 128 (6 stages of 32 KB). */
 extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p,
                                                      cudaStream_t stream) {
     if (!p || !p->xs || !p->w13 || !p->row_block_expert || !p->num_rows || !p->act ||
@@ -179,11 +177,6 @@ extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p,
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
     if (misaligned16(p->xs, p->w13, p->act, p->gate_up)) return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
-    const int bn = p->intermediate % 128 == 0 ? 256 : 128;
-    const bool pair = !p->arrivals && pairs_n_blocks(2 * p->intermediate / bn, p->num_sms);
-    if (bn == 256)
-        return pair ? launch<TileConfig<256, 4, false, false, 0, 2>>(p, stream)
-                    : launch<TileConfig<256, 4>>(p, stream);
-    return pair ? launch<TileConfig<128, 6, false, false, 0, 2>>(p, stream)
-                : launch<TileConfig<128, 6>>(p, stream);
+    if (p->intermediate % 128 == 0) return launch<TileConfig<256, 4>>(p, stream);
+    return launch<TileConfig<128, 6>>(p, stream);
 }

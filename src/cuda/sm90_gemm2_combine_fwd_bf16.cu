@@ -45,7 +45,7 @@ struct Gemm2Load {
     }
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
         const int k = kb * kBlockK;
-        tma_load_a<Cfg>(a, &args.map_act, bar, k, m_row);
+        ptx::tma_load_2d(a, &args.map_act, bar, k, m_row);
         ptx::tma_load_2d(b, &args.map_w2, bar, k, w_row);
     }
 };
@@ -77,7 +77,7 @@ cudaError_t launch(const mf_gemm2_params *p, cudaStream_t stream) {
     Gemm2Args args;
     cudaError_t err;
     if ((err = mf_tensor_map_bf16_2d(&args.map_act, p->act, (uint64_t)p->rows_cap,
-                                     p->intermediate, p->intermediate, a_box_rows<Cfg>(), kBlockK)) !=
+                                     p->intermediate, p->intermediate, kBlockM, kBlockK)) !=
         cudaSuccess)
         return err;
     if ((err = mf_tensor_map_bf16_2d(&args.map_w2, p->w2,
@@ -93,13 +93,12 @@ cudaError_t launch(const mf_gemm2_params *p, cudaStream_t stream) {
     args.hidden = p->hidden;
     args.intermediate = p->intermediate;
 
-    return launch_persistent<Cfg>(sm90_gemm2_combine_fwd_bf16_kernel<Cfg>, p->num_sms, args, stream);
+    return launch_persistent(sm90_gemm2_combine_fwd_bf16_kernel<Cfg>, Cfg::kSmemBytes, p->num_sms, args, stream);
 }
 
 }  // namespace
 
-/* Tile choice: BN = 256 (4 stages of 48 KB) when H allows it, else BN = 128; in clusters
- * of 2 sharing A when the n blocks pair up. */
+/* Tile choice: BN = 256 (4 stages of 48 KB) when H allows it, else BN = 128. */
 extern "C" cudaError_t mf_sm90_gemm2_combine_fwd_bf16(const mf_gemm2_params *p,
                                                       cudaStream_t stream) {
     if (!p || !p->act || !p->w2 || !p->row_block_expert || !p->num_rows || !p->row_slot ||
@@ -113,11 +112,6 @@ extern "C" cudaError_t mf_sm90_gemm2_combine_fwd_bf16(const mf_gemm2_params *p,
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
     if (misaligned16(p->act, p->w2, p->combine)) return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
-    const int bn = p->hidden % 256 == 0 ? 256 : 128;
-    const bool pair = pairs_n_blocks(p->hidden / bn, p->num_sms);
-    if (bn == 256)
-        return pair ? launch<TileConfig<256, 4, false, false, 0, 2>>(p, stream)
-                    : launch<TileConfig<256, 4>>(p, stream);
-    return pair ? launch<TileConfig<128, 6, false, false, 0, 2>>(p, stream)
-                : launch<TileConfig<128, 6>>(p, stream);
+    if (p->hidden % 256 == 0) return launch<TileConfig<256, 4>>(p, stream);
+    return launch<TileConfig<128, 6>>(p, stream);
 }

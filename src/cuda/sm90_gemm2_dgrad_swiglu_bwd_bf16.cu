@@ -55,8 +55,7 @@ struct Dgrad2Args {
 constexpr int kGuBoxBytes = kBlockM * 64 * 2;
 constexpr int kTileN = 128;                           /* BN */
 constexpr int kGuBytes = 2 * (kTileN / 64) * kGuBoxBytes;
-template <int kClusterN>
-using Dgrad2Cfg = TileConfig<kTileN, 4, false, true, kGuBytes, kClusterN>;
+using Dgrad2Cfg = TileConfig<kTileN, 4, false, true, kGuBytes>;
 
 /* ---- producer: A rows of the block, then BN/64 boxes of W2_e rows k.. k+63; after the
  * last K stage, the tile's gate_up (once the epilogue of the tile before let go of it). */
@@ -75,7 +74,7 @@ struct Dgrad2Load {
     }
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
         const int k = kb * kBlockK;
-        tma_load_a<Cfg>(a, &args.map_dys, bar, k, m_row);
+        ptx::tma_load_2d(a, &args.map_dys, bar, k, m_row);
 #pragma unroll
         for (int j = 0; j < Cfg::BN / 64; ++j)
             ptx::tma_load_2d(b + j * Cfg::kMnBoxBytes, &args.map_w2, bar, n_col + 64 * j,
@@ -213,7 +212,7 @@ cudaError_t launch(const mf_dgrad2_params *p, cudaStream_t stream) {
     Dgrad2Args args;
     cudaError_t err;
     if ((err = mf_tensor_map_bf16_2d(&args.map_dys, p->dys, (uint64_t)p->rows_cap, p->hidden,
-                                     p->hidden, a_box_rows<Cfg>(), kBlockK)) != cudaSuccess)
+                                     p->hidden, kBlockM, kBlockK)) != cudaSuccess)
         return err;
     if ((err = mf_tensor_map_bf16_2d(&args.map_w2, p->w2,
                                      (uint64_t)p->num_local_experts * p->hidden,
@@ -237,7 +236,7 @@ cudaError_t launch(const mf_dgrad2_params *p, cudaStream_t stream) {
     args.intermediate = p->intermediate;
     args.dp_parts = p->intermediate / Cfg::BN;   /* = mf_dgrad2_dp_parts */
 
-    return launch_persistent<Cfg>(sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel<Cfg>, p->num_sms, args, stream);
+    return launch_persistent(sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel<Cfg>, Cfg::kSmemBytes, p->num_sms, args, stream);
 }
 
 }  // namespace
@@ -264,6 +263,5 @@ extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(const mf_dgrad2_param
         (reinterpret_cast<uintptr_t>(p->dp_partial) & 3u))
         return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
-    return pairs_n_blocks(p->intermediate / kTileN, p->num_sms) ? launch<Dgrad2Cfg<2>>(p, stream)
-                                                                : launch<Dgrad2Cfg<1>>(p, stream);
+    return launch<Dgrad2Cfg>(p, stream);
 }

@@ -37,7 +37,6 @@
 #include <cuda.h>
 #include <stdint.h>
 
-#include "ptx/cluster.cuh"
 #include "ptx/mbarrier.cuh"
 #include "ptx/tma.cuh"
 #include "ptx/wgmma.cuh"
@@ -62,15 +61,13 @@ static_assert(kConsumerWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
 /* ---- tile configuration ------------------------------------------------------------ */
 /* EXTRA_BYTES: shared memory of the kernel's own (a multiple of 1024, so a swizzled TMA
  * box can land there), with one full/empty barrier pair: a per-tile operand of the
- * epilogue that the producer loads once per tile (dgrad2's gate_up tile).
- * CLUSTER_N: CTAs per cluster that share the A tile (K-major A only, see "clusters"). */
+ * epilogue that the producer loads once per tile (dgrad2's gate_up tile). */
 template <int BN_, int STAGES_, bool A_MN_MAJOR = false, bool B_MN_MAJOR = false,
-          int EXTRA_BYTES = 0, int CLUSTER_N = 1>
+          int EXTRA_BYTES = 0>
 struct TileConfig {
     static constexpr int BN = BN_;
     static constexpr int kStages = STAGES_;
     static constexpr int kExtraBytes = EXTRA_BYTES;
-    static constexpr int kClusterN = CLUSTER_N;
     static constexpr bool kAMnMajor = A_MN_MAJOR;   /* A stored [K, M]: M contiguous */
     static constexpr bool kBMnMajor = B_MN_MAJOR;   /* B stored [K, N]: N contiguous */
     static constexpr int kMnBoxBytes = 64 * kBlockK * 2;   /* one MN-major TMA box */
@@ -85,8 +82,6 @@ struct TileConfig {
 
     static_assert(BN == 128 || BN == 256, "wgmma wrappers exist for N = 128 and 256");
     static_assert(kExtraBytes % 1024 == 0, "the extra region starts on a swizzle atom");
-    static_assert(kClusterN == 1 || (kClusterN == 2 && !kAMnMajor),
-                  "clusters of 2 share a K-major A tile");
     static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0,
                   "every operand tile must start on a 1024-byte swizzle atom");
     static_assert(kSmemBytes <= 227 * 1024, "shared-memory ring exceeds the 227 KB limit");
@@ -145,8 +140,7 @@ template <class Cfg>
 __device__ __forceinline__ void ring_init(const Ring<Cfg> &r) {
     for (int s = 0; s < Cfg::kStages; ++s) {
         ptx::mbar_init(&r.full[s], 1);                          /* producer's expect_tx */
-        /* one per consumer warp of every CTA whose A rows land here */
-        ptx::mbar_init(&r.empty[s], kConsumerWarpgroups * 4 * Cfg::kClusterN);
+        ptx::mbar_init(&r.empty[s], kConsumerWarpgroups * 4);   /* one per consumer warp */
     }
     ptx::mbar_init(r.extra_full, 1);
     ptx::mbar_init(r.extra_empty, kConsumerWarpgroups * 4);
@@ -170,9 +164,7 @@ struct RingPos {
  * Tiles are (128-row block, n block), n fastest: the CTAs running at the same time cover
  * a few consecutive row blocks (mostly one expert) and all of its n blocks, so each A
  * block is read from DRAM about once and the expert's weights stay in L2 while its row
- * blocks pass. The row count lives in device memory (written by the plan kernel).
- * In a cluster of 2 (even grid, even n_blocks) CTA 2c + r takes tiles of parity r: the
- * pair always works on the two n blocks of one row block. */
+ * blocks pass. The row count lives in device memory (written by the plan kernel). */
 /* A scheduler gives the tiles of this CTA (next_tile) and the K-loop length of a tile
  * (num_k_blocks); producer and consumers each walk their own copy in the same order. */
 struct TileScheduler {
@@ -199,46 +191,6 @@ struct TileScheduler {
         return true;
     }
 };
-
-/* ---- clusters -----------------------------------------------------------------------
- * Every GEMM here streams more bytes from L2 into shared memory per FLOP than the SM's
- * share of L2 bandwidth keeps up with at the tensor cores' rate (a 128 x 128 tile
- * 64 FLOP per byte, 128 x 256 85). With kClusterN = 2 the two CTAs of a cluster work on
- * two n blocks of the same row block, so their A tiles are equal: each CTA loads half of
- * the A rows and multicasts it into both CTAs' stages. A stage of CTA X is then written
- * by both producers, so it is free only when the consumers of both CTAs let go of it:
- * consumers arrive on the empty barrier of every CTA in the cluster. */
-template <class Cfg>
-__device__ __forceinline__ void tma_load_a(uint8_t *a, const CUtensorMap *map, uint64_t *bar,
-                                           int k, int m_row) {
-    if constexpr (Cfg::kClusterN == 1) {
-        ptx::tma_load_2d(a, map, bar, k, m_row);
-    } else {
-        /* the A map's box is kBlockM / kClusterN rows (a_box_rows) */
-        constexpr int kRows = kBlockM / Cfg::kClusterN;
-        const int r = (int)ptx::cluster_ctarank();
-        ptx::tma_load_2d_multicast(a + r * kRows * kBlockK * 2, map, bar, k, m_row + r * kRows,
-                                   (uint16_t)((1u << Cfg::kClusterN) - 1));
-    }
-}
-
-/* Rows of the A map's TMA box: the whole block, or this CTA's share of it. */
-template <class Cfg>
-constexpr int a_box_rows() {
-    return kBlockM / Cfg::kClusterN;
-}
-
-/* The consumers of this CTA are done with stage `stage`: one arrival (per warp) on its
- * empty barrier in every CTA that writes into it. */
-template <class Cfg>
-__device__ __forceinline__ void release_stage(const Ring<Cfg> &ring, int stage) {
-    if constexpr (Cfg::kClusterN == 1) {
-        ptx::mbar_arrive(&ring.empty[stage]);
-    } else {
-#pragma unroll
-        for (int c = 0; c < Cfg::kClusterN; ++c) ptx::mbar_arrive_cluster(&ring.empty[stage], c);
-    }
-}
 
 /* ---- producer role ------------------------------------------------------------------
  * One thread. load(m_block, n_block, k_block, smem_a, smem_b, full_bar) issues the TMA
@@ -306,13 +258,13 @@ __device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched
             ptx::wgmma_commit();
             ptx::wgmma_wait<1>();
             ptx::wgmma_fence_operand(acc);
-            if (kb > 0 && lane == 0) release_stage(ring, prev_stage);
+            if (kb > 0 && lane == 0) ptx::mbar_arrive(&ring.empty[prev_stage]);
             prev_stage = pos.stage;
             pos.advance();
         }
         ptx::wgmma_wait<0>();
         ptx::wgmma_fence_operand(acc);
-        if (num_k_blocks > 0 && lane == 0) release_stage(ring, prev_stage);
+        if (num_k_blocks > 0 && lane == 0) ptx::mbar_arrive(&ring.empty[prev_stage]);
         if (num_k_blocks == 0) {   /* empty K range (an expert without rows): C = 0 */
 #pragma unroll
             for (int i = 0; i < Cfg::kAccRegs; ++i) acc[i] = 0.f;
@@ -376,11 +328,7 @@ __device__ __forceinline__ void run_grouped_gemm_sched(uint8_t *smem_raw,
         ptx::tma_prefetch_desc(map_a);
         ptx::tma_prefetch_desc(map_b);
     }
-    /* the partner's barriers are initialised before anything lands on them */
-    if constexpr (Cfg::kClusterN > 1)
-        ptx::cluster_sync();
-    else
-        __syncthreads();
+    __syncthreads();
 
     if (wg == kConsumerWarpgroups) {
         ptx::setmaxnreg_dec<kProducerRegs>();
@@ -389,9 +337,6 @@ __device__ __forceinline__ void run_grouped_gemm_sched(uint8_t *smem_raw,
         ptx::setmaxnreg_inc<kConsumerRegs>();
         consumer_role<Cfg>(ring, sched, epi);
     }
-    /* No CTA leaves while its partner may still multicast into its shared memory or
-     * arrive on its barriers. */
-    if constexpr (Cfg::kClusterN > 1) ptx::cluster_sync();
 }
 
 /* Row-block GEMMs (gemm1, gemm2, dgrad1, dgrad2): tiles (128-row block, n block), a
@@ -486,50 +431,15 @@ inline bool misaligned16(const T *...ptrs) {
     return ((reinterpret_cast<uintptr_t>(ptrs) & 15u) | ...) != 0;
 }
 
-/* Raises the kernel's dynamic shared-memory limit and launches the persistent grid:
- * num_ctas CTAs, or with clusters as many whole clusters as fit on the device at once
- * (a GPC's SMs pair up into clusters, so a few SMs may stay idle). */
-template <class Cfg, class Args>
-inline cudaError_t launch_persistent(void (*kernel)(Args), int num_ctas, const Args &args,
-                                     cudaStream_t stream) {
+/* Raises the kernel's dynamic shared-memory limit and launches the persistent grid. */
+template <class Args>
+inline cudaError_t launch_persistent(void (*kernel)(Args), size_t smem_bytes, int num_ctas,
+                                     const Args &args, cudaStream_t stream) {
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           Cfg::kSmemBytes);
+                                           (int)smem_bytes);
     if (err != cudaSuccess) return err;
-    if constexpr (Cfg::kClusterN == 1) {
-        kernel<<<num_ctas, kThreads, Cfg::kSmemBytes, stream>>>(args);
-        return cudaGetLastError();
-    } else {
-        cudaLaunchAttribute cluster;
-        cluster.id = cudaLaunchAttributeClusterDimension;
-        cluster.val.clusterDim.x = Cfg::kClusterN;
-        cluster.val.clusterDim.y = 1;
-        cluster.val.clusterDim.z = 1;
-        cudaLaunchConfig_t cfg = {};
-        cfg.blockDim = dim3(kThreads);
-        cfg.dynamicSmemBytes = Cfg::kSmemBytes;
-        cfg.stream = stream;
-        cfg.attrs = &cluster;
-        cfg.numAttrs = 1;
-        /* NOTE: queried once per kernel and cached (one device type per process). */
-        static int max_clusters = 0;
-        if (max_clusters == 0) {
-            cfg.gridDim = dim3(num_ctas / Cfg::kClusterN * Cfg::kClusterN);
-            if ((err = cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &cfg)) != cudaSuccess)
-                return err;
-            if (max_clusters <= 0) return cudaErrorInvalidConfiguration;
-        }
-        const int clusters = num_ctas / Cfg::kClusterN < max_clusters ? num_ctas / Cfg::kClusterN
-                                                                      : max_clusters;
-        if (clusters < 1) return cudaErrorInvalidValue;
-        cfg.gridDim = dim3(clusters * Cfg::kClusterN);
-        return cudaLaunchKernelEx(&cfg, kernel, args);
-    }
-}
-
-/* Whether a row-block GEMM with n_blocks column blocks on num_ctas CTAs can run in
- * clusters of 2 (each cluster on the two n blocks of one row block). */
-inline bool pairs_n_blocks(int n_blocks, int num_ctas) {
-    return n_blocks % 2 == 0 && num_ctas >= 2;
+    kernel<<<num_ctas, kThreads, smem_bytes, stream>>>(args);
+    return cudaGetLastError();
 }
 
 }  // namespace sm90

@@ -165,7 +165,7 @@ cudaError_t launch(const mf_wgrad_params *p, cudaStream_t stream) {
     args.num_experts = p->num_local_experts;
     args.accumulate = p->accumulate;
 
-    return launch_persistent<Cfg>(sm90_wgrad_grouped_bf16_kernel<Cfg>, p->num_sms, args, stream);
+    return launch_persistent(sm90_wgrad_grouped_bf16_kernel<Cfg>, Cfg::kSmemBytes, p->num_sms, args, stream);
 }
 
 }  // namespace
