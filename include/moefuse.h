@@ -29,7 +29,8 @@
  *
  * Pointers are host pointers for MOEFUSE_BACKEND_CPU and device pointers for
  * MOEFUSE_BACKEND_CUDA. The CUDA backend needs an sm_90 GPU (H100/H200), H and I in
- * multiples of 128, and 16-byte aligned bf16 tensors and row strides.
+ * multiples of 128, and 16-byte aligned bf16 tensors, row strides and fp32 weight
+ * gradients.
  *
  * A layer owns workspaces: calls on one layer must be ordered (one host thread at a
  * time; on the CUDA backend, one stream or streams ordered by events). Use one layer

@@ -742,7 +742,7 @@ moefuse_status cuda_check(moefuse_layer *layer, void *stream_) {
                        "moefuse_backward: bwd_args.saved: %s %d holds %d, which does not match "
                        "a forward of this layer with these num_tokens and ids; expected the "
                        "buffer that forward filled; that call wrote no dx and no dweights "
-                       "(dw13/dw2: zeros in write mode, unchanged when accumulating)",
+                       "(the weight gradients: zeros in write mode, unchanged when accumulating)",
                        rec.slot >= 0 && rec.slot < 5 ? what[rec.slot] : "entry", rec.token,
                        rec.value);
     }

@@ -224,8 +224,10 @@ static moefuse_status check_wgrad_outputs(const moefuse_layer *layer,
             return mf_fail(MOEFUSE_ERR_NULL_POINTER,
                            "bwd_args.dw2: expected a non-NULL pointer (fp32 weight "
                            "gradients), or dw13_bf16 and dw2_bf16 with dw13 = dw2 = NULL");
-        TRY(need_ptr(a->dw13, "bwd_args.dw13", 4));
-        return need_ptr(a->dw2, "bwd_args.dw2", 4);
+        /* fp32 needs 4 bytes; the CUDA backend's 16-byte stores need what its bf16 do */
+        const size_t align = bf16_align(layer) > 4 ? (size_t)bf16_align(layer) : 4;
+        TRY(need_ptr(a->dw13, "bwd_args.dw13", align));
+        return need_ptr(a->dw2, "bwd_args.dw2", align);
     }
     if (a->dw13 || a->dw2)
         return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
