@@ -127,6 +127,8 @@ struct Dgrad2Epilogue {
     __device__ __forceinline__ void operator()(int m_block, int n_block,
                                                float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
         static_assert(Cfg::BN == kEpiMaxCols, "one epilogue chunk per tile");
+        static_assert(Cfg::BN == kTileN && Cfg::kExtraBytes == kGuBytes,
+                      "the gate_up tile's layout is kTileN columns of g and of u");
         const int t = threadIdx.x % 128, wg = threadIdx.x / 128;
         const int lane = t % 32, warp = t / 32;
         const int I = args.intermediate;
@@ -255,7 +257,7 @@ extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(const mf_dgrad2_param
         !p->row_slot || (!p->slot_weight && !p->row_weight) || !p->dh || !p->act_p || !p->dp_partial)
         return cudaErrorInvalidValue;
     if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % kBlockK ||
-        p->intermediate <= 0 || p->intermediate % 128 || p->num_local_experts <= 0 ||
+        p->intermediate <= 0 || p->intermediate % kTileN || p->num_local_experts <= 0 ||
         p->num_sms <= 0)
         return cudaErrorInvalidValue;
     /* TMA sources and the 16-byte epilogue stores. */

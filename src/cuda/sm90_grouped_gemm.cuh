@@ -61,7 +61,9 @@ static_assert(kConsumerWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
 /* ---- tile configuration ------------------------------------------------------------ */
 /* EXTRA_BYTES: shared memory of the kernel's own (a multiple of 1024, so a swizzled TMA
  * box can land there), with one full/empty barrier pair: a per-tile operand of the
- * epilogue that the producer loads once per tile (dgrad2's gate_up tile). */
+ * epilogue that the producer loads once per tile (dgrad2's gate_up tile).
+ * NOTE: the producer issues that load from the tile's last K stage, so a kernel with an
+ * extra region needs at least one K block per tile (dgrad2: K = H >= 64). */
 template <int BN_, int STAGES_, bool A_MN_MAJOR = false, bool B_MN_MAJOR = false,
           int EXTRA_BYTES = 0>
 struct TileConfig {
