@@ -1,6 +1,6 @@
 /* The CUDA backend (sm_90a, R = 1): workspaces, the saved-buffer layout, the forward
- * pipeline  plan -> gemm1 (gathering the x rows; SwiGLU) -> gemm2 (combine) -> reduce, and
- * the backward that mirrors it (see "backward" below).
+ * pipeline  plan -> dispatch -> gemm1 (SwiGLU) -> gemm2 (combine) -> reduce, and the
+ * backward that mirrors it (see "backward" below).
  *
  * A forward or backward is launches on the caller's stream only: no host
  * synchronization, no allocation, no host-to-device copy, so it can be captured in a
@@ -26,8 +26,7 @@
  *
  * Layer workspaces, bytes per token of max_tokens (K slot rows each; the padding rows
  * of rows_cap add up to 127 * min(E_local, T*K) rows on top):
- *   xs        [rows_cap, H]  bf16   fwd: unused (gemm1 gathers x itself; EP: the
- *                                   received rows)       bwd: gathered x (dW13)
+ *   xs        [rows_cap, H]  bf16   fwd: gathered x      bwd: gathered x again (dW13)
  *   act       [rows_cap, I]  bf16   fwd: a               bwd: act_p = bf16(p a) (dW2)
  *   combine   [rows_cap, H]  bf16   fwd: slot rows of y  bwd: dys, then slot rows of dx
  *   dh        [rows_cap, 2I] bf16   bwd: [dg | du]
@@ -392,18 +391,27 @@ moefuse_status cuda_forward(moefuse_layer *layer, const moefuse_fwd_args *a, voi
     header_words(layer, T, lay.rows_cap, save_act, pp.header_words);
     MF_CUDA_TRY(mf_plan_build_cuda(&pp, stream));
     if (T == 0) return MOEFUSE_OK;  // the plan wrote expert_counts = 0; y has no rows
+    const int32_t *call_failed = &s->plan_state->call_failed;
 
-    // ---- 2+3. dispatch and gemm1 + SwiGLU: x rows gathered in expert order by gemm1's
-    // producer -> act (and [g; u] into saved). On bad ids gemm_num_rows is 0: the gemms
-    // touch nothing.
-    mf_gemm1_params g1 = gemm1_params(
+    // ---- 2. dispatch: x rows -> expert-sorted xs ----
+    mf_dispatch_params dp = {};
+    dp.x = a->x;
+    dp.x_stride = a->x_stride;
+    dp.row_slot = pp.row_slot;
+    dp.num_rows = s->gemm_num_rows;
+    dp.call_failed = call_failed;
+    dp.xs = s->xs;
+    dp.rows_cap = lay.rows_cap;
+    dp.hidden = c->hidden;
+    dp.top_k = K;
+    dp.num_sms = s->num_sms;
+    MF_CUDA_TRY(mf_dispatch_rows_bf16(&dp, stream));
+
+    // ---- 3. gemm1 + SwiGLU: xs -> act (and [g; u] into saved) ----
+    // On bad ids gemm_num_rows is 0: the gemms touch nothing.
+    const mf_gemm1_params g1 = gemm1_params(
         layer, a->w13, pp.row_block_expert,
         save_act ? (uint16_t *)((char *)a->saved + lay.gate_up) : NULL, lay.rows_cap);
-    g1.xs = NULL;
-    g1.x = a->x;
-    g1.x_stride = a->x_stride;
-    g1.row_slot = pp.row_slot;
-    g1.top_k = K;
     MF_CUDA_TRY(mf_sm90_gemm1_swiglu_fwd_bf16(&g1, stream));
 
     // ---- 4. gemm2 + combine: act -> p-scaled slot rows of combine ----

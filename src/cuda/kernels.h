@@ -38,13 +38,6 @@ typedef struct mf_gemm1_params {
     const uint32_t *arrival_target;   /* [rows_cap / 128] */
     struct mf_plan_state *state;      /* below */
     int64_t timeout_ns;
-    /* Gather (one rank, instead of xs and the dispatch): A row r is read straight from
-     * the token rows, x[row_slot[r] / top_k], and padding rows (row_slot -1) are zeros;
-     * xs is then unused (may be NULL). Not with arrivals. */
-    const uint16_t *x;                /* [T, x_stride] bf16, or NULL: read xs */
-    int64_t x_stride;                 /* elements, a multiple of 8 */
-    const int32_t *row_slot;          /* [rows_cap] slot t*K + k of each row, -1 padding */
-    int top_k;
 } mf_gemm1_params;
 
 cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p, cudaStream_t stream);

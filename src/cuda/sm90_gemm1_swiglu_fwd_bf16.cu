@@ -23,7 +23,7 @@ using namespace mf;
 using namespace mf::sm90;
 
 struct Gemm1Args {
-    CUtensorMap map_xs;    /* [rows_cap, H], box 128 x 64; unused when gathering */
+    CUtensorMap map_xs;    /* [rows_cap, H], box 128 x 64 */
     CUtensorMap map_w13;   /* [E * 2I, H], box BN/2 x 64 */
     const int32_t *row_block_expert;
     const int32_t *num_rows;
@@ -33,26 +33,20 @@ struct Gemm1Args {
     const uint32_t *arrival_target;
     mf_plan_state *state;
     int64_t timeout_ns;
-    const uint16_t *x;               /* gather: token rows (Cfg::kGatherA) */
-    int64_t x_stride;
-    const int32_t *row_slot;
-    DivBy by_top_k;
     int rows_cap, hidden, intermediate;
 };
 
-/* ---- producer: A rows of the block, then the gate and up halves of B ----------------
- * A is one TMA box of xs, or (Cfg::kGatherA) the block's token rows gathered by the whole
- * producer warpgroup; the first producer thread issues the TMA copies. */
+/* ---- producer: A rows of the block, then the gate and up halves of B ---------------- */
 template <class Cfg>
 struct Gemm1Load {
     const Gemm1Args &args;
-    int m_row, w_gate_row;
+    int m_row, w_gate_row, w_up_row;
     bool gave_up;   /* a wait ran out: the call failed, wait no more */
 
     /* Expert parallelism: the block's rows are still arriving from the other ranks. The
      * generic-proxy acquire, then a proxy fence, orders the TMA reads after the rows. */
     __device__ __forceinline__ void wait_rows(int m_block) {
-        if (Cfg::kGatherA || !args.arrivals || gave_up) return;   /* gathering: one rank */
+        if (!args.arrivals || gave_up) return;
         const uint32_t want = args.arrival_target[m_block];
         const uint32_t *count = args.arrivals + m_block;
         uint32_t seen = ptx::ld_acquire_sys(count);
@@ -77,17 +71,13 @@ struct Gemm1Load {
         const int e = args.row_block_expert[m_block];
         m_row = m_block * kBlockM;
         w_gate_row = e * 2 * args.intermediate + n_block * (Cfg::BN / 2);
+        w_up_row = w_gate_row + args.intermediate;
     }
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
         const int k = kb * kBlockK;
-        if (threadIdx.x % 128 == 0) {
-            if constexpr (!Cfg::kGatherA) ptx::tma_load_2d(a, &args.map_xs, bar, k, m_row);
-            ptx::tma_load_2d(b, &args.map_w13, bar, k, w_gate_row);
-            ptx::tma_load_2d(b + Cfg::kBBytes / 2, &args.map_w13, bar, k,
-                             w_gate_row + args.intermediate);
-        }
-        if constexpr (Cfg::kGatherA)
-            gather_rows_a(args.row_slot + m_row, args.by_top_k, args.x, args.x_stride, k, a, bar);
+        ptx::tma_load_2d(a, &args.map_xs, bar, k, m_row);
+        ptx::tma_load_2d(b, &args.map_w13, bar, k, w_gate_row);
+        ptx::tma_load_2d(b + Cfg::kBBytes / 2, &args.map_w13, bar, k, w_up_row);
     }
 };
 
@@ -139,7 +129,7 @@ template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_gemm1_swiglu_fwd_bf16_kernel(const __grid_constant__ Gemm1Args args) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
-    Gemm1Load<Cfg> load{args, 0, 0, false};
+    Gemm1Load<Cfg> load{args, 0, 0, 0, false};
     Gemm1Epilogue<Cfg> epi{args};
     run_grouped_gemm<Cfg>(smem_raw, &args.map_xs, &args.map_w13, args.num_rows, args.rows_cap,
                           (2 * args.intermediate) / Cfg::BN, args.hidden / kBlockK, load, epi);
@@ -147,10 +137,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <class Cfg>
 cudaError_t launch(const mf_gemm1_params *p, cudaStream_t stream) {
-    Gemm1Args args = {};
+    Gemm1Args args;
     cudaError_t err;
-    if (!Cfg::kGatherA &&
-        (err = mf_tensor_map_bf16_2d(&args.map_xs, p->xs, (uint64_t)p->rows_cap, p->hidden,
+    if ((err = mf_tensor_map_bf16_2d(&args.map_xs, p->xs, (uint64_t)p->rows_cap, p->hidden,
                                      p->hidden, kBlockM, kBlockK)) != cudaSuccess)
         return err;
     if ((err = mf_tensor_map_bf16_2d(&args.map_w13, p->w13,
@@ -165,10 +154,6 @@ cudaError_t launch(const mf_gemm1_params *p, cudaStream_t stream) {
     args.arrival_target = p->arrival_target;
     args.state = p->state;
     args.timeout_ns = p->timeout_ns;
-    args.x = p->x;
-    args.x_stride = p->x_stride;
-    args.row_slot = p->row_slot;
-    args.by_top_k = DivBy::make((uint32_t)p->top_k);
     args.rows_cap = p->rows_cap;
     args.hidden = p->hidden;
     args.intermediate = p->intermediate;
@@ -179,20 +164,11 @@ cudaError_t launch(const mf_gemm1_params *p, cudaStream_t stream) {
 }  // namespace
 
 /* Tile choice: BN = 256 (128 gate + 128 up columns, 4 stages of 48 KB) when I allows it,
- * else BN = 128 (6 stages of 32 KB); each with A from xs by TMA or gathered from x. */
-template <int BN, int STAGES>
-cudaError_t launch_a_source(const mf_gemm1_params *p, cudaStream_t stream) {
-    if (p->x) return launch<TileConfig<BN, STAGES, false, false, 0, true>>(p, stream);
-    return launch<TileConfig<BN, STAGES>>(p, stream);
-}
-
+ * else BN = 128 (6 stages of 32 KB). */
 extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p,
                                                      cudaStream_t stream) {
-    if (!p || !(p->xs || p->x) || !p->w13 || !p->row_block_expert || !p->num_rows ||
-        !p->act || (p->arrivals && (!p->arrival_target || !p->state)))
-        return cudaErrorInvalidValue;
-    if (p->x && (p->arrivals || !p->row_slot || p->top_k < 1 || p->x_stride < p->hidden ||
-                 p->x_stride % 8 || misaligned16(p->x)))
+    if (!p || !p->xs || !p->w13 || !p->row_block_expert || !p->num_rows || !p->act ||
+        (p->arrivals && (!p->arrival_target || !p->state)))
         return cudaErrorInvalidValue;
     if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % kBlockK ||
         p->intermediate <= 0 || p->intermediate % 64 || p->num_local_experts <= 0 ||
@@ -201,6 +177,6 @@ extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p,
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
     if (misaligned16(p->xs, p->w13, p->act, p->gate_up)) return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
-    if (p->intermediate % 128 == 0) return launch_a_source<256, 4>(p, stream);
-    return launch_a_source<128, 6>(p, stream);
+    if (p->intermediate % 128 == 0) return launch<TileConfig<256, 4>>(p, stream);
+    return launch<TileConfig<128, 6>>(p, stream);
 }

@@ -37,7 +37,6 @@
 #include <cuda.h>
 #include <stdint.h>
 
-#include "ptx/cp_async.cuh"
 #include "ptx/mbarrier.cuh"
 #include "ptx/tma.cuh"
 #include "ptx/wgmma.cuh"
@@ -64,27 +63,20 @@ static_assert(kConsumerWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
  * box can land there), with one full/empty barrier pair: a per-tile operand of the
  * epilogue that the producer loads once per tile (dgrad2's gate_up tile).
  * NOTE: the producer issues that load from the tile's last K stage, so a kernel with an
- * extra region needs at least one K block per tile (dgrad2: K = H >= 64).
- * GATHER_A: the A tile's rows are gathered from token rows by the whole producer
- * warpgroup (RowGatherA below) instead of one TMA box of consecutive rows. */
+ * extra region needs at least one K block per tile (dgrad2: K = H >= 64). */
 template <int BN_, int STAGES_, bool A_MN_MAJOR = false, bool B_MN_MAJOR = false,
-          int EXTRA_BYTES = 0, bool GATHER_A = false>
+          int EXTRA_BYTES = 0>
 struct TileConfig {
     static constexpr int BN = BN_;
     static constexpr int kStages = STAGES_;
     static constexpr int kExtraBytes = EXTRA_BYTES;
     static constexpr bool kAMnMajor = A_MN_MAJOR;   /* A stored [K, M]: M contiguous */
     static constexpr bool kBMnMajor = B_MN_MAJOR;   /* B stored [K, N]: N contiguous */
-    static constexpr bool kGatherA = GATHER_A;
     static constexpr int kMnBoxBytes = 64 * kBlockK * 2;   /* one MN-major TMA box */
     static constexpr int kAccRegs = BN / 2;   /* fp32 accumulators per consumer thread */
     static constexpr int kABytes = kBlockM * kBlockK * 2;
     static constexpr int kBBytes = BN * kBlockK * 2;
     static constexpr int kStageBytes = kABytes + kBBytes;
-    /* What a stage's full barrier waits for: the bytes TMA brings, and one arrival from
-     * the TMA-issuing thread plus, when gathering, one per producer thread. */
-    static constexpr int kTmaStageBytes = GATHER_A ? kBBytes : kStageBytes;
-    static constexpr int kFullArrivals = GATHER_A ? 1 + 128 : 1;
     /* ring | extra | epilogue buffers | barriers (full, empty, extra full, extra empty);
      * the base is 1024-aligned (checked at entry). */
     static constexpr int kSmemBytes = kStages * kStageBytes + kExtraBytes +
@@ -97,7 +89,6 @@ struct TileConfig {
     static_assert(kSmemBytes <= 227 * 1024, "shared-memory ring exceeds the 227 KB limit");
     static_assert(kMnBoxBytes % 1024 == 0 && BN % 64 == 0,
                   "MN-major tiles are whole 64-element boxes of whole swizzle atoms");
-    static_assert(!(GATHER_A && A_MN_MAJOR), "the row gather fills K-major A tiles");
 };
 
 /* Operand descriptor of one stage and its per-k16 step in the encoded address field.
@@ -150,7 +141,7 @@ __device__ __forceinline__ Ring<Cfg> ring_from_smem(uint8_t *raw) {
 template <class Cfg>
 __device__ __forceinline__ void ring_init(const Ring<Cfg> &r) {
     for (int s = 0; s < Cfg::kStages; ++s) {
-        ptx::mbar_init(&r.full[s], Cfg::kFullArrivals);         /* producer's expect_tx */
+        ptx::mbar_init(&r.full[s], 1);                          /* producer's expect_tx */
         ptx::mbar_init(&r.empty[s], kConsumerWarpgroups * 4);   /* one per consumer warp */
     }
     ptx::mbar_init(r.extra_full, 1);
@@ -204,14 +195,11 @@ struct TileScheduler {
 };
 
 /* ---- producer role ------------------------------------------------------------------
- * One thread (with kGatherA: all 128 threads of the producer warpgroup, the first one
- * issuing the TMA copies). load.stage(k_block, smem_a, smem_b, full_bar) issues the copies
- * of one stage, kTmaStageBytes of TMA in total, and the gather's arrivals;
- * load.tile_begin(m_block, n_block) runs once per tile (e.g. to read the expert of the
- * row block). */
+ * One thread. load(m_block, n_block, k_block, smem_a, smem_b, full_bar) issues the TMA
+ * copies of one stage, kStageBytes in total; load_tile_begin(m_block) runs once per tile
+ * (e.g. to read the expert of the row block). */
 template <class Cfg, class Sched, class Load>
 __device__ __forceinline__ void producer_role(const Ring<Cfg> &ring, Sched sched, Load &load) {
-    const bool tma_thread = threadIdx.x % 128 == 0;
     RingPos<Cfg> pos;
     int m_block, n_block;
     while (sched.next_tile(m_block, n_block)) {
@@ -220,8 +208,7 @@ __device__ __forceinline__ void producer_role(const Ring<Cfg> &ring, Sched sched
         for (int kb = 0; kb < num_k_blocks; ++kb) {
             /* A fresh barrier counts as having completed the phase before phase 0. */
             ptx::mbar_wait(&ring.empty[pos.stage], pos.phase ^ 1u);
-            if (tma_thread)
-                ptx::mbar_arrive_expect_tx(&ring.full[pos.stage], Cfg::kTmaStageBytes);
+            ptx::mbar_arrive_expect_tx(&ring.full[pos.stage], Cfg::kStageBytes);
             load.stage(kb, ring.a(pos.stage), ring.b(pos.stage), &ring.full[pos.stage]);
             pos.advance();
         }
@@ -260,9 +247,6 @@ __device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched
         int prev_stage = 0;
         for (int kb = 0; kb < num_k_blocks; ++kb) {
             ptx::mbar_wait(&ring.full[pos.stage], pos.phase);
-            /* The gathered A rows were written by cp.async (generic proxy); wgmma reads
-             * shared memory through the async proxy. */
-            if constexpr (Cfg::kGatherA) ptx::fence_proxy_async_smem();
             /* NOTE: this warpgroup's 64 rows of A are 8 KB into the stage in both layouts
              * (64 rows x 128 B K-major; the second 64-element box MN-major). */
             const uint64_t da = DescA::make(ring.a(pos.stage) + wg * 64 * kBlockK * 2);
@@ -343,15 +327,14 @@ __device__ __forceinline__ void run_grouped_gemm_sched(uint8_t *smem_raw,
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == kConsumerWarpgroups * 128) {
         ring_init<Cfg>(ring);
-        if (!Cfg::kGatherA) ptx::tma_prefetch_desc(map_a);   /* else: no A map */
+        ptx::tma_prefetch_desc(map_a);
         ptx::tma_prefetch_desc(map_b);
     }
     __syncthreads();
 
     if (wg == kConsumerWarpgroups) {
         ptx::setmaxnreg_dec<kProducerRegs>();
-        if (Cfg::kGatherA || threadIdx.x == kConsumerWarpgroups * 128)
-            producer_role<Cfg>(ring, sched, load);
+        if (threadIdx.x == kConsumerWarpgroups * 128) producer_role<Cfg>(ring, sched, load);
     } else {
         ptx::setmaxnreg_inc<kConsumerRegs>();
         consumer_role<Cfg>(ring, sched, epi);
@@ -368,51 +351,6 @@ __device__ __forceinline__ void run_grouped_gemm(uint8_t *smem_raw, const CUtens
                                                  Epi &epi) {
     const TileScheduler sched(num_rows, rows_cap, n_blocks, num_k_blocks);
     run_grouped_gemm_sched<Cfg>(smem_raw, map_a, map_b, sched, load, epi);
-}
-
-/* ---- row gather of A (kGatherA) -------------------------------------------------------
- * The A tile of a stage (128 rows x 64 K, bf16) copied from token rows by the 128
- * producer threads with cp.async, 16 bytes per copy, into the layout the 128-byte TMA
- * swizzle gives: row r at r * 128 bytes, its 16-byte chunk c at chunk c ^ (r % 8). Tile
- * row r takes source row row_slot[r] / top_k (the dispatch's gather, without xs); rows
- * with row_slot -1 (padding) are zero-filled. Thread t copies chunk t % 8 of rows
- * t / 8 + 16 i, i < 8: eight threads read one row's 128 contiguous bytes.
- * NOTE: the copies complete on the stage's full barrier through one .noinc arrival per
- * thread (kFullArrivals), so the producer never waits on its own loads. The row indices
- * are re-read (L1 hits) and divided every stage rather than kept per tile: producer
- * threads have 40 registers, and eight rows held across the K loop spilled. */
-
-/* n / d for 0 <= n < 2^31 and 1 <= d < 2^31 as one multiply and a shift (the division
- * the compiler emits is about 20 instructions): with l = ceil(log2 d) and
- * m = ceil(2^(31+l) / d) < 2^32, m = (2^(31+l) + e) / d with e < d <= 2^l, so
- * n m / 2^(31+l) = n/d + n e / (d 2^(31+l)) and the second term is below 1/d. */
-struct DivBy {
-    uint32_t mul, shift;
-    static DivBy make(uint32_t d) {
-        uint32_t l = 0;
-        while ((1ull << l) < d) ++l;
-        return {(uint32_t)(((1ull << (31 + l)) + d - 1) / d), 31 + l};
-    }
-    __device__ __forceinline__ uint32_t operator()(uint32_t n) const {
-        return (uint32_t)(((uint64_t)n * mul) >> shift);
-    }
-};
-
-__device__ __forceinline__ void gather_rows_a(const int32_t *tile_row_slot, DivBy by_top_k,
-                                              const uint16_t *src, int64_t ld, int k,
-                                              uint8_t *a, uint64_t *full) {
-    constexpr int kRowsPerThread = kBlockM / 16;
-    const int t = threadIdx.x % 128;
-    const int chunk = t % 8, row0 = t / 8;
-    uint8_t *dst = a + row0 * 128 + ((chunk ^ (row0 % 8)) * 16);   /* (row0 + 16i) % 8 = row0 % 8 */
-    const uint16_t *col = src + k + chunk * 8;
-#pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) {
-        const int slot = tile_row_slot[row0 + 16 * i];
-        const uint32_t r = slot >= 0 ? by_top_k((uint32_t)slot) : 0u;
-        ptx::cp_async_16_zfill(dst + i * 16 * 128, col + (int64_t)r * ld, slot >= 0 ? 16u : 0u);
-    }
-    ptx::cp_async_mbar_arrive_noinc(full);
 }
 
 /* ---- shared epilogue: scatter rows to their slots -------------------------------------

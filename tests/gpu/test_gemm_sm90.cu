@@ -74,78 +74,6 @@ static cudaError_t run_both(Dev &d, const Layout &L, int H, int I, int sms, bool
     return mf_sm90_gemm2_combine_fwd_bf16(&p2, 0);
 }
 
-/* gemm1 gathering its rows itself (x[row_slot / top_k], padding rows zero) must give the
- * bits of gemm1 on the rows dispatched into xs: x random with a row stride past H (the
- * gap NaN), xs built from it on the host, rows past num_rows NaN in xs. */
-static void check_gather(Dev &d, const Layout &L, int H, int I, int top_k, int sms) {
-    const int T = (L.num_slots + top_k - 1) / top_k;
-    const int64_t ld = H + 24;
-    std::vector<uint16_t> x((size_t)T * ld, 0x7FC0), xs((size_t)L.rows_cap * H, 0x7FC0);
-    std::vector<uint16_t> row(H);
-    std::vector<double> row_d(H);
-    for (int t = 0; t < T; ++t) {
-        th_fill_bf16_normal(row.data(), row_d.data(), H, 1.0);
-        memcpy(&x[(size_t)t * ld], row.data(), (size_t)H * 2);
-    }
-    for (int r = 0; r < L.num_rows; ++r) {
-        const int slot = L.row_slot[r];
-        if (slot >= 0)
-            memcpy(&xs[(size_t)r * H], &x[(size_t)(slot / top_k) * ld], (size_t)H * 2);
-        else
-            memset(&xs[(size_t)r * H], 0, (size_t)H * 2);
-    }
-    uint16_t *dx = nullptr;
-    CUDA_OK(cudaMalloc((void **)&dx, x.size() * 2));
-    CUDA_OK(cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(d.xs, xs.data(), xs.size() * 2, cudaMemcpyHostToDevice));
-
-    std::vector<uint16_t> act[2], gu[2];
-    for (int gather = 0; gather < 2; ++gather) {
-        mf_gemm1_params p = {d.xs, d.w13, d.rbe, d.num_rows, d.act, d.gate_up,
-                             L.rows_cap, H, I, L.E, sms};
-        if (gather) {
-            p.xs = nullptr;
-            p.x = dx;
-            p.x_stride = ld;
-            p.row_slot = d.row_slot;
-            p.top_k = top_k;
-        }
-        CUDA_OK(poison_outputs(d, L, H, I));
-        CUDA_OK(mf_sm90_gemm1_swiglu_fwd_bf16(&p, 0));
-        CUDA_OK(cudaDeviceSynchronize());
-        act[gather].resize((size_t)L.rows_cap * I);
-        gu[gather].resize((size_t)L.rows_cap * 2 * I);
-        CUDA_OK(cudaMemcpy(act[gather].data(), d.act, act[gather].size() * 2,
-                           cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(gu[gather].data(), d.gate_up, gu[gather].size() * 2,
-                           cudaMemcpyDeviceToHost));
-    }
-    cudaFree(dx);
-    CHECK(memcmp(act[0].data(), act[1].data(), act[0].size() * 2) == 0,
-          "gathered gemm1 act differs from gemm1 on xs (top_k %d, %d SMs)", top_k, sms);
-    CHECK(memcmp(gu[0].data(), gu[1].data(), gu[0].size() * 2) == 0,
-          "gathered gemm1 gate_up differs from gemm1 on xs (top_k %d, %d SMs)", top_k, sms);
-    CHECK(all_poison(&act[1][(size_t)L.num_rows * I], (size_t)(L.rows_cap - L.num_rows) * I),
-          "gathered gemm1 wrote act past num_rows");
-    printf("  gather (top_k %d, ld %lld, %d SMs): act and gate_up bitwise equal to xs\n", top_k,
-           (long long)ld, sms);
-
-    /* Refused: a gather together with EP arrivals, a stride below H or not a multiple of 8. */
-    mf_gemm1_params bad = {nullptr, d.w13, d.rbe, d.num_rows, d.act, d.gate_up,
-                           L.rows_cap, H, I, L.E, sms};
-    bad.x = d.xs;
-    bad.row_slot = d.row_slot;
-    bad.top_k = top_k;
-    bad.x_stride = H - 8;
-    CHECK(mf_sm90_gemm1_swiglu_fwd_bf16(&bad, 0) == cudaErrorInvalidValue, "x_stride < H taken");
-    bad.x_stride = H + 4;
-    CHECK(mf_sm90_gemm1_swiglu_fwd_bf16(&bad, 0) == cudaErrorInvalidValue,
-          "x_stride % 8 != 0 taken");
-    bad.x_stride = H;
-    bad.top_k = 0;
-    CHECK(mf_sm90_gemm1_swiglu_fwd_bf16(&bad, 0) == cudaErrorInvalidValue, "top_k 0 taken");
-}
-
 /* ---- correctness on random inputs ----------------------------------------------------- */
 static void check_shape(int H, int I, const std::vector<int> &counts) {
     if (!have_sm90()) return;
@@ -255,9 +183,6 @@ static void check_shape(int H, int I, const std::vector<int> &counts) {
     CHECK(memcmp(act.data(), act2.data(), act.size() * 2) == 0,
           "act differs when gate_up is not stored");
     CHECK(all_poison(gu2.data(), gu2.size()), "gate_up written though NULL was passed");
-
-    check_gather(d, L, H, I, 3, num_sms());
-    check_gather(d, L, H, I, 1, 7);
 }
 
 /* Experts: empty ones, a single row, one of 1000+ rows, exact multiples of 128. */
@@ -350,24 +275,14 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
                           L.rows_cap, H, I, E, sms};
     mf_gemm1_params p1n = p1;
     p1n.gate_up = nullptr;
-    /* The forward's gemm1: rows gathered from the token rows x [tokens, H] (slot / top_k). */
-    uint16_t *dx = nullptr;
-    CUDA_OK(cudaMalloc((void **)&dx, (size_t)tokens * H * 2));
-    fill_hash_bf16<<<1024, 256>>>((__nv_bfloat16 *)dx, (size_t)tokens * H, seed + 3, sx);
-    mf_gemm1_params p1g = p1;
-    p1g.xs = nullptr;
-    p1g.x = dx;
-    p1g.x_stride = H;
-    p1g.row_slot = d.row_slot;
-    p1g.top_k = top_k;
     mf_gemm2_params p2 = {d.act, d.w2, d.rbe, d.num_rows, d.row_slot, d.slot_weight,
                           d.combine, L.rows_cap, H, I, E, sms};
     cudaEvent_t t0, t1;
     CUDA_OK(cudaEventCreate(&t0));
     CUDA_OK(cudaEventCreate(&t1));
-    std::vector<float> ms1, ms1n, ms1g, ms2;
+    std::vector<float> ms1, ms1n, ms2;
     for (int it = 0; it < 23; ++it) {
-        float a, b, c, g;
+        float a, b, c;
         CUDA_OK(cudaEventRecord(t0));
         CUDA_OK(mf_sm90_gemm1_swiglu_fwd_bf16(&p1, 0));
         CUDA_OK(cudaEventRecord(t1));
@@ -379,29 +294,21 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
         CUDA_OK(cudaEventSynchronize(t1));
         CUDA_OK(cudaEventElapsedTime(&b, t0, t1));
         CUDA_OK(cudaEventRecord(t0));
-        CUDA_OK(mf_sm90_gemm1_swiglu_fwd_bf16(&p1g, 0));
-        CUDA_OK(cudaEventRecord(t1));
-        CUDA_OK(cudaEventSynchronize(t1));
-        CUDA_OK(cudaEventElapsedTime(&g, t0, t1));
-        CUDA_OK(cudaEventRecord(t0));
         CUDA_OK(mf_sm90_gemm2_combine_fwd_bf16(&p2, 0));
         CUDA_OK(cudaEventRecord(t1));
         CUDA_OK(cudaEventSynchronize(t1));
         CUDA_OK(cudaEventElapsedTime(&c, t0, t1));
-        if (it >= 3) { ms1.push_back(a); ms1n.push_back(b); ms1g.push_back(g); ms2.push_back(c); }
+        if (it >= 3) { ms1.push_back(a); ms1n.push_back(b); ms2.push_back(c); }
     }
-    cudaFree(dx);
     cudaEventDestroy(t0);
     cudaEventDestroy(t1);
     const double valid = (double)total, padded = (double)L.num_rows;
     const double f1 = 2.0 * valid * H * 2 * I, f2 = 2.0 * valid * I * H;
-    const double m1 = median(ms1), m1n = median(ms1n), m1g = median(ms1g), m2 = median(ms2);
+    const double m1 = median(ms1), m1n = median(ms1n), m2 = median(ms2);
     printf("  %-16s rows %d (padded %d) E=%d H=%d I=%d sms=%d\n", name, total, L.num_rows, E,
            H, I, sms);
     printf("  %-16s gemm1+swiglu (+gate_up) %8.3f ms %6.1f TFLOP/s\n", name, m1, f1 / m1 * 1e-9);
     printf("  %-16s gemm1+swiglu (act only) %8.3f ms %6.1f TFLOP/s\n", name, m1n, f1 / m1n * 1e-9);
-    printf("  %-16s gemm1 gathering x (+gate_up) %8.3f ms %6.1f TFLOP/s\n", name, m1g,
-           f1 / m1g * 1e-9);
     printf("  %-16s gemm2+combine           %8.3f ms %6.1f TFLOP/s\n", name, m2, f2 / m2 * 1e-9);
     printf("  %-16s (FLOPs counted on %0.f valid rows; padding adds %.1f%%)\n", name, valid,
            100.0 * (padded - valid) / valid);
