@@ -205,22 +205,40 @@ mf_dgrad1_params dgrad1_params(const moefuse_layer *layer, const uint16_t *w13,
     return d;
 }
 
-mf_wgrad_params wgrad_params(const moefuse_layer *layer, const moefuse_bwd_args *a,
-                             int rows_cap, bool dw13, const uint16_t *dys) {
+/* What dW2 and dW13 share: the expert segments, the mode, the grid. */
+static mf_wgrad_params wgrad_common(const moefuse_layer *layer, const moefuse_bwd_args *a,
+                                    int rows_cap) {
     const cuda_state *s = state_of(layer);
-    const int H = layer->cfg.hidden, I = layer->cfg.intermediate;
     mf_wgrad_params w = {};
-    w.lhs = dw13 ? s->dh : dys;
-    w.rhs = dw13 ? s->xs : s->act;
-    w.dw = dw13 ? a->dw13 : a->dw2;
-    w.dw_bf16 = dw13 ? a->dw13_bf16 : a->dw2_bf16;
-    w.m = dw13 ? 2 * I : H;
-    w.n = dw13 ? H : I;
     w.expert_offsets = s->bwd_offsets;
     w.rows_cap = rows_cap;
     w.num_local_experts = layer->num_local_experts;
     w.accumulate = a->accumulate;
     w.num_sms = s->num_sms;
+    return w;
+}
+
+mf_wgrad_params dw2_params(const moefuse_layer *layer, const moefuse_bwd_args *a, int rows_cap,
+                           const uint16_t *dys) {
+    mf_wgrad_params w = wgrad_common(layer, a, rows_cap);
+    w.lhs = dys;
+    w.rhs = state_of(layer)->act;
+    w.dw = a->dw2;
+    w.dw_bf16 = a->dw2_bf16;
+    w.m = layer->cfg.hidden;
+    w.n = layer->cfg.intermediate;
+    return w;
+}
+
+mf_wgrad_params dw13_params(const moefuse_layer *layer, const moefuse_bwd_args *a,
+                            int rows_cap) {
+    mf_wgrad_params w = wgrad_common(layer, a, rows_cap);
+    w.lhs = state_of(layer)->dh;
+    w.rhs = state_of(layer)->xs;
+    w.dw = a->dw13;
+    w.dw_bf16 = a->dw13_bf16;
+    w.m = 2 * layer->cfg.intermediate;
+    w.n = layer->cfg.hidden;
     return w;
 }
 
@@ -628,18 +646,14 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     cuda_state *s = state_of(layer);
     const cudaStream_t stream = (cudaStream_t)stream_;
     const moefuse_config *c = &layer->cfg;
-    const int T = a->num_tokens, K = c->top_k, EL = layer->num_local_experts;
-    const int H = c->hidden, I = c->intermediate;
+    const int T = a->num_tokens, K = c->top_k, H = c->hidden;
     const bool recompute = c->saved_mode == MOEFUSE_RECOMPUTE;
     if (layer->comm) return ep_backward(layer, a, stream);
-    if (T == 0) {  // no rows: the weight gradients are 0
-        if (!a->accumulate) {
-            const size_t bytes = a->dw13_bf16 ? 2 : 4;   // bf16 or fp32 gradients
-            MF_CUDA_TRY(cudaMemsetAsync(a->dw13_bf16 ? (void *)a->dw13_bf16 : a->dw13, 0,
-                                        (size_t)EL * 2 * I * H * bytes, stream));
-            MF_CUDA_TRY(cudaMemsetAsync(a->dw2_bf16 ? (void *)a->dw2_bf16 : a->dw2, 0,
-                                        (size_t)EL * H * I * bytes, stream));
-        }
+    if (T == 0) {  // no rows: on no rows the wgrad launcher writes zeros (or, accumulating, nothing)
+        const mf_wgrad_params dw2 = dw2_params(layer, a, 0, s->combine);
+        const mf_wgrad_params dw13 = dw13_params(layer, a, 0);
+        MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw2, stream));
+        MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw13, stream));
         return MOEFUSE_OK;
     }
 
@@ -686,7 +700,7 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     MF_CUDA_TRY(mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&d2, stream));
 
     // ---- 4. dW2 = dys^T act_p per expert: before dgrad1 overwrites dys ----
-    const mf_wgrad_params dw2 = wgrad_params(layer, a, lay.rows_cap, false, dys);
+    const mf_wgrad_params dw2 = dw2_params(layer, a, lay.rows_cap, dys);
     MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw2, stream));
 
     // ---- 5. dgrad1: dh W13_e -> dx slot rows in combine ----
@@ -709,7 +723,7 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     MF_CUDA_TRY(mf_reduce_dp_f32(&rd, stream));
 
     // ---- 7. dW13 = dh^T xs per expert ----
-    const mf_wgrad_params dw13 = wgrad_params(layer, a, lay.rows_cap, true, dys);
+    const mf_wgrad_params dw13 = dw13_params(layer, a, lay.rows_cap);
     MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw13, stream));
     return MOEFUSE_OK;
 }

@@ -112,10 +112,13 @@ mf_dgrad2_params dgrad2_params(const moefuse_layer *layer, const uint16_t *dys,
                                const int32_t *row_slot, int rows_cap);
 mf_dgrad1_params dgrad1_params(const moefuse_layer *layer, const uint16_t *w13,
                                const int32_t *rbe, const int32_t *row_slot, int rows_cap);
-/* dW2 = dys^T act_p (dw13 false) or dW13 = dh^T xs (dw13 true) of the call, into its fp32
- * or bf16 buffer; dW2 reads dys from where the call dispatched dy. */
-mf_wgrad_params wgrad_params(const moefuse_layer *layer, const moefuse_bwd_args *a,
-                             int rows_cap, bool dw13, const uint16_t *dys);
+/* dW2 = dys^T act_p and dW13 = dh^T xs of the call, into its fp32 or bf16 buffers; dW2
+ * reads dys from where the call dispatched dy. rows_cap 0: the gradients are written as
+ * zeros (accumulating: left as they are). */
+mf_wgrad_params dw2_params(const moefuse_layer *layer, const moefuse_bwd_args *a, int rows_cap,
+                           const uint16_t *dys);
+mf_wgrad_params dw13_params(const moefuse_layer *layer, const moefuse_bwd_args *a,
+                            int rows_cap);
 mf_reduce_params reduce_params(const moefuse_layer *layer, const int32_t *ids, int num_tokens,
                                uint16_t *out, int64_t out_stride);
 

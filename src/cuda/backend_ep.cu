@@ -376,7 +376,7 @@ moefuse_status ep_backward(moefuse_layer *layer, const moefuse_bwd_args *a, cuda
                                         lay.rows_cap);
     d2.row_weight = s->row_weight;
     MF_CUDA_TRY(mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&d2, stream));
-    const mf_wgrad_params dw2 = wgrad_params(layer, a, lay.rows_cap, false, s->dys);
+    const mf_wgrad_params dw2 = dw2_params(layer, a, lay.rows_cap, s->dys);
     MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw2, stream));
 
     // ---- 5. dgrad1 into the source ranks' combine slot rows; d p to the sources ----
@@ -399,7 +399,7 @@ moefuse_status ep_backward(moefuse_layer *layer, const moefuse_bwd_args *a, cuda
     sp = signal_params(layer, MF_EP_FLAG_DONE, MF_EP_STAGE_BWD_COMBINE);
     sp.signal = 1;
     MF_CUDA_TRY(mf_ep_signal_wait(&sp, stream));
-    const mf_wgrad_params dw13 = wgrad_params(layer, a, lay.rows_cap, true, s->dys);
+    const mf_wgrad_params dw13 = dw13_params(layer, a, lay.rows_cap);
     MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw13, stream));
     sp.signal = 0;
     sp.wait = 1;

@@ -734,6 +734,64 @@ done:
     inputs_free(&in);
 }
 
+/* Counts the 2-byte words of a device buffer that differ from `want`, in 64 MB pieces. */
+static int64_t count_words_not(const void *dev, int64_t words, uint16_t want) {
+    const int64_t piece = 32 << 20;
+    uint16_t *h = malloc((size_t)piece * 2);
+    int64_t bad = 0;
+    for (int64_t i = 0; h && i < words; i += piece) {
+        const int64_t n = words - i < piece ? words - i : piece;
+        if (cudaMemcpy(h, (const uint16_t *)dev + i, (size_t)n * 2, cudaMemcpyDeviceToHost) !=
+            cudaSuccess) {
+            bad = -1;
+            break;
+        }
+        for (int64_t j = 0; j < n; j++) bad += h[j] != want;
+    }
+    free(h);
+    return h ? bad : -1;
+}
+
+/* T = 0: write mode writes zeros into every weight gradient, fp32 and bf16; accumulate
+ * mode leaves them as they were (poison here). */
+static void case_t0(void) {
+    if (!ready()) return;
+    inputs in;
+    uint16_t *d13 = NULL, *d2 = NULL;
+    if (!inputs_make(&in, 0, ROUTE_RANDOM, 0)) goto done;
+    MF_OK(run_fwd_bwd(F.layer, &in, 1));   /* poisons dW first */
+    CHECK(count_words_not(F.dw13_d, 2 * n13(), 0) == 0 &&
+              count_words_not(F.dw2_d, 2 * n2(), 0) == 0,
+          "T=0, fp32 write mode: weight gradients not all zero");
+
+    CUDA_OK(cudaMemset(F.dw13_d, 0xff, (size_t)n13() * 4));
+    CUDA_OK(cudaMemset(F.dw2_d, 0xff, (size_t)n2() * 4));
+    moefuse_bwd_args b = bwd_args(&in, 1);
+    MF_OK(moefuse_backward(F.layer, &b, F.stream));
+    CUDA_OK(cudaStreamSynchronize(F.stream));
+    CHECK(count_words_not(F.dw13_d, 2 * n13(), 0xffff) == 0 &&
+              count_words_not(F.dw2_d, 2 * n2(), 0xffff) == 0,
+          "T=0, accumulate: weight gradients changed");
+
+    CUDA_OK(cudaMalloc((void **)&d13, (size_t)n13() * 2));
+    CUDA_OK(cudaMalloc((void **)&d2, (size_t)n2() * 2));
+    CUDA_OK(cudaMemset(d13, 0xff, (size_t)n13() * 2));
+    CUDA_OK(cudaMemset(d2, 0xff, (size_t)n2() * 2));
+    b = bwd_args(&in, 0);
+    b.dw13 = NULL;
+    b.dw2 = NULL;
+    b.dw13_bf16 = d13;
+    b.dw2_bf16 = d2;
+    MF_OK(moefuse_backward(F.layer, &b, F.stream));
+    CUDA_OK(cudaStreamSynchronize(F.stream));
+    CHECK(count_words_not(d13, n13(), 0) == 0 && count_words_not(d2, n2(), 0) == 0,
+          "T=0, bf16 write mode: weight gradients not all zero");
+done:
+    cudaFree(d13);
+    cudaFree(d2);
+    inputs_free(&in);
+}
+
 /* 50 repetitions of the backward on one saved buffer: bitwise the first. dx and d p
  * are compared whole every time; dW (2.4 GB at qwen3-30b-a3b) in a window of 8 experts
  * that moves each repetition, so the 50 cover every expert. */
@@ -912,6 +970,7 @@ int main(int argc, char **argv) {
 #define RUN(fn, what)                                                      \
     snprintf(name, sizeof name, "cuda_backward %s %s", m->name, what);     \
     if (argc < 3 || strstr(what, argv[2])) th_run(name, fn);
+        RUN(case_t0, "T=0 weight gradients zero / untouched")
         RUN(case_t1, "T=1")
         RUN(case_t1_one_slot, "T=1 one slot")
         RUN(case_t7, "T=7")
