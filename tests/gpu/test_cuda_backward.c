@@ -764,8 +764,9 @@ static void case_t0(void) {
               count_words_not(F.dw2_d, 2 * n2(), 0) == 0,
           "T=0, fp32 write mode: weight gradients not all zero");
 
-    CUDA_OK(cudaMemset(F.dw13_d, 0xff, (size_t)n13() * 4));
-    CUDA_OK(cudaMemset(F.dw2_d, 0xff, (size_t)n2() * 4));
+    /* Poison on the call's stream: it does not wait for the legacy default stream. */
+    CUDA_OK(cudaMemsetAsync(F.dw13_d, 0xff, (size_t)n13() * 4, F.stream));
+    CUDA_OK(cudaMemsetAsync(F.dw2_d, 0xff, (size_t)n2() * 4, F.stream));
     moefuse_bwd_args b = bwd_args(&in, 1);
     MF_OK(moefuse_backward(F.layer, &b, F.stream));
     CUDA_OK(cudaStreamSynchronize(F.stream));
@@ -775,8 +776,8 @@ static void case_t0(void) {
 
     CUDA_OK(cudaMalloc((void **)&d13, (size_t)n13() * 2));
     CUDA_OK(cudaMalloc((void **)&d2, (size_t)n2() * 2));
-    CUDA_OK(cudaMemset(d13, 0xff, (size_t)n13() * 2));
-    CUDA_OK(cudaMemset(d2, 0xff, (size_t)n2() * 2));
+    CUDA_OK(cudaMemsetAsync(d13, 0xff, (size_t)n13() * 2, F.stream));
+    CUDA_OK(cudaMemsetAsync(d2, 0xff, (size_t)n2() * 2, F.stream));
     b = bwd_args(&in, 0);
     b.dw13 = NULL;
     b.dw2 = NULL;
