@@ -682,6 +682,19 @@ done:
     inputs_free(&in);
 }
 
+/* The write-mode backward of `in` into the bf16 weight gradients d13 / d2 (no fp32 ones),
+ * synchronized. */
+static moefuse_status backward_dw_bf16(const inputs *in, uint16_t *d13, uint16_t *d2) {
+    moefuse_bwd_args b = bwd_args(in, 0);
+    b.dw13 = NULL;
+    b.dw2 = NULL;
+    b.dw13_bf16 = d13;
+    b.dw2_bf16 = d2;
+    moefuse_status st = moefuse_backward(F.layer, &b, F.stream);
+    if (st == MOEFUSE_OK && cudaStreamSynchronize(F.stream) != cudaSuccess) st = MOEFUSE_ERR_CUDA;
+    return st;
+}
+
 /* bf16 weight gradients (dw13_bf16 / dw2_bf16): the write-mode fp32 gradients rounded
  * to nearest even, bitwise, experts without rows 0; dx and d p unchanged. */
 static void case_dw_bf16(void) {
@@ -702,13 +715,7 @@ static void case_dw_bf16(void) {
     CUDA_OK(cudaMemsetAsync(d2, 0xff, (size_t)n2() * 2, F.stream));
     CUDA_OK(cudaMemsetAsync(in.dx_d, 0xff, w.dx_bytes, F.stream));
     CUDA_OK(cudaMemsetAsync(in.dp_d, 0xff, w.dp_bytes, F.stream));
-    moefuse_bwd_args b = bwd_args(&in, 0);
-    b.dw13 = NULL;
-    b.dw2 = NULL;
-    b.dw13_bf16 = d13;
-    b.dw2_bf16 = d2;
-    MF_OK(moefuse_backward(F.layer, &b, F.stream));
-    CUDA_OK(cudaStreamSynchronize(F.stream));
+    MF_OK(backward_dw_bf16(&in, d13, d2));
     h13 = malloc((size_t)n13() * 2);
     h2 = malloc((size_t)n2() * 2);
     dx = malloc(w.dx_bytes);
@@ -778,13 +785,7 @@ static void case_t0(void) {
     CUDA_OK(cudaMalloc((void **)&d2, (size_t)n2() * 2));
     CUDA_OK(cudaMemsetAsync(d13, 0xff, (size_t)n13() * 2, F.stream));
     CUDA_OK(cudaMemsetAsync(d2, 0xff, (size_t)n2() * 2, F.stream));
-    b = bwd_args(&in, 0);
-    b.dw13 = NULL;
-    b.dw2 = NULL;
-    b.dw13_bf16 = d13;
-    b.dw2_bf16 = d2;
-    MF_OK(moefuse_backward(F.layer, &b, F.stream));
-    CUDA_OK(cudaStreamSynchronize(F.stream));
+    MF_OK(backward_dw_bf16(&in, d13, d2));
     CHECK(count_words_not(d13, n13(), 0) == 0 && count_words_not(d2, n2(), 0) == 0,
           "T=0, bf16 write mode: weight gradients not all zero");
 done:
