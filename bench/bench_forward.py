@@ -10,7 +10,12 @@ One line per case (qwen3-30b-a3b and qwen3-235b-a22b, T in {4096, 16384}, bf16):
 
 Timing: CUDA events around each call, warm-up first, median of --reps (>= 20) calls,
 inputs rotating over several random sets (never zeros) so no call reads the previous
-call's tokens from L2. Both sides time the training forward (inputs require grad, so
+call's tokens from L2. With --queue N (default 1) each sample is N calls issued back to
+back between the two events, and the time per call is the sample / N: the host then
+runs ahead of the GPU as in a training loop, so the Python and launch time of a call
+(about 0.3 ms for moefuse's forward, more for the baseline's many small ops) overlaps
+the previous call's kernels instead of showing as idle GPU time. --queue 1 measures
+what one isolated, synchronized call costs, host included. Both sides time the training forward (inputs require grad, so
 moefuse writes its saved buffer and the baseline records its graph).
 
 The peak: torch.matmul of two random 8192 x 8192 bf16 matrices, median of CUDA-event
@@ -18,7 +23,7 @@ timings, 2 * 8192^3 FLOPs.
 
 Runs only on a CUDA device; without one it prints SKIP and the reason and exits 0.
 
-    python bench/bench_forward.py [--reps 20] [--models ...] [--tokens 4096 16384]
+    python bench/bench_forward.py [--reps 20] [--queue 1] [--models ...] [--tokens 4096 16384]
 """
 
 from __future__ import annotations
@@ -44,20 +49,24 @@ def skip(reason: str) -> None:
     sys.exit(0)
 
 
-def time_cuda_ms(fn, num_sets: int, warmup: int, reps: int) -> float:
-    """Median ms of fn(i % num_sets) over reps calls, each bracketed by CUDA events."""
+def time_cuda_ms(fn, num_sets: int, warmup: int, reps: int, queue: int = 1) -> float:
+    """Median ms per call of fn(i % num_sets) over reps samples, each `queue` calls issued
+    back to back between two CUDA events (the sample's time / queue)."""
     for i in range(warmup):
         fn(i % num_sets)
     torch.cuda.synchronize()
     times = []
-    for i in range(reps):
+    call = 0
+    for _ in range(reps):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        fn(i % num_sets)
+        for _ in range(queue):
+            fn(call % num_sets)
+            call += 1
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / queue)
     return statistics.median(times)
 
 
@@ -105,14 +114,17 @@ def run_case(moefuse, model: str, T: int, peak: float, has_backward: bool, args)
     rel_diff = ((y_m.float() - y_b.float()).norm() / y_b.float().norm()).item()
     del y_m, y_b
 
-    m_fwd = time_cuda_ms(moefuse_fwd, NUM_INPUT_SETS, args.warmup, args.reps)
-    b_fwd = time_cuda_ms(baseline_fwd, NUM_INPUT_SETS, args.warmup, args.reps)
-    b_fb = time_cuda_ms(baseline_fwd_bwd, NUM_INPUT_SETS, args.warmup, args.reps)
+    def timed(fn):
+        return time_cuda_ms(fn, NUM_INPUT_SETS, args.warmup, args.reps, args.queue)
+
+    m_fwd = timed(moefuse_fwd)
+    b_fwd = timed(baseline_fwd)
+    b_fb = timed(baseline_fwd_bwd)
     tflops = flops / m_fwd / 1e9
     line = (f"{model:<17} {T:<6} bf16  {m_fwd:14.3f}  {tflops:7.1f}  "
             f"{100 * tflops / peak:5.1f}  {b_fwd:11.3f}  {b_fwd / m_fwd:6.2f} | ")
     if has_backward:
-        m_fb = time_cuda_ms(moefuse_fwd_bwd, NUM_INPUT_SETS, args.warmup, args.reps)
+        m_fb = timed(moefuse_fwd_bwd)
         tf_fb = 3 * flops / m_fb / 1e9
         line += (f"{m_fb:17.3f}  {tf_fb:7.1f}  {100 * tf_fb / peak:5.1f}  "
                  f"{b_fb:14.3f}  {b_fb / m_fb:6.2f} | ")
@@ -130,9 +142,14 @@ def main() -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--queue", type=int, default=1,
+                        help="calls issued back to back per timed sample (1: each call "
+                        "alone and synchronized, host time included)")
     args = parser.parse_args()
     if args.reps < 20:
         parser.error("--reps must be >= 20 (medians of fewer calls are noise)")
+    if args.queue < 1:
+        parser.error("--queue must be >= 1")
 
     if not torch.cuda.is_available():
         skip("no CUDA device (torch.cuda.is_available() is False)")
@@ -157,7 +174,9 @@ def main() -> None:
     print(f"# device {name}; bf16 matmul peak {peak:.1f} TFLOP/s (8192^3, median of "
           f"{max(args.reps, 20)}); library {moefuse.library_path()}")
     print(f"# baseline: {'torch._grouped_mm' if gm is None else 'per-expert loop: ' + gm}; "
-          f"moefuse backward: {'yes' if bwd_reason is None else 'n/a (' + bwd_reason + ')'}")
+          f"moefuse backward: {'yes' if bwd_reason is None else 'n/a (' + bwd_reason + ')'}; "
+          f"timing: " + ("each call alone, synchronized" if args.queue == 1 else
+                         f"{args.queue} calls queued back to back per sample"))
     print("# model            T      prec  moefuse_fwd_ms  TFLOP/s  %peak  base_fwd_ms  "
           "x_base | moefuse_fwdbwd_ms  TFLOP/s  %peak  base_fwdbwd_ms  x_base | rel_diff_y")
 
