@@ -490,38 +490,34 @@ def _route_bwd_torch(ids: torch.Tensor, weights: torch.Tensor, dweights: torch.T
     return dlogits.scatter_(1, ids.long(), dsel)
 
 
-def _library_route_forward(logits, ids, weights) -> bool:
-    """Runs the library's helper; False when it is not built for this backend (it
-    answers ERR_UNSUPPORTED before touching anything), so the caller falls back."""
-    T, E = logits.shape
-    backend = _backend(logits.device)
-    args = _lib.RouteArgs(num_tokens=T, num_experts=E, top_k=ids.shape[1],
-                          logits=_ptr(logits), ids=_ptr(ids), weights=_ptr(weights))
+def _library_route(call, args, device: torch.device) -> bool:
+    """Runs one of the library's routing helpers (_lib.route_forward / route_backward);
+    False when it is not built for this backend (it answers ERR_UNSUPPORTED before
+    touching anything), so the caller falls back to PyTorch."""
+    backend = _backend(device)
     try:
-        with _on_device(logits.device):
-            _lib.route_forward(args, backend, _stream(logits.device))
+        with _on_device(device):
+            call(args, backend, _stream(device))
     except _lib.MoefuseError as err:
         if err.status == _lib.Status.ERR_UNSUPPORTED and backend != _lib.Backend.CPU:
             return False
         raise
     return True
+
+
+def _library_route_forward(logits, ids, weights) -> bool:
+    T, E = logits.shape
+    args = _lib.RouteArgs(num_tokens=T, num_experts=E, top_k=ids.shape[1],
+                          logits=_ptr(logits), ids=_ptr(ids), weights=_ptr(weights))
+    return _library_route(_lib.route_forward, args, logits.device)
 
 
 def _library_route_backward(logits, ids, dweights, dlogits) -> bool:
-    """As _library_route_forward, for the backward."""
     T, E = logits.shape
-    backend = _backend(logits.device)
     args = _lib.RouteBwdArgs(num_tokens=T, num_experts=E, top_k=ids.shape[1],
                              logits=_ptr(logits), ids=_ptr(ids), dweights=_ptr(dweights),
                              dlogits=_ptr(dlogits))
-    try:
-        with _on_device(logits.device):
-            _lib.route_backward(args, backend, _stream(logits.device))
-    except _lib.MoefuseError as err:
-        if err.status == _lib.Status.ERR_UNSUPPORTED and backend != _lib.Backend.CPU:
-            return False
-        raise
-    return True
+    return _library_route(_lib.route_backward, args, logits.device)
 
 
 @torch.library.custom_op("moefuse::route_fwd", mutates_args=())
