@@ -13,8 +13,10 @@
  *
  * One warp per row, grid-stride over rows; 16-byte loads and stores, 4 in flight
  * per lane. NOTE: the gather moves num_rows * H * 2 bytes each way (read + write):
- * 2.1 GB at qwen3-235b-a22b, T = 16384, about 0.45 ms at 4.8 TB/s. Folding it into
- * gemm1's producer (TMA gather) removes the write and the re-read, see DESIGN 3. */
+ * 2.1 GB at qwen3-235b-a22b, T = 16384, about 0.55 ms measured. Folding it into gemm1's
+ * producer (DESIGN 3) was tried with cp.async (sm_90 TMA has no row gather): bitwise
+ * right, but gemm1 slowed by more than this kernel costs (bench/NOTES.md v5, the patch
+ * in bench/experiments/). */
 #include <cuda_runtime.h>
 #include <stdint.h>
 
