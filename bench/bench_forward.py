@@ -15,8 +15,9 @@ back between the two events, and the time per call is the sample / N: the host t
 runs ahead of the GPU as in a training loop, so the Python and launch time of a call
 (about 0.3 ms for moefuse's forward, more for the baseline's many small ops) overlaps
 the previous call's kernels instead of showing as idle GPU time. --queue 1 measures
-what one isolated, synchronized call costs, host included. Both sides time the training forward (inputs require grad, so
-moefuse writes its saved buffer and the baseline records its graph).
+what one isolated, synchronized call costs, host included. Both sides time the training
+forward (inputs require grad, so moefuse writes its saved buffer and the baseline
+records its graph).
 
 The peak: torch.matmul of two random 8192 x 8192 bf16 matrices, median of CUDA-event
 timings, 2 * 8192^3 FLOPs.

@@ -649,7 +649,7 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     const int T = a->num_tokens, K = c->top_k, H = c->hidden;
     const bool recompute = c->saved_mode == MOEFUSE_RECOMPUTE;
     if (layer->comm) return ep_backward(layer, a, stream);
-    if (T == 0) {  // no rows: on no rows the wgrad launcher writes zeros (or, accumulating, nothing)
+    if (T == 0) {  // no rows: the wgrad launcher writes zero gradients (accumulating: none)
         const mf_wgrad_params dw2 = dw2_params(layer, a, 0, s->combine);
         const mf_wgrad_params dw13 = dw13_params(layer, a, 0);
         MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw2, stream));
