@@ -49,9 +49,10 @@ if [ "${1:-}" != quick ]; then
         step bench_train_step train_step.log python3 bench/bench_train_step.py --plot "$LOG_DIR/loss_curves.png"
     step sass sass.log bash -c 'for o in build/src/cuda/sm90_*.o; do
         echo "$o HGMMA=$(cuobjdump --dump-sass $o | grep -c HGMMA) LDL_STL=$(cuobjdump --dump-sass $o | grep -cE "LDL|STL")"; done'
-    step memcheck memcheck.log timeout 120 compute-sanitizer --tool memcheck build/tests/gpu/test_cuda_backward 30b "T=7"
-    step racecheck racecheck.log timeout 120 compute-sanitizer --tool racecheck build/tests/gpu/test_gemm_sm90_bwd dgrad_bn128
-    step memcheck_ep memcheck_ep.log timeout 150 compute-sanitizer --tool memcheck build/tests/gpu/test_cuda_ep "R=1 comm"
+    step memcheck memcheck.log timeout 120 compute-sanitizer --error-exitcode 1 --tool memcheck build/tests/gpu/test_cuda_backward 30b "T=7"
+    step racecheck racecheck.log timeout 140 compute-sanitizer --error-exitcode 1 --tool racecheck build/tests/gpu/test_gemm_sm90_bwd dgrad_bn
+    step racecheck_fwd racecheck_fwd.log timeout 140 compute-sanitizer --error-exitcode 1 --tool racecheck build/tests/gpu/test_gemm_sm90 paths
+    step memcheck_ep memcheck_ep.log timeout 150 compute-sanitizer --error-exitcode 1 --tool memcheck build/tests/gpu/test_cuda_ep "R=1 comm"
 fi
 printf '%s\n' "${summary[@]}" | tee "$LOG_DIR/summary.txt"
 if [ -n "${OUT:-}" ]; then

@@ -9,7 +9,7 @@
  * A = dh is K-major (K = 2I). B = W13_e is MN-major: the reduction runs over its rows,
  * its N = H index is contiguous, so each stage loads BN/64 boxes of 64 H columns x 64
  * W13 rows and the wgmma reads B transposed. The epilogue is the forward gemm2's row
- * scatter with weight 1 (epi_scatter_rows).
+ * scatter with weight 1 (ScatterRowsEpilogue).
  *
  * FLOPs: 2 * rows * 2I * H. qwen3-30b-a3b at 131072 rows: 825 GFLOP, about 1.0 ms at
  * 790 TFLOP/s: matrix-bound. */
@@ -54,21 +54,11 @@ struct Dgrad1Load {
 };
 
 template <class Cfg>
-struct Dgrad1Epilogue {
-    const Dgrad1Args &args;
-
-    __device__ __forceinline__ void operator()(int m_block, int n_block,
-                                               float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
-        epi_scatter_rows<Cfg>(m_block, n_block, acc, buf, args.to);
-    }
-};
-
-template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_gemm1_dgrad_bwd_bf16_kernel(const __grid_constant__ Dgrad1Args args) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     Dgrad1Load<Cfg> load{args, 0, 0, 0};
-    Dgrad1Epilogue<Cfg> epi{args};
+    ScatterRowsEpilogue<Cfg> epi{args.to, ring_from_smem<Cfg>(smem_raw), {}, {0.f, 0.f}};
     run_grouped_gemm<Cfg>(smem_raw, &args.map_dh, &args.map_w13, args.num_rows, args.rows_cap,
                           args.hidden / Cfg::BN, (2 * args.intermediate) / kBlockK, load, epi);
 }
@@ -98,7 +88,9 @@ cudaError_t launch(const mf_dgrad1_params *p, cudaStream_t stream) {
 
 }  // namespace
 
-/* Tile choice: BN = 256 (4 stages of 48 KB) when H allows it, else BN = 128. */
+/* Tile choice: BN = 256 when H allows it, else BN = 128; the store warps store the rows
+ * (BN = 256: 3 stages of 48 KB beside the 66 KB of epilogue buffers; BN = 128: 6 stages
+ * of 32 KB). */
 extern "C" cudaError_t mf_sm90_gemm1_dgrad_bwd_bf16(const mf_dgrad1_params *p,
                                                     cudaStream_t stream) {
     if (!p || !p->dh || !p->w13 || !p->row_block_expert || !p->num_rows || !p->row_slot ||
@@ -111,6 +103,6 @@ extern "C" cudaError_t mf_sm90_gemm1_dgrad_bwd_bf16(const mf_dgrad1_params *p,
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
     if (misaligned16(p->dh, p->w13, p->combine)) return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
-    if (p->hidden % 256 == 0) return launch<TileConfig<256, 4, false, true>>(p, stream);
-    return launch<TileConfig<128, 6, false, true>>(p, stream);
+    if (p->hidden % 256 == 0) return launch<TileConfig<256, 3, false, true, 0, 256>>(p, stream);
+    return launch<TileConfig<128, 6, false, true, 0, 128>>(p, stream);
 }

@@ -11,7 +11,8 @@
  *
  * FLOPs: 2 * rows * I * H. qwen3-30b-a3b at 16384 tokens (131072 rows): 412 GFLOP, about
  * 0.52 ms at 790 TFLOP/s, against about 1.1 GB of DRAM traffic (0.26 ms): matrix-bound,
- * but with a short K loop (I / 64 = 12 blocks) the epilogue's share matters. */
+ * but with a short K loop (I / 64 = 12 blocks) the epilogue's share matters: the store
+ * warps store the rows (sm90_grouped_gemm.cuh) while the consumers run the next tile. */
 #include <cuda_bf16.h>
 
 #include "kernels.h"
@@ -50,24 +51,12 @@ struct Gemm2Load {
     }
 };
 
-/* ---- epilogue: scale by the routing weight, scatter the row to its slot ----------------
- * The shared scatter (sm90_grouped_gemm.cuh), also used by dgrad1 with weight 1. */
-template <class Cfg>
-struct Gemm2Epilogue {
-    const Gemm2Args &args;
-
-    __device__ __forceinline__ void operator()(int m_block, int n_block,
-                                               float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
-        epi_scatter_rows<Cfg>(m_block, n_block, acc, buf, args.to);
-    }
-};
-
 template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_gemm2_combine_fwd_bf16_kernel(const __grid_constant__ Gemm2Args args) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     Gemm2Load<Cfg> load{args, 0, 0};
-    Gemm2Epilogue<Cfg> epi{args};
+    ScatterRowsEpilogue<Cfg> epi{args.to, ring_from_smem<Cfg>(smem_raw), {}, {0.f, 0.f}};
     run_grouped_gemm<Cfg>(smem_raw, &args.map_act, &args.map_w2, args.num_rows, args.rows_cap,
                           args.hidden / Cfg::BN, args.intermediate / kBlockK, load, epi);
 }
@@ -98,7 +87,9 @@ cudaError_t launch(const mf_gemm2_params *p, cudaStream_t stream) {
 
 }  // namespace
 
-/* Tile choice: BN = 256 (4 stages of 48 KB) when H allows it, else BN = 128. */
+/* Tile choice: BN = 256 when H allows it, else BN = 128; the store warps store the rows
+ * (BN = 256: 3 stages of 48 KB beside the 66 KB of epilogue buffers; BN = 128: 6 stages
+ * of 32 KB). */
 extern "C" cudaError_t mf_sm90_gemm2_combine_fwd_bf16(const mf_gemm2_params *p,
                                                       cudaStream_t stream) {
     if (!p || !p->act || !p->w2 || !p->row_block_expert || !p->num_rows || !p->row_slot ||
@@ -112,6 +103,6 @@ extern "C" cudaError_t mf_sm90_gemm2_combine_fwd_bf16(const mf_gemm2_params *p,
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
     if (misaligned16(p->act, p->w2, p->combine)) return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
-    if (p->hidden % 256 == 0) return launch<TileConfig<256, 4>>(p, stream);
-    return launch<TileConfig<128, 6>>(p, stream);
+    if (p->hidden % 256 == 0) return launch<TileConfig<256, 3, false, false, 0, 256>>(p, stream);
+    return launch<TileConfig<128, 6, false, false, 0, 128>>(p, stream);
 }

@@ -55,7 +55,7 @@ struct Dgrad2Args {
 constexpr int kGuBoxBytes = kBlockM * 64 * 2;
 constexpr int kTileN = 128;                           /* BN */
 constexpr int kGuBytes = 2 * (kTileN / 64) * kGuBoxBytes;
-using Dgrad2Cfg = TileConfig<kTileN, 4, false, true, kGuBytes>;
+using Dgrad2Cfg = TileConfig<kTileN, 4, false, true, kGuBytes, kTileN>;
 
 /* ---- producer: A rows of the block, then BN/64 boxes of W2_e rows k.. k+63; after the
  * last K stage, the tile's gate_up (once the epilogue of the tile before let go of it). */
@@ -98,9 +98,10 @@ __device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v 
 
 /* ---- epilogue ----------------------------------------------------------------------------
  * One pass over the accumulators: each element's exp, silu and sigmoid are computed once.
- * act_p goes through the staged store; dg and du overwrite the g and u words they were
- * computed from in the gate_up tile (each word is read and written by one thread only),
- * which is then copied out as whole rows.
+ * act_p goes to the epilogue buffer; dg and du overwrite the g and u words they were
+ * computed from in the gate_up tile (each word is read and written by one thread only);
+ * the store warps then copy both out as whole rows while the consumers run the next
+ * tile's K loop (sm90_grouped_gemm.cuh, "store warps").
  * Accumulator layout of m64nN (per warpgroup): register 4c + 2h + {0,1} of lane l in warp
  * w holds row 16w + l/4 + 8h, columns 8c + 2(l%4) + {0,1}. Those two g (or u) values are
  * one 4-byte word of the swizzled gate_up tile: box c/8, row R, 16-byte piece
@@ -123,52 +124,58 @@ struct Dgrad2Epilogue {
     const Dgrad2Args &args;
     Ring<Cfg> ring;
     uint32_t gu_phase;
+    StoreHandoff handoff;
+    float w[2];       /* this lane's two rows: p, or 0 for a padding row */
+    bool valid[2];
 
-    __device__ __forceinline__ void operator()(int m_block, int n_block,
-                                               float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
-        static_assert(Cfg::BN == kEpiMaxCols, "one epilogue chunk per tile");
-        static_assert(Cfg::BN == kTileN && Cfg::kExtraBytes == kGuBytes,
-                      "the gate_up tile's layout is kTileN columns of g and of u");
-        const int t = threadIdx.x % 128, wg = threadIdx.x / 128;
-        const int lane = t % 32, warp = t / 32;
-        const int I = args.intermediate;
-        const int64_t row0 = (int64_t)m_block * kBlockM + wg * 64;
-        const int col0 = n_block * Cfg::BN;
-        uint8_t *const g_tile = ring.extra + wg * 64 * 128;   /* this warpgroup's rows */
-        uint8_t *const u_tile = g_tile + kGuBytes / 2;
+    static_assert(Cfg::BN == kTileN && Cfg::kExtraBytes == kGuBytes && Cfg::kStoreCols == kTileN,
+                  "the gate_up tile's layout is kTileN columns of g and of u; act_p is staged");
 
-        float w[2];
-        bool valid[2];
+    /* Before the K loop: the routing weights of this lane's rows. */
+    __device__ __forceinline__ void prepare(int m_block, int) {
+        const int t = threadIdx.x % 128;
+        const int64_t row0 = (int64_t)m_block * kBlockM + (threadIdx.x / 128) * 64;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int64_t r = row0 + warp * 16 + lane / 4 + 8 * h;
+            const int64_t r = row0 + (t / 32) * 16 + (t % 32) / 4 + 8 * h;
             const int slot = args.row_slot[r];
             valid[h] = slot >= 0;
             w[h] = !valid[h] ? 0.f : args.row_weight ? args.row_weight[r] : args.slot_weight[slot];
         }
+    }
+
+    __device__ __forceinline__ void operator()(int m_block, int n_block,
+                                               float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
+        const int t = threadIdx.x % 128, wg = threadIdx.x / 128;
+        const int lane = t % 32, warp = t / 32;
+        const int64_t row0 = (int64_t)m_block * kBlockM + wg * 64;
+        uint8_t *const g_tile = ring.extra + wg * 64 * 128;   /* this warpgroup's rows */
+        uint8_t *const u_tile = g_tile + kGuBytes / 2;
         auto word_offset = [&](int c, int h) {
             return (c / 8) * kGuBoxBytes + (warp * 16 + lane / 4 + 8 * h) * 128 +
                    (((c % 8) ^ (lane / 4)) << 4) + 4 * (lane % 4);
         };
         ptx::mbar_wait(ring.extra_full, gu_phase);
         gu_phase ^= 1u;
+        handoff.acquire(ring, wg);
 
         float dp[2] = {0.f, 0.f};
-        epi_store_chunk<Cfg::BN>(
-            buf,
-            [&](int c, int h) {
-                uint32_t *g2 = reinterpret_cast<uint32_t *>(g_tile + word_offset(c, h));
-                uint32_t *u2 = reinterpret_cast<uint32_t *>(u_tile + word_offset(c, h));
-                const float d0 = acc[4 * c + 2 * h], d1 = acc[4 * c + 2 * h + 1];
-                const SwigluBwd lo = swiglu_bwd(bf16_lo(*g2), bf16_lo(*u2), w[h] * d0);
-                const SwigluBwd hi = swiglu_bwd(bf16_hi(*g2), bf16_hi(*u2), w[h] * d1);
-                dp[h] = fmaf(d0, lo.act, dp[h]);
-                dp[h] = fmaf(d1, hi.act, dp[h]);
-                *g2 = valid[h] ? pack_bf16x2_rn(lo.dg, hi.dg) : 0u;
-                *u2 = valid[h] ? pack_bf16x2_rn(lo.du, hi.du) : 0u;
-                return valid[h] ? pack_bf16x2_rn(w[h] * lo.act, w[h] * hi.act) : 0u;
-            },
-            [&](int r) -> void * { return args.act_p + (row0 + r) * I + col0; });
+        epi_write_bf16<Cfg, Cfg::BN>(buf, 0, [&](int c, int h) {
+            uint32_t *g2 = reinterpret_cast<uint32_t *>(g_tile + word_offset(c, h));
+            uint32_t *u2 = reinterpret_cast<uint32_t *>(u_tile + word_offset(c, h));
+            const float d0 = acc[4 * c + 2 * h], d1 = acc[4 * c + 2 * h + 1];
+            const SwigluBwd lo = swiglu_bwd(bf16_lo(*g2), bf16_lo(*u2), w[h] * d0);
+            const SwigluBwd hi = swiglu_bwd(bf16_hi(*g2), bf16_hi(*u2), w[h] * d1);
+            dp[h] = fmaf(d0, lo.act, dp[h]);
+            dp[h] = fmaf(d1, hi.act, dp[h]);
+            *g2 = valid[h] ? pack_bf16x2_rn(lo.dg, hi.dg) : 0u;
+            *u2 = valid[h] ? pack_bf16x2_rn(lo.du, hi.du) : 0u;
+            return valid[h] ? pack_bf16x2_rn(w[h] * lo.act, w[h] * hi.act) : 0u;
+        });
+        /* The gate_up region is next written by TMA (async proxy): order these generic
+         * writes before it; the store warps release it after reading dg and du out. */
+        ptx::fence_proxy_async_smem();
+        handoff.release(ring, wg);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             dp[h] += __shfl_xor_sync(0xffffffffu, dp[h], 1);
@@ -178,23 +185,27 @@ struct Dgrad2Epilogue {
                 args.dp_partial[r * args.dp_parts + n_block] = valid[h] ? dp[h] : 0.f;
             }
         }
+    }
 
-        /* dg and du rows out of the tile (epi_store_chunk's barrier after the packs made
-         * every thread's words visible): 16 pieces of 16 bytes per row, 8 rows per pass. */
-        const int v = t % 16;
-#pragma unroll
-        for (int r0 = 0; r0 < 64; r0 += 8) {
-            const int r = r0 + t / 16;
+    /* Store warps: act_p rows from the buffer; dg and du rows from the gate_up tile (one
+     * row per warp step: lanes 0-15 its 16 pieces of dg, lanes 16-31 those of du). After
+     * the last warpgroup's rows the tile goes back to the producer. */
+    __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf) {
+        const int I = args.intermediate;
+        const int64_t row0 = (int64_t)m_block * kBlockM + wg * 64;
+        const int col0 = n_block * Cfg::BN;
+        drain_rows_bf16<Cfg, Cfg::BN>(buf, 0, [&](int r) -> uint16_t * {
+            return args.act_p + (row0 + r) * I + col0;
+        });
+        const int sw = threadIdx.x / 32 - kFirstStoreWarp, lane = threadIdx.x % 32;
+        const int v = lane % 16, half = lane / 16;
+        const uint8_t *tile = ring.extra + half * (kGuBytes / 2) + wg * 64 * 128;
+        for (int r = sw; r < 64; r += kStoreWarps) {
             const int off = (v / 8) * kGuBoxBytes + r * 128 + (((v % 8) ^ (r % 8)) << 4);
-            uint4 *dst = reinterpret_cast<uint4 *>(args.dh + (row0 + r) * 2 * I + col0) + v;
-            dst[0] = *reinterpret_cast<const uint4 *>(g_tile + off);
-            dst[I / 8] = *reinterpret_cast<const uint4 *>(u_tile + off);
+            uint4 *dst = reinterpret_cast<uint4 *>(args.dh + (row0 + r) * 2 * I + half * I + col0);
+            dst[v] = *reinterpret_cast<const uint4 *>(tile + off);
         }
-        /* Hand the tile back to the producer's next TMA load: order this thread's
-         * generic accesses before it (async proxy), then one arrival per warp. */
-        ptx::fence_proxy_async_smem();
-        __syncwarp();
-        if (lane == 0) ptx::mbar_arrive(ring.extra_empty);
+        if (wg == kConsumerWarpgroups - 1) ptx::mbar_arrive(ring.extra_empty);
     }
 };
 
@@ -204,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     const Ring<Cfg> ring = ring_from_smem<Cfg>(smem_raw);
     Dgrad2Load<Cfg> load{args, ring, 0, 0, 0, 0u};
-    Dgrad2Epilogue<Cfg> epi{args, ring, 0u};
+    Dgrad2Epilogue<Cfg> epi{args, ring, 0u, {}, {0.f, 0.f}, {false, false}};
     run_grouped_gemm<Cfg>(smem_raw, &args.map_dys, &args.map_w2, args.num_rows, args.rows_cap,
                           args.intermediate / Cfg::BN, args.hidden / kBlockK, load, epi);
 }
@@ -243,8 +254,8 @@ cudaError_t launch(const mf_dgrad2_params *p, cudaStream_t stream) {
 
 }  // namespace
 
-/* Tile choice (and so the dp partials per row): BN = 128, 4 stages of 32 KB and the 64 KB
- * gate_up tile. 0 when I is not supported.
+/* Tile choice (and so the dp partials per row): BN = 128, 4 stages of 32 KB, the 64 KB
+ * gate_up tile and 34 KB of act_p buffers. 0 when I is not supported.
  * NOTE: BN = 256 would need a 128 KB gate_up tile beside the ring: it does not fit. */
 extern "C" int mf_dgrad2_dp_parts(int intermediate) {
     if (intermediate <= 0 || intermediate % kTileN) return 0;

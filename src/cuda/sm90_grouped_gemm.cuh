@@ -27,6 +27,9 @@
  * 16 bytes per thread, and stores each row with fully coalesced 16-byte stores to where
  * it goes (rows can be scattered, as the combine needs). The stores drain while the
  * warpgroup runs the next tile's K loop.
+ * With store warps (TileConfig's STORE_COLS > 0) the consumers only write the tile into
+ * their buffer and hand it over; the producer warpgroup's three other warps read it back
+ * and store the rows while the consumers run the next tile's K loop (see "store warps").
  * NOTE: measured on an H200 against storing straight from the accumulator registers
  * (4-byte stores, 16-byte pieces of 8 rows per warp instruction): qwen3-30b-a3b gemm2
  * 0.98 -> 0.81-0.87 ms, gemm1 with gate_up 1.69 -> 1.35-1.46 ms, gemm1 act-only equal
@@ -36,6 +39,8 @@
 
 #include <cuda.h>
 #include <stdint.h>
+
+#include <utility>
 
 #include "ptx/mbarrier.cuh"
 #include "ptx/tma.cuh"
@@ -51,8 +56,10 @@ constexpr int kThreads = (kConsumerWarpgroups + 1) * 128;
 constexpr int kProducerRegs = 40;
 constexpr int kEpiMaxCols = 128;                      /* bf16 columns per epilogue chunk */
 constexpr int kEpiRowBytes = kEpiMaxCols * 2 + 16;    /* +16: conflict-free 4-byte stores */
-constexpr int kEpiBytes = 64 * kEpiRowBytes;          /* per consumer warpgroup */
 constexpr int kConsumerRegs = 232;
+constexpr int kStoreWarps = 3;   /* warps 1..3 of the producer warpgroup */
+constexpr int kStoreThreads = kStoreWarps * 32;
+constexpr int kFirstStoreWarp = kConsumerWarpgroups * 4 + 1;
 
 static_assert(kConsumerWarpgroups * 64 == kBlockM, "each consumer warpgroup owns 64 rows");
 static_assert(kConsumerWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536,
@@ -64,12 +71,19 @@ static_assert(kConsumerWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
  * epilogue that the producer loads once per tile (dgrad2's gate_up tile).
  * NOTE: the producer issues that load from the tile's last K stage, so a kernel with an
  * extra region needs at least one K block per tile (dgrad2: K = H >= 64). */
+/* STORE_COLS: 0, the consumers store their rows themselves (epi_store_chunk); else the
+ * store warps do, from a buffer per consumer warpgroup of 64 rows x STORE_COLS bf16. */
 template <int BN_, int STAGES_, bool A_MN_MAJOR = false, bool B_MN_MAJOR = false,
-          int EXTRA_BYTES = 0>
+          int EXTRA_BYTES = 0, int STORE_COLS = 0>
 struct TileConfig {
     static constexpr int BN = BN_;
     static constexpr int kStages = STAGES_;
     static constexpr int kExtraBytes = EXTRA_BYTES;
+    static constexpr int kStoreCols = STORE_COLS;
+    /* +16 bytes per row: rows 4 banks apart, so the 4-byte stores of the accumulator
+     * layout (8 rows x 4 words per warp) hit 32 distinct banks. */
+    static constexpr int kEpiRowBytes = (STORE_COLS ? STORE_COLS : kEpiMaxCols) * 2 + 16;
+    static constexpr int kEpiBytes = 64 * kEpiRowBytes;   /* per consumer warpgroup */
     static constexpr bool kAMnMajor = A_MN_MAJOR;   /* A stored [K, M]: M contiguous */
     static constexpr bool kBMnMajor = B_MN_MAJOR;   /* B stored [K, N]: N contiguous */
     static constexpr int kMnBoxBytes = 64 * kBlockK * 2;   /* one MN-major TMA box */
@@ -77,10 +91,12 @@ struct TileConfig {
     static constexpr int kABytes = kBlockM * kBlockK * 2;
     static constexpr int kBBytes = BN * kBlockK * 2;
     static constexpr int kStageBytes = kABytes + kBBytes;
-    /* ring | extra | epilogue buffers | barriers (full, empty, extra full, extra empty);
-     * the base is 1024-aligned (checked at entry). */
+    /* ring | extra | epilogue buffers | barriers (full, empty, extra full, extra empty,
+     * epilogue full and empty per consumer warpgroup); the base is 1024-aligned (checked
+     * at entry). */
     static constexpr int kSmemBytes = kStages * kStageBytes + kExtraBytes +
-                                      kConsumerWarpgroups * kEpiBytes + (2 * kStages + 2) * 8;
+                                      kConsumerWarpgroups * kEpiBytes +
+                                      (2 * kStages + 2 + 2 * kConsumerWarpgroups) * 8;
 
     static_assert(BN == 128 || BN == 256, "wgmma wrappers exist for N = 128 and 256");
     static_assert(kExtraBytes % 1024 == 0, "the extra region starts on a swizzle atom");
@@ -89,6 +105,8 @@ struct TileConfig {
     static_assert(kSmemBytes <= 227 * 1024, "shared-memory ring exceeds the 227 KB limit");
     static_assert(kMnBoxBytes % 1024 == 0 && BN % 64 == 0,
                   "MN-major tiles are whole 64-element boxes of whole swizzle atoms");
+    static_assert(STORE_COLS % 64 == 0 && STORE_COLS <= 256,
+                  "store warps move rows of 8 to 32 pieces of 16 bytes");
 };
 
 /* Operand descriptor of one stage and its per-k16 step in the encoded address field.
@@ -115,9 +133,14 @@ struct Ring {
     uint64_t *full;     /* [kStages] TMA bytes landed */
     uint64_t *empty;    /* [kStages] consumers done reading */
     uint64_t *extra_full;    /* the extra region's bytes landed (one arrival + tx) */
-    uint64_t *extra_empty;   /* the consumers done with it (one arrival per warp) */
+    uint64_t *extra_empty;   /* its readers done with it: one arrival per consumer warp,
+                              * or per store-warp thread with store warps */
+    uint64_t *epi_full;      /* [kConsumerWarpgroups] buffer written (store warps only) */
+    uint64_t *epi_empty;     /* [kConsumerWarpgroups] buffer stored out (store warps only) */
 
-    __device__ __forceinline__ uint8_t *epi_buf(int wg) const { return epi + wg * kEpiBytes; }
+    __device__ __forceinline__ uint8_t *epi_buf(int wg) const {
+        return epi + wg * Cfg::kEpiBytes;
+    }
     __device__ __forceinline__ uint8_t *a(int s) const { return base + s * Cfg::kStageBytes; }
     __device__ __forceinline__ uint8_t *b(int s) const {
         return base + s * Cfg::kStageBytes + Cfg::kABytes;
@@ -130,10 +153,12 @@ __device__ __forceinline__ Ring<Cfg> ring_from_smem(uint8_t *raw) {
     r.base = raw;
     r.extra = raw + Cfg::kStages * Cfg::kStageBytes;
     r.epi = r.extra + Cfg::kExtraBytes;
-    r.full = reinterpret_cast<uint64_t *>(r.epi + kConsumerWarpgroups * kEpiBytes);
+    r.full = reinterpret_cast<uint64_t *>(r.epi + kConsumerWarpgroups * Cfg::kEpiBytes);
     r.empty = r.full + Cfg::kStages;
     r.extra_full = r.empty + Cfg::kStages;
     r.extra_empty = r.extra_full + 1;
+    r.epi_full = r.extra_empty + 1;
+    r.epi_empty = r.epi_full + kConsumerWarpgroups;
     return r;
 }
 
@@ -145,7 +170,13 @@ __device__ __forceinline__ void ring_init(const Ring<Cfg> &r) {
         ptx::mbar_init(&r.empty[s], kConsumerWarpgroups * 4);   /* one per consumer warp */
     }
     ptx::mbar_init(r.extra_full, 1);
-    ptx::mbar_init(r.extra_empty, kConsumerWarpgroups * 4);
+    ptx::mbar_init(r.extra_empty, Cfg::kStoreCols ? kStoreThreads : kConsumerWarpgroups * 4);
+    /* Every thread that touched a buffer arrives: an arrival releases only the arriving
+     * thread's own accesses (racecheck flags a lane-0 arrival after __syncwarp). */
+    for (int wg = 0; wg < kConsumerWarpgroups; ++wg) {
+        ptx::mbar_init(&r.epi_full[wg], 128);
+        ptx::mbar_init(&r.epi_empty[wg], kStoreThreads);
+    }
     ptx::mbar_fence_init();
 }
 
@@ -219,7 +250,18 @@ __device__ __forceinline__ void producer_role(const Ring<Cfg> &ring, Sched sched
  * Each consumer warpgroup multiplies its 64-row slice of A by the whole BN-row B tile.
  * One wgmma group per K block stays in flight: after issuing block kb we wait for
  * block kb-1 and hand its stage back to the producer. epi(m_block, n_block, acc, buf)
- * runs with the finished accumulators and the warpgroup's epilogue buffer. */
+ * runs with the finished accumulators and the warpgroup's epilogue buffer; an epilogue
+ * with a prepare(m_block, n_block) gets that call before the tile's K loop, to issue the
+ * global loads it will need (routing weights) while the K loop runs. */
+template <class E, class = void>
+struct HasPrepare {
+    static constexpr bool value = false;
+};
+template <class E>
+struct HasPrepare<E, decltype(void(std::declval<E &>().prepare(0, 0)))> {
+    static constexpr bool value = true;
+};
+
 template <class Cfg>
 __device__ __forceinline__ void mma_m64(float (&acc)[Cfg::kAccRegs], uint64_t da, uint64_t db,
                                         int scale_d) {
@@ -244,6 +286,7 @@ __device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched
     int m_block, n_block;
     while (sched.next_tile(m_block, n_block)) {
         const int num_k_blocks = sched.num_k_blocks(m_block, n_block);
+        if constexpr (HasPrepare<Epi>::value) epi.prepare(m_block, n_block);
         int prev_stage = 0;
         for (int kb = 0; kb < num_k_blocks; ++kb) {
             ptx::mbar_wait(&ring.full[pos.stage], pos.phase);
@@ -311,6 +354,86 @@ __device__ __forceinline__ void epi_store_chunk(uint8_t *buf, Pack &&pack, Dst &
     }
 }
 
+/* ---- store warps ---------------------------------------------------------------------
+ * The epilogue split in two so that its global stores overlap the next tile's K loop:
+ *  - a consumer warpgroup waits until its buffer is empty (StoreHandoff::acquire), writes
+ *    its 64 rows there (epi_write_bf16, and whatever else the kernel stages), and hands
+ *    the buffer over (release: every thread arrives, ordering its shared-memory writes);
+ *  - the store warps (warps 1..3 of the producer warpgroup, 40 registers) walk the same
+ *    tiles, wait for each warpgroup's buffer, store it out (the epilogue's drain(m_block,
+ *    n_block, wg, buf)) and release it (every store-warp thread arrives).
+ * NOTE: measured on an H200 (qwen3-30b-a3b, 131072 rows, before this existed): without
+ * any epilogue gemm2 ran in 0.58 ms instead of 0.95 and dgrad2 in 0.66 ms instead of
+ * 1.26; most of the difference was the stores and the routing-weight loads, which the
+ * consumers waited for before starting the next tile. */
+struct StoreHandoff {
+    uint32_t phase = 0;
+
+    template <class Cfg>
+    __device__ __forceinline__ void acquire(const Ring<Cfg> &ring, int wg) {
+        /* A fresh barrier counts as having completed the phase before phase 0. */
+        ptx::mbar_wait(&ring.epi_empty[wg], phase ^ 1u);
+        phase ^= 1u;
+    }
+    template <class Cfg>
+    __device__ __forceinline__ void release(const Ring<Cfg> &ring, int wg) {
+        ptx::mbar_arrive(&ring.epi_full[wg]);
+    }
+};
+
+/* Consumer side: the warpgroup's 64 rows x kCols bf16 of pack(c, h) (as in
+ * epi_store_chunk) into the buffer, starting at column col0 of its rows. */
+template <class Cfg, int kCols, class Pack>
+__device__ __forceinline__ void epi_write_bf16(uint8_t *buf, int col0, Pack &&pack) {
+    static_assert(kCols % 8 == 0, "whole column groups");
+    const int t = threadIdx.x % 128;
+    const int warp = t / 32, lane = t % 32;
+    uint8_t *my_row = buf + (warp * 16 + lane / 4) * Cfg::kEpiRowBytes + col0 * 2 + (lane % 4) * 4;
+#pragma unroll
+    for (int c = 0; c < kCols / 8; ++c)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            *reinterpret_cast<uint32_t *>(my_row + h * 8 * Cfg::kEpiRowBytes + c * 16) = pack(c, h);
+}
+
+/* Store-warp side: the buffer's 64 rows, kCols bf16 from its column col0, each to
+ * dst(r) (16-byte aligned; nullptr drops the row). A warp stores 32 / (kCols / 8) rows
+ * per step, one 16-byte piece per lane. The 64 dst(r) are computed up front, two per
+ * lane, so their loads (row_slot) are in flight together, and passed by shuffles. */
+template <class Cfg, int kCols, class Dst>
+__device__ __forceinline__ void drain_rows_bf16(const uint8_t *buf, int col0, Dst &&dst) {
+    constexpr int kVecs = kCols * 2 / 16;
+    constexpr int kRowsPerStep = 32 / kVecs;
+    static_assert(kVecs <= 32 && 32 % kVecs == 0, "a warp stores whole rows");
+    const int sw = threadIdx.x / 32 - kFirstStoreWarp, lane = threadIdx.x % 32;
+    const unsigned long long d0 = reinterpret_cast<uintptr_t>(dst(lane));
+    const unsigned long long d1 = reinterpret_cast<uintptr_t>(dst(lane + 32));
+    const int v = lane % kVecs;
+    for (int r0 = sw * kRowsPerStep; r0 < 64; r0 += kStoreWarps * kRowsPerStep) {
+        const int r = r0 + lane / kVecs;   /* r0 .. r0 + kRowsPerStep - 1: all < 32 or all >= 32 */
+        const unsigned long long d = __shfl_sync(0xffffffffu, r0 < 32 ? d0 : d1, r % 32);
+        const uint4 piece = *reinterpret_cast<const uint4 *>(buf + r * Cfg::kEpiRowBytes +
+                                                             col0 * 2 + v * 16);
+        if (d) reinterpret_cast<uint4 *>(d)[v] = piece;
+    }
+}
+
+/* The store warps' loop over this CTA's tiles (the same walk as the consumers'). */
+template <class Cfg, class Sched, class Epi>
+__device__ __forceinline__ void store_role(const Ring<Cfg> &ring, Sched sched, Epi &epi) {
+    uint32_t phase = 0;
+    int m_block, n_block;
+    while (sched.next_tile(m_block, n_block)) {
+#pragma unroll 1
+        for (int wg = 0; wg < kConsumerWarpgroups; ++wg) {
+            ptx::mbar_wait(&ring.epi_full[wg], phase);
+            epi.drain(m_block, n_block, wg, ring.epi_buf(wg));
+            ptx::mbar_arrive(&ring.epi_empty[wg]);
+        }
+        phase ^= 1u;
+    }
+}
+
 /* ---- kernel skeleton ----------------------------------------------------------------
  * Role split shared by all kernels: barrier setup, setmaxnreg, then one role per
  * warpgroup. Must be called from a __launch_bounds__(kThreads, 1) kernel. */
@@ -335,6 +458,8 @@ __device__ __forceinline__ void run_grouped_gemm_sched(uint8_t *smem_raw,
     if (wg == kConsumerWarpgroups) {
         ptx::setmaxnreg_dec<kProducerRegs>();
         if (threadIdx.x == kConsumerWarpgroups * 128) producer_role<Cfg>(ring, sched, load);
+        if constexpr (Cfg::kStoreCols > 0)
+            if (threadIdx.x / 32 >= kFirstStoreWarp) store_role<Cfg>(ring, sched, epi);
     } else {
         ptx::setmaxnreg_inc<kConsumerRegs>();
         consumer_role<Cfg>(ring, sched, epi);
@@ -412,18 +537,60 @@ __device__ __forceinline__ void epi_store_rows_bf16(int n_block, float (&acc)[Cf
             });
 }
 
+/* The epilogue of gemm2 and dgrad1: each row of the tile, scaled by its weight, to its
+ * slot (ScatterTarget). With store warps (Cfg::kStoreCols == BN) the weights are loaded
+ * before the K loop and the store warps store the rows; else the consumers do it all. */
 template <class Cfg>
-__device__ __forceinline__ void epi_scatter_rows(int m_block, int n_block,
-                                                 float (&acc)[Cfg::kAccRegs], uint8_t *buf,
-                                                 const ScatterTarget &to) {
-    const int t = threadIdx.x % 128;
-    const int lane = t % 32, warp = t / 32;
-    const int row0 = m_block * kBlockM + (threadIdx.x / 128) * 64;
-    float w[2];
+struct ScatterRowsEpilogue {
+    const ScatterTarget &to;
+    Ring<Cfg> ring;
+    StoreHandoff handoff;
+    float w[2];   /* the weights of this lane's two rows (store warps only) */
+
+    static_assert(Cfg::kStoreCols == 0 || Cfg::kStoreCols == Cfg::BN,
+                  "the store warps take the whole tile at once");
+
+    __device__ __forceinline__ int64_t first_row(int m_block, int wg) const {
+        return (int64_t)m_block * kBlockM + wg * 64;
+    }
+    __device__ __forceinline__ void load_weights(int m_block, float (&wr)[2]) const {
+        const int t = threadIdx.x % 128;
+        const int64_t row0 = first_row(m_block, threadIdx.x / 128);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) w[h] = to.weight(row0 + warp * 16 + lane / 4 + 8 * h);
-    epi_store_rows_bf16<Cfg>(n_block, acc, buf, w, [&](int r) { return to.row_ptr(row0 + r); });
-}
+        for (int h = 0; h < 2; ++h) wr[h] = to.weight(row0 + (t / 32) * 16 + (t % 32) / 4 + 8 * h);
+    }
+
+    __device__ __forceinline__ void prepare(int m_block, int) {
+        if constexpr (Cfg::kStoreCols > 0) load_weights(m_block, w);
+    }
+
+    __device__ __forceinline__ void operator()(int m_block, int n_block,
+                                               float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
+        const int wg = threadIdx.x / 128;
+        if constexpr (Cfg::kStoreCols > 0) {
+            handoff.acquire(ring, wg);
+            epi_write_bf16<Cfg, Cfg::BN>(buf, 0, [&](int c, int h) {
+                return pack_bf16x2_rn(w[h] * acc[4 * c + 2 * h], w[h] * acc[4 * c + 2 * h + 1]);
+            });
+            handoff.release(ring, wg);
+        } else {
+            float wr[2];
+            load_weights(m_block, wr);
+            const int64_t row0 = first_row(m_block, wg);
+            epi_store_rows_bf16<Cfg>(n_block, acc, buf, wr,
+                                     [&](int r) { return to.row_ptr(row0 + r); });
+        }
+    }
+
+    /* Store warps: the rows of warpgroup wg to their slots. */
+    __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf) {
+        const int64_t row0 = first_row(m_block, wg);
+        drain_rows_bf16<Cfg, Cfg::BN>(buf, 0, [&](int r) -> uint16_t * {
+            uint16_t *row = to.row_ptr(row0 + r);
+            return row ? row + n_block * Cfg::BN : nullptr;
+        });
+    }
+};
 
 /* ---- host side: what every launcher of these kernels does -------------------------- */
 
