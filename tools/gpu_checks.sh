@@ -50,7 +50,7 @@ if [ "${1:-}" != quick ]; then
     step sass sass.log bash -c 'for o in build/src/cuda/sm90_*.o; do
         echo "$o HGMMA=$(cuobjdump --dump-sass $o | grep -c HGMMA) LDL_STL=$(cuobjdump --dump-sass $o | grep -cE "LDL|STL")"; done'
     step memcheck memcheck.log timeout 120 compute-sanitizer --error-exitcode 1 --tool memcheck build/tests/gpu/test_cuda_backward 30b "T=7"
-    step racecheck racecheck.log timeout 140 compute-sanitizer --error-exitcode 1 --tool racecheck build/tests/gpu/test_gemm_sm90_bwd dgrad_bn
+    step racecheck racecheck.log timeout 140 compute-sanitizer --error-exitcode 1 --tool racecheck build/tests/gpu/test_gemm_sm90_bwd _bn
     step racecheck_fwd racecheck_fwd.log timeout 140 compute-sanitizer --error-exitcode 1 --tool racecheck build/tests/gpu/test_gemm_sm90 paths
     step memcheck_ep memcheck_ep.log timeout 150 compute-sanitizer --error-exitcode 1 --tool memcheck build/tests/gpu/test_cuda_ep "R=1 comm"
 fi

@@ -103,6 +103,6 @@ extern "C" cudaError_t mf_sm90_gemm1_dgrad_bwd_bf16(const mf_dgrad1_params *p,
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
     if (misaligned16(p->dh, p->w13, p->combine)) return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
-    if (p->hidden % 256 == 0) return launch<TileConfig<256, 3, false, true, 0, 256>>(p, stream);
-    return launch<TileConfig<128, 6, false, true, 0, 128>>(p, stream);
+    if (p->hidden % 256 == 0) return launch<TileConfig<256, 3, false, true, 0, 512>>(p, stream);
+    return launch<TileConfig<128, 6, false, true, 0, 256>>(p, stream);
 }

@@ -103,6 +103,6 @@ extern "C" cudaError_t mf_sm90_gemm2_combine_fwd_bf16(const mf_gemm2_params *p,
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
     if (misaligned16(p->act, p->w2, p->combine)) return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
-    if (p->hidden % 256 == 0) return launch<TileConfig<256, 3, false, false, 0, 256>>(p, stream);
-    return launch<TileConfig<128, 6, false, false, 0, 128>>(p, stream);
+    if (p->hidden % 256 == 0) return launch<TileConfig<256, 3, false, false, 0, 512>>(p, stream);
+    return launch<TileConfig<128, 6, false, false, 0, 256>>(p, stream);
 }

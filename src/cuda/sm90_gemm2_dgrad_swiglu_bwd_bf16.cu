@@ -55,7 +55,7 @@ struct Dgrad2Args {
 constexpr int kGuBoxBytes = kBlockM * 64 * 2;
 constexpr int kTileN = 128;                           /* BN */
 constexpr int kGuBytes = 2 * (kTileN / 64) * kGuBoxBytes;
-using Dgrad2Cfg = TileConfig<kTileN, 4, false, true, kGuBytes, kTileN>;
+using Dgrad2Cfg = TileConfig<kTileN, 4, false, true, kGuBytes, kTileN * 2>;
 
 /* ---- producer: A rows of the block, then BN/64 boxes of W2_e rows k.. k+63; after the
  * last K stage, the tile's gate_up (once the epilogue of the tile before let go of it). */
@@ -128,7 +128,7 @@ struct Dgrad2Epilogue {
     float w[2];       /* this lane's two rows: p, or 0 for a padding row */
     bool valid[2];
 
-    static_assert(Cfg::BN == kTileN && Cfg::kExtraBytes == kGuBytes && Cfg::kStoreCols == kTileN,
+    static_assert(Cfg::BN == kTileN && Cfg::kExtraBytes == kGuBytes && Cfg::kStoreRowBytes == kTileN * 2,
                   "the gate_up tile's layout is kTileN columns of g and of u; act_p is staged");
 
     /* Before the K loop: the routing weights of this lane's rows. */

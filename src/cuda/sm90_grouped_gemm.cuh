@@ -27,7 +27,7 @@
  * 16 bytes per thread, and stores each row with fully coalesced 16-byte stores to where
  * it goes (rows can be scattered, as the combine needs). The stores drain while the
  * warpgroup runs the next tile's K loop.
- * With store warps (TileConfig's STORE_COLS > 0) the consumers only write the tile into
+ * With store warps (TileConfig's STORE_ROW_BYTES > 0) the consumers only write the tile into
  * their buffer and hand it over; the producer warpgroup's three other warps read it back
  * and store the rows while the consumers run the next tile's K loop (see "store warps").
  * NOTE: measured on an H200 against storing straight from the accumulator registers
@@ -71,18 +71,18 @@ static_assert(kConsumerWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
  * epilogue that the producer loads once per tile (dgrad2's gate_up tile).
  * NOTE: the producer issues that load from the tile's last K stage, so a kernel with an
  * extra region needs at least one K block per tile (dgrad2: K = H >= 64). */
-/* STORE_COLS: 0, the consumers store their rows themselves (epi_store_chunk); else the
- * store warps do, from a buffer per consumer warpgroup of 64 rows x STORE_COLS bf16. */
+/* STORE_ROW_BYTES: 0, the consumers store their rows themselves (epi_store_chunk); else
+ * the store warps do, from a buffer per consumer warpgroup of 64 rows of that many bytes. */
 template <int BN_, int STAGES_, bool A_MN_MAJOR = false, bool B_MN_MAJOR = false,
-          int EXTRA_BYTES = 0, int STORE_COLS = 0>
+          int EXTRA_BYTES = 0, int STORE_ROW_BYTES = 0>
 struct TileConfig {
     static constexpr int BN = BN_;
     static constexpr int kStages = STAGES_;
     static constexpr int kExtraBytes = EXTRA_BYTES;
-    static constexpr int kStoreCols = STORE_COLS;
+    static constexpr int kStoreRowBytes = STORE_ROW_BYTES;
     /* +16 bytes per row: rows 4 banks apart, so the 4-byte stores of the accumulator
      * layout (8 rows x 4 words per warp) hit 32 distinct banks. */
-    static constexpr int kEpiRowBytes = (STORE_COLS ? STORE_COLS : kEpiMaxCols) * 2 + 16;
+    static constexpr int kEpiRowBytes = (STORE_ROW_BYTES ? STORE_ROW_BYTES : kEpiMaxCols * 2) + 16;
     static constexpr int kEpiBytes = 64 * kEpiRowBytes;   /* per consumer warpgroup */
     static constexpr bool kAMnMajor = A_MN_MAJOR;   /* A stored [K, M]: M contiguous */
     static constexpr bool kBMnMajor = B_MN_MAJOR;   /* B stored [K, N]: N contiguous */
@@ -105,7 +105,7 @@ struct TileConfig {
     static_assert(kSmemBytes <= 227 * 1024, "shared-memory ring exceeds the 227 KB limit");
     static_assert(kMnBoxBytes % 1024 == 0 && BN % 64 == 0,
                   "MN-major tiles are whole 64-element boxes of whole swizzle atoms");
-    static_assert(STORE_COLS % 64 == 0 && STORE_COLS <= 256,
+    static_assert(STORE_ROW_BYTES % 128 == 0 && STORE_ROW_BYTES <= 512,
                   "store warps move rows of 8 to 32 pieces of 16 bytes");
 };
 
@@ -170,7 +170,7 @@ __device__ __forceinline__ void ring_init(const Ring<Cfg> &r) {
         ptx::mbar_init(&r.empty[s], kConsumerWarpgroups * 4);   /* one per consumer warp */
     }
     ptx::mbar_init(r.extra_full, 1);
-    ptx::mbar_init(r.extra_empty, Cfg::kStoreCols ? kStoreThreads : kConsumerWarpgroups * 4);
+    ptx::mbar_init(r.extra_empty, Cfg::kStoreRowBytes ? kStoreThreads : kConsumerWarpgroups * 4);
     /* Every thread that touched a buffer arrives: an arrival releases only the arriving
      * thread's own accesses (racecheck flags a lane-0 arrival after __syncwarp). */
     for (int wg = 0; wg < kConsumerWarpgroups; ++wg) {
@@ -458,7 +458,7 @@ __device__ __forceinline__ void run_grouped_gemm_sched(uint8_t *smem_raw,
     if (wg == kConsumerWarpgroups) {
         ptx::setmaxnreg_dec<kProducerRegs>();
         if (threadIdx.x == kConsumerWarpgroups * 128) producer_role<Cfg>(ring, sched, load);
-        if constexpr (Cfg::kStoreCols > 0)
+        if constexpr (Cfg::kStoreRowBytes > 0)
             if (threadIdx.x / 32 >= kFirstStoreWarp) store_role<Cfg>(ring, sched, epi);
     } else {
         ptx::setmaxnreg_inc<kConsumerRegs>();
@@ -514,72 +514,37 @@ struct ScatterTarget {
     }
 };
 
-/* The warpgroup's 64 rows of the tile as bf16 of w[h] * acc (w[h]: the weight of the
- * lane's row 16 * warp + lane / 4 + 8h), in chunks of 128 columns; row_ptr(r) gives
- * where row r (0..63) starts (column 0 of the whole output row), or nullptr to drop it. */
-template <class Cfg, class RowPtr>
-__device__ __forceinline__ void epi_store_rows_bf16(int n_block, float (&acc)[Cfg::kAccRegs],
-                                                    uint8_t *buf, const float (&w)[2],
-                                                    RowPtr &&row_ptr) {
-    static_assert(Cfg::BN % kEpiMaxCols == 0, "BN must be whole chunks");
-    constexpr int kR = kEpiMaxCols / 2;   /* accumulator registers per chunk */
-#pragma unroll
-    for (int ch = 0; ch < Cfg::BN / kEpiMaxCols; ++ch)
-        epi_store_chunk<kEpiMaxCols>(
-            buf,
-            [&](int c, int h) {
-                return pack_bf16x2_rn(w[h] * acc[ch * kR + 4 * c + 2 * h],
-                                      w[h] * acc[ch * kR + 4 * c + 2 * h + 1]);
-            },
-            [&](int r) -> void * {
-                uint16_t *row = row_ptr(r);
-                return row ? row + n_block * Cfg::BN + ch * kEpiMaxCols : nullptr;
-            });
-}
-
 /* The epilogue of gemm2 and dgrad1: each row of the tile, scaled by its weight, to its
- * slot (ScatterTarget). With store warps (Cfg::kStoreCols == BN) the weights are loaded
- * before the K loop and the store warps store the rows; else the consumers do it all. */
+ * slot (ScatterTarget). The weights are loaded before the K loop; the consumers write the
+ * scaled tile into their buffers and the store warps store the rows. */
 template <class Cfg>
 struct ScatterRowsEpilogue {
     const ScatterTarget &to;
     Ring<Cfg> ring;
     StoreHandoff handoff;
-    float w[2];   /* the weights of this lane's two rows (store warps only) */
+    float w[2];   /* the weights of this lane's two rows */
 
-    static_assert(Cfg::kStoreCols == 0 || Cfg::kStoreCols == Cfg::BN,
-                  "the store warps take the whole tile at once");
+    static_assert(Cfg::kStoreRowBytes == Cfg::BN * 2, "the store warps take the whole tile at once");
 
     __device__ __forceinline__ int64_t first_row(int m_block, int wg) const {
         return (int64_t)m_block * kBlockM + wg * 64;
     }
-    __device__ __forceinline__ void load_weights(int m_block, float (&wr)[2]) const {
+    /* Before the K loop: the weights of this lane's rows (16 * warp + lane / 4 + 8h). */
+    __device__ __forceinline__ void prepare(int m_block, int) {
         const int t = threadIdx.x % 128;
         const int64_t row0 = first_row(m_block, threadIdx.x / 128);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) wr[h] = to.weight(row0 + (t / 32) * 16 + (t % 32) / 4 + 8 * h);
+        for (int h = 0; h < 2; ++h) w[h] = to.weight(row0 + (t / 32) * 16 + (t % 32) / 4 + 8 * h);
     }
 
-    __device__ __forceinline__ void prepare(int m_block, int) {
-        if constexpr (Cfg::kStoreCols > 0) load_weights(m_block, w);
-    }
-
-    __device__ __forceinline__ void operator()(int m_block, int n_block,
-                                               float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
+    __device__ __forceinline__ void operator()(int, int, float (&acc)[Cfg::kAccRegs],
+                                               uint8_t *buf) {
         const int wg = threadIdx.x / 128;
-        if constexpr (Cfg::kStoreCols > 0) {
-            handoff.acquire(ring, wg);
-            epi_write_bf16<Cfg, Cfg::BN>(buf, 0, [&](int c, int h) {
-                return pack_bf16x2_rn(w[h] * acc[4 * c + 2 * h], w[h] * acc[4 * c + 2 * h + 1]);
-            });
-            handoff.release(ring, wg);
-        } else {
-            float wr[2];
-            load_weights(m_block, wr);
-            const int64_t row0 = first_row(m_block, wg);
-            epi_store_rows_bf16<Cfg>(n_block, acc, buf, wr,
-                                     [&](int r) { return to.row_ptr(row0 + r); });
-        }
+        handoff.acquire(ring, wg);
+        epi_write_bf16<Cfg, Cfg::BN>(buf, 0, [&](int c, int h) {
+            return pack_bf16x2_rn(w[h] * acc[4 * c + 2 * h], w[h] * acc[4 * c + 2 * h + 1]);
+        });
+        handoff.release(ring, wg);
     }
 
     /* Store warps: the rows of warpgroup wg to their slots. */

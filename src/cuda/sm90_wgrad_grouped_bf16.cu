@@ -17,8 +17,10 @@
  *
  * Epilogue: fp32 straight from the accumulators, 8-byte stores (4 lanes cover 32
  * contiguous bytes of a row, whole sectors); accumulate mode loads, adds once, stores.
- * bf16 output (write mode): rounded to nearest even and sent through the staged store
- * (whole 16-byte row pieces), half the bytes of fp32.
+ * bf16 output (write mode): rounded to nearest even into the epilogue buffer, and stored
+ * by the store warps (whole 16-byte row pieces, half the bytes of fp32) while the
+ * consumers run the next tile's K loop: a separate instantiation (TileConfig with
+ * STORE_ROW_BYTES), since its buffers take a stage's shared memory.
  *
  * FLOPs: 2 * rows * M * N. qwen3-30b-a3b at 131072 rows: dW2 412 GFLOP, dW13 825 GFLOP;
  * the fp32 outputs are E * M * N * 4 bytes (0.8 GB / 1.6 GB, written once, read once more
@@ -87,26 +89,49 @@ struct WgradLoad {
     }
 };
 
-/* ---- epilogue: fp32 rows of dw_e, written or accumulated ---------------------------------
+/* ---- epilogue: rows of dw_e, fp32 written or accumulated by the consumers, or bf16 by
+ * the store warps (Cfg::kStoreRowBytes > 0).
  * Accumulator layout of m64nN (per warpgroup): register 4c + 2h + {0,1} of lane l in warp
  * w holds row 16w + l/4 + 8h, columns 8c + 2(l%4) + {0,1}. */
 template <class Cfg>
 struct WgradEpilogue {
     const WgradArgs &args;
+    Ring<Cfg> ring;
+    StoreHandoff handoff;
+
+    /* The first dw row of warpgroup wg's 64 rows of the tile (E * M rows in all). */
+    __device__ __forceinline__ int64_t first_row(int m_block, int wg) const {
+        const int e = m_block / args.m_blocks;
+        return (int64_t)e * args.m + (m_block - e * args.m_blocks) * kBlockM + wg * 64;
+    }
 
     __device__ __forceinline__ void operator()(int m_block, int n_block,
                                                float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
+        if constexpr (Cfg::kStoreRowBytes > 0) {
+            const int wg = threadIdx.x / 128;
+            handoff.acquire(ring, wg);
+            epi_write_bf16<Cfg, Cfg::BN>(buf, 0, [&](int c, int h) {
+                return pack_bf16x2_rn(acc[4 * c + 2 * h], acc[4 * c + 2 * h + 1]);
+            });
+            handoff.release(ring, wg);
+        } else {
+            store_fp32(m_block, n_block, acc);
+        }
+    }
+
+    /* Store warps (bf16): warpgroup wg's rows of the tile. */
+    __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf) {
+        const int64_t row0 = first_row(m_block, wg);
+        drain_rows_bf16<Cfg, Cfg::BN>(buf, 0, [&](int r) -> uint16_t * {
+            return args.dw_bf16 + (row0 + r) * args.n + n_block * Cfg::BN;
+        });
+    }
+
+    __device__ __forceinline__ void store_fp32(int m_block, int n_block,
+                                               float (&acc)[Cfg::kAccRegs]) {
         const int e = m_block / args.m_blocks;
         const int t = threadIdx.x % 128;
         const int lane = t % 32, warp = t / 32;
-        if (args.dw_bf16) {
-            const int64_t row0 = (int64_t)e * args.m + (m_block - e * args.m_blocks) * kBlockM +
-                                 (threadIdx.x / 128) * 64;
-            const float one[2] = {1.f, 1.f};
-            epi_store_rows_bf16<Cfg>(n_block, acc, buf, one,
-                                     [&](int r) { return args.dw_bf16 + (row0 + r) * args.n; });
-            return;
-        }
         const int row = (m_block - e * args.m_blocks) * kBlockM + (threadIdx.x / 128) * 64 +
                         warp * 16 + lane / 4;
         float *base = args.dw + ((int64_t)e * args.m + row) * args.n + n_block * Cfg::BN +
@@ -140,7 +165,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90_wgrad_grouped_bf16_kernel(const __grid_constant__ WgradArgs args) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     WgradLoad<Cfg> load{args, 0, 0, 0};
-    WgradEpilogue<Cfg> epi{args};
+    WgradEpilogue<Cfg> epi{args, ring_from_smem<Cfg>(smem_raw), {}};
     const WgradScheduler sched(args);
     run_grouped_gemm_sched<Cfg>(smem_raw, &args.map_lhs, &args.map_rhs, sched, load, epi);
 }
@@ -170,7 +195,8 @@ cudaError_t launch(const mf_wgrad_params *p, cudaStream_t stream) {
 
 }  // namespace
 
-/* Tile choice: BN = 256 (4 stages of 48 KB) when N allows it, else BN = 128. */
+/* Tile choice: BN = 256 when N allows it, else BN = 128. fp32 out: 4 stages of 48 KB or
+ * 6 of 32 KB; bf16 out, with the store warps' buffers: 3 of 48 KB or 6 of 32 KB. */
 extern "C" cudaError_t mf_sm90_wgrad_grouped_bf16(const mf_wgrad_params *p,
                                                   cudaStream_t stream) {
     if (!p || !p->lhs || !p->rhs || !p->expert_offsets || !p->dw == !p->dw_bf16 ||
@@ -185,6 +211,10 @@ extern "C" cudaError_t mf_sm90_wgrad_grouped_bf16(const mf_wgrad_params *p,
         const size_t elems = (size_t)p->num_local_experts * p->m * p->n;
         return p->dw ? cudaMemsetAsync(p->dw, 0, elems * 4, stream)
                      : cudaMemsetAsync(p->dw_bf16, 0, elems * 2, stream);
+    }
+    if (p->dw_bf16) {
+        if (p->n % 256 == 0) return launch<TileConfig<256, 3, true, true, 0, 512>>(p, stream);
+        return launch<TileConfig<128, 6, true, true, 0, 256>>(p, stream);
     }
     if (p->n % 256 == 0) return launch<TileConfig<256, 4, true, true>>(p, stream);
     return launch<TileConfig<128, 6, true, true>>(p, stream);

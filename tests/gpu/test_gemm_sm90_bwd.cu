@@ -330,6 +330,7 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
     /* Padding rows hold hash values here too; timing does not depend on them. */
     uint16_t *dys, *gu, *w2, *w13, *dh, *actp, *comb, *xs;
     float *sw, *dp, *dw2, *dw13;
+    uint16_t *dw2b, *dw13b;
     CUDA_OK(cudaMalloc(&dys, (size_t)R * H * 2));
     CUDA_OK(cudaMalloc(&xs, (size_t)R * H * 2));
     CUDA_OK(cudaMalloc(&gu, (size_t)R * 2 * I * 2));
@@ -342,6 +343,8 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
     CUDA_OK(cudaMalloc(&dp, (size_t)R * parts * 4));
     CUDA_OK(cudaMalloc(&dw2, (size_t)E * H * I * 4));
     CUDA_OK(cudaMalloc(&dw13, (size_t)E * 2 * I * H * 4));
+    CUDA_OK(cudaMalloc(&dw2b, (size_t)E * H * I * 2));
+    CUDA_OK(cudaMalloc(&dw13b, (size_t)E * 2 * I * H * 2));
     const uint32_t seed = (uint32_t)th_rand_u64();
     fill_hash_bf16<<<1024, 256>>>((__nv_bfloat16 *)dys, (size_t)R * H, seed, 1.f);
     fill_hash_bf16<<<1024, 256>>>((__nv_bfloat16 *)xs, (size_t)R * H, seed + 1, 1.f);
@@ -361,11 +364,17 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
     mf_wgrad_params pw13 = {dh, xs, off, dw13, R, 2 * I, H, E, 0, sms};
     mf_wgrad_params pw13a = pw13;
     pw13a.accumulate = 1;
+    mf_wgrad_params pw2b = pw2, pw13b = pw13;   /* bf16 out: the store-warp instantiation */
+    pw2b.dw = pw13b.dw = nullptr;
+    pw2b.dw_bf16 = dw2b;
+    pw13b.dw_bf16 = dw13b;
     const float m2 = time_ms([&] { return mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&p2, 0); });
     const float m1 = time_ms([&] { return mf_sm90_gemm1_dgrad_bwd_bf16(&p1, 0); });
     const float mw2 = time_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw2, 0); });
     const float mw13 = time_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw13, 0); });
     const float mw13a = time_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw13a, 0); });
+    const float mw2b = time_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw2b, 0); });
+    const float mw13b = time_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw13b, 0); });
     CUDA_OK(cudaGetLastError());
     CUDA_OK(cudaDeviceSynchronize());
     const double v = (double)total;
@@ -377,9 +386,13 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
     printf("  %-16s wgrad dW2  (write)    %8.3f ms %6.1f TFLOP/s\n", name, mw2, f_small / mw2 * 1e-9);
     printf("  %-16s wgrad dW13 (write)    %8.3f ms %6.1f TFLOP/s\n", name, mw13, f_big / mw13 * 1e-9);
     printf("  %-16s wgrad dW13 (accum)    %8.3f ms %6.1f TFLOP/s\n", name, mw13a, f_big / mw13a * 1e-9);
-    CHECK(m2 > 0 && m1 > 0 && mw2 > 0 && mw13 > 0 && mw13a > 0, "a timed launch failed");
+    printf("  %-16s wgrad dW2  (bf16)     %8.3f ms %6.1f TFLOP/s\n", name, mw2b, f_small / mw2b * 1e-9);
+    printf("  %-16s wgrad dW13 (bf16)     %8.3f ms %6.1f TFLOP/s\n", name, mw13b, f_big / mw13b * 1e-9);
+    CHECK(m2 > 0 && m1 > 0 && mw2 > 0 && mw13 > 0 && mw13a > 0 && mw2b > 0 && mw13b > 0,
+          "a timed launch failed");
     cudaFree(dys); cudaFree(xs); cudaFree(gu); cudaFree(dh); cudaFree(actp); cudaFree(w2);
     cudaFree(w13); cudaFree(comb); cudaFree(sw); cudaFree(dp); cudaFree(dw2); cudaFree(dw13);
+    cudaFree(dw2b); cudaFree(dw13b);
     cudaFree(rbe); cudaFree(slot); cudaFree(nr); cudaFree(off);
 }
 
