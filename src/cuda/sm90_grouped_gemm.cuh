@@ -365,7 +365,9 @@ __device__ __forceinline__ void epi_store_chunk(uint8_t *buf, Pack &&pack, Dst &
  * NOTE: measured on an H200 (qwen3-30b-a3b, 131072 rows, before this existed): without
  * any epilogue gemm2 ran in 0.58 ms instead of 0.95 and dgrad2 in 0.66 ms instead of
  * 1.26; most of the difference was the stores and the routing-weight loads, which the
- * consumers waited for before starting the next tile. */
+ * consumers waited for before starting the next tile. With store warps: gemm2 0.69 ms,
+ * dgrad1 1.35 -> 1.17 ms, dgrad2 1.13 ms (its SwiGLU math stays in the consumers: moved
+ * into the store warps it ran 60% slower, bench/NOTES.md v7). */
 struct StoreHandoff {
     uint32_t phase = 0;
 
