@@ -160,7 +160,7 @@ struct Dgrad2Epilogue {
         handoff.acquire(ring, wg);
 
         float dp[2] = {0.f, 0.f};
-        epi_write_bf16<Cfg, Cfg::BN>(buf, 0, [&](int c, int h) {
+        epi_write_bf16<Cfg>(buf, [&](int c, int h) {
             uint32_t *g2 = reinterpret_cast<uint32_t *>(g_tile + word_offset(c, h));
             uint32_t *u2 = reinterpret_cast<uint32_t *>(u_tile + word_offset(c, h));
             const float d0 = acc[4 * c + 2 * h], d1 = acc[4 * c + 2 * h + 1];
@@ -194,7 +194,7 @@ struct Dgrad2Epilogue {
         const int I = args.intermediate;
         const int64_t row0 = (int64_t)m_block * kBlockM + wg * 64;
         const int col0 = n_block * Cfg::BN;
-        drain_rows_bf16<Cfg, Cfg::BN>(buf, 0, [&](int r) -> uint16_t * {
+        drain_rows_bf16<Cfg>(buf, [&](int r) -> uint16_t * {
             return args.act_p + (row0 + r) * I + col0;
         });
         const int sw = threadIdx.x / 32 - kFirstStoreWarp, lane = threadIdx.x % 32;

@@ -383,28 +383,29 @@ struct StoreHandoff {
     }
 };
 
-/* Consumer side: the warpgroup's 64 rows x kCols bf16 of pack(c, h) (as in
- * epi_store_chunk) into the buffer, starting at column col0 of its rows. */
-template <class Cfg, int kCols, class Pack>
-__device__ __forceinline__ void epi_write_bf16(uint8_t *buf, int col0, Pack &&pack) {
-    static_assert(kCols % 8 == 0, "whole column groups");
+/* Consumer side: the warpgroup's 64 rows x BN bf16 of pack(c, h) (as in
+ * epi_store_chunk) into the buffer, which holds the whole tile's width. */
+template <class Cfg, class Pack>
+__device__ __forceinline__ void epi_write_bf16(uint8_t *buf, Pack &&pack) {
+    static_assert(Cfg::kStoreRowBytes == Cfg::BN * 2, "the buffer holds the tile's rows");
     const int t = threadIdx.x % 128;
     const int warp = t / 32, lane = t % 32;
-    uint8_t *my_row = buf + (warp * 16 + lane / 4) * Cfg::kEpiRowBytes + col0 * 2 + (lane % 4) * 4;
+    uint8_t *my_row = buf + (warp * 16 + lane / 4) * Cfg::kEpiRowBytes + (lane % 4) * 4;
 #pragma unroll
-    for (int c = 0; c < kCols / 8; ++c)
+    for (int c = 0; c < Cfg::BN / 8; ++c)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
             *reinterpret_cast<uint32_t *>(my_row + h * 8 * Cfg::kEpiRowBytes + c * 16) = pack(c, h);
 }
 
-/* Store-warp side: the buffer's 64 rows, kCols bf16 from its column col0, each to
- * dst(r) (16-byte aligned; nullptr drops the row). A warp stores 32 / (kCols / 8) rows
- * per step, one 16-byte piece per lane. The 64 dst(r) are computed up front, two per
+/* Store-warp side: the buffer's 64 rows of BN bf16, each to dst(r) (16-byte aligned;
+ * nullptr drops the row). A warp stores 32 / (BN / 8) rows per step, one 16-byte piece
+ * per lane. The 64 dst(r) are computed up front, two per
  * lane, so their loads (row_slot) are in flight together, and passed by shuffles. */
-template <class Cfg, int kCols, class Dst>
-__device__ __forceinline__ void drain_rows_bf16(const uint8_t *buf, int col0, Dst &&dst) {
-    constexpr int kVecs = kCols * 2 / 16;
+template <class Cfg, class Dst>
+__device__ __forceinline__ void drain_rows_bf16(const uint8_t *buf, Dst &&dst) {
+    static_assert(Cfg::kStoreRowBytes == Cfg::BN * 2, "the buffer holds the tile's rows");
+    constexpr int kVecs = Cfg::BN * 2 / 16;
     constexpr int kRowsPerStep = 32 / kVecs;
     static_assert(kVecs <= 32 && 32 % kVecs == 0, "a warp stores whole rows");
     const int sw = threadIdx.x / 32 - kFirstStoreWarp, lane = threadIdx.x % 32;
@@ -414,8 +415,7 @@ __device__ __forceinline__ void drain_rows_bf16(const uint8_t *buf, int col0, Ds
     for (int r0 = sw * kRowsPerStep; r0 < 64; r0 += kStoreWarps * kRowsPerStep) {
         const int r = r0 + lane / kVecs;   /* r0 .. r0 + kRowsPerStep - 1: all < 32 or all >= 32 */
         const unsigned long long d = __shfl_sync(0xffffffffu, r0 < 32 ? d0 : d1, r % 32);
-        const uint4 piece = *reinterpret_cast<const uint4 *>(buf + r * Cfg::kEpiRowBytes +
-                                                             col0 * 2 + v * 16);
+        const uint4 piece = *reinterpret_cast<const uint4 *>(buf + r * Cfg::kEpiRowBytes + v * 16);
         if (d) reinterpret_cast<uint4 *>(d)[v] = piece;
     }
 }
@@ -526,8 +526,6 @@ struct ScatterRowsEpilogue {
     StoreHandoff handoff;
     float w[2];   /* the weights of this lane's two rows */
 
-    static_assert(Cfg::kStoreRowBytes == Cfg::BN * 2, "the store warps take the whole tile at once");
-
     __device__ __forceinline__ int64_t first_row(int m_block, int wg) const {
         return (int64_t)m_block * kBlockM + wg * 64;
     }
@@ -543,7 +541,7 @@ struct ScatterRowsEpilogue {
                                                uint8_t *buf) {
         const int wg = threadIdx.x / 128;
         handoff.acquire(ring, wg);
-        epi_write_bf16<Cfg, Cfg::BN>(buf, 0, [&](int c, int h) {
+        epi_write_bf16<Cfg>(buf, [&](int c, int h) {
             return pack_bf16x2_rn(w[h] * acc[4 * c + 2 * h], w[h] * acc[4 * c + 2 * h + 1]);
         });
         handoff.release(ring, wg);
@@ -552,7 +550,7 @@ struct ScatterRowsEpilogue {
     /* Store warps: the rows of warpgroup wg to their slots. */
     __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf) {
         const int64_t row0 = first_row(m_block, wg);
-        drain_rows_bf16<Cfg, Cfg::BN>(buf, 0, [&](int r) -> uint16_t * {
+        drain_rows_bf16<Cfg>(buf, [&](int r) -> uint16_t * {
             uint16_t *row = to.row_ptr(row0 + r);
             return row ? row + n_block * Cfg::BN : nullptr;
         });

@@ -110,7 +110,7 @@ struct WgradEpilogue {
         if constexpr (Cfg::kStoreRowBytes > 0) {
             const int wg = threadIdx.x / 128;
             handoff.acquire(ring, wg);
-            epi_write_bf16<Cfg, Cfg::BN>(buf, 0, [&](int c, int h) {
+            epi_write_bf16<Cfg>(buf, [&](int c, int h) {
                 return pack_bf16x2_rn(acc[4 * c + 2 * h], acc[4 * c + 2 * h + 1]);
             });
             handoff.release(ring, wg);
@@ -122,7 +122,7 @@ struct WgradEpilogue {
     /* Store warps (bf16): warpgroup wg's rows of the tile. */
     __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf) {
         const int64_t row0 = first_row(m_block, wg);
-        drain_rows_bf16<Cfg, Cfg::BN>(buf, 0, [&](int r) -> uint16_t * {
+        drain_rows_bf16<Cfg>(buf, [&](int r) -> uint16_t * {
             return args.dw_bf16 + (row0 + r) * args.n + n_block * Cfg::BN;
         });
     }
