@@ -84,7 +84,9 @@ struct Gemm1Load {
 /* ---- epilogue: act = silu(g) * u in fp32, one bf16 rounding ---------------------------
  * Accumulator layout of m64nN (per warpgroup): register 4c + 2h + {0,1} of lane l in warp
  * w holds row 16w + l/4 + 8h, columns 8c + 2(l%4) + {0,1}. */
-__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
+/* g sigmoid(g) with one approximate reciprocal (MUFU.RCP, within 1 ulp for 1 + e^-g in
+ * [1, inf]) instead of an IEEE division: about 10 instructions fewer per element. */
+__device__ __forceinline__ float silu(float g) { return g * __fdividef(1.f, 1.f + __expf(-g)); }
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
