@@ -28,6 +28,7 @@
 
 #include "kernels.h"
 #include "sm90_grouped_gemm.cuh"
+#include "swiglu.cuh"
 #include "tensor_map.h"
 
 namespace {
@@ -93,8 +94,6 @@ struct Dgrad2Load {
     }
 };
 
-__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
 
 /* ---- epilogue ----------------------------------------------------------------------------
  * One pass over the accumulators: each element's exp, silu and sigmoid are computed once.
@@ -110,15 +109,11 @@ struct SwigluBwd {
     float act, dg, du;   /* bf16-rounded a, and p da' u silu'(g), p da' silu(g) */
 };
 
-/* s = sigmoid(g) = 1 / (1 + e^-g) by one approximate reciprocal (MUFU.RCP, within 1 ulp
- * for den in [1, inf]), silu(g) = g s, silu'(g) = s (1 + g (1 - s)). The IEEE division
- * and reciprocal cost about 20 instructions per element in a latency-bound epilogue; a
- * is rounded to bf16 from saved bf16 g and u anyway, so it was never the forward's bits. */
+/* silu'(g) = s (1 + g (1 - s)); a as the forward's store warps compute it (swiglu.cuh). */
 __device__ __forceinline__ SwigluBwd swiglu_bwd(float g, float u, float da) {
-    const float den = 1.f + __expf(-g);
-    const float s = __fdividef(1.f, den), silu = g * s;
-    return {__bfloat162float(__float2bfloat16_rn(silu * u)), da * u * (s * (1.f + g * (1.f - s))),
-            da * silu};
+    const Swiglu f = swiglu(g, u);
+    return {__bfloat162float(__float2bfloat16_rn(f.a)), da * u * (f.s * (1.f + g * (1.f - f.s))),
+            da * f.silu};
 }
 
 template <class Cfg>

@@ -22,16 +22,15 @@
  * NOTE: 384 threads at one CTA per SM leave 168 registers per thread at entry; setmaxnreg
  * moves them to the consumers: 2 x 128 x 232 + 128 x 40 = 64512 <= 65536.
  *
- * Epilogue: each consumer warpgroup writes its 64 output rows, in chunks of up to 128
- * bf16 columns, into its own shared-memory buffer, then reads them back as whole rows,
- * 16 bytes per thread, and stores each row with fully coalesced 16-byte stores to where
- * it goes (rows can be scattered, as the combine needs). The stores drain while the
- * warpgroup runs the next tile's K loop.
- * With store warps (TileConfig's STORE_ROW_BYTES > 0) the consumers only write the tile into
- * their buffer and hand it over; the producer warpgroup's three other warps read it back
- * and store the rows while the consumers run the next tile's K loop (see "store warps").
- * NOTE: measured on an H200 against storing straight from the accumulator registers
- * (4-byte stores, 16-byte pieces of 8 rows per warp instruction): qwen3-30b-a3b gemm2
+ * Epilogue: by the store warps (TileConfig's STORE_ROW_BYTES > 0): each consumer
+ * warpgroup writes its 64 output rows into its own shared-memory buffer and hands it over;
+ * the producer warpgroup's three other warps read the rows back and store them with
+ * whole 16-byte (or 8-byte) row pieces to where they go (rows can be scattered, as the
+ * combine needs) while the consumers run the next tile's K loop (see "store warps").
+ * Without store warps (fp32 wgrad) the consumers store from their registers.
+ * NOTE: measured on an H200, staging in shared memory (then by the consumers themselves)
+ * against storing straight from the accumulator registers (4-byte stores, 16-byte
+ * pieces of 8 rows per warp instruction): qwen3-30b-a3b gemm2
  * 0.98 -> 0.81-0.87 ms, gemm1 with gate_up 1.69 -> 1.35-1.46 ms, gemm1 act-only equal
  * within noise. Per-row bulk copies (cp.async.bulk) were the other option; in SASS their
  * issue is a loop over the lanes through uniform registers. */
@@ -54,8 +53,6 @@ constexpr int kBlockK = 64;             /* one 128-byte swizzle row of bf16 */
 constexpr int kConsumerWarpgroups = 2;
 constexpr int kThreads = (kConsumerWarpgroups + 1) * 128;
 constexpr int kProducerRegs = 40;
-constexpr int kEpiMaxCols = 128;                      /* bf16 columns per epilogue chunk */
-constexpr int kEpiRowBytes = kEpiMaxCols * 2 + 16;    /* +16: conflict-free 4-byte stores */
 constexpr int kConsumerRegs = 232;
 constexpr int kStoreWarps = 3;   /* warps 1..3 of the producer warpgroup */
 constexpr int kStoreThreads = kStoreWarps * 32;
@@ -71,8 +68,9 @@ static_assert(kConsumerWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
  * epilogue that the producer loads once per tile (dgrad2's gate_up tile).
  * NOTE: the producer issues that load from the tile's last K stage, so a kernel with an
  * extra region needs at least one K block per tile (dgrad2: K = H >= 64). */
-/* STORE_ROW_BYTES: 0, the consumers store their rows themselves (epi_store_chunk); else
- * the store warps do, from a buffer per consumer warpgroup of 64 rows of that many bytes. */
+/* STORE_ROW_BYTES: 0, the consumers store their rows themselves from the registers (no
+ * buffers); else the store warps do, from a buffer per consumer warpgroup of 64 rows of
+ * that many bytes (+16). */
 template <int BN_, int STAGES_, bool A_MN_MAJOR = false, bool B_MN_MAJOR = false,
           int EXTRA_BYTES = 0, int STORE_ROW_BYTES = 0>
 struct TileConfig {
@@ -82,7 +80,7 @@ struct TileConfig {
     static constexpr int kStoreRowBytes = STORE_ROW_BYTES;
     /* +16 bytes per row: rows 4 banks apart, so the 4-byte stores of the accumulator
      * layout (8 rows x 4 words per warp) hit 32 distinct banks. */
-    static constexpr int kEpiRowBytes = (STORE_ROW_BYTES ? STORE_ROW_BYTES : kEpiMaxCols * 2) + 16;
+    static constexpr int kEpiRowBytes = STORE_ROW_BYTES ? STORE_ROW_BYTES + 16 : 0;
     static constexpr int kEpiBytes = 64 * kEpiRowBytes;   /* per consumer warpgroup */
     static constexpr bool kAMnMajor = A_MN_MAJOR;   /* A stored [K, M]: M contiguous */
     static constexpr bool kBMnMajor = B_MN_MAJOR;   /* B stored [K, N]: N contiguous */
@@ -318,42 +316,6 @@ __device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched
     }
 }
 
-/* ---- staged epilogue ----------------------------------------------------------------
- * Called by all 128 threads of a consumer warpgroup. pack(c, h) gives the two bf16 of
- * column group c (columns 8c + 2(lane%4) + {0,1}) of row 16*warp + lane/4 + 8h, as in the
- * m64nN accumulator layout; dst(r) gives where row r (0..63) of the chunk goes (16-byte
- * aligned), or nullptr to drop it. */
-template <int kCols, class Pack, class Dst>
-__device__ __forceinline__ void epi_store_chunk(uint8_t *buf, Pack &&pack, Dst &&dst) {
-    static_assert(kCols % 8 == 0 && kCols <= kEpiMaxCols, "chunk must fit the buffer rows");
-    constexpr int kVecs = kCols * 2 / 16;        /* 16-byte pieces per row */
-    constexpr int kRowsPerPass = 128 / kVecs;
-    static_assert(128 % kVecs == 0 && 64 % kRowsPerPass == 0, "rows must split evenly");
-    const int t = threadIdx.x % 128, wg = threadIdx.x / 128;
-    const int warp = t / 32, lane = t % 32;
-    const uint32_t bar_id = 1 + wg;
-
-    /* Everyone is done reading the buffer (previous chunk) before it is overwritten. */
-    ptx::named_barrier_sync(bar_id, 128);
-    /* NOTE: rows are 272 bytes apart (68 words), so the 8 rows of one warp store land on
-     * 8 distinct groups of 4 banks. */
-    uint8_t *my_row = buf + (warp * 16 + lane / 4) * kEpiRowBytes + (lane % 4) * 4;
-#pragma unroll
-    for (int c = 0; c < kCols / 8; ++c)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-            *reinterpret_cast<uint32_t *>(my_row + h * 8 * kEpiRowBytes + c * 16) = pack(c, h);
-    ptx::named_barrier_sync(bar_id, 128);
-
-    const int v = t % kVecs;
-#pragma unroll
-    for (int r0 = 0; r0 < 64; r0 += kRowsPerPass) {
-        const int r = r0 + t / kVecs;
-        uint4 *d = reinterpret_cast<uint4 *>(dst(r));
-        if (d) d[v] = *reinterpret_cast<const uint4 *>(buf + r * kEpiRowBytes + v * 16);
-    }
-}
-
 /* ---- store warps ---------------------------------------------------------------------
  * The epilogue split in two so that its global stores overlap the next tile's K loop:
  *  - a consumer warpgroup waits until its buffer is empty (StoreHandoff::acquire), writes
@@ -383,8 +345,11 @@ struct StoreHandoff {
     }
 };
 
-/* Consumer side: the warpgroup's 64 rows x BN bf16 of pack(c, h) (as in
- * epi_store_chunk) into the buffer, which holds the whole tile's width. */
+/* Consumer side: the warpgroup's 64 rows x BN bf16 into the buffer, which holds the whole
+ * tile's width. pack(c, h) gives the two bf16 of column group c (columns 8c + 2(lane%4) +
+ * {0,1}) of row 16*warp + lane/4 + 8h, as in the m64nN accumulator layout.
+ * NOTE: rows are kEpiRowBytes = 16 (mod 128) apart, so the 8 rows of one warp's 4-byte
+ * writes land on 8 distinct groups of 4 banks. */
 template <class Cfg, class Pack>
 __device__ __forceinline__ void epi_write_bf16(uint8_t *buf, Pack &&pack) {
     static_assert(Cfg::kStoreRowBytes == Cfg::BN * 2, "the buffer holds the tile's rows");
