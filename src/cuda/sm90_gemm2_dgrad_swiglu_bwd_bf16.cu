@@ -99,8 +99,9 @@ struct Dgrad2Load {
  * One pass over the accumulators: each element's exp, silu and sigmoid are computed once.
  * act_p goes to the epilogue buffer; dg and du overwrite the g and u words they were
  * computed from in the gate_up tile (each word is read and written by one thread only);
- * the store warps then copy both out as whole rows while the consumers run the next
- * tile's K loop (sm90_grouped_gemm.cuh, "store warps").
+ * the store warps then copy both out as whole rows (sm90_grouped_gemm.cuh, "store
+ * warps"). The math itself runs in 32 pieces between the wgmma issues of the next tile's
+ * first 16 K blocks (consumer_role_overlapped), on the second accumulator set.
  * Accumulator layout of m64nN (per warpgroup): register 4c + 2h + {0,1} of lane l in warp
  * w holds row 16w + l/4 + 8h, columns 8c + 2(l%4) + {0,1}. Those two g (or u) values are
  * one 4-byte word of the swizzled gate_up tile: box c/8, row R, 16-byte piece
@@ -116,19 +117,25 @@ __device__ __forceinline__ SwigluBwd swiglu_bwd(float g, float u, float da) {
             da * f.silu};
 }
 
-template <class Cfg>
+template <class Cfg, bool kOverlap>
 struct Dgrad2Epilogue {
+    /* Pieces: one per (column group c, row half h) of the accumulator layout, run under
+     * the next tile's first 16 K blocks (sm90_grouped_gemm.cuh, consumer_role_overlapped)
+     * when H has that many, else after the tile's K loop (operator()). */
+    static constexpr bool kOverlapNextTile = kOverlap;
+    static constexpr int kPieces = 2 * (Cfg::BN / 8);
     const Dgrad2Args &args;
     Ring<Cfg> ring;
     uint32_t gu_phase;
     StoreHandoff handoff;
-    float w[2];       /* this lane's two rows: p, or 0 for a padding row */
+    float w[2];          /* this lane's two rows' p, or 0 for a padding row */
     bool valid[2];
+    float dp[2];         /* their partial d p */
 
     static_assert(Cfg::BN == kTileN && Cfg::kExtraBytes == kGuBytes && Cfg::kStoreRowBytes == kTileN * 2,
                   "the gate_up tile's layout is kTileN columns of g and of u; act_p is staged");
 
-    /* Before the K loop: the routing weights of this lane's rows. */
+    /* The routing weights of this lane's rows, for the tile after the one in its epilogue. */
     __device__ __forceinline__ void prepare(int m_block, int) {
         const int t = threadIdx.x % 128;
         const int64_t row0 = (int64_t)m_block * kBlockM + (threadIdx.x / 128) * 64;
@@ -141,47 +148,66 @@ struct Dgrad2Epilogue {
         }
     }
 
-    __device__ __forceinline__ void operator()(int m_block, int n_block,
-                                               float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
-        const int t = threadIdx.x % 128, wg = threadIdx.x / 128;
-        const int lane = t % 32, warp = t / 32;
-        const int64_t row0 = (int64_t)m_block * kBlockM + wg * 64;
-        uint8_t *const g_tile = ring.extra + wg * 64 * 128;   /* this warpgroup's rows */
-        uint8_t *const u_tile = g_tile + kGuBytes / 2;
-        auto word_offset = [&](int c, int h) {
-            return (c / 8) * kGuBoxBytes + (warp * 16 + lane / 4 + 8 * h) * 128 +
-                   (((c % 8) ^ (lane / 4)) << 4) + 4 * (lane % 4);
-        };
+    /* The tile's gate_up has landed and the act_p buffer is free. */
+    __device__ __forceinline__ void begin(int, int) {
         ptx::mbar_wait(ring.extra_full, gu_phase);
         gu_phase ^= 1u;
-        handoff.acquire(ring, wg);
+        handoff.acquire(ring, threadIdx.x / 128);
+        dp[0] = dp[1] = 0.f;
+    }
 
-        float dp[2] = {0.f, 0.f};
-        epi_write_bf16<Cfg>(buf, [&](int c, int h) {
-            uint32_t *g2 = reinterpret_cast<uint32_t *>(g_tile + word_offset(c, h));
-            uint32_t *u2 = reinterpret_cast<uint32_t *>(u_tile + word_offset(c, h));
-            const float d0 = acc[4 * c + 2 * h], d1 = acc[4 * c + 2 * h + 1];
-            const SwigluBwd lo = swiglu_bwd(bf16_lo(*g2), bf16_lo(*u2), w[h] * d0);
-            const SwigluBwd hi = swiglu_bwd(bf16_hi(*g2), bf16_hi(*u2), w[h] * d1);
-            dp[h] = fmaf(d0, lo.act, dp[h]);
-            dp[h] = fmaf(d1, hi.act, dp[h]);
-            *g2 = valid[h] ? pack_bf16x2_rn(lo.dg, hi.dg) : 0u;
-            *u2 = valid[h] ? pack_bf16x2_rn(lo.du, hi.du) : 0u;
-            return valid[h] ? pack_bf16x2_rn(w[h] * lo.act, w[h] * hi.act) : 0u;
-        });
+    /* Column group c = q / 2, row half h = q % 2: two elements of one row. dg and du
+     * overwrite the g and u words they come from; act_p goes to the buffer. */
+    __device__ __forceinline__ void piece(int q, float (&acc)[Cfg::kAccRegs]) {
+        const int c = q / 2, h = q % 2;
+        const int t = threadIdx.x % 128, wg = threadIdx.x / 128;
+        const int lane = t % 32, warp = t / 32;
+        const int off = (c / 8) * kGuBoxBytes + (warp * 16 + lane / 4 + 8 * h) * 128 +
+                        (((c % 8) ^ (lane / 4)) << 4) + 4 * (lane % 4);
+        uint8_t *const g_tile = ring.extra + wg * 64 * 128;   /* this warpgroup's rows */
+        uint32_t *g2 = reinterpret_cast<uint32_t *>(g_tile + off);
+        uint32_t *u2 = reinterpret_cast<uint32_t *>(g_tile + kGuBytes / 2 + off);
+        const float d0 = acc[4 * c + 2 * h], d1 = acc[4 * c + 2 * h + 1];
+        const float p = w[h];
+        const bool ok = valid[h];
+        const SwigluBwd lo = swiglu_bwd(bf16_lo(*g2), bf16_lo(*u2), p * d0);
+        const SwigluBwd hi = swiglu_bwd(bf16_hi(*g2), bf16_hi(*u2), p * d1);
+        dp[h] = fmaf(d0, lo.act, dp[h]);
+        dp[h] = fmaf(d1, hi.act, dp[h]);
+        *g2 = ok ? pack_bf16x2_rn(lo.dg, hi.dg) : 0u;
+        *u2 = ok ? pack_bf16x2_rn(lo.du, hi.du) : 0u;
+        epi_write_piece<Cfg>(ring.epi_buf(wg), c, h,
+                             ok ? pack_bf16x2_rn(p * lo.act, p * hi.act) : 0u);
+    }
+
+    /* Hand the buffers to the store warps, then the row sums of d p. */
+    __device__ __forceinline__ void finish(int m_block, int n_block) {
+        const int t = threadIdx.x % 128, wg = threadIdx.x / 128;
+        const int lane = t % 32, warp = t / 32;
         /* The gate_up region is next written by TMA (async proxy): order these generic
          * writes before it; the store warps release it after reading dg and du out. */
         ptx::fence_proxy_async_smem();
         handoff.release(ring, wg);
+        const int64_t row0 = (int64_t)m_block * kBlockM + wg * 64;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            dp[h] += __shfl_xor_sync(0xffffffffu, dp[h], 1);
-            dp[h] += __shfl_xor_sync(0xffffffffu, dp[h], 2);
+            float sum = dp[h];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
             if (lane % 4 == 0) {
                 const int64_t r = row0 + warp * 16 + lane / 4 + 8 * h;
-                args.dp_partial[r * args.dp_parts + n_block] = valid[h] ? dp[h] : 0.f;
+                args.dp_partial[r * args.dp_parts + n_block] = valid[h] ? sum : 0.f;
             }
         }
+    }
+
+    /* Without the overlap: the whole epilogue after the tile's K loop. */
+    __device__ __forceinline__ void operator()(int m_block, int n_block,
+                                               float (&acc)[Cfg::kAccRegs], uint8_t *) {
+        begin(m_block, n_block);
+#pragma unroll
+        for (int q = 0; q < kPieces; ++q) piece(q, acc);
+        finish(m_block, n_block);
     }
 
     /* Store warps: act_p rows from the buffer; dg and du rows from the gate_up tile (one
@@ -206,18 +232,18 @@ struct Dgrad2Epilogue {
     }
 };
 
-template <class Cfg>
+template <class Cfg, bool kOverlap>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel(const __grid_constant__ Dgrad2Args args) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     const Ring<Cfg> ring = ring_from_smem<Cfg>(smem_raw);
     Dgrad2Load<Cfg> load{args, ring, 0, 0, 0, 0u};
-    Dgrad2Epilogue<Cfg> epi{args, ring, 0u, {}, {0.f, 0.f}, {false, false}};
+    Dgrad2Epilogue<Cfg, kOverlap> epi{args, ring, 0u, {}, {}, {}, {}};
     run_grouped_gemm<Cfg>(smem_raw, &args.map_dys, &args.map_w2, args.num_rows, args.rows_cap,
                           args.intermediate / Cfg::BN, args.hidden / kBlockK, load, epi);
 }
 
-template <class Cfg>
+template <class Cfg, bool kOverlap>
 cudaError_t launch(const mf_dgrad2_params *p, cudaStream_t stream) {
     Dgrad2Args args;
     cudaError_t err;
@@ -246,7 +272,8 @@ cudaError_t launch(const mf_dgrad2_params *p, cudaStream_t stream) {
     args.intermediate = p->intermediate;
     args.dp_parts = p->intermediate / Cfg::BN;   /* = mf_dgrad2_dp_parts */
 
-    return launch_persistent(sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel<Cfg>, Cfg::kSmemBytes, p->num_sms, args, stream);
+    return launch_persistent(sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel<Cfg, kOverlap>,
+                             Cfg::kSmemBytes, p->num_sms, args, stream);
 }
 
 }  // namespace
@@ -273,5 +300,8 @@ extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(const mf_dgrad2_param
         (reinterpret_cast<uintptr_t>(p->dp_partial) & 3u))
         return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
-    return launch<Dgrad2Cfg>(p, stream);
+    /* The epilogue under the next tile's K loop needs 16 K blocks (H >= 1024). */
+    if (p->hidden / kBlockK >= Dgrad2Epilogue<Dgrad2Cfg, true>::kPieces / 2)
+        return launch<Dgrad2Cfg, true>(p, stream);
+    return launch<Dgrad2Cfg, false>(p, stream);
 }

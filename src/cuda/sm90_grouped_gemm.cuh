@@ -39,6 +39,7 @@
 #include <cuda.h>
 #include <stdint.h>
 
+#include <type_traits>
 #include <utility>
 
 #include "ptx/mbarrier.cuh"
@@ -270,12 +271,58 @@ __device__ __forceinline__ void mma_m64(float (&acc)[Cfg::kAccRegs], uint64_t da
         ptx::wgmma_m64n128k16_bf16_ss<ta, tb>(acc, da, db, scale_d);
 }
 
-template <class Cfg, class Sched, class Epi>
-__device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched, Epi &epi) {
+/* One K block of a consumer warpgroup: wait until the stage has landed, issue its four
+ * k16 wgmmas into acc (kb = 0 overwrites it) and commit them as one group. */
+template <class Cfg>
+__device__ __forceinline__ void issue_k_block(const Ring<Cfg> &ring, const RingPos<Cfg> &pos,
+                                              float (&acc)[Cfg::kAccRegs], int kb) {
     using DescA = OperandDesc<Cfg::kAMnMajor, Cfg::kMnBoxBytes>;
     using DescB = OperandDesc<Cfg::kBMnMajor, Cfg::kMnBoxBytes>;
     const int wg = threadIdx.x / 128;
-    const int lane = threadIdx.x % 32;
+    ptx::mbar_wait(&ring.full[pos.stage], pos.phase);
+    /* NOTE: this warpgroup's 64 rows of A are 8 KB into the stage in both layouts
+     * (64 rows x 128 B K-major; the second 64-element box MN-major). */
+    const uint64_t da = DescA::make(ring.a(pos.stage) + wg * 64 * kBlockK * 2);
+    const uint64_t db = DescB::make(ring.b(pos.stage));
+    ptx::wgmma_fence_operand(acc);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kBlockK / 16; ++k)
+        mma_m64<Cfg>(acc, da + DescA::kStepK16 * k, db + DescB::kStepK16 * k,
+                     (kb > 0 || k > 0) ? 1 : 0);
+    ptx::wgmma_commit();
+}
+
+/* After issuing block kb: wait for block kb-1 (one group stays in flight) and hand its
+ * stage back to the producer. */
+template <class Cfg>
+__device__ __forceinline__ void retire_k_block(const Ring<Cfg> &ring, RingPos<Cfg> &pos,
+                                               float (&acc)[Cfg::kAccRegs], int kb,
+                                               int &prev_stage) {
+    ptx::wgmma_wait<1>();
+    ptx::wgmma_fence_operand(acc);
+    if (kb > 0 && threadIdx.x % 32 == 0) ptx::mbar_arrive(&ring.empty[prev_stage]);
+    prev_stage = pos.stage;
+    pos.advance();
+}
+
+/* After the K loop: wait for the last block and hand its stage back; an empty K range
+ * (an expert without rows) leaves C = 0. */
+template <class Cfg>
+__device__ __forceinline__ void end_k_loop(const Ring<Cfg> &ring, float (&acc)[Cfg::kAccRegs],
+                                           int num_k_blocks, int prev_stage) {
+    ptx::wgmma_wait<0>();
+    ptx::wgmma_fence_operand(acc);
+    if (num_k_blocks > 0 && threadIdx.x % 32 == 0) ptx::mbar_arrive(&ring.empty[prev_stage]);
+    if (num_k_blocks == 0) {
+#pragma unroll
+        for (int i = 0; i < Cfg::kAccRegs; ++i) acc[i] = 0.f;
+    }
+}
+
+template <class Cfg, class Sched, class Epi>
+__device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched, Epi &epi) {
+    const int wg = threadIdx.x / 128;
     float acc[Cfg::kAccRegs];
 #pragma unroll
     for (int i = 0; i < Cfg::kAccRegs; ++i) acc[i] = 0.f;
@@ -287,32 +334,99 @@ __device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched
         if constexpr (HasPrepare<Epi>::value) epi.prepare(m_block, n_block);
         int prev_stage = 0;
         for (int kb = 0; kb < num_k_blocks; ++kb) {
-            ptx::mbar_wait(&ring.full[pos.stage], pos.phase);
-            /* NOTE: this warpgroup's 64 rows of A are 8 KB into the stage in both layouts
-             * (64 rows x 128 B K-major; the second 64-element box MN-major). */
-            const uint64_t da = DescA::make(ring.a(pos.stage) + wg * 64 * kBlockK * 2);
-            const uint64_t db = DescB::make(ring.b(pos.stage));
-            ptx::wgmma_fence_operand(acc);
-            ptx::wgmma_fence();
-#pragma unroll
-            for (int k = 0; k < kBlockK / 16; ++k)
-                mma_m64<Cfg>(acc, da + DescA::kStepK16 * k, db + DescB::kStepK16 * k,
-                             (kb > 0 || k > 0) ? 1 : 0);
-            ptx::wgmma_commit();
-            ptx::wgmma_wait<1>();
-            ptx::wgmma_fence_operand(acc);
-            if (kb > 0 && lane == 0) ptx::mbar_arrive(&ring.empty[prev_stage]);
-            prev_stage = pos.stage;
-            pos.advance();
+            issue_k_block<Cfg>(ring, pos, acc, kb);
+            retire_k_block<Cfg>(ring, pos, acc, kb, prev_stage);
         }
-        ptx::wgmma_wait<0>();
-        ptx::wgmma_fence_operand(acc);
-        if (num_k_blocks > 0 && lane == 0) ptx::mbar_arrive(&ring.empty[prev_stage]);
-        if (num_k_blocks == 0) {   /* empty K range (an expert without rows): C = 0 */
-#pragma unroll
-            for (int i = 0; i < Cfg::kAccRegs; ++i) acc[i] = 0.f;
-        }
+        end_k_loop<Cfg>(ring, acc, num_k_blocks, prev_stage);
         epi(m_block, n_block, acc, ring.epi_buf(wg));
+    }
+}
+
+/* ---- consumer role with the epilogue under the next tile's K loop ---------------------
+ * For an epilogue that is mostly math in the consumers (dgrad2's SwiGLU backward). Two
+ * accumulator sets (kAccRegs <= 64 each) alternate between tiles; tile i's epilogue runs
+ * in pieces between the wgmma issues and waits of tile i+1's first kPieces / 2 K blocks,
+ * on the other set, so the tensor cores keep working through it. The last tile's
+ * epilogue runs after its K loop. The epilogue opts in with kOverlapNextTile = true,
+ * kPieces (run two per K block) and
+ *   begin(m, n)          before the first piece of tile (m, n)
+ *   piece(q, acc)        q = 0 .. kPieces - 1, each a constant after unrolling
+ *   finish(m, n)         after the last piece
+ *   prepare(m, n)        the next tile's global loads (routing weights), issued once the
+ *                        tile before is done with its own.
+ * Every tile's K loop must be at least kPieces / 2 blocks long (the launcher checks; the
+ * kernel traps otherwise rather than wait for stages that never come).
+ * NOTE: ptxas (CUDA 13) gives the consumers 168 registers, not setmaxnreg's 232: the
+ * two 64-register sets fit, and the loop has no branch on whether an epilogue is
+ * pending (a first tile is peeled off), since a wgmma in a path ptxas cannot prove
+ * uniform makes it serialize every wgmma (C7518). */
+template <class E, class = void>
+struct OverlapsNextTile {
+    static constexpr bool value = false;
+};
+template <class E>
+struct OverlapsNextTile<E, decltype(void(E::kOverlapNextTile))> {
+    static constexpr bool value = E::kOverlapNextTile;
+};
+
+template <class Cfg, class Sched, class Epi>
+__device__ __forceinline__ void consumer_role_overlapped(const Ring<Cfg> &ring, Sched sched,
+                                                         Epi &epi) {
+    static_assert(Cfg::kAccRegs <= 64, "two accumulator sets must fit the 232 registers");
+    static_assert(Epi::kPieces % 2 == 0, "two pieces per K block");
+    constexpr int kSpreadBlocks = Epi::kPieces / 2;
+    float acc0[Cfg::kAccRegs], acc1[Cfg::kAccRegs];
+    RingPos<Cfg> pos;
+    int m_prev = 0, n_prev = 0;
+
+    /* The tile's K loop into `acc`; with `other`, the tile before's epilogue runs in
+     * pieces under its first kSpreadBlocks K blocks. */
+    auto run_tile = [&](float(&acc)[Cfg::kAccRegs], float(&other)[Cfg::kAccRegs],
+                        auto with_epilogue) -> bool {
+        constexpr bool kEpilogue = decltype(with_epilogue)::value;
+        int m_block, n_block;
+        if (!sched.next_tile(m_block, n_block)) return false;
+        const int num_k_blocks = sched.num_k_blocks(m_block, n_block);
+        if (num_k_blocks < kSpreadBlocks) __trap();
+        if constexpr (kEpilogue) epi.begin(m_prev, n_prev);
+        int prev_stage = 0;
+#pragma unroll
+        for (int kb = 0; kb < kSpreadBlocks; ++kb) {
+            issue_k_block<Cfg>(ring, pos, acc, kb);
+            if constexpr (kEpilogue) {
+                epi.piece(2 * kb, other);
+                epi.piece(2 * kb + 1, other);
+                if (kb == kSpreadBlocks - 1) epi.finish(m_prev, n_prev);
+            }
+            if (kb == kSpreadBlocks - 1) epi.prepare(m_block, n_block);
+            retire_k_block<Cfg>(ring, pos, acc, kb, prev_stage);
+        }
+        for (int kb = kSpreadBlocks; kb < num_k_blocks; ++kb) {
+            issue_k_block<Cfg>(ring, pos, acc, kb);
+            retire_k_block<Cfg>(ring, pos, acc, kb, prev_stage);
+        }
+        end_k_loop<Cfg>(ring, acc, num_k_blocks, prev_stage);
+        m_prev = m_block;
+        n_prev = n_block;
+        return true;
+    };
+    /* The last tile's epilogue, with nothing to overlap. */
+    auto run_epilogue = [&](float(&acc)[Cfg::kAccRegs]) {
+        epi.begin(m_prev, n_prev);
+#pragma unroll
+        for (int q = 0; q < Epi::kPieces; ++q) epi.piece(q, acc);
+        epi.finish(m_prev, n_prev);
+    };
+    if (!run_tile(acc0, acc1, std::false_type{})) return;
+    for (;;) {
+        if (!run_tile(acc1, acc0, std::true_type{})) {
+            run_epilogue(acc0);
+            break;
+        }
+        if (!run_tile(acc0, acc1, std::true_type{})) {
+            run_epilogue(acc1);
+            break;
+        }
     }
 }
 
@@ -346,21 +460,26 @@ struct StoreHandoff {
 };
 
 /* Consumer side: the warpgroup's 64 rows x BN bf16 into the buffer, which holds the whole
- * tile's width. pack(c, h) gives the two bf16 of column group c (columns 8c + 2(lane%4) +
- * {0,1}) of row 16*warp + lane/4 + 8h, as in the m64nN accumulator layout.
+ * tile's width; epi_write_piece writes one 4-byte piece. pack(c, h) gives the two bf16 of
+ * column group c (columns 8c + 2(lane%4) + {0,1}) of row 16*warp + lane/4 + 8h, as in the
+ * m64nN accumulator layout.
  * NOTE: rows are kEpiRowBytes = 16 (mod 128) apart, so the 8 rows of one warp's 4-byte
  * writes land on 8 distinct groups of 4 banks. */
-template <class Cfg, class Pack>
-__device__ __forceinline__ void epi_write_bf16(uint8_t *buf, Pack &&pack) {
-    static_assert(Cfg::kStoreRowBytes == Cfg::BN * 2, "the buffer holds the tile's rows");
+template <class Cfg>
+__device__ __forceinline__ void epi_write_piece(uint8_t *buf, int c, int h, uint32_t bf16x2) {
     const int t = threadIdx.x % 128;
     const int warp = t / 32, lane = t % 32;
     uint8_t *my_row = buf + (warp * 16 + lane / 4) * Cfg::kEpiRowBytes + (lane % 4) * 4;
+    *reinterpret_cast<uint32_t *>(my_row + h * 8 * Cfg::kEpiRowBytes + c * 16) = bf16x2;
+}
+
+template <class Cfg, class Pack>
+__device__ __forceinline__ void epi_write_bf16(uint8_t *buf, Pack &&pack) {
+    static_assert(Cfg::kStoreRowBytes == Cfg::BN * 2, "the buffer holds the tile's rows");
 #pragma unroll
     for (int c = 0; c < Cfg::BN / 8; ++c)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-            *reinterpret_cast<uint32_t *>(my_row + h * 8 * Cfg::kEpiRowBytes + c * 16) = pack(c, h);
+        for (int h = 0; h < 2; ++h) epi_write_piece<Cfg>(buf, c, h, pack(c, h));
 }
 
 /* Store-warp side: the buffer's 64 rows of BN bf16, each to dst(r) (16-byte aligned;
@@ -429,7 +548,10 @@ __device__ __forceinline__ void run_grouped_gemm_sched(uint8_t *smem_raw,
             if (threadIdx.x / 32 >= kFirstStoreWarp) store_role<Cfg>(ring, sched, epi);
     } else {
         ptx::setmaxnreg_inc<kConsumerRegs>();
-        consumer_role<Cfg>(ring, sched, epi);
+        if constexpr (OverlapsNextTile<Epi>::value)
+            consumer_role_overlapped<Cfg>(ring, sched, epi);
+        else
+            consumer_role<Cfg>(ring, sched, epi);
     }
 }
 

@@ -296,6 +296,9 @@ static void check_wgrad(int M, int N, const std::vector<int> &counts) {
 
 static void test_dgrad_bn256(void) { check_dgrad(512, 256, {0, 1, 1037, 37, 0, 200, 128, 5}); }
 static void test_dgrad_bn128(void) { check_dgrad(384, 384, {3, 0, 0, 256, 1, 1100}); }
+/* H >= 1024: dgrad2's epilogue runs under the next tile's K loop (20 K blocks: 16 with
+ * epilogue pieces, 4 without); the 7-CTA rerun gives each CTA several tiles. */
+static void test_dgrad_bn256_overlap(void) { check_dgrad(1280, 256, {0, 1, 1037, 37, 0, 200, 128, 5}); }
 static void test_wgrad_bn256(void) { check_wgrad(384, 512, {0, 1, 1037, 37, 0, 200, 128, 5}); }
 static void test_wgrad_bn128(void) { check_wgrad(256, 384, {3, 0, 0, 256, 1, 1100}); }
 
@@ -404,6 +407,7 @@ int main(int argc, char **argv) {
     static const struct { const char *name; void (*fn)(void); } cases[] = {
         {"gemm_sm90_bwd_dgrad_bn256", test_dgrad_bn256},
         {"gemm_sm90_bwd_dgrad_bn128", test_dgrad_bn128},
+        {"gemm_sm90_bwd_dgrad_bn256_overlap", test_dgrad_bn256_overlap},
         {"gemm_sm90_bwd_wgrad_bn256", test_wgrad_bn256},
         {"gemm_sm90_bwd_wgrad_bn128", test_wgrad_bn128},
         {"gemm_sm90_bwd_time_qwen3_30b", time_qwen3_30b},
