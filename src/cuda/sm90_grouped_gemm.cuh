@@ -443,7 +443,8 @@ __device__ __forceinline__ void consumer_role_overlapped(const Ring<Cfg> &ring, 
  * 1.26; most of the difference was the stores and the routing-weight loads, which the
  * consumers waited for before starting the next tile. With store warps: gemm2 0.69 ms,
  * dgrad1 1.35 -> 1.17 ms, dgrad2 1.13 ms (its SwiGLU math stays in the consumers: moved
- * into the store warps it ran 60% slower, bench/NOTES.md v7). */
+ * into the store warps it ran 60% slower, bench/NOTES.md v7; it now runs under the next
+ * tile's K loop instead, consumer_role_overlapped, v8). */
 struct StoreHandoff {
     uint32_t phase = 0;
 
