@@ -345,17 +345,18 @@ __device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched
 /* ---- consumer role with the epilogue under the next tile's K loop ---------------------
  * For an epilogue that is mostly math in the consumers (dgrad2's SwiGLU backward). Two
  * accumulator sets (kAccRegs <= 64 each) alternate between tiles; tile i's epilogue runs
- * in pieces between the wgmma issues and waits of tile i+1's first kPieces / 2 K blocks,
- * on the other set, so the tensor cores keep working through it. The last tile's
- * epilogue runs after its K loop. The epilogue opts in with kOverlapNextTile = true,
- * kPieces (run two per K block) and
- *   begin(m, n)          before the first piece of tile (m, n)
+ * in pieces between the wgmma issues and waits of tile i+1's first K blocks, on the other
+ * set, so the tensor cores keep working through it. The last tile's epilogue runs after
+ * its K loop. The epilogue opts in with kOverlapNextTile = true, kPieces,
+ * kPiecesPerKBlock (how many run after each wgmma issue) and
+ *   begin(m, n)          before the first piece of tile (m, n), after the first issue
  *   piece(q, acc)        q = 0 .. kPieces - 1, each a constant after unrolling
  *   finish(m, n)         after the last piece
  *   prepare(m, n)        the next tile's global loads (routing weights), issued once the
  *                        tile before is done with its own.
- * Every tile's K loop must be at least kPieces / 2 blocks long (the launcher checks; the
- * kernel traps otherwise rather than wait for stages that never come).
+ * Every tile's K loop must be at least kPieces / kPiecesPerKBlock blocks long (the
+ * launcher checks; the kernel traps otherwise rather than wait for stages that never
+ * come).
  * NOTE: ptxas (CUDA 13) gives the consumers 168 registers, not setmaxnreg's 232: the
  * two 64-register sets fit, and the loop has no branch on whether an epilogue is
  * pending (a first tile is peeled off), since a wgmma in a path ptxas cannot prove
@@ -372,9 +373,10 @@ struct OverlapsNextTile<E, decltype(void(E::kOverlapNextTile))> {
 template <class Cfg, class Sched, class Epi>
 __device__ __forceinline__ void consumer_role_overlapped(const Ring<Cfg> &ring, Sched sched,
                                                          Epi &epi) {
-    static_assert(Cfg::kAccRegs <= 64, "two accumulator sets must fit the 232 registers");
-    static_assert(Epi::kPieces % 2 == 0, "two pieces per K block");
-    constexpr int kSpreadBlocks = Epi::kPieces / 2;
+    static_assert(Cfg::kAccRegs <= 64, "two accumulator sets must fit the 168 registers ptxas gives");
+    constexpr int kPerBlock = Epi::kPiecesPerKBlock;
+    static_assert(Epi::kPieces % kPerBlock == 0, "whole K blocks of pieces");
+    constexpr int kSpreadBlocks = Epi::kPieces / kPerBlock;
     float acc0[Cfg::kAccRegs], acc1[Cfg::kAccRegs];
     RingPos<Cfg> pos;
     int m_prev = 0, n_prev = 0;
@@ -388,14 +390,14 @@ __device__ __forceinline__ void consumer_role_overlapped(const Ring<Cfg> &ring, 
         if (!sched.next_tile(m_block, n_block)) return false;
         const int num_k_blocks = sched.num_k_blocks(m_block, n_block);
         if (num_k_blocks < kSpreadBlocks) __trap();
-        if constexpr (kEpilogue) epi.begin(m_prev, n_prev);
         int prev_stage = 0;
 #pragma unroll
         for (int kb = 0; kb < kSpreadBlocks; ++kb) {
             issue_k_block<Cfg>(ring, pos, acc, kb);
             if constexpr (kEpilogue) {
-                epi.piece(2 * kb, other);
-                epi.piece(2 * kb + 1, other);
+                if (kb == 0) epi.begin(m_prev, n_prev);   /* the first wgmmas run meanwhile */
+#pragma unroll
+                for (int j = 0; j < kPerBlock; ++j) epi.piece(kPerBlock * kb + j, other);
                 if (kb == kSpreadBlocks - 1) epi.finish(m_prev, n_prev);
             }
             if (kb == kSpreadBlocks - 1) epi.prepare(m_block, n_block);

@@ -296,7 +296,7 @@ static void check_wgrad(int M, int N, const std::vector<int> &counts) {
 
 static void test_dgrad_bn256(void) { check_dgrad(512, 256, {0, 1, 1037, 37, 0, 200, 128, 5}); }
 static void test_dgrad_bn128(void) { check_dgrad(384, 384, {3, 0, 0, 256, 1, 1100}); }
-/* H >= 1024: dgrad2's epilogue runs under the next tile's K loop (20 K blocks: 16 with
+/* H >= 512: dgrad2's epilogue runs under the next tile's K loop (20 K blocks: 8 with
  * epilogue pieces, 4 without); the 7-CTA rerun gives each CTA several tiles. */
 static void test_dgrad_bn256_overlap(void) { check_dgrad(1280, 256, {0, 1, 1037, 37, 0, 200, 128, 5}); }
 static void test_wgrad_bn256(void) { check_wgrad(384, 512, {0, 1, 1037, 37, 0, 200, 128, 5}); }
