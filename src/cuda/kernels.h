@@ -14,7 +14,8 @@ extern "C" {
  * buffers to a multiple of this, so a 128-row block never spans two experts. */
 #define MF_SM90_BLOCK_M 128
 
-/* gemm1: act = silu(g) * u with [g; u] = xs W13_e^T, per 128-row block of expert e.
+/* gemm1: act = bf16(silu(g) * u) of the bf16-rounded [g; u] = xs W13_e^T (the a dgrad2
+ * recomputes, bit for bit), per 128-row block of expert e.
  * Rows past *num_rows are not touched. Padding rows inside a block compute garbage
  * that nobody reads. */
 typedef struct mf_gemm1_params {

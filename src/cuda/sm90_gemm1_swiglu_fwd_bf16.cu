@@ -1,7 +1,7 @@
 /* gemm1 of the routed experts with SwiGLU in the epilogue (sm_90a, bf16).
  *
- *   [g | u] = xs W13_e^T        xs [rows, H], W13_e [2I, H] (gate rows 0..I-1, up I..2I-1)
- *   act     = silu(g) * u       [rows, I] bf16; gate_up = [g | u] [rows, 2I] bf16, optional
+ *   [g | u] = bf16(xs W13_e^T)  xs [rows, H], W13_e [2I, H] (gate rows 0..I-1, up I..2I-1)
+ *   act     = bf16(silu(g) * u) [rows, I]; gate_up = [g | u] [rows, 2I], optional
  *
  * A tile of BN columns covers BN/2 gate columns j.. and the matching BN/2 up columns
  * I+j..: the producer loads W13_e rows j.. into the first half of the B tile and rows
