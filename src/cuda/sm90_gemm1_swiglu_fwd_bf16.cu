@@ -88,8 +88,10 @@ struct Gemm1Load {
  * same expression as the backward's, and the CPU backend's rounding path) and store act,
  * and g and u when gate_up is asked for.
  * NOTE: act used to be computed from fp32 g and u in the consumers, which stored the
- * three outputs themselves with the tensor cores idle (qwen3-30b-a3b, 131072 rows, H200:
- * 1.31-1.45 ms against about 1.15 ms at gemm2's no-epilogue rate). */
+ * three outputs themselves with the tensor cores idle. Measured on an H200 (131072 rows,
+ * same-call A/B), the store warps took qwen3-235b-a22b from 5.55 to 5.31 ms and left
+ * qwen3-30b-a3b within noise (1.25-1.31 ms): 3 stages instead of 4 give back part of
+ * the overlap. bench/NOTES.md v8. */
 template <class Cfg>
 struct Gemm1Epilogue {
     const Gemm1Args &args;
