@@ -21,6 +21,9 @@
  * producer, of which one thread issues all TMA copies.
  * NOTE: 384 threads at one CTA per SM leave 168 registers per thread at entry; setmaxnreg
  * moves them to the consumers: 2 x 128 x 232 + 128 x 40 = 64512 <= 65536.
+ * NOTE: ptxas (CUDA 13) still allocates the consumer code within the kernel's 168
+ * registers (no SASS here uses a register above R165, and code that needs more spills),
+ * so the 232 is headroom nothing uses yet; the producer's 40 does bind the store warps.
  *
  * Epilogue: by the store warps (TileConfig's STORE_ROW_BYTES > 0): each consumer
  * warpgroup writes its 64 output rows into its own shared-memory buffer and hands it over;
