@@ -356,7 +356,9 @@ __device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched
  *   piece(q, acc)        q = 0 .. kPieces - 1, each a constant after unrolling
  *   finish(m, n)         after the last piece
  *   prepare(m, n)        the next tile's global loads (routing weights), issued once the
- *                        tile before is done with its own.
+ *                        tile before is done with its own
+ *   operator()           the whole epilogue of the last tile (begin, every piece, finish),
+ *                        as the plain consumer_role calls it.
  * Every tile's K loop must be at least kPieces / kPiecesPerKBlock blocks long (the
  * launcher checks; the kernel traps otherwise rather than wait for stages that never
  * come).
@@ -415,21 +417,16 @@ __device__ __forceinline__ void consumer_role_overlapped(const Ring<Cfg> &ring, 
         n_prev = n_block;
         return true;
     };
-    /* The last tile's epilogue, with nothing to overlap. */
-    auto run_epilogue = [&](float(&acc)[Cfg::kAccRegs]) {
-        epi.begin(m_prev, n_prev);
-#pragma unroll
-        for (int q = 0; q < Epi::kPieces; ++q) epi.piece(q, acc);
-        epi.finish(m_prev, n_prev);
-    };
+    /* The last tile's epilogue, with nothing to overlap: the plain path's whole call. */
+    uint8_t *const buf = ring.epi_buf(threadIdx.x / 128);
     if (!run_tile(acc0, acc1, std::false_type{})) return;
     for (;;) {
         if (!run_tile(acc1, acc0, std::true_type{})) {
-            run_epilogue(acc0);
+            epi(m_prev, n_prev, acc0, buf);
             break;
         }
         if (!run_tile(acc0, acc1, std::true_type{})) {
-            run_epilogue(acc1);
+            epi(m_prev, n_prev, acc1, buf);
             break;
         }
     }
