@@ -1,6 +1,7 @@
 /* moefuse_forward on the CUDA backend: one line per case,
  *   model, T, forward ms (median of 20 after 3 warm-ups, CUDA events), TFLOP/s
- * with FLOPs = 6 T K H I, then the small stages alone (plan, dispatch, reduce) as
+ * with FLOPs = 6 T K H I, for the default pipeline (gemm1 and gemm2 fused) and the
+ * staged one (MOEFUSE_PIPELINE_STAGED) in alternation, then the small stages alone (plan, dispatch, reduce) as
  * microseconds per call over 100 back-to-back calls, with their DRAM bytes per second.
  * Input sets (x, ids, p) rotate, together larger than L2; weights random bf16 (never
  * zeros); routing uniform random top-K. No baseline yet (the PyTorch MoE baseline of
@@ -100,7 +101,8 @@ int main(void) {
     cudaEvent_t ev0, ev1;
     TRYC(cudaEventCreate(&ev0));
     TRYC(cudaEventCreate(&ev1));
-    printf("%-16s %6s %10s %9s\n", "model", "T", "fwd_ms", "TFLOP/s");
+    printf("%-16s %6s %10s %9s %10s %9s\n", "model", "T", "fwd_ms", "TFLOP/s", "staged_ms",
+           "TFLOP/s");
 
     for (size_t mi = 0; mi < sizeof models / sizeof models[0]; mi++) {
         const model *m = &models[mi];
@@ -108,8 +110,10 @@ int main(void) {
         moefuse_config cfg;
         moefuse_config_init(&cfg, m->H, m->I, m->E, m->K, Tmax);
         cfg.backend = MOEFUSE_BACKEND_CUDA;
-        moefuse_layer *layer;
+        moefuse_layer *layer, *staged;
         TRYM(moefuse_layer_create(&cfg, NULL, &layer));
+        cfg.pipeline = MOEFUSE_PIPELINE_STAGED;
+        TRYM(moefuse_layer_create(&cfg, NULL, &staged));
         uint16_t *w13 = dev_random_bf16((int64_t)m->E * 2 * m->I * m->H, 1.0 / sqrt(m->H));
         uint16_t *w2 = dev_random_bf16((int64_t)m->E * m->H * m->I, 1.0 / sqrt(m->I));
         size_t saved_bytes;
@@ -157,23 +161,31 @@ int main(void) {
             a.y = y;
             a.y_stride = m->H;
             a.saved = saved;
-            float ms[20];
+            /* The default (fused) pipeline and the staged one, alternating. */
+            float ms[2][20];
             for (int it = 0; it < 23; it++) {
                 const int s = it % nsets;
                 a.x = x[s];
                 a.ids = ids[s];
                 a.weights = p[s];
-                TRYC(cudaEventRecord(ev0, stream));
-                TRYM(moefuse_forward(layer, &a, stream));
-                TRYC(cudaEventRecord(ev1, stream));
-                TRYC(cudaEventSynchronize(ev1));
-                if (it >= 3) TRYC(cudaEventElapsedTime(&ms[it - 3], ev0, ev1));
+                for (int l = 0; l < 2; l++) {
+                    TRYC(cudaEventRecord(ev0, stream));
+                    TRYM(moefuse_forward(l ? staged : layer, &a, stream));
+                    TRYC(cudaEventRecord(ev1, stream));
+                    TRYC(cudaEventSynchronize(ev1));
+                    if (it >= 3) TRYC(cudaEventElapsedTime(&ms[l][it - 3], ev0, ev1));
+                }
             }
             TRYM(moefuse_layer_check(layer, stream));
-            qsort(ms, 20, sizeof(float), cmp_float);
-            const double med = 0.5 * (ms[9] + ms[10]);
+            TRYM(moefuse_layer_check(staged, stream));
+            double med[2];
+            for (int l = 0; l < 2; l++) {
+                qsort(ms[l], 20, sizeof(float), cmp_float);
+                med[l] = 0.5 * (ms[l][9] + ms[l][10]);
+            }
             const double flops = 6.0 * T * K * (double)m->H * m->I;
-            printf("%-16s %6d %10.3f %9.1f\n", m->name, T, med, flops / (med * 1e-3) / 1e12);
+            printf("%-16s %6d %10.3f %9.1f %10.3f %9.1f\n", m->name, T, med[0],
+                   flops / (med[0] * 1e-3) / 1e12, med[1], flops / (med[1] * 1e-3) / 1e12);
             fflush(stdout);
 
             /* ---- stages alone, on set 0, 100 back-to-back calls each ---- */
@@ -273,6 +285,7 @@ int main(void) {
         cudaFree(w13);
         cudaFree(w2);
         moefuse_layer_destroy(layer);
+        moefuse_layer_destroy(staged);
     }
     return 0;
 }

@@ -49,7 +49,7 @@ extern "C" {
 #endif
 
 #define MOEFUSE_VERSION_MAJOR 0
-#define MOEFUSE_VERSION_MINOR 2
+#define MOEFUSE_VERSION_MINOR 3
 #define MOEFUSE_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH */
 #define MOEFUSE_VERSION                                                         \
@@ -92,6 +92,17 @@ typedef enum moefuse_saved_mode {
     MOEFUSE_RECOMPUTE = 1,
 } moefuse_saved_mode;
 
+/* How the CUDA forward runs its two expert GEMMs (the CPU backend ignores it). Both give
+ * the same bits. */
+typedef enum moefuse_pipeline {
+    /* gemm1 and gemm2 in one persistent kernel, a gemm2 tile starting as soon as the
+     * gemm1 tiles of its rows are done; shapes it does not take (H a multiple of 128
+     * but not 256, expert parallelism so far) run MOEFUSE_PIPELINE_STAGED. */
+    MOEFUSE_PIPELINE_FUSED = 0,
+    /* one kernel per stage: the oracle the fused kernel is tested against */
+    MOEFUSE_PIPELINE_STAGED = 1,
+} moefuse_pipeline;
+
 typedef struct moefuse_config {
     int hidden;         /* H, > 0 */
     int intermediate;   /* I, > 0 */
@@ -104,9 +115,10 @@ typedef struct moefuse_config {
     moefuse_backend backend;
     moefuse_saved_mode saved_mode;
     int num_threads;    /* CPU backend: worker threads, 0 = all cores */
+    moefuse_pipeline pipeline;
 } moefuse_config;
 
-/* Fill a config with the defaults (R = 1, bf16, CPU, saved activations). */
+/* Fill a config with the defaults (R = 1, bf16, CPU, saved activations, fused). */
 void moefuse_config_init(moefuse_config *cfg, int hidden, int intermediate,
                          int num_experts, int top_k, int max_tokens);
 

@@ -12,19 +12,19 @@ The C library is found through MOEFUSE_LIB, else build/libmoefuse.so of the sour
 checkout, else a copy installed next to this package (see moefuse._lib).
 """
 
-from ._lib import (EXPECTED_VERSION, Comm, LibraryNotFoundError, MoefuseError, SavedMode,
-                   Status, is_available, library_path, version)
+from ._lib import (EXPECTED_VERSION, Comm, LibraryNotFoundError, MoefuseError, Pipeline,
+                   SavedMode, Status, is_available, library_path, version)
 from .distributed import (ExpertParallelExperts, load_local_experts, nccl_comm_from_group,
                           virtual_comm)
 from .modules import MoEExperts, MoefuseQwen3MoeBlock, fuse_per_expert_state_dict
 from .ops import (backward_unsupported_reason, check_device_errors, experts, layer_cache,
                   route, saved_bytes)
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "EXPECTED_VERSION", "Comm", "ExpertParallelExperts", "LibraryNotFoundError", "MoEExperts",
-    "MoefuseError", "SavedMode", "backward_unsupported_reason", "load_local_experts",
+    "MoefuseError", "Pipeline", "SavedMode", "backward_unsupported_reason", "load_local_experts",
     "nccl_comm_from_group", "virtual_comm",
     "MoefuseQwen3MoeBlock", "Status", "check_device_errors", "experts",
     "fuse_per_expert_state_dict", "is_available", "layer_cache", "library_path", "route",

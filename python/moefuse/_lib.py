@@ -25,7 +25,7 @@ from typing import Optional
 # The MOEFUSE_VERSION (MAJOR * 10000 + MINOR * 100 + PATCH) whose structs this file
 # mirrors. While MAJOR is 0 a MINOR change may change the structs, so MAJOR and MINOR
 # must match exactly; PATCH may differ.
-EXPECTED_VERSION = 200
+EXPECTED_VERSION = 300
 
 
 class Status(enum.IntEnum):
@@ -66,6 +66,13 @@ class SavedMode(enum.IntEnum):
 
     SAVE_ACTIVATIONS = 0  # [g; u] of every routed slot, bf16
     RECOMPUTE = 1  # only the plan; the backward recomputes W13 x
+
+
+class Pipeline(enum.IntEnum):
+    """moefuse_pipeline: how the CUDA forward runs its expert GEMMs (same bits)."""
+
+    FUSED = 0  # gemm1 and gemm2 in one persistent kernel
+    STAGED = 1  # one kernel per stage
 
 
 class MoefuseError(RuntimeError):
@@ -113,6 +120,7 @@ class Config(ctypes.Structure):
         ("backend", ctypes.c_int),  # Backend
         ("saved_mode", ctypes.c_int),  # SavedMode
         ("num_threads", ctypes.c_int),  # CPU backend: 0 = all cores
+        ("pipeline", ctypes.c_int),  # Pipeline
     ]
 
 

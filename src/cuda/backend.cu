@@ -92,7 +92,7 @@ saved_layout layout_for(const moefuse_layer *layer, int num_tokens, bool with_ga
 static void free_state(cuda_state *s) {
     if (!s) return;
     void *bufs[] = {s->xs, s->act, s->combine, s->slot_rank, s->chunk_base, s->plan_state,
-                    s->gemm_num_rows, s->plan_ws, s->dh, s->dp_partial, s->gate_up,
+                    s->gemm_num_rows, s->plan_ws, s->act_ready, s->dh, s->dp_partial, s->gate_up,
                     s->bwd_offsets, s->dys, s->row_slot, s->row_weight, s->dp_slot, s->sync,
                     s->peers, s->send_counts, s->send_offsets, s->send_rbe, s->send_slot_row,
                     s->send_row_slot, s->send_scalars, s->dest_base};
@@ -334,6 +334,9 @@ moefuse_status cuda_create_checked(moefuse_layer *layer, cuda_state *s) {
     MF_ALLOC_FIELD(s, plan_state, sizeof(mf_plan_state));
     MF_ALLOC_FIELD(s, gemm_num_rows, sizeof(int32_t));
     MF_ALLOC_FIELD(s, plan_ws, layout_for(layer, T, false).total);
+    if (!layer->comm && c->pipeline == MOEFUSE_PIPELINE_FUSED &&
+        mf_sm90_moe_fused_fwd_takes(c->hidden, c->intermediate))
+        MF_ALLOC_FIELD(s, act_ready, (rows_cap / 128) * 4);
     s->dp_parts = mf_dgrad2_dp_parts(c->intermediate);
     if (s->dp_parts < 1)
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
@@ -426,17 +429,22 @@ moefuse_status cuda_forward(moefuse_layer *layer, const moefuse_fwd_args *a, voi
     MF_CUDA_TRY(mf_dispatch_rows_bf16(&dp, stream));
 
     // ---- 3. gemm1 + SwiGLU: xs -> act (and [g; u] into saved) ----
+    // ---- 4. gemm2 + combine: act -> p-scaled slot rows of combine ----
+    // One fused kernel (act_ready set) or one kernel each; the same bits.
     // On bad ids gemm_num_rows is 0: the gemms touch nothing.
     const mf_gemm1_params g1 = gemm1_params(
         layer, a->w13, pp.row_block_expert,
         save_act ? (uint16_t *)((char *)a->saved + lay.gate_up) : NULL, lay.rows_cap);
-    MF_CUDA_TRY(mf_sm90_gemm1_swiglu_fwd_bf16(&g1, stream));
-
-    // ---- 4. gemm2 + combine: act -> p-scaled slot rows of combine ----
     mf_gemm2_params g2 = gemm2_params(layer, a->w2, pp.row_block_expert, pp.row_slot, lay.rows_cap);
     g2.slot_weight = a->weights;
     g2.combine = s->combine;
-    MF_CUDA_TRY(mf_sm90_gemm2_combine_fwd_bf16(&g2, stream));
+    if (s->act_ready) {
+        const mf_moe_fused_fwd_params fp = {g1, g2, s->act_ready};
+        MF_CUDA_TRY(mf_sm90_moe_fused_fwd_bf16(&fp, stream));
+    } else {
+        MF_CUDA_TRY(mf_sm90_gemm1_swiglu_fwd_bf16(&g1, stream));
+        MF_CUDA_TRY(mf_sm90_gemm2_combine_fwd_bf16(&g2, stream));
+    }
 
     // ---- 5. reduce: y[t] = sum of its K slot rows, fp32, k order ----
     const mf_reduce_params rp = reduce_params(layer, a->ids, T, a->y, a->y_stride);

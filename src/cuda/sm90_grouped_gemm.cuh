@@ -19,8 +19,11 @@
  * Threads: 3 warpgroups. Warpgroups 0 and 1 are consumers, each owning 64 rows of the
  * 128 x BN tile (accumulators in registers, BN/2 floats per thread); warpgroup 2 is the
  * producer, of which one thread issues all TMA copies.
- * NOTE: 384 threads at one CTA per SM leave 168 registers per thread at entry; setmaxnreg
- * moves them to the consumers: 2 x 128 x 232 + 128 x 40 = 64512 <= 65536.
+ * NOTE: 384 threads at one CTA per SM leave 168 registers per thread at entry, 64512 in
+ * all, and setmaxnreg only moves those: 2 x 128 x 232 + 128 x 40 = 64512. (A split
+ * asking for more, 2 x 128 x 208 + 128 x 96 = 65536, died with "unspecified launch
+ * failure" on an H200: bench/NOTES.md v9.) A TileConfig may pick another split
+ * (ProducerRegs).
  * NOTE: ptxas (CUDA 13) still allocates the consumer code within the kernel's 168
  * registers (no SASS here uses a register above R165, and code that needs more spills),
  * so the 232 is headroom nothing uses yet; the producer's 40 does bind the store warps.
@@ -63,8 +66,9 @@ constexpr int kStoreThreads = kStoreWarps * 32;
 constexpr int kFirstStoreWarp = kConsumerWarpgroups * 4 + 1;
 
 static_assert(kConsumerWarpgroups * 64 == kBlockM, "each consumer warpgroup owns 64 rows");
-static_assert(kConsumerWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <= 65536,
-              "register budget after setmaxnreg exceeds the register file");
+constexpr int kRegisterPool = kThreads * 168;   /* what a CTA holds from its launch */
+static_assert(kConsumerWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <= kRegisterPool,
+              "setmaxnreg moves registers, it cannot add any");
 
 /* ---- tile configuration ------------------------------------------------------------ */
 /* EXTRA_BYTES: shared memory of the kernel's own (a multiple of 1024, so a swizzled TMA
@@ -82,6 +86,8 @@ struct TileConfig {
     static constexpr int kStages = STAGES_;
     static constexpr int kExtraBytes = EXTRA_BYTES;
     static constexpr int kStoreRowBytes = STORE_ROW_BYTES;
+    static constexpr int kProducerRegs = sm90::kProducerRegs;   /* setmaxnreg of the roles */
+    static constexpr int kConsumerRegs = sm90::kConsumerRegs;
     /* +16 bytes per row: rows 4 banks apart, so the 4-byte stores of the accumulator
      * layout (8 rows x 4 words per warp) hit 32 distinct banks. */
     static constexpr int kEpiRowBytes = STORE_ROW_BYTES ? STORE_ROW_BYTES + 16 : 0;
@@ -109,6 +115,17 @@ struct TileConfig {
                   "MN-major tiles are whole 64-element boxes of whole swizzle atoms");
     static_assert(STORE_ROW_BYTES % 128 == 0 && STORE_ROW_BYTES <= 512,
                   "store warps move rows of 8 to 32 pieces of 16 bytes");
+};
+
+/* A tile configuration whose producer warpgroup (the TMA thread and the store warps) gets
+ * kRegs registers, the consumers what remains of the pool (a multiple of 8). For store
+ * warps whose drain does not fit 40 (the fused forward's two drains). */
+template <class Cfg, int kRegs>
+struct ProducerRegs : Cfg {
+    static constexpr int kProducerRegs = kRegs;
+    static constexpr int kConsumerRegs = (kRegisterPool - 128 * kRegs) / (kConsumerWarpgroups * 128) / 8 * 8;
+    static_assert(kRegs % 8 == 0 && kRegs >= 24 && kConsumerRegs >= 168 && kConsumerRegs <= 256,
+                  "setmaxnreg takes multiples of 8 in 24..256; consumers keep their 168");
 };
 
 /* Operand descriptor of one stage and its per-k16 step in the encoded address field.
@@ -460,6 +477,14 @@ struct StoreHandoff {
     __device__ __forceinline__ void release(const Ring<Cfg> &ring, int wg) {
         ptx::mbar_arrive(&ring.epi_full[wg]);
     }
+    /* The consumer side in one call: wait for the buffer, write(buf), hand it over. */
+    template <class Cfg, class Write>
+    __device__ __forceinline__ void stage(const Ring<Cfg> &ring, uint8_t *buf, Write &&write) {
+        const int wg = threadIdx.x / 128;
+        acquire(ring, wg);
+        write(buf);
+        release(ring, wg);
+    }
 };
 
 /* Consumer side: the warpgroup's 64 rows x BN bf16 into the buffer, which holds the whole
@@ -545,12 +570,12 @@ __device__ __forceinline__ void run_grouped_gemm_sched(uint8_t *smem_raw,
     __syncthreads();
 
     if (wg == kConsumerWarpgroups) {
-        ptx::setmaxnreg_dec<kProducerRegs>();
+        ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
         if (threadIdx.x == kConsumerWarpgroups * 128) producer_role<Cfg>(ring, sched, load);
         if constexpr (Cfg::kStoreRowBytes > 0)
             if (threadIdx.x / 32 >= kFirstStoreWarp) store_role<Cfg>(ring, sched, epi);
     } else {
-        ptx::setmaxnreg_inc<kConsumerRegs>();
+        ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
         if constexpr (OverlapsNextTile<Epi>::value)
             consumer_role_overlapped<Cfg>(ring, sched, epi);
         else
@@ -627,14 +652,15 @@ struct ScatterRowsEpilogue {
         for (int h = 0; h < 2; ++h) w[h] = to.weight(row0 + (t / 32) * 16 + (t % 32) / 4 + 8 * h);
     }
 
-    __device__ __forceinline__ void operator()(int, int, float (&acc)[Cfg::kAccRegs],
-                                               uint8_t *buf) {
-        const int wg = threadIdx.x / 128;
-        handoff.acquire(ring, wg);
+    /* The scaled rows into the buffer, which the caller holds (StoreHandoff). */
+    __device__ __forceinline__ void write_rows(float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
         epi_write_bf16<Cfg>(buf, [&](int c, int h) {
             return pack_bf16x2_rn(w[h] * acc[4 * c + 2 * h], w[h] * acc[4 * c + 2 * h + 1]);
         });
-        handoff.release(ring, wg);
+    }
+    __device__ __forceinline__ void operator()(int, int, float (&acc)[Cfg::kAccRegs],
+                                               uint8_t *buf) {
+        handoff.stage(ring, buf, [&](uint8_t *b) { write_rows(acc, b); });
     }
 
     /* Store warps: the rows of warpgroup wg to their slots. */

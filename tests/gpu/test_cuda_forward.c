@@ -9,6 +9,8 @@
  *   - bad ids: moefuse_layer_check names the first bad token, y / saved /
  *     expert_counts untouched, the next good call works;
  *   - 50 repetitions bitwise identical (y and saved); saved = NULL gives the same y;
+ *   - the fused forward (default) equal to the staged one (MOEFUSE_PIPELINE_STAGED) bit
+ *     for bit, 50 repetitions over five routings;
  *   - the forward captured in a CUDA graph and replayed gives the same bits, also
  *     after the inputs change in place.
  *
@@ -520,6 +522,69 @@ done:
     inputs_free(&in);
 }
 
+/* The fused forward (the default pipeline) against the staged one, bit for bit: y and
+ * saved ([g | u] and the plan), 50 repetitions over five routings (10 each, fresh inputs
+ * per routing, outputs poisoned before each run). A missing or early wait in the fused
+ * kernel would show as a difference in some repetition. */
+static int fused_vs_staged(moefuse_layer *staged, int T, routing r, int *y_diff, int *s_diff) {
+    int reps = 0;
+    inputs in;
+    uint16_t *y0 = NULL, *y1 = NULL;
+    uint8_t *s0 = NULL, *s1 = NULL;
+    if (!inputs_make(&in, T, r, 0, 0)) goto done;
+    const moefuse_fwd_args a = fwd_args(&in, 1, 0);
+    const size_t yb = (size_t)T * in.y_stride * 2;
+    y0 = malloc(yb);
+    y1 = malloc(yb);
+    s0 = malloc(in.saved_bytes);
+    s1 = malloc(in.saved_bytes);
+    MF_OK(moefuse_forward(staged, &a, F.stream));
+    CUDA_OK(cudaStreamSynchronize(F.stream));
+    CUDA_OK(cudaMemcpy(y0, in.y_d, yb, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(s0, in.saved_d, in.saved_bytes, cudaMemcpyDeviceToHost));
+    for (; reps < 10; reps++) {
+        CUDA_OK(cudaMemsetAsync(in.y_d, 0xff, yb, F.stream));
+        CUDA_OK(cudaMemsetAsync(in.saved_d, 0xcd, in.saved_bytes, F.stream));
+        MF_OK(moefuse_forward(F.layer, &a, F.stream));
+        CUDA_OK(cudaStreamSynchronize(F.stream));
+        CUDA_OK(cudaMemcpy(y1, in.y_d, yb, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(s1, in.saved_d, in.saved_bytes, cudaMemcpyDeviceToHost));
+        *y_diff += memcmp(y0, y1, yb) != 0;
+        *s_diff += memcmp(s0, s1, in.saved_bytes) != 0;
+    }
+    if (r == ROUTE_RANDOM) check_y(&in, y1);
+done:
+    free(y0);
+    free(y1);
+    free(s0);
+    free(s1);
+    inputs_free(&in);
+    return reps;
+}
+
+static void case_fused_equals_staged(void) {
+    if (!ready()) return;
+    const model *m = F.m;
+    moefuse_config cfg;
+    moefuse_config_init(&cfg, m->H, m->I, m->E, m->K, kMaxTokens);
+    cfg.backend = MOEFUSE_BACKEND_CUDA;
+    cfg.pipeline = MOEFUSE_PIPELINE_STAGED;
+    moefuse_layer *staged = NULL;
+    MF_OK(moefuse_layer_create(&cfg, NULL, &staged));
+    static const routing kRoutes[] = {ROUTE_RANDOM, ROUTE_ZIPF, ROUTE_ONE_EXPERT,
+                                      ROUTE_FEW_EXPERTS, ROUTE_DROPPED};
+    static const int kTokens[] = {kMaxTokens, 3000, 2048, 777, 1000};
+    int y_diff = 0, s_diff = 0, reps = 0;
+    for (int i = 0; i < 5; i++) reps += fused_vs_staged(staged, kTokens[i], kRoutes[i], &y_diff, &s_diff);
+    CHECK(reps == 50, "ran %d of 50 repetitions", reps);
+    CHECK(y_diff == 0, "fused y differed from staged y in %d of %d repetitions", y_diff, reps);
+    CHECK(s_diff == 0, "fused saved differed from staged saved in %d of %d repetitions", s_diff,
+          reps);
+    MF_OK(moefuse_layer_check(F.layer, F.stream));
+done:
+    if (staged) moefuse_layer_destroy(staged);
+}
+
 /* Captured in a CUDA graph: replays give the eager bits, also for new inputs written
  * in place between replays. */
 static void case_graph(void) {
@@ -673,6 +738,7 @@ int main(int argc, char **argv) {
         RUN(case_zipf, "T=3000 zipf routing")
         RUN(case_bad_ids, "bad ids")
         RUN(case_deterministic, "50 repetitions bitwise")
+        RUN(case_fused_equals_staged, "fused equals staged, 50 repetitions")
         RUN(case_graph, "cuda graph replay")
         RUN(case_backward_runs, "backward runs")
 #undef RUN

@@ -3,8 +3,9 @@
  * one-row expert, a 1000+-row expert), outputs poisoned first; rows past num_rows and
  * combine rows of unrouted slots must stay poisoned; runs with different grid sizes
  * must agree bit for bit; the act the backward recomputes (dgrad2) is bitwise the
- * forward's. Then times both kernels at the Qwen3 shapes (rows checked on a
- * sample against fp64) and prints TFLOP/s. */
+ * forward's; the fused forward kernel (both GEMMs in one) gives the same bits with any
+ * grid. Then times the kernels at the Qwen3 shapes (rows checked on a sample against
+ * fp64) and prints TFLOP/s. */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -27,10 +28,11 @@ struct Dev {
              *combine = nullptr;
     int32_t *rbe = nullptr, *num_rows = nullptr, *row_slot = nullptr;
     float *slot_weight = nullptr;
+    uint32_t *act_ready = nullptr;   /* the fused kernel's counters */
     ~Dev() {
         cudaFree(xs); cudaFree(w13); cudaFree(w2); cudaFree(act); cudaFree(gate_up);
         cudaFree(combine); cudaFree(rbe); cudaFree(num_rows); cudaFree(row_slot);
-        cudaFree(slot_weight);
+        cudaFree(slot_weight); cudaFree(act_ready);
     }
 };
 
@@ -47,6 +49,7 @@ static cudaError_t dev_alloc(Dev &d, const Layout &L, int H, int I) {
     ALLOC(d.num_rows, 4);
     ALLOC(d.row_slot, (size_t)L.rows_cap * 4);
     ALLOC(d.slot_weight, (size_t)L.num_slots * 4);
+    ALLOC(d.act_ready, (size_t)(L.rows_cap / 128 + 1) * 4);
 #undef ALLOC
     if ((e = cudaMemcpy(d.rbe, L.row_block_expert.data(), L.row_block_expert.size() * 4,
                         cudaMemcpyHostToDevice)) != cudaSuccess)
@@ -65,14 +68,55 @@ static cudaError_t poison_outputs(Dev &d, const Layout &L, int H, int I) {
     return cudaMemset(d.combine, 0xFF, (size_t)L.num_slots * H * 2);
 }
 
+static mf_moe_fused_fwd_params fwd_params(Dev &d, const Layout &L, int H, int I, int sms,
+                                          bool gate_up) {
+    mf_moe_fused_fwd_params p = {};
+    p.gemm1 = {d.xs, d.w13, d.rbe, d.num_rows, d.act, gate_up ? d.gate_up : nullptr,
+               L.rows_cap, H, I, L.E, sms};
+    p.gemm2 = {d.act, d.w2, d.rbe, d.num_rows, d.row_slot, d.slot_weight,
+               d.combine, L.rows_cap, H, I, L.E, sms};
+    p.act_ready = d.act_ready;
+    return p;
+}
+
+/* gemm1 then gemm2, one kernel each (the staged forward). */
 static cudaError_t run_both(Dev &d, const Layout &L, int H, int I, int sms, bool gate_up) {
-    mf_gemm1_params p1 = {d.xs, d.w13, d.rbe, d.num_rows, d.act, gate_up ? d.gate_up : nullptr,
-                          L.rows_cap, H, I, L.E, sms};
-    cudaError_t e = mf_sm90_gemm1_swiglu_fwd_bf16(&p1, 0);
+    const mf_moe_fused_fwd_params p = fwd_params(d, L, H, I, sms, gate_up);
+    cudaError_t e = mf_sm90_gemm1_swiglu_fwd_bf16(&p.gemm1, 0);
     if (e != cudaSuccess) return e;
-    mf_gemm2_params p2 = {d.act, d.w2, d.rbe, d.num_rows, d.row_slot, d.slot_weight,
-                          d.combine, L.rows_cap, H, I, L.E, sms};
-    return mf_sm90_gemm2_combine_fwd_bf16(&p2, 0);
+    return mf_sm90_gemm2_combine_fwd_bf16(&p.gemm2, 0);
+}
+
+/* Both in the fused kernel. */
+static cudaError_t run_fused(Dev &d, const Layout &L, int H, int I, int sms, bool gate_up) {
+    const mf_moe_fused_fwd_params p = fwd_params(d, L, H, I, sms, gate_up);
+    return mf_sm90_moe_fused_fwd_bf16(&p, 0);
+}
+
+/* The fused kernel, with `sms` CTAs, gives the staged outputs bit for bit (act, gate_up,
+ * combine, and what stays poisoned); shapes it does not take are refused. */
+static void check_fused_matches(Dev &d, const Layout &L, int H, int I, int sms,
+                                const std::vector<uint16_t> &act,
+                                const std::vector<uint16_t> &gu,
+                                const std::vector<uint16_t> &comb) {
+    CUDA_OK(poison_outputs(d, L, H, I));
+    if (!mf_sm90_moe_fused_fwd_takes(H, I)) {
+        CHECK(run_fused(d, L, H, I, sms, true) == cudaErrorInvalidValue,
+              "the fused kernel accepted H=%d I=%d, which it does not take", H, I);
+        return;
+    }
+    CUDA_OK(run_fused(d, L, H, I, sms, true));
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<uint16_t> act2(act.size()), gu2(gu.size()), comb2(comb.size());
+    CUDA_OK(cudaMemcpy(act2.data(), d.act, act.size() * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(gu2.data(), d.gate_up, gu.size() * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(comb2.data(), d.combine, comb.size() * 2, cudaMemcpyDeviceToHost));
+    CHECK(memcmp(act.data(), act2.data(), act.size() * 2) == 0,
+          "fused act differs from staged (%d CTAs)", sms);
+    CHECK(memcmp(gu.data(), gu2.data(), gu.size() * 2) == 0,
+          "fused gate_up differs from staged (%d CTAs)", sms);
+    CHECK(memcmp(comb.data(), comb2.data(), comb.size() * 2) == 0,
+          "fused combine differs from staged (%d CTAs)", sms);
 }
 
 /* ---- correctness on random inputs ----------------------------------------------------- */
@@ -211,6 +255,9 @@ static void check_shape(int H, int I, const std::vector<int> &counts) {
           "combine differs between runs");
 
     check_act_matches_dgrad2(d, L, H, I, act);
+    /* The fused kernel: a full grid, 7 CTAs, and one CTA (every gemm2 tile waits for
+     * gemm1 tiles of its own CTA). */
+    for (int sms : {num_sms(), 7, 1}) check_fused_matches(d, L, H, I, sms, act, gu, comb);
 
     /* Without gate_up: act identical, gate_up untouched. */
     CUDA_OK(poison_outputs(d, L, H, I));
@@ -244,6 +291,12 @@ static void test_no_rows(void) {
     CUDA_OK(cudaMemcpy(comb.data(), d.combine, comb.size() * 2, cudaMemcpyDeviceToHost));
     CHECK(all_poison(act.data(), act.size()), "act written with num_rows = 0");
     CHECK(all_poison(comb.data(), comb.size()), "combine written with num_rows = 0");
+    CUDA_OK(run_fused(d, L, H, I, num_sms(), true));
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaMemcpy(act.data(), d.act, act.size() * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(comb.data(), d.combine, comb.size() * 2, cudaMemcpyDeviceToHost));
+    CHECK(all_poison(act.data(), act.size()), "fused: act written with num_rows = 0");
+    CHECK(all_poison(comb.data(), comb.size()), "fused: combine written with num_rows = 0");
 }
 
 /* ---- timing at the Qwen3 shapes --------------------------------------------------------
@@ -317,12 +370,25 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
     p1n.gate_up = nullptr;
     mf_gemm2_params p2 = {d.act, d.w2, d.rbe, d.num_rows, d.row_slot, d.slot_weight,
                           d.combine, L.rows_cap, H, I, E, sms};
+    const mf_moe_fused_fwd_params pf = fwd_params(d, L, H, I, sms, true);
     cudaEvent_t t0, t1;
     CUDA_OK(cudaEventCreate(&t0));
     CUDA_OK(cudaEventCreate(&t1));
-    std::vector<float> ms1, ms1n, ms2;
+    std::vector<float> ms1, ms1n, ms2, msf, msb;
     for (int it = 0; it < 23; ++it) {
-        float a, b, c;
+        float a, b, c, f, both;
+        /* gemm1 (+gate_up) and gemm2 back to back, then the fused kernel */
+        CUDA_OK(cudaEventRecord(t0));
+        CUDA_OK(mf_sm90_gemm1_swiglu_fwd_bf16(&p1, 0));
+        CUDA_OK(mf_sm90_gemm2_combine_fwd_bf16(&p2, 0));
+        CUDA_OK(cudaEventRecord(t1));
+        CUDA_OK(cudaEventSynchronize(t1));
+        CUDA_OK(cudaEventElapsedTime(&both, t0, t1));
+        CUDA_OK(cudaEventRecord(t0));
+        CUDA_OK(mf_sm90_moe_fused_fwd_bf16(&pf, 0));
+        CUDA_OK(cudaEventRecord(t1));
+        CUDA_OK(cudaEventSynchronize(t1));
+        CUDA_OK(cudaEventElapsedTime(&f, t0, t1));
         CUDA_OK(cudaEventRecord(t0));
         CUDA_OK(mf_sm90_gemm1_swiglu_fwd_bf16(&p1, 0));
         CUDA_OK(cudaEventRecord(t1));
@@ -338,10 +404,27 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
         CUDA_OK(cudaEventRecord(t1));
         CUDA_OK(cudaEventSynchronize(t1));
         CUDA_OK(cudaEventElapsedTime(&c, t0, t1));
-        if (it >= 3) { ms1.push_back(a); ms1n.push_back(b); ms2.push_back(c); }
+        if (it >= 3) {
+            ms1.push_back(a); ms1n.push_back(b); ms2.push_back(c);
+            msf.push_back(f); msb.push_back(both);
+        }
     }
     cudaEventDestroy(t0);
     cudaEventDestroy(t1);
+    {   /* the fused kernel's combine and act, bitwise the staged ones at this shape */
+        std::vector<uint16_t> c1((size_t)L.num_slots * H), c2(c1.size());
+        std::vector<uint16_t> a1((size_t)L.num_rows * I), a2(a1.size());
+        CUDA_OK(poison_outputs(d, L, H, I));
+        CUDA_OK(run_both(d, L, H, I, sms, true));
+        CUDA_OK(cudaMemcpy(c1.data(), d.combine, c1.size() * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(a1.data(), d.act, a1.size() * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(poison_outputs(d, L, H, I));
+        CUDA_OK(run_fused(d, L, H, I, sms, true));
+        CUDA_OK(cudaMemcpy(c2.data(), d.combine, c2.size() * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(a2.data(), d.act, a2.size() * 2, cudaMemcpyDeviceToHost));
+        CHECK(memcmp(c1.data(), c2.data(), c1.size() * 2) == 0, "fused combine differs from staged");
+        CHECK(memcmp(a1.data(), a2.data(), a1.size() * 2) == 0, "fused act differs from staged");
+    }
     const double valid = (double)total, padded = (double)L.num_rows;
     const double f1 = 2.0 * valid * H * 2 * I, f2 = 2.0 * valid * I * H;
     const double m1 = median(ms1), m1n = median(ms1n), m2 = median(ms2);
@@ -350,6 +433,11 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
     printf("  %-16s gemm1+swiglu (+gate_up) %8.3f ms %6.1f TFLOP/s\n", name, m1, f1 / m1 * 1e-9);
     printf("  %-16s gemm1+swiglu (act only) %8.3f ms %6.1f TFLOP/s\n", name, m1n, f1 / m1n * 1e-9);
     printf("  %-16s gemm2+combine           %8.3f ms %6.1f TFLOP/s\n", name, m2, f2 / m2 * 1e-9);
+    const double mb = median(msb), mf = median(msf);
+    printf("  %-16s gemm1 then gemm2        %8.3f ms %6.1f TFLOP/s\n", name, mb,
+           (f1 + f2) / mb * 1e-9);
+    printf("  %-16s fused gemm1+gemm2       %8.3f ms %6.1f TFLOP/s (%.1f%% of gemm1 then "
+           "gemm2)\n", name, mf, (f1 + f2) / mf * 1e-9, 100.0 * mf / mb);
     printf("  %-16s (FLOPs counted on %0.f valid rows; padding adds %.1f%%)\n", name, valid,
            100.0 * (padded - valid) / valid);
 }

@@ -1,5 +1,5 @@
 /* Flags between ranks (expert parallelism): release stores and acquire loads at
- * system scope, so a peer that sees the flag also sees the data written before it,
+ * system scope (and at GPU scope, between the blocks of one kernel), so a peer that sees the flag also sees the data written before it,
  * over NVLink as on one GPU; and the global nanosecond timer that bounds every wait.
  * Inline device helpers only. */
 #pragma once
@@ -17,6 +17,17 @@ __device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t *p) {
     uint32_t v;
     asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
+}
+
+/* GPU scope: flags between the blocks of one kernel (the fused forward's row blocks). */
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t *p) {
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void red_release_gpu_add(uint32_t *p, uint32_t v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 /* Orders this thread's earlier writes (to peers included) before its later ones at

@@ -1,0 +1,228 @@
+/* The fused forward of the routed experts (sm_90a, bf16): gemm1 with SwiGLU and gemm2
+ * with the weighted combine in one persistent, warp-specialized kernel.
+ *
+ *   act = bf16(silu(g) * u), [g | u] = bf16(xs W13_e^T)          (gemm1 tiles)
+ *   combine[row_slot[r]] = bf16(p * (act_r W2_e^T))               (gemm2 tiles)
+ *
+ * Every tile is computed by the code of the stage-by-stage kernels
+ * (sm90_moe_fwd_tiles.cuh) with the same tile shape, so the two paths agree bit for
+ * bit; what is new is the order and the wait between them:
+ *  - Order: the 128-row blocks are cut into groups of G blocks. Unit u holds the gemm1
+ *    tiles of group u, then the gemm2 tiles of group u - 1; CTAs take the tiles of that
+ *    order round-robin, as the persistent scheduler does in one GEMM. G is chosen so a
+ *    group's gemm1 tiles make about two waves: by the time a gemm2 tile is taken, the
+ *    gemm1 tiles it needs have mostly finished, and their act rows (G x 128 x I bf16,
+ *    8.6 MB on qwen3-30b-a3b) are still in L2.
+ *  - Wait: after the store warps have stored both halves of a gemm1 tile's act rows,
+ *    they meet on a named barrier and one of them adds 1 to act_ready[block] (release,
+ *    GPU scope). The producer, before the first TMA load of a gemm2 tile, waits until
+ *    act_ready[block] counts all 2I / BN gemm1 tiles of the block (acquire), then fences
+ *    the async proxy, so its TMA reads see the rows.
+ * NOTE: why this cannot deadlock: a tile only waits for tiles earlier in the order, and
+ * each CTA walks its tiles in order, so the tile waited for has had all its loads issued
+ * (on this CTA or on another CTA that does not wait on anything later). The grid is
+ * one CTA per SM; CTAs that start late (the SMs busy with another kernel) only delay.
+ *
+ * FLOPs: those of gemm1 and gemm2, 6 * rows * H * I: qwen3-30b-a3b at 16384 tokens
+ * (131072 rows) 1237 GFLOP, 1.6 ms at 777 TFLOP/s. What fusing can save: the tail of
+ * gemm1's last wave and gemm2's ramp (the two kernels' boundary), and the DRAM re-read
+ * of act (201 MB on qwen3-30b-a3b). */
+#include "sm90_moe_fwd_tiles.cuh"
+
+namespace {
+
+using namespace mf;
+using namespace mf::sm90;
+
+/* One tile shape for both GEMMs (the ring, buffers and stage bytes must agree): 128 x 256
+ * tiles, 3 stages of 48 KB (gemm1: A 16 KB + gate and up halves of B; gemm2: A 16 KB + B
+ * 32 KB), 2 x 33 KB of store buffers. The store warps get 56 registers (consumers 224,
+ * of which ptxas uses at most 168 anyway): with both GEMMs' drains and this scheduler
+ * they spilled at 40. */
+using FusedCfg = ProducerRegs<TileConfig<256, 3, false, false, 0, 512>, 56>;
+constexpr uint32_t kActReadyBarrier = 1;   /* named barrier of the store warps */
+
+struct FusedFwdArgs {
+    Gemm1Args g1;
+    Gemm2Args g2;
+    uint32_t *act_ready;   /* [rows_cap / 128], zeroed before the launch */
+    int group_blocks;      /* G */
+};
+
+/* The tile order above. Tiles are returned as (block, n): n < n1 is gemm1's column block
+ * n, n >= n1 gemm2's column block n - n1.
+ * NOTE: the sizes are read from the kernel's parameters at each use rather than kept in
+ * registers: with 128 accumulators a consumer thread has no room for them (ptxas
+ * spilled when the scheduler held nine ints). */
+template <int BN>
+struct FusedFwdScheduler {
+    const FusedFwdArgs &args;
+    int m_blocks, num_units;
+    int unit, offset;   /* this CTA's next tile: offset within unit */
+
+    __device__ __forceinline__ FusedFwdScheduler(const FusedFwdArgs &a) : args(a) {
+        int rows = *a.g1.num_rows;
+        rows = rows < 0 ? 0 : (rows > a.g1.rows_cap ? a.g1.rows_cap : rows);
+        m_blocks = rows / kBlockM;
+        num_units = m_blocks > 0 ? (m_blocks + a.group_blocks - 1) / a.group_blocks + 1 : 0;
+        unit = 0;
+        offset = blockIdx.x;
+    }
+    __device__ __forceinline__ int n1() const { return 2 * args.g1.intermediate / BN; }
+    __device__ __forceinline__ int n2() const { return args.g1.hidden / BN; }
+
+    /* Row blocks of group g: g * G .. min((g + 1) * G, m_blocks) - 1. */
+    __device__ __forceinline__ int group_size(int g) const {
+        const int end = (g + 1) * args.group_blocks;
+        return (end < m_blocks ? end : m_blocks) - g * args.group_blocks;
+    }
+    __device__ __forceinline__ int num_k_blocks(int, int n_block) const {
+        return (n_block < n1() ? args.g1.hidden : args.g1.intermediate) / kBlockK;
+    }
+    __device__ __forceinline__ bool next_tile(int &m_block, int &n_block) {
+        for (; unit < num_units; ++unit) {
+            const int first = unit < num_units - 1 ? group_size(unit) * n1() : 0;
+            const int second = unit > 0 ? group_size(unit - 1) * n2() : 0;
+            if (offset < first) {
+                m_block = unit * args.group_blocks + offset / n1();
+                n_block = offset % n1();
+                offset += gridDim.x;
+                return true;
+            }
+            if (offset < first + second) {
+                const int o = offset - first;
+                m_block = (unit - 1) * args.group_blocks + o / n2();
+                n_block = n1() + o % n2();
+                offset += gridDim.x;
+                return true;
+            }
+            offset -= first + second;
+        }
+        return false;
+    }
+};
+
+/* Column blocks of gemm1 at tile width BN. */
+template <int BN>
+__device__ __forceinline__ int gemm1_n_blocks(const FusedFwdArgs &args) {
+    return 2 * args.g1.intermediate / BN;
+}
+
+/* Producer: gemm1's or gemm2's loads; a gemm2 tile first waits for its act rows. */
+template <class Cfg>
+struct FusedFwdLoad {
+    const FusedFwdArgs &args;
+    Gemm1Load<Cfg> g1;
+    Gemm2Load<Cfg> g2;
+    bool second;   /* the tile is gemm2's */
+
+    __device__ __forceinline__ void wait_act(int m_block) {
+        const uint32_t *count = args.act_ready + m_block;
+        const uint32_t want = gemm1_n_blocks<Cfg::BN>(args);
+        while (ptx::ld_acquire_gpu(count) < want) __nanosleep(32);
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+    }
+    __device__ __forceinline__ void tile_begin(int m_block, int n_block) {
+        const int n1 = gemm1_n_blocks<Cfg::BN>(args);
+        second = n_block >= n1;
+        if (second) {
+            wait_act(m_block);
+            g2.tile_begin(m_block, n_block - n1);
+        } else {
+            g1.tile_begin(m_block, n_block);
+        }
+    }
+    __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
+        if (second)
+            g2.stage(kb, a, b, bar);
+        else
+            g1.stage(kb, a, b, bar);
+    }
+};
+
+/* Epilogue: gemm1's or gemm2's, through one handoff of the buffers; after a gemm1 tile's
+ * rows are out, its block's act_ready count goes up. */
+template <class Cfg>
+struct FusedFwdEpilogue {
+    const FusedFwdArgs &args;
+    Gemm1Epilogue<Cfg> g1;
+    ScatterRowsEpilogue<Cfg> g2;
+    Ring<Cfg> ring;
+    StoreHandoff handoff;
+
+    __device__ __forceinline__ int n1() const { return gemm1_n_blocks<Cfg::BN>(args); }
+    __device__ __forceinline__ void prepare(int m_block, int n_block) {
+        if (n_block >= n1()) g2.prepare(m_block, n_block - n1());
+    }
+    __device__ __forceinline__ void operator()(int, int n_block, float (&acc)[Cfg::kAccRegs],
+                                               uint8_t *buf) {
+        handoff.stage(ring, buf, [&](uint8_t *b) {
+            if (n_block < n1())
+                g1.write_rows(acc, b);
+            else
+                g2.write_rows(acc, b);
+        });
+    }
+    __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf) {
+        if (n_block >= n1()) {
+            g2.drain(m_block, n_block - n1(), wg, buf);
+            return;
+        }
+        g1.drain(m_block, n_block, wg, buf);
+        if (wg != kConsumerWarpgroups - 1) return;
+        /* Both halves stored: every store-warp thread's stores, then one release. */
+        ptx::named_barrier_sync(kActReadyBarrier, kStoreThreads);
+        if (threadIdx.x == kFirstStoreWarp * 32) {
+            __threadfence();
+            ptx::red_release_gpu_add(args.act_ready + m_block, 1u);
+        }
+    }
+};
+
+template <class Cfg>
+__global__ void __launch_bounds__(kThreads, 1)
+    sm90_moe_fused_fwd_bf16_kernel(const __grid_constant__ FusedFwdArgs args) {
+    extern __shared__ __align__(1024) uint8_t smem_raw[];
+    const Ring<Cfg> ring = ring_from_smem<Cfg>(smem_raw);
+    FusedFwdLoad<Cfg> load{args, {args.g1, 0, 0, 0, false}, {args.g2, 0, 0}, false};
+    FusedFwdEpilogue<Cfg> epi{args, {args.g1, ring, {}}, {args.g2.to, ring, {}, {0.f, 0.f}},
+                              ring, {}};
+    const FusedFwdScheduler<Cfg::BN> sched(args);
+    run_grouped_gemm_sched<Cfg>(smem_raw, &args.g1.map_xs, &args.g1.map_w13, sched, load, epi);
+}
+
+}  // namespace
+
+extern "C" int mf_sm90_moe_fused_fwd_takes(int hidden, int intermediate) {
+    return hidden > 0 && intermediate > 0 && hidden % FusedCfg::BN == 0 &&
+           intermediate % (FusedCfg::BN / 2) == 0;
+}
+
+extern "C" cudaError_t mf_sm90_moe_fused_fwd_bf16(const mf_moe_fused_fwd_params *p,
+                                                  cudaStream_t stream) {
+    if (!p || !p->act_ready) return cudaErrorInvalidValue;
+    const mf_gemm1_params *a = &p->gemm1;
+    const mf_gemm2_params *b = &p->gemm2;
+    if (!gemm1_params_ok(a) || !gemm2_params_ok(b) ||
+        !mf_sm90_moe_fused_fwd_takes(a->hidden, a->intermediate))
+        return cudaErrorInvalidValue;
+    if (a->act != b->act || a->row_block_expert != b->row_block_expert ||
+        a->num_rows != b->num_rows || a->rows_cap != b->rows_cap || a->hidden != b->hidden ||
+        a->intermediate != b->intermediate || a->num_local_experts != b->num_local_experts ||
+        a->num_sms != b->num_sms)
+        return cudaErrorInvalidValue;
+    if (a->rows_cap == 0) return cudaSuccess;
+
+    FusedFwdArgs args;
+    cudaError_t err;
+    if ((err = gemm1_args_from<FusedCfg>(a, &args.g1)) != cudaSuccess) return err;
+    if ((err = gemm2_args_from<FusedCfg>(b, &args.g2)) != cudaSuccess) return err;
+    args.act_ready = p->act_ready;
+    const int n1 = 2 * a->intermediate / FusedCfg::BN;
+    args.group_blocks = (2 * a->num_sms + n1 - 1) / n1;
+    if ((err = cudaMemsetAsync(p->act_ready, 0, (size_t)(a->rows_cap / kBlockM) * 4, stream)) !=
+        cudaSuccess)
+        return err;
+    return launch_persistent(sm90_moe_fused_fwd_bf16_kernel<FusedCfg>, FusedCfg::kSmemBytes,
+                             a->num_sms, args, stream);
+}

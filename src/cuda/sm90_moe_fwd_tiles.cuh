@@ -1,0 +1,255 @@
+/* The tiles of the forward's two GEMMs, shared by the kernels that run them: the
+ * stage-by-stage kernels (sm90_gemm1_swiglu_fwd_bf16.cu, sm90_gemm2_combine_fwd_bf16.cu)
+ * and the fused forward (sm90_moe_fused_fwd_bf16.cu), so that both paths compute every
+ * tile with the same code and agree bit for bit.
+ *
+ *   gemm1: [g | u] = bf16(xs W13_e^T), act = bf16(silu(g) * u)      xs [rows, H]
+ *   gemm2: combine[row_slot[r]] = bf16(p * (act_r W2_e^T))           act [rows, I]
+ *
+ * Per GEMM: its kernel arguments and how the launcher fills them from the C params
+ * (with the checks every launcher makes), the producer's loads of one tile, and (gemm1)
+ * the epilogue; gemm2's epilogue is ScatterRowsEpilogue (sm90_grouped_gemm.cuh).
+ *
+ * A tile of gemm1 covers BN/2 gate columns j.. and the matching BN/2 up columns I+j..:
+ * the producer loads W13_e rows j.. into the first half of the B tile and rows I+j..
+ * into the second, so one m64nBN wgmma leaves g and u of the same column in the same
+ * thread (accumulator registers i and i + BN/4), and the SwiGLU needs no exchange. */
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "ep_wait.cuh"
+#include "kernels.h"
+#include "sm90_grouped_gemm.cuh"
+#include "swiglu.cuh"
+#include "tensor_map.h"
+
+namespace mf {
+namespace sm90 {
+
+/* ---- gemm1 -------------------------------------------------------------------------- */
+
+struct Gemm1Args {
+    CUtensorMap map_xs;    /* [rows_cap, H], box 128 x 64 */
+    CUtensorMap map_w13;   /* [E * 2I, H], box BN/2 x 64 */
+    const int32_t *row_block_expert;
+    const int32_t *num_rows;
+    __nv_bfloat16 *act;
+    __nv_bfloat16 *gate_up;
+    const uint32_t *arrivals;        /* EP: rows in of each block, or null */
+    const uint32_t *arrival_target;
+    mf_plan_state *state;
+    int64_t timeout_ns;
+    int rows_cap, hidden, intermediate;
+};
+
+/* What the gemm1 kernels take of any shape (the tile width is picked after this). */
+inline bool gemm1_params_ok(const mf_gemm1_params *p) {
+    if (!p || !p->xs || !p->w13 || !p->row_block_expert || !p->num_rows || !p->act ||
+        (p->arrivals && (!p->arrival_target || !p->state)))
+        return false;
+    if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % kBlockK ||
+        p->intermediate <= 0 || p->intermediate % 64 || p->num_local_experts <= 0 ||
+        p->num_sms <= 0)
+        return false;
+    /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
+    return !misaligned16(p->xs, p->w13, p->act, p->gate_up);
+}
+
+template <class Cfg>
+cudaError_t gemm1_args_from(const mf_gemm1_params *p, Gemm1Args *args) {
+    cudaError_t err;
+    if ((err = mf_tensor_map_bf16_2d(&args->map_xs, p->xs, (uint64_t)p->rows_cap, p->hidden,
+                                     p->hidden, kBlockM, kBlockK)) != cudaSuccess)
+        return err;
+    if ((err = mf_tensor_map_bf16_2d(&args->map_w13, p->w13,
+                                     (uint64_t)p->num_local_experts * 2 * p->intermediate,
+                                     p->hidden, p->hidden, Cfg::BN / 2, kBlockK)) != cudaSuccess)
+        return err;
+    args->row_block_expert = p->row_block_expert;
+    args->num_rows = p->num_rows;
+    args->act = reinterpret_cast<__nv_bfloat16 *>(p->act);
+    args->gate_up = reinterpret_cast<__nv_bfloat16 *>(p->gate_up);
+    args->arrivals = p->arrivals;
+    args->arrival_target = p->arrival_target;
+    args->state = p->state;
+    args->timeout_ns = p->timeout_ns;
+    args->rows_cap = p->rows_cap;
+    args->hidden = p->hidden;
+    args->intermediate = p->intermediate;
+    return cudaSuccess;
+}
+
+/* Producer: A rows of the block, then the gate and up halves of B. */
+template <class Cfg>
+struct Gemm1Load {
+    const Gemm1Args &args;
+    int m_row, w_gate_row, w_up_row;
+    bool gave_up;   /* a wait ran out: the call failed, wait no more */
+
+    /* Expert parallelism: the block's rows are still arriving from the other ranks. The
+     * generic-proxy acquire, then a proxy fence, orders the TMA reads after the rows. */
+    __device__ __forceinline__ void wait_rows(int m_block) {
+        if (!args.arrivals || gave_up) return;
+        const uint32_t want = args.arrival_target[m_block];
+        const uint32_t *count = args.arrivals + m_block;
+        uint32_t seen = ptx::ld_acquire_sys(count);
+        if ((int32_t)(seen - want) < 0) {
+            const uint64_t t0 = ptx::globaltimer_ns();
+            while ((int32_t)((seen = ptx::ld_acquire_sys(count)) - want) < 0) {
+                if ((int64_t)(ptx::globaltimer_ns() - t0) > args.timeout_ns) {
+                    ep::record_failure(args.state, MOEFUSE_ERR_TIMEOUT, -1 - m_block,
+                                       MF_EP_STAGE_ROWS, seen, want);
+                    args.state->call_failed = 1;
+                    gave_up = true;
+                    break;
+                }
+                __nanosleep(64);
+            }
+        }
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+    }
+
+    __device__ __forceinline__ void tile_begin(int m_block, int n_block) {
+        wait_rows(m_block);
+        const int e = args.row_block_expert[m_block];
+        m_row = m_block * kBlockM;
+        w_gate_row = e * 2 * args.intermediate + n_block * (Cfg::BN / 2);
+        w_up_row = w_gate_row + args.intermediate;
+    }
+    __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
+        const int k = kb * kBlockK;
+        ptx::tma_load_2d(a, &args.map_xs, bar, k, m_row);
+        ptx::tma_load_2d(b, &args.map_w13, bar, k, w_gate_row);
+        ptx::tma_load_2d(b + Cfg::kBBytes / 2, &args.map_w13, bar, k, w_up_row);
+    }
+};
+
+/* Epilogue: [g | u] rounded to bf16, then act = silu(g) * u from those.
+ * The consumers write their 64 rows of [g | u] (bf16) into their buffer and go on with
+ * the next tile's K loop; the store warps compute act from the buffer (swiglu.cuh: the
+ * same expression as the backward's, and the CPU backend's rounding path) and store act,
+ * and g and u when gate_up is asked for.
+ * NOTE: act used to be computed from fp32 g and u in the consumers, which stored the
+ * three outputs themselves with the tensor cores idle. Measured on an H200 (131072 rows,
+ * same-call A/B), the store warps took qwen3-235b-a22b from 5.55 to 5.31 ms and left
+ * qwen3-30b-a3b within noise (1.25-1.31 ms): 3 stages instead of 4 give back part of
+ * the overlap. bench/NOTES.md v8. */
+template <class Cfg>
+struct Gemm1Epilogue {
+    const Gemm1Args &args;
+    Ring<Cfg> ring;
+    StoreHandoff handoff;
+
+    /* Buffer row: BN/2 gate columns then the BN/2 matching up columns (the accumulator's
+     * own column order). The caller holds the buffer (StoreHandoff). */
+    __device__ __forceinline__ void write_rows(float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
+        epi_write_bf16<Cfg>(buf, [&](int c, int h) {
+            return pack_bf16x2_rn(acc[4 * c + 2 * h], acc[4 * c + 2 * h + 1]);
+        });
+    }
+    __device__ __forceinline__ void operator()(int, int, float (&acc)[Cfg::kAccRegs],
+                                               uint8_t *buf) {
+        handoff.stage(ring, buf, [&](uint8_t *b) { write_rows(acc, b); });
+    }
+
+    /* Store warps: each lane takes 4 columns of a row (8 bytes of g, 8 of u, 8 of act),
+     * so a warp covers 32 / (BN/8) rows per step and every store is a whole row piece. */
+    __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf) {
+        constexpr int kCols = Cfg::BN / 2;             /* act columns of the tile */
+        constexpr int kLanesPerRow = kCols / 4;
+        constexpr int kRowsPerStep = 32 / kLanesPerRow;
+        static_assert(32 % kLanesPerRow == 0, "a warp step covers whole rows");
+        const int I = args.intermediate;
+        const int sw = threadIdx.x / 32 - kFirstStoreWarp, lane = threadIdx.x % 32;
+        const int v = lane % kLanesPerRow;
+        const int64_t row0 = (int64_t)m_block * kBlockM + wg * 64;
+        const int col = n_block * kCols + 4 * v;
+        for (int r = sw * kRowsPerStep + lane / kLanesPerRow; r < 64;
+             r += kStoreWarps * kRowsPerStep) {
+            const uint8_t *src = buf + r * Cfg::kEpiRowBytes + 8 * v;
+            const uint2 g = *reinterpret_cast<const uint2 *>(src);
+            const uint2 u = *reinterpret_cast<const uint2 *>(src + kCols * 2);
+            const float a0 = swiglu(bf16_lo(g.x), bf16_lo(u.x)).a;
+            const float a1 = swiglu(bf16_hi(g.x), bf16_hi(u.x)).a;
+            const float a2 = swiglu(bf16_lo(g.y), bf16_lo(u.y)).a;
+            const float a3 = swiglu(bf16_hi(g.y), bf16_hi(u.y)).a;
+            const int64_t row = row0 + r;
+            *reinterpret_cast<uint2 *>(args.act + row * I + col) =
+                make_uint2(pack_bf16x2_rn(a0, a1), pack_bf16x2_rn(a2, a3));
+            if (args.gate_up) {
+                __nv_bfloat16 *gu_row = args.gate_up + row * 2 * I + col;
+                *reinterpret_cast<uint2 *>(gu_row) = g;
+                *reinterpret_cast<uint2 *>(gu_row + I) = u;
+            }
+        }
+    }
+};
+
+/* ---- gemm2 -------------------------------------------------------------------------- */
+
+struct Gemm2Args {
+    CUtensorMap map_act;   /* [rows_cap, I], box 128 x 64 */
+    CUtensorMap map_w2;    /* [E * H, I], box BN x 64 */
+    const int32_t *row_block_expert;
+    const int32_t *num_rows;
+    ScatterTarget to;
+    int rows_cap, hidden, intermediate;
+};
+
+/* What the gemm2 kernels take of any shape (the tile width is picked after this). */
+inline bool gemm2_params_ok(const mf_gemm2_params *p) {
+    if (!p || !p->act || !p->w2 || !p->row_block_expert || !p->num_rows || !p->row_slot ||
+        (!p->slot_weight && !p->row_weight) || (!p->combine && !p->combine_peers) ||
+        (p->combine_peers && p->num_ranks < 1))
+        return false;
+    if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % 128 ||
+        p->intermediate <= 0 || p->intermediate % kBlockK || p->num_local_experts <= 0 ||
+        p->num_sms <= 0)
+        return false;
+    /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
+    return !misaligned16(p->act, p->w2, p->combine);
+}
+
+template <class Cfg>
+cudaError_t gemm2_args_from(const mf_gemm2_params *p, Gemm2Args *args) {
+    cudaError_t err;
+    if ((err = mf_tensor_map_bf16_2d(&args->map_act, p->act, (uint64_t)p->rows_cap,
+                                     p->intermediate, p->intermediate, kBlockM, kBlockK)) !=
+        cudaSuccess)
+        return err;
+    if ((err = mf_tensor_map_bf16_2d(&args->map_w2, p->w2,
+                                     (uint64_t)p->num_local_experts * p->hidden,
+                                     p->intermediate, p->intermediate, Cfg::BN, kBlockK)) !=
+        cudaSuccess)
+        return err;
+    args->row_block_expert = p->row_block_expert;
+    args->num_rows = p->num_rows;
+    args->to = ScatterTarget{p->row_slot, p->slot_weight, p->row_weight, p->combine,
+                             p->combine_peers, p->num_ranks, p->hidden};
+    args->rows_cap = p->rows_cap;
+    args->hidden = p->hidden;
+    args->intermediate = p->intermediate;
+    return cudaSuccess;
+}
+
+/* Producer: A rows of the block, BN rows of W2_e. */
+template <class Cfg>
+struct Gemm2Load {
+    const Gemm2Args &args;
+    int m_row, w_row;
+
+    __device__ __forceinline__ void tile_begin(int m_block, int n_block) {
+        const int e = args.row_block_expert[m_block];
+        m_row = m_block * kBlockM;
+        w_row = e * args.hidden + n_block * Cfg::BN;
+    }
+    __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
+        const int k = kb * kBlockK;
+        ptx::tma_load_2d(a, &args.map_act, bar, k, m_row);
+        ptx::tma_load_2d(b, &args.map_w2, bar, k, w_row);
+    }
+};
+
+}  // namespace sm90
+}  // namespace mf
