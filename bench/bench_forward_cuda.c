@@ -1,7 +1,7 @@
 /* moefuse_forward on the CUDA backend: one line per case,
  *   model, T, forward ms (median of 20 after 3 warm-ups, CUDA events), TFLOP/s
- * with FLOPs = 6 T K H I, for the default pipeline (gemm1 and gemm2 fused) and the
- * staged one (MOEFUSE_PIPELINE_STAGED) in alternation, then the small stages alone (plan, dispatch, reduce) as
+ * with FLOPs = 6 T K H I, for the staged pipeline (the default) and the fused one
+ * (MOEFUSE_PIPELINE_FUSED: gemm1 and gemm2 in one kernel) in alternation, then the small stages alone (plan, dispatch, reduce) as
  * microseconds per call over 100 back-to-back calls, with their DRAM bytes per second.
  * Input sets (x, ids, p) rotate, together larger than L2; weights random bf16 (never
  * zeros); routing uniform random top-K. No baseline yet (the PyTorch MoE baseline of
@@ -101,7 +101,7 @@ int main(void) {
     cudaEvent_t ev0, ev1;
     TRYC(cudaEventCreate(&ev0));
     TRYC(cudaEventCreate(&ev1));
-    printf("%-16s %6s %10s %9s %10s %9s\n", "model", "T", "fwd_ms", "TFLOP/s", "staged_ms",
+    printf("%-16s %6s %10s %9s %10s %9s\n", "model", "T", "staged_ms", "TFLOP/s", "fused_ms",
            "TFLOP/s");
 
     for (size_t mi = 0; mi < sizeof models / sizeof models[0]; mi++) {
@@ -110,10 +110,10 @@ int main(void) {
         moefuse_config cfg;
         moefuse_config_init(&cfg, m->H, m->I, m->E, m->K, Tmax);
         cfg.backend = MOEFUSE_BACKEND_CUDA;
-        moefuse_layer *layer, *staged;
+        moefuse_layer *layer, *fused;
         TRYM(moefuse_layer_create(&cfg, NULL, &layer));
-        cfg.pipeline = MOEFUSE_PIPELINE_STAGED;
-        TRYM(moefuse_layer_create(&cfg, NULL, &staged));
+        cfg.pipeline = MOEFUSE_PIPELINE_FUSED;
+        TRYM(moefuse_layer_create(&cfg, NULL, &fused));
         uint16_t *w13 = dev_random_bf16((int64_t)m->E * 2 * m->I * m->H, 1.0 / sqrt(m->H));
         uint16_t *w2 = dev_random_bf16((int64_t)m->E * m->H * m->I, 1.0 / sqrt(m->I));
         size_t saved_bytes;
@@ -161,7 +161,7 @@ int main(void) {
             a.y = y;
             a.y_stride = m->H;
             a.saved = saved;
-            /* The default (fused) pipeline and the staged one, alternating. */
+            /* The default (staged) pipeline and the fused one, alternating. */
             float ms[2][20];
             for (int it = 0; it < 23; it++) {
                 const int s = it % nsets;
@@ -170,14 +170,14 @@ int main(void) {
                 a.weights = p[s];
                 for (int l = 0; l < 2; l++) {
                     TRYC(cudaEventRecord(ev0, stream));
-                    TRYM(moefuse_forward(l ? staged : layer, &a, stream));
+                    TRYM(moefuse_forward(l ? fused : layer, &a, stream));
                     TRYC(cudaEventRecord(ev1, stream));
                     TRYC(cudaEventSynchronize(ev1));
                     if (it >= 3) TRYC(cudaEventElapsedTime(&ms[l][it - 3], ev0, ev1));
                 }
             }
             TRYM(moefuse_layer_check(layer, stream));
-            TRYM(moefuse_layer_check(staged, stream));
+            TRYM(moefuse_layer_check(fused, stream));
             double med[2];
             for (int l = 0; l < 2; l++) {
                 qsort(ms[l], 20, sizeof(float), cmp_float);
@@ -285,7 +285,7 @@ int main(void) {
         cudaFree(w13);
         cudaFree(w2);
         moefuse_layer_destroy(layer);
-        moefuse_layer_destroy(staged);
+        moefuse_layer_destroy(fused);
     }
     return 0;
 }

@@ -95,12 +95,13 @@ typedef enum moefuse_saved_mode {
 /* How the CUDA forward runs its two expert GEMMs (the CPU backend ignores it). Both give
  * the same bits. */
 typedef enum moefuse_pipeline {
+    /* one kernel per stage (the default: on an H200 it is 1-3% faster than the fused
+     * kernel so far, bench/NOTES.md v9) */
+    MOEFUSE_PIPELINE_STAGED = 0,
     /* gemm1 and gemm2 in one persistent kernel, a gemm2 tile starting as soon as the
      * gemm1 tiles of its rows are done; shapes it does not take (H a multiple of 128
-     * but not 256, expert parallelism so far) run MOEFUSE_PIPELINE_STAGED. */
-    MOEFUSE_PIPELINE_FUSED = 0,
-    /* one kernel per stage: the oracle the fused kernel is tested against */
-    MOEFUSE_PIPELINE_STAGED = 1,
+     * but not 256, expert parallelism so far) run staged */
+    MOEFUSE_PIPELINE_FUSED = 1,
 } moefuse_pipeline;
 
 typedef struct moefuse_config {
@@ -118,7 +119,7 @@ typedef struct moefuse_config {
     moefuse_pipeline pipeline;
 } moefuse_config;
 
-/* Fill a config with the defaults (R = 1, bf16, CPU, saved activations, fused). */
+/* Fill a config with the defaults (R = 1, bf16, CPU, saved activations, staged). */
 void moefuse_config_init(moefuse_config *cfg, int hidden, int intermediate,
                          int num_experts, int top_k, int max_tokens);
 

@@ -71,8 +71,8 @@ class SavedMode(enum.IntEnum):
 class Pipeline(enum.IntEnum):
     """moefuse_pipeline: how the CUDA forward runs its expert GEMMs (same bits)."""
 
-    FUSED = 0  # gemm1 and gemm2 in one persistent kernel
-    STAGED = 1  # one kernel per stage
+    STAGED = 0  # one kernel per stage (default; 1-3% faster on an H200 so far)
+    FUSED = 1  # gemm1 and gemm2 in one persistent kernel
 
 
 class MoefuseError(RuntimeError):

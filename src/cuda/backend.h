@@ -48,8 +48,8 @@ struct cuda_state {
     mf_plan_state *plan_state;  /* error record and per-call flags */
     int32_t *gemm_num_rows;     /* device scalar */
     void *plan_ws;              /* layout_for(max_tokens, no gate_up): the plan when saved = NULL */
-    uint32_t *act_ready;        /* [rows_cap / 128] fused forward: gemm1 tiles done per row
-                                 * block; NULL when the forward runs staged */
+    uint32_t *act_ready;        /* [rows_cap / 128 + 1] fused forward: gemm1 tiles done per
+                                 * row block, and the tile counter; NULL when staged */
     /* backward */
     int dp_parts;               /* mf_dgrad2_dp_parts(I) */
     uint16_t *dh;               /* [rows_cap, 2I] */

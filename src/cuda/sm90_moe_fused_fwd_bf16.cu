@@ -8,20 +8,20 @@
  * (sm90_moe_fwd_tiles.cuh) with the same tile shape, so the two paths agree bit for
  * bit; what is new is the order and the wait between them:
  *  - Order: the 128-row blocks are cut into groups of G blocks. Unit u holds the gemm1
- *    tiles of group u, then the gemm2 tiles of group u - 1; CTAs take the tiles of that
- *    order round-robin, as the persistent scheduler does in one GEMM. G is chosen so a
- *    group's gemm1 tiles make about two waves: by the time a gemm2 tile is taken, the
- *    gemm1 tiles it needs have mostly finished, and their act rows (G x 128 x I bf16,
- *    8.6 MB on qwen3-30b-a3b) are still in L2.
+ *    tiles of group u, then the gemm2 tiles of group u - 1; a CTA that is free takes the
+ *    next tile of that order (FusedFwdScheduler). G is chosen so a group's gemm1 tiles
+ *    make about two waves: by the time a gemm2 tile is taken, the gemm1 tiles it needs
+ *    have mostly finished, and their act rows (G x 128 x I bf16, 8.6 MB on
+ *    qwen3-30b-a3b) are still in L2.
  *  - Wait: after the store warps have stored both halves of a gemm1 tile's act rows,
  *    they meet on a named barrier and one of them adds 1 to act_ready[block] (release,
  *    GPU scope). The producer, before the first TMA load of a gemm2 tile, waits until
  *    act_ready[block] counts all 2I / BN gemm1 tiles of the block (acquire), then fences
  *    the async proxy, so its TMA reads see the rows.
- * NOTE: why this cannot deadlock: a tile only waits for tiles earlier in the order, and
- * each CTA walks its tiles in order, so the tile waited for has had all its loads issued
- * (on this CTA or on another CTA that does not wait on anything later). The grid is
- * one CTA per SM; CTAs that start late (the SMs busy with another kernel) only delay.
+ * NOTE: why this cannot deadlock: a tile only waits for tiles earlier in the order, which
+ * were taken earlier, by CTAs that are running (a CTA takes tiles only once it runs), and
+ * a CTA's producer issues all loads of a tile before it takes the next one; so the
+ * earliest unfinished tile always makes progress.
  *
  * FLOPs: those of gemm1 and gemm2, 6 * rows * H * I: qwen3-30b-a3b at 16384 tokens
  * (131072 rows) 1237 GFLOP, 1.6 ms at 777 TFLOP/s. What fusing can save: the tail of
@@ -36,69 +36,117 @@ using namespace mf::sm90;
 
 /* One tile shape for both GEMMs (the ring, buffers and stage bytes must agree): 128 x 256
  * tiles, 3 stages of 48 KB (gemm1: A 16 KB + gate and up halves of B; gemm2: A 16 KB + B
- * 32 KB), 2 x 33 KB of store buffers. The store warps get 56 registers (consumers 224,
+ * 32 KB), 2 x 33 KB of store buffers, the tile queue in the 1 KB extra region (no TMA
+ * lands there in this kernel). The store warps get 56 registers (consumers 224,
  * of which ptxas uses at most 168 anyway): with both GEMMs' drains and this scheduler
  * they spilled at 40. */
-using FusedCfg = ProducerRegs<TileConfig<256, 3, false, false, 0, 512>, 56>;
+using FusedCfg = ProducerRegs<TileConfig<256, 3, false, false, 1024, 512>, 56>;
 constexpr uint32_t kActReadyBarrier = 1;   /* named barrier of the store warps */
 
 struct FusedFwdArgs {
     Gemm1Args g1;
     Gemm2Args g2;
     uint32_t *act_ready;   /* [rows_cap / 128], zeroed before the launch */
+    int *tile_counter;     /* the next tile to take, zeroed before the launch */
     int group_blocks;      /* G */
 };
 
-/* The tile order above. Tiles are returned as (block, n): n < n1 is gemm1's column block
- * n, n >= n1 gemm2's column block n - n1.
+/* The tiles this CTA takes, from the producer thread to the consumers and the store warps:
+ * a queue of tile indices in shared memory (the ring's extra region), kQueueDepth deep.
+ * Readers are every consumer thread and every store-warp thread. */
+constexpr int kQueueDepth = 4;
+constexpr int kQueueReaders = kConsumerWarpgroups * 128 + kStoreThreads;
+struct TileQueue {
+    int32_t tile[kQueueDepth];    /* a tile index of the order, -1: no more tiles */
+    uint64_t full[kQueueDepth];   /* written (the producer arrives) */
+    uint64_t empty[kQueueDepth];  /* read (every reader arrives) */
+};
+
+/* Called by the thread that initialises the ring, before the CTA's first sync. */
+__device__ __forceinline__ void tile_queue_init(TileQueue *q) {
+    for (int s = 0; s < kQueueDepth; ++s) {
+        ptx::mbar_init(&q->full[s], 1);
+        ptx::mbar_init(&q->empty[s], kQueueReaders);
+    }
+    ptx::mbar_fence_init();
+}
+
+/* The tile order above, taken dynamically: the producer thread of each CTA takes the
+ * next index of the order (an atomic counter) when it starts a tile and passes it on
+ * through the queue, so the tiles start in order whichever CTA is free.
+ * NOTE: measured on an H200 (bench/NOTES.md v9), handing the tiles out round-robin by
+ * index, as the single GEMMs do, made the fused kernel 2-4% slower than gemm1 then gemm2
+ * on qwen3-30b-a3b and 25% slower with groups of half a wave: gemm1 tiles (H / 64 K
+ * blocks) and gemm2 tiles (I / 64) take different times, CTAs drift apart, and a gemm2
+ * tile then waits for a gemm1 tile that a slower CTA has not reached.
+ * The order is a sequence of units of G * (n1 + n2) indices: unit u holds gemm1's tiles
+ * of group u, then gemm2's of group u - 1; indices past the last row block (and gemm2's
+ * part of unit 0) are holes, skipped by the producer. Tiles are returned as (block, n):
+ * n < n1 is gemm1's column block n, n >= n1 gemm2's column block n - n1.
  * NOTE: the sizes are read from the kernel's parameters at each use rather than kept in
  * registers: with 128 accumulators a consumer thread has no room for them (ptxas
  * spilled when the scheduler held nine ints). */
 template <int BN>
 struct FusedFwdScheduler {
     const FusedFwdArgs &args;
-    int m_blocks, num_units;
-    int unit, offset;   /* this CTA's next tile: offset within unit */
+    TileQueue *queue;
+    int m_blocks;
+    int slot;
+    uint32_t phase;
 
-    __device__ __forceinline__ FusedFwdScheduler(const FusedFwdArgs &a) : args(a) {
+    __device__ __forceinline__ FusedFwdScheduler(const FusedFwdArgs &a, TileQueue *q)
+        : args(a), queue(q), slot(0), phase(0) {
         int rows = *a.g1.num_rows;
         rows = rows < 0 ? 0 : (rows > a.g1.rows_cap ? a.g1.rows_cap : rows);
         m_blocks = rows / kBlockM;
-        num_units = m_blocks > 0 ? (m_blocks + a.group_blocks - 1) / a.group_blocks + 1 : 0;
-        unit = 0;
-        offset = blockIdx.x;
     }
     __device__ __forceinline__ int n1() const { return 2 * args.g1.intermediate / BN; }
     __device__ __forceinline__ int n2() const { return args.g1.hidden / BN; }
-
-    /* Row blocks of group g: g * G .. min((g + 1) * G, m_blocks) - 1. */
-    __device__ __forceinline__ int group_size(int g) const {
-        const int end = (g + 1) * args.group_blocks;
-        return (end < m_blocks ? end : m_blocks) - g * args.group_blocks;
-    }
     __device__ __forceinline__ int num_k_blocks(int, int n_block) const {
         return (n_block < n1() ? args.g1.hidden : args.g1.intermediate) / kBlockK;
     }
-    __device__ __forceinline__ bool next_tile(int &m_block, int &n_block) {
-        for (; unit < num_units; ++unit) {
-            const int first = unit < num_units - 1 ? group_size(unit) * n1() : 0;
-            const int second = unit > 0 ? group_size(unit - 1) * n2() : 0;
-            if (offset < first) {
-                m_block = unit * args.group_blocks + offset / n1();
-                n_block = offset % n1();
-                offset += gridDim.x;
-                return true;
-            }
-            if (offset < first + second) {
-                const int o = offset - first;
-                m_block = (unit - 1) * args.group_blocks + o / n2();
-                n_block = n1() + o % n2();
-                offset += gridDim.x;
-                return true;
-            }
-            offset -= first + second;
+    /* Indices of the order: units 0 .. groups, each G * (n1 + n2). */
+    __device__ __forceinline__ int num_indices() const {
+        const int G = args.group_blocks;
+        return m_blocks > 0 ? ((m_blocks + G - 1) / G + 1) * G * (n1() + n2()) : 0;
+    }
+    /* Index t of the order as (block, n); false for a hole. */
+    __device__ __forceinline__ bool decode(int t, int &m_block, int &n_block) const {
+        const int G = args.group_blocks, first = G * n1();
+        const int u = t / (first + G * n2()), r = t - u * (first + G * n2());
+        if (r < first) {
+            m_block = u * G + r / n1();
+            n_block = r % n1();
+        } else {
+            m_block = (u - 1) * G + (r - first) / n2();
+            n_block = n1() + (r - first) % n2();
         }
-        return false;
+        return m_block >= 0 && m_block < m_blocks;
+    }
+    __device__ __forceinline__ bool next_tile(int &m_block, int &n_block) {
+        TileQueue *q = queue;
+        int t;
+        if (threadIdx.x == kConsumerWarpgroups * 128) {   /* the producer takes it */
+            const int total = num_indices();
+            do {
+                t = atomicAdd(args.tile_counter, 1);
+            } while (t < total && !decode(t, m_block, n_block));
+            if (t >= total) t = -1;
+            /* A fresh barrier counts as having completed the phase before phase 0. */
+            ptx::mbar_wait(&q->empty[slot], phase ^ 1u);
+            q->tile[slot] = t;
+            ptx::mbar_arrive(&q->full[slot]);
+        } else {
+            ptx::mbar_wait(&q->full[slot], phase);
+            t = *static_cast<volatile int32_t *>(&q->tile[slot]);
+            ptx::mbar_arrive(&q->empty[slot]);
+            if (t >= 0) decode(t, m_block, n_block);
+        }
+        if (++slot == kQueueDepth) {
+            slot = 0;
+            phase ^= 1u;
+        }
+        return t >= 0;
     }
 };
 
@@ -187,7 +235,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     FusedFwdLoad<Cfg> load{args, {args.g1, 0, 0, 0, false}, {args.g2, 0, 0}, false};
     FusedFwdEpilogue<Cfg> epi{args, {args.g1, ring, {}}, {args.g2.to, ring, {}, {0.f, 0.f}},
                               ring, {}};
-    const FusedFwdScheduler<Cfg::BN> sched(args);
+    TileQueue *queue = reinterpret_cast<TileQueue *>(ring.extra);
+    static_assert(sizeof(TileQueue) <= Cfg::kExtraBytes, "the tile queue fits the extra region");
+    if (threadIdx.x == kConsumerWarpgroups * 128) tile_queue_init(queue);
+    const FusedFwdScheduler<Cfg::BN> sched(args, queue);
     run_grouped_gemm_sched<Cfg>(smem_raw, &args.g1.map_xs, &args.g1.map_w13, sched, load, epi);
 }
 
@@ -217,11 +268,13 @@ extern "C" cudaError_t mf_sm90_moe_fused_fwd_bf16(const mf_moe_fused_fwd_params 
     cudaError_t err;
     if ((err = gemm1_args_from<FusedCfg>(a, &args.g1)) != cudaSuccess) return err;
     if ((err = gemm2_args_from<FusedCfg>(b, &args.g2)) != cudaSuccess) return err;
+    const int blocks = a->rows_cap / kBlockM;
     args.act_ready = p->act_ready;
+    args.tile_counter = reinterpret_cast<int *>(p->act_ready + blocks);
+    /* G: about two waves of gemm1 tiles per group. */
     const int n1 = 2 * a->intermediate / FusedCfg::BN;
     args.group_blocks = (2 * a->num_sms + n1 - 1) / n1;
-    if ((err = cudaMemsetAsync(p->act_ready, 0, (size_t)(a->rows_cap / kBlockM) * 4, stream)) !=
-        cudaSuccess)
+    if ((err = cudaMemsetAsync(p->act_ready, 0, (size_t)(blocks + 1) * 4, stream)) != cudaSuccess)
         return err;
     return launch_persistent(sm90_moe_fused_fwd_bf16_kernel<FusedCfg>, FusedCfg::kSmemBytes,
                              a->num_sms, args, stream);

@@ -25,7 +25,7 @@ void moefuse_config_init(moefuse_config *cfg, int hidden, int intermediate, int 
     cfg->backend = MOEFUSE_BACKEND_CPU;
     cfg->saved_mode = MOEFUSE_SAVE_ACTIVATIONS;
     cfg->num_threads = 0;
-    cfg->pipeline = MOEFUSE_PIPELINE_FUSED;
+    cfg->pipeline = MOEFUSE_PIPELINE_STAGED;
 }
 
 /* ---- config ---------------------------------------------------------------------- */
@@ -59,10 +59,10 @@ static moefuse_status check_config(const moefuse_config *c, const moefuse_comm *
         return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
                        "config.saved_mode = %d: expected MOEFUSE_SAVE_ACTIVATIONS (0) or "
                        "MOEFUSE_RECOMPUTE (1)", (int)c->saved_mode);
-    if (c->pipeline != MOEFUSE_PIPELINE_FUSED && c->pipeline != MOEFUSE_PIPELINE_STAGED)
+    if (c->pipeline != MOEFUSE_PIPELINE_STAGED && c->pipeline != MOEFUSE_PIPELINE_FUSED)
         return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
-                       "config.pipeline = %d: expected MOEFUSE_PIPELINE_FUSED (0) or "
-                       "MOEFUSE_PIPELINE_STAGED (1)", (int)c->pipeline);
+                       "config.pipeline = %d: expected MOEFUSE_PIPELINE_STAGED (0) or "
+                       "MOEFUSE_PIPELINE_FUSED (1)", (int)c->pipeline);
     /* The largest buffers are max_tokens * K rows of max(H, 2I) elements; keep their
      * element counts far from int overflow in every backend's index arithmetic. */
     int64_t widest = c->hidden > 2 * (int64_t)c->intermediate ? c->hidden : 2 * (int64_t)c->intermediate;

@@ -9,8 +9,8 @@
  *   - bad ids: moefuse_layer_check names the first bad token, y / saved /
  *     expert_counts untouched, the next good call works;
  *   - 50 repetitions bitwise identical (y and saved); saved = NULL gives the same y;
- *   - the fused forward (default) equal to the staged one (MOEFUSE_PIPELINE_STAGED) bit
- *     for bit, 50 repetitions over five routings;
+ *   - the fused forward (MOEFUSE_PIPELINE_FUSED) equal to the staged one (the default)
+ *     bit for bit, 50 repetitions over five routings;
  *   - the forward captured in a CUDA graph and replayed gives the same bits, also
  *     after the inputs change in place.
  *
@@ -475,89 +475,102 @@ done:
     inputs_free(&in);
 }
 
+/* Host copies of y and saved: of a reference run (y0, s0) and of the run compared with it
+ * (y1, s1). */
+typedef struct run_copies {
+    uint16_t *y0, *y1;
+    uint8_t *s0, *s1;
+    size_t y_bytes, saved_bytes;
+} run_copies;
+
+static int run_copies_alloc(run_copies *c, const inputs *in) {
+    c->y_bytes = (size_t)in->T * in->y_stride * 2;
+    c->saved_bytes = in->saved_bytes;
+    c->y0 = malloc(c->y_bytes);
+    c->y1 = malloc(c->y_bytes);
+    c->s0 = malloc(c->saved_bytes);
+    c->s1 = malloc(c->saved_bytes);
+    const int ok = c->y0 && c->y1 && c->s0 && c->s1;
+    CHECK(ok, "out of host memory");
+    return ok;
+}
+
+static void run_copies_free(run_copies *c) {
+    free(c->y0);
+    free(c->y1);
+    free(c->s0);
+    free(c->s1);
+    memset(c, 0, sizeof *c);
+}
+
+/* One forward of `layer`, y and saved poisoned first, copied into the reference (ref = 1)
+ * or the compared copies. 0 on a failed call (recorded). */
+static int run_and_copy(moefuse_layer *layer, const inputs *in, const moefuse_fwd_args *a,
+                        run_copies *c, int ref) {
+    CUDA_OK(cudaMemsetAsync(in->y_d, 0xff, c->y_bytes, F.stream));
+    if (a->saved) CUDA_OK(cudaMemsetAsync(in->saved_d, 0xcd, c->saved_bytes, F.stream));
+    MF_OK(moefuse_forward(layer, a, F.stream));
+    CUDA_OK(cudaStreamSynchronize(F.stream));
+    CUDA_OK(cudaMemcpy(ref ? c->y0 : c->y1, in->y_d, c->y_bytes, cudaMemcpyDeviceToHost));
+    if (a->saved)
+        CUDA_OK(cudaMemcpy(ref ? c->s0 : c->s1, in->saved_d, c->saved_bytes,
+                           cudaMemcpyDeviceToHost));
+    return 1;
+done:
+    return 0;
+}
+
+/* `reps` runs of `layer` against the reference copies; counts the runs whose y or saved
+ * differed. Returns the runs made. */
+static int compare_runs(moefuse_layer *layer, const inputs *in, const moefuse_fwd_args *a,
+                        run_copies *c, int reps, int *y_diff, int *s_diff) {
+    int rep = 0;
+    for (; rep < reps && run_and_copy(layer, in, a, c, 0); rep++) {
+        *y_diff += memcmp(c->y0, c->y1, c->y_bytes) != 0;
+        *s_diff += memcmp(c->s0, c->s1, c->saved_bytes) != 0;
+    }
+    return rep;
+}
+
 /* 50 repetitions, bitwise identical y and saved; saved = NULL gives the same y. */
 static void case_deterministic(void) {
     if (!ready()) return;
-    const int T = 1536;
     inputs in;
-    uint16_t *y0 = NULL, *y1 = NULL;
-    uint8_t *s0 = NULL, *s1 = NULL;
-    if (!inputs_make(&in, T, ROUTE_ZIPF, 0, 0)) goto done;
-    moefuse_fwd_args a = fwd_args(&in, 1, 0);
-    const size_t yb = (size_t)T * in.y_stride * 2;
-    y0 = malloc(yb);
-    y1 = malloc(yb);
-    s0 = malloc(in.saved_bytes);
-    s1 = malloc(in.saved_bytes);
-    MF_OK(moefuse_forward(F.layer, &a, F.stream));
-    CUDA_OK(cudaStreamSynchronize(F.stream));
-    CUDA_OK(cudaMemcpy(y0, in.y_d, yb, cudaMemcpyDeviceToHost));
-    CUDA_OK(cudaMemcpy(s0, in.saved_d, in.saved_bytes, cudaMemcpyDeviceToHost));
+    run_copies c = {0};
     int y_diff = 0, s_diff = 0;
-    for (int rep = 0; rep < 50; rep++) {
-        CUDA_OK(cudaMemsetAsync(in.y_d, 0xff, yb, F.stream));
-        MF_OK(moefuse_forward(F.layer, &a, F.stream));
-        CUDA_OK(cudaStreamSynchronize(F.stream));
-        CUDA_OK(cudaMemcpy(y1, in.y_d, yb, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(s1, in.saved_d, in.saved_bytes, cudaMemcpyDeviceToHost));
-        y_diff += memcmp(y0, y1, yb) != 0;
-        s_diff += memcmp(s0, s1, in.saved_bytes) != 0;
-    }
+    if (!inputs_make(&in, 1536, ROUTE_ZIPF, 0, 0) || !run_copies_alloc(&c, &in)) goto done;
+    moefuse_fwd_args a = fwd_args(&in, 1, 0);
+    if (!run_and_copy(F.layer, &in, &a, &c, 1)) goto done;
+    const int reps = compare_runs(F.layer, &in, &a, &c, 50, &y_diff, &s_diff);
+    CHECK(reps == 50, "ran %d of 50 repetitions", reps);
     CHECK(y_diff == 0, "y differed from the first run in %d of 50 repetitions", y_diff);
     CHECK(s_diff == 0, "saved differed from the first run in %d of 50 repetitions", s_diff);
     MF_OK(moefuse_layer_check(F.layer, F.stream));
-    check_y(&in, y0);
+    check_y(&in, c.y0);
 
     a.saved = NULL;
-    CUDA_OK(cudaMemsetAsync(in.y_d, 0xff, yb, F.stream));
-    MF_OK(moefuse_forward(F.layer, &a, F.stream));
-    CUDA_OK(cudaStreamSynchronize(F.stream));
-    CUDA_OK(cudaMemcpy(y1, in.y_d, yb, cudaMemcpyDeviceToHost));
-    CHECK(!memcmp(y0, y1, yb), "y with saved = NULL differs from y with saved");
+    if (!run_and_copy(F.layer, &in, &a, &c, 0)) goto done;
+    CHECK(!memcmp(c.y0, c.y1, c.y_bytes), "y with saved = NULL differs from y with saved");
 done:
-    free(y0);
-    free(y1);
-    free(s0);
-    free(s1);
+    run_copies_free(&c);
     inputs_free(&in);
 }
 
-/* The fused forward (the default pipeline) against the staged one, bit for bit: y and
+/* The fused forward against the staged one (the default pipeline), bit for bit: y and
  * saved ([g | u] and the plan), 50 repetitions over five routings (10 each, fresh inputs
  * per routing, outputs poisoned before each run). A missing or early wait in the fused
  * kernel would show as a difference in some repetition. */
-static int fused_vs_staged(moefuse_layer *staged, int T, routing r, int *y_diff, int *s_diff) {
+static int fused_vs_staged(moefuse_layer *fused, int T, routing r, int *y_diff, int *s_diff) {
     int reps = 0;
     inputs in;
-    uint16_t *y0 = NULL, *y1 = NULL;
-    uint8_t *s0 = NULL, *s1 = NULL;
-    if (!inputs_make(&in, T, r, 0, 0)) goto done;
+    run_copies c = {0};
+    if (!inputs_make(&in, T, r, 0, 0) || !run_copies_alloc(&c, &in)) goto done;
     const moefuse_fwd_args a = fwd_args(&in, 1, 0);
-    const size_t yb = (size_t)T * in.y_stride * 2;
-    y0 = malloc(yb);
-    y1 = malloc(yb);
-    s0 = malloc(in.saved_bytes);
-    s1 = malloc(in.saved_bytes);
-    MF_OK(moefuse_forward(staged, &a, F.stream));
-    CUDA_OK(cudaStreamSynchronize(F.stream));
-    CUDA_OK(cudaMemcpy(y0, in.y_d, yb, cudaMemcpyDeviceToHost));
-    CUDA_OK(cudaMemcpy(s0, in.saved_d, in.saved_bytes, cudaMemcpyDeviceToHost));
-    for (; reps < 10; reps++) {
-        CUDA_OK(cudaMemsetAsync(in.y_d, 0xff, yb, F.stream));
-        CUDA_OK(cudaMemsetAsync(in.saved_d, 0xcd, in.saved_bytes, F.stream));
-        MF_OK(moefuse_forward(F.layer, &a, F.stream));
-        CUDA_OK(cudaStreamSynchronize(F.stream));
-        CUDA_OK(cudaMemcpy(y1, in.y_d, yb, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(s1, in.saved_d, in.saved_bytes, cudaMemcpyDeviceToHost));
-        *y_diff += memcmp(y0, y1, yb) != 0;
-        *s_diff += memcmp(s0, s1, in.saved_bytes) != 0;
-    }
-    if (r == ROUTE_RANDOM) check_y(&in, y1);
+    if (!run_and_copy(F.layer, &in, &a, &c, 1)) goto done;
+    reps = compare_runs(fused, &in, &a, &c, 10, y_diff, s_diff);
+    if (r == ROUTE_RANDOM) check_y(&in, c.y1);
 done:
-    free(y0);
-    free(y1);
-    free(s0);
-    free(s1);
+    run_copies_free(&c);
     inputs_free(&in);
     return reps;
 }
@@ -568,21 +581,21 @@ static void case_fused_equals_staged(void) {
     moefuse_config cfg;
     moefuse_config_init(&cfg, m->H, m->I, m->E, m->K, kMaxTokens);
     cfg.backend = MOEFUSE_BACKEND_CUDA;
-    cfg.pipeline = MOEFUSE_PIPELINE_STAGED;
-    moefuse_layer *staged = NULL;
-    MF_OK(moefuse_layer_create(&cfg, NULL, &staged));
+    cfg.pipeline = MOEFUSE_PIPELINE_FUSED;
+    moefuse_layer *fused = NULL;
+    MF_OK(moefuse_layer_create(&cfg, NULL, &fused));
     static const routing kRoutes[] = {ROUTE_RANDOM, ROUTE_ZIPF, ROUTE_ONE_EXPERT,
                                       ROUTE_FEW_EXPERTS, ROUTE_DROPPED};
     static const int kTokens[] = {kMaxTokens, 3000, 2048, 777, 1000};
     int y_diff = 0, s_diff = 0, reps = 0;
-    for (int i = 0; i < 5; i++) reps += fused_vs_staged(staged, kTokens[i], kRoutes[i], &y_diff, &s_diff);
+    for (int i = 0; i < 5; i++) reps += fused_vs_staged(fused, kTokens[i], kRoutes[i], &y_diff, &s_diff);
     CHECK(reps == 50, "ran %d of 50 repetitions", reps);
     CHECK(y_diff == 0, "fused y differed from staged y in %d of %d repetitions", y_diff, reps);
     CHECK(s_diff == 0, "fused saved differed from staged saved in %d of %d repetitions", s_diff,
           reps);
-    MF_OK(moefuse_layer_check(F.layer, F.stream));
+    MF_OK(moefuse_layer_check(fused, F.stream));
 done:
-    if (staged) moefuse_layer_destroy(staged);
+    if (fused) moefuse_layer_destroy(fused);
 }
 
 /* Captured in a CUDA graph: replays give the eager bits, also for new inputs written
