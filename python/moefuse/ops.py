@@ -28,8 +28,10 @@ current CUDA stream. The saved activations the backward needs live in a torch.ui
 tensor from PyTorch's allocator (moefuse_saved_bytes(T) bytes).
 
 Layers (moefuse_layer handles: the workspaces of one config) are cached per
-(H, I, E, K, device, saved mode, max_tokens bucket) in `layer_cache`, the one piece of
-module state, and destroyed at interpreter exit (or by layer_cache.clear()).
+(H, I, E, K, device, saved mode, pipeline, max_tokens bucket) in `layer_cache`, the one
+piece of module state, and destroyed at interpreter exit (or by layer_cache.clear()).
+The environment variable MOEFUSE_PIPELINE (staged, the default, or fused) picks how the
+CUDA forward runs its two expert GEMMs (moefuse_config.pipeline; the same bits).
 
 Id errors on CUDA: the CUDA backend checks expert ids on the device without a host
 synchronization; a bad id leaves y unwritten and is recorded in the layer. Call
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import threading
 from typing import Optional
 
@@ -64,10 +67,21 @@ def token_bucket(num_tokens: int) -> int:
     return max(_MIN_TOKEN_BUCKET, 1 << max(0, (num_tokens - 1).bit_length()))
 
 
+def pipeline_from_env() -> _lib.Pipeline:
+    """moefuse_config.pipeline from MOEFUSE_PIPELINE ("staged" when unset)."""
+    name = os.environ.get("MOEFUSE_PIPELINE", "staged")
+    try:
+        return _lib.Pipeline[name.strip().upper()]
+    except KeyError:
+        choices = ", ".join(p.name.lower() for p in _lib.Pipeline)
+        raise ValueError(f"MOEFUSE_PIPELINE={name!r}: expected one of {choices}") from None
+
+
 class LayerCache:
     """moefuse_layer handles keyed by (hidden, intermediate, num_experts, top_k, device,
-    saved_mode, max_tokens bucket). A forward and its backward use the same key, so
-    the backward reads its saved buffer with the layer that wrote it."""
+    saved_mode, pipeline, max_tokens bucket). A forward and its backward use the same
+    key, so the backward reads its saved buffer with the layer that wrote it (both
+    pipelines write the same saved format)."""
 
     def __init__(self):
         self._layers: dict[tuple, _lib.Layer] = {}
@@ -78,7 +92,9 @@ class LayerCache:
         saved_mode = _lib.SavedMode.RECOMPUTE if recompute else _lib.SavedMode.SAVE_ACTIVATIONS
         bucket = token_bucket(num_tokens)
         device = _normalize_device(device)
-        key = (hidden, intermediate, num_experts, top_k, str(device), int(saved_mode), bucket)
+        pipeline = pipeline_from_env()
+        key = (hidden, intermediate, num_experts, top_k, str(device), int(saved_mode),
+               int(pipeline), bucket)
         layer = self._layers.get(key)
         if layer is not None:
             return layer
@@ -88,6 +104,7 @@ class LayerCache:
                 cfg = _lib.config_init(hidden, intermediate, num_experts, top_k, bucket)
                 cfg.backend = _lib.Backend.CUDA if device.type == "cuda" else _lib.Backend.CPU
                 cfg.saved_mode = saved_mode
+                cfg.pipeline = pipeline
                 with _on_device(device):
                     layer = _lib.Layer(cfg)
                 layer.device = device

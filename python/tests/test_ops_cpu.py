@@ -102,6 +102,18 @@ def test_layer_cache_and_saved_bytes():
     assert saved.data_ptr() % 256 == 0
 
 
+def test_pipeline_from_env(monkeypatch):
+    monkeypatch.delenv("MOEFUSE_PIPELINE", raising=False)
+    assert ops.pipeline_from_env() == _lib.Pipeline.STAGED == 0
+    monkeypatch.setenv("MOEFUSE_PIPELINE", "Fused")
+    assert ops.pipeline_from_env() == _lib.Pipeline.FUSED
+    layer = ops.layer_cache.get(64, 32, 8, 2, 100, torch.device("cpu"), False)
+    assert layer.cfg.pipeline == _lib.Pipeline.FUSED  # the CPU backend takes and ignores it
+    monkeypatch.setenv("MOEFUSE_PIPELINE", "fastest")
+    with pytest.raises(ValueError, match="MOEFUSE_PIPELINE='fastest'.*staged, fused"):
+        ops.pipeline_from_env()
+
+
 # ---- forward and backward against the fp64 reference ------------------------------------
 
 SHAPES = [
