@@ -37,6 +37,8 @@ step build build.log make -j"$(nproc)" all || { tail -30 "$LOG_DIR/build.log"; e
 step test_gemm_sm90 test_gemm_fwd.log build/tests/gpu/test_gemm_sm90
 step test_gemm_sm90_bwd test_gemm_bwd.log build/tests/gpu/test_gemm_sm90_bwd
 step test_cuda_forward test_cuda_forward.log build/tests/gpu/test_cuda_forward
+step test_cuda_forward_fused test_cuda_forward_fused.log \
+    env MOEFUSE_TEST_PIPELINE=fused build/tests/gpu/test_cuda_forward
 step test_cuda_backward test_cuda_backward.log build/tests/gpu/test_cuda_backward
 step test_cuda_ep test_cuda_ep.log build/tests/gpu/test_cuda_ep
 step moefuse_step moefuse_step.log build/moefuse_step
@@ -50,6 +52,8 @@ if [ "${1:-}" != quick ]; then
     step sass sass.log bash -c 'for o in build/src/cuda/sm90_*.o; do
         echo "$o HGMMA=$(cuobjdump --dump-sass $o | grep -c HGMMA) LDL_STL=$(cuobjdump --dump-sass $o | grep -cE "LDL|STL")"; done'
     step memcheck memcheck.log timeout 120 compute-sanitizer --error-exitcode 1 --tool memcheck build/tests/gpu/test_cuda_backward 30b "T=7"
+    step memcheck_fused memcheck_fused.log timeout 120 env MOEFUSE_TEST_PIPELINE=fused \
+        compute-sanitizer --error-exitcode 1 --tool memcheck build/tests/gpu/test_cuda_forward 30b "T=512"
     step racecheck racecheck.log timeout 140 compute-sanitizer --error-exitcode 1 --tool racecheck build/tests/gpu/test_gemm_sm90_bwd _bn
     step racecheck_fwd racecheck_fwd.log timeout 140 compute-sanitizer --error-exitcode 1 --tool racecheck build/tests/gpu/test_gemm_sm90 paths
     step memcheck_ep memcheck_ep.log timeout 150 compute-sanitizer --error-exitcode 1 --tool memcheck build/tests/gpu/test_cuda_ep "R=1 comm"

@@ -20,7 +20,8 @@
  * test_cuda_backward.c; act; the p-scaled slot row; y); x and the weights are exact
  * bf16 inputs of both sides. Outputs are poisoned (bf16 NaN) first.
  *
- * With no sm_90 device every case prints SKIP with the reason. */
+ * With no sm_90 device every case prints SKIP with the reason. MOEFUSE_TEST_PIPELINE=fused
+ * makes the fused forward the fixture's pipeline (the default is staged). */
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdio.h>
@@ -64,6 +65,9 @@ static int fixture_setup(const model *m) {
     moefuse_config cfg;
     moefuse_config_init(&cfg, m->H, m->I, m->E, m->K, kMaxTokens);
     cfg.backend = MOEFUSE_BACKEND_CUDA;
+    /* MOEFUSE_TEST_PIPELINE=fused runs every case on the fused forward (sanitizer runs). */
+    const char *pipeline = getenv("MOEFUSE_TEST_PIPELINE");
+    if (pipeline && !strcmp(pipeline, "fused")) cfg.pipeline = MOEFUSE_PIPELINE_FUSED;
     moefuse_status st = moefuse_layer_create(&cfg, NULL, &F.layer);
     if (st != MOEFUSE_OK) {
         printf("  %s: moefuse_layer_create: %s: %s\n", m->name, moefuse_status_string(st),
