@@ -608,6 +608,15 @@ __device__ __forceinline__ uint32_t pack_bf16x2_rn(float lo, float hi) {
     return v;
 }
 
+/* The accumulators as they are, rounded to bf16, into a store buffer (gemm1's [g | u],
+ * the bf16 weight gradients). */
+template <class Cfg>
+__device__ __forceinline__ void epi_write_acc_bf16(uint8_t *buf, float (&acc)[Cfg::kAccRegs]) {
+    epi_write_bf16<Cfg>(buf, [&](int c, int h) {
+        return pack_bf16x2_rn(acc[4 * c + 2 * h], acc[4 * c + 2 * h + 1]);
+    });
+}
+
 struct ScatterTarget {
     const int32_t *row_slot;       /* [rows_cap] */
     const float *slot_weight;      /* [T*K] or null */

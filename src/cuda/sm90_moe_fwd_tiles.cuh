@@ -144,9 +144,7 @@ struct Gemm1Epilogue {
     /* Buffer row: BN/2 gate columns then the BN/2 matching up columns (the accumulator's
      * own column order). The caller holds the buffer (StoreHandoff). */
     __device__ __forceinline__ void write_rows(float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
-        epi_write_bf16<Cfg>(buf, [&](int c, int h) {
-            return pack_bf16x2_rn(acc[4 * c + 2 * h], acc[4 * c + 2 * h + 1]);
-        });
+        epi_write_acc_bf16<Cfg>(buf, acc);
     }
     __device__ __forceinline__ void operator()(int, int, float (&acc)[Cfg::kAccRegs],
                                                uint8_t *buf) {

@@ -108,12 +108,7 @@ struct WgradEpilogue {
     __device__ __forceinline__ void operator()(int m_block, int n_block,
                                                float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
         if constexpr (Cfg::kStoreRowBytes > 0) {
-            const int wg = threadIdx.x / 128;
-            handoff.acquire(ring, wg);
-            epi_write_bf16<Cfg>(buf, [&](int c, int h) {
-                return pack_bf16x2_rn(acc[4 * c + 2 * h], acc[4 * c + 2 * h + 1]);
-            });
-            handoff.release(ring, wg);
+            handoff.stage(ring, buf, [&](uint8_t *b) { epi_write_acc_bf16<Cfg>(b, acc); });
         } else {
             store_fp32(m_block, n_block, acc);
         }
