@@ -26,7 +26,11 @@
  * FLOPs: those of gemm1 and gemm2, 6 * rows * H * I: qwen3-30b-a3b at 16384 tokens
  * (131072 rows) 1237 GFLOP, 1.6 ms at 777 TFLOP/s. What fusing can save: the tail of
  * gemm1's last wave and gemm2's ramp (the two kernels' boundary), and the DRAM re-read
- * of act (201 MB on qwen3-30b-a3b). */
+ * of act (201 MB on qwen3-30b-a3b).
+ * NOTE: measured on an H200, it does not save them yet: 1-3% slower than the two kernels
+ * (qwen3-30b-a3b 2.163 -> 2.229 ms, qwen3-235b-a22b 8.145 -> 8.233 ms), so the default
+ * pipeline is staged (bench/NOTES.md v9). What it is for: the dispatch and the combine
+ * of expert parallelism moving into it. */
 #include "sm90_moe_fwd_tiles.cuh"
 
 namespace {
@@ -74,11 +78,13 @@ __device__ __forceinline__ void tile_queue_init(TileQueue *q) {
 /* The tile order above, taken dynamically: the producer thread of each CTA takes the
  * next index of the order (an atomic counter) when it starts a tile and passes it on
  * through the queue, so the tiles start in order whichever CTA is free.
- * NOTE: measured on an H200 (bench/NOTES.md v9), handing the tiles out round-robin by
- * index, as the single GEMMs do, made the fused kernel 2-4% slower than gemm1 then gemm2
- * on qwen3-30b-a3b and 25% slower with groups of half a wave: gemm1 tiles (H / 64 K
- * blocks) and gemm2 tiles (I / 64) take different times, CTAs drift apart, and a gemm2
- * tile then waits for a gemm1 tile that a slower CTA has not reached.
+ * NOTE: measured on an H200 (bench/NOTES.md v9): with the tiles handed out round-robin
+ * by index, as the single GEMMs do, groups of half a wave made the fused kernel 25%
+ * slower than gemm1 then gemm2 on qwen3-30b-a3b: gemm1 tiles (H / 64 K blocks) and gemm2
+ * tiles (I / 64) take different times, CTAs drift apart, and a gemm2 tile waits for a
+ * gemm1 tile that a slower CTA has not reached. Taking tiles in order removes the drift.
+ * At two waves neither order waits (a model says so, and both measured the same): the
+ * 1-3% the fused kernel still loses there is per tile, not yet explained.
  * The order is a sequence of units of G * (n1 + n2) indices: unit u holds gemm1's tiles
  * of group u, then gemm2's of group u - 1; indices past the last row block (and gemm2's
  * part of unit 0) are holes, skipped by the producer. Tiles are returned as (block, n):
