@@ -72,9 +72,10 @@ cudaError_t mf_sm90_gemm2_combine_fwd_bf16(const mf_gemm2_params *p, cudaStream_
  * tiles of that block have stored their act rows: the store warps count them in
  * act_ready[block] (release), the producer waits for the count (acquire). The tiles are
  * taken in groups of row blocks, by whichever CTA is free: gemm1 of group u, then gemm2
- * of group u - 1, so a gemm2 tile seldom waits and its act rows are still in L2. Takes H % 256 == 0 and I % 128 == 0
- * (one tile shape for both GEMMs; mf_sm90_moe_fused_fwd_takes); act, row_block_expert,
- * num_rows, rows_cap, the sizes and num_sms of the two params must agree. */
+ * of group u - 1, so a gemm2 tile seldom waits and its act rows are still in L2. Takes
+ * H % 256 == 0 and I % 128 == 0 (one tile shape for both GEMMs;
+ * mf_sm90_moe_fused_fwd_takes); act, row_block_expert, num_rows, rows_cap, the sizes and
+ * num_sms of the two params must agree. */
 typedef struct mf_moe_fused_fwd_params {
     mf_gemm1_params gemm1;
     mf_gemm2_params gemm2;

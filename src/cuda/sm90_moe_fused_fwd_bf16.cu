@@ -50,7 +50,7 @@ constexpr uint32_t kActReadyBarrier = 1;   /* named barrier of the store warps *
 struct FusedFwdArgs {
     Gemm1Args g1;
     Gemm2Args g2;
-    uint32_t *act_ready;   /* [rows_cap / 128], zeroed before the launch */
+    uint32_t *act_ready;   /* [rows_cap / 128] gemm1 tiles stored, zeroed before the launch */
     int *tile_counter;     /* the next tile to take, zeroed before the launch */
     int group_blocks;      /* G */
 };
@@ -90,8 +90,7 @@ __device__ __forceinline__ void tile_queue_init(TileQueue *q) {
  * part of unit 0) are holes, skipped by the producer. Tiles are returned as (block, n):
  * n < n1 is gemm1's column block n, n >= n1 gemm2's column block n - n1.
  * NOTE: the sizes are read from the kernel's parameters at each use rather than kept in
- * registers: with 128 accumulators a consumer thread has no room for them (ptxas
- * spilled when the scheduler held nine ints). */
+ * registers: a scheduler holding nine ints made ptxas spill 44 bytes. */
 template <int BN>
 struct FusedFwdScheduler {
     const FusedFwdArgs &args;

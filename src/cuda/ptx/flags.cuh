@@ -1,6 +1,7 @@
 /* Flags between ranks (expert parallelism): release stores and acquire loads at
- * system scope (and at GPU scope, between the blocks of one kernel), so a peer that sees the flag also sees the data written before it,
- * over NVLink as on one GPU; and the global nanosecond timer that bounds every wait.
+ * system scope, so a peer that sees the flag also sees the data written before it, over
+ * NVLink as on one GPU (and at GPU scope, between the blocks of one kernel); and the
+ * global nanosecond timer that bounds every wait.
  * Inline device helpers only. */
 #pragma once
 
