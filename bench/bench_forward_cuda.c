@@ -237,8 +237,20 @@ int main(void) {
                 TRYC(cudaMalloc((void **)&xs, (size_t)rows_cap * m->H * 2));
                 TRYC(cudaMalloc((void **)&comb, (size_t)slots * m->H * 2));
                 TRYC(cudaMemset(comb, 0x3c, (size_t)slots * m->H * 2));
-                mf_dispatch_params dp = {x[0], m->H, pp.row_slot, pp.gemm_num_rows,
-                                         &st->call_failed, xs, rows_cap, m->H, K, 0};
+                mf_dispatch_params dp;
+                memset(&dp, 0, sizeof dp);
+                dp.x[0] = x[0];
+                dp.x_stride[0] = m->H;
+                dp.xs[0] = xs;
+                dp.num_tensors = 1;
+                dp.slot_row = pp.slot_row;
+                dp.row_slot = pp.row_slot;
+                dp.num_rows = pp.gemm_num_rows;
+                dp.call_failed = &st->call_failed;
+                dp.num_tokens = T;
+                dp.rows_cap = rows_cap;
+                dp.hidden = m->H;
+                dp.top_k = K;
                 int sms = 0;
                 TRYC(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
                 dp.num_sms = sms;
@@ -257,7 +269,8 @@ int main(void) {
                 TRYC(cudaEventSynchronize(ev1));
                 TRYC(cudaEventElapsedTime(&t_red, ev0, ev1));
                 const double us_plan = t_plan * 10.0, us_disp = t_disp * 10.0, us_red = t_red * 10.0;
-                const double disp_bytes = 2.0 * num_rows * m->H * 2;  /* read + write per row */
+                /* each token read once, each row written once */
+                const double disp_bytes = ((double)T + num_rows) * m->H * 2;
                 const double red_bytes = (double)slots * m->H * 2 + (double)T * m->H * 2;
                 printf("    stages T=%d: plan %.1f us | dispatch %.1f us (%.2f TB/s, %d rows) | "
                        "reduce %.1f us (%.2f TB/s)\n", T, us_plan, us_disp,

@@ -416,12 +416,15 @@ moefuse_status cuda_forward(moefuse_layer *layer, const moefuse_fwd_args *a, voi
 
     // ---- 2. dispatch: x rows -> expert-sorted xs ----
     mf_dispatch_params dp = {};
-    dp.x = a->x;
-    dp.x_stride = a->x_stride;
+    dp.x[0] = a->x;
+    dp.x_stride[0] = a->x_stride;
+    dp.xs[0] = s->xs;
+    dp.num_tensors = 1;
+    dp.slot_row = pp.slot_row;
     dp.row_slot = pp.row_slot;
     dp.num_rows = s->gemm_num_rows;
     dp.call_failed = call_failed;
-    dp.xs = s->xs;
+    dp.num_tokens = T;
     dp.rows_cap = lay.rows_cap;
     dp.hidden = c->hidden;
     dp.top_k = K;
@@ -674,23 +677,25 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     const moefuse_status checked = check_saved(layer, a, lay, stream);
     if (checked != MOEFUSE_OK) return checked;
 
-    // ---- 1. dispatch: dy -> dys (the combine workspace), x -> xs ----
+    // ---- 1. dispatch: dy -> dys (the combine workspace), x -> xs, in one pass ----
     uint16_t *dys = s->combine;
     mf_dispatch_params dp = {};
-    dp.x = a->dy;
-    dp.x_stride = a->dy_stride;
+    dp.x[0] = a->dy;
+    dp.x_stride[0] = a->dy_stride;
+    dp.xs[0] = dys;
+    dp.x[1] = a->x;
+    dp.x_stride[1] = a->x_stride;
+    dp.xs[1] = s->xs;
+    dp.num_tensors = 2;
+    dp.slot_row = (const int32_t *)(base + lay.slot_row);
     dp.row_slot = row_slot;
     dp.num_rows = s->gemm_num_rows;
     dp.call_failed = call_failed;
-    dp.xs = dys;
+    dp.num_tokens = T;
     dp.rows_cap = lay.rows_cap;
     dp.hidden = H;
     dp.top_k = K;
     dp.num_sms = s->num_sms;
-    MF_CUDA_TRY(mf_dispatch_rows_bf16(&dp, stream));
-    dp.x = a->x;
-    dp.x_stride = a->x_stride;
-    dp.xs = s->xs;
     MF_CUDA_TRY(mf_dispatch_rows_bf16(&dp, stream));
 
     // ---- 2. [g | u]: saved, or recomputed by the forward's gemm1 ----

@@ -1,63 +1,99 @@
-/* Dispatch on one GPU: gather token rows into the expert-sorted buffer.
+/* Dispatch on one GPU: copy token rows into the expert-sorted buffer, for one or two
+ * tensors of token rows at once (the backward moves dy and x with the same plan).
  *
- *   xs[r] = x[row_slot[r] / K]   for r < num_rows with row_slot[r] >= 0
- *   xs[r] = 0                    for padding rows (row_slot[r] = -1), r < num_rows
+ *   xs[slot_row[t*K + k]] = x[t]   for every slot with slot_row >= 0
+ *   xs[r] = 0                      for padding rows (row_slot[r] = -1), r < num_rows
  *
  * Padding rows are zeroed although gemm rows are independent (a garbage padding row
  * would only produce a garbage act row that gemm2 skips): zeros make the padding
  * rows of act and gate_up exactly 0 and finite, so the backward's weight-gradient
  * GEMMs may run over whole 128-row segments without masking. NOTE: the padding is at
  * most 127 rows per expert, about 6% of the rows at T = 16384, E = 128, K = 8, and
- * zeros are writes only: ~3% more bytes than the gather itself.
+ * zeros are writes only: ~3% more bytes than the copy itself.
  * Rows past num_rows are not touched.
  *
- * One warp per row, grid-stride over rows; 16-byte loads and stores, 4 in flight
- * per lane. NOTE: the gather moves num_rows * H * 2 bytes each way (read + write):
- * 2.1 GB at qwen3-235b-a22b, T = 16384, about 0.55 ms measured. Folding it into gemm1's
- * producer (DESIGN 3) was tried with cp.async (sm_90 TMA has no row gather): bitwise
- * right, but gemm1 slowed by more than this kernel costs (bench/NOTES.md v5, the patch
- * in bench/experiments/). */
+ * Token-major: one warp per token reads its row once and writes its K copies (16-byte
+ * vectors, 4 per lane in flight), so the kernel moves T * H * 2 bytes in and
+ * T * K * H * 2 out. NOTE: the first version gathered row by row (one read per row) and
+ * read each token K times, more than L2 holds: 2.1 GB at qwen3-235b-a22b, T = 16384,
+ * 0.55 ms measured; token-major moves 1.2 GB. Folding the copy into gemm1's producer
+ * (DESIGN 3) was tried with cp.async (sm_90 TMA has no row gather): bitwise right, but
+ * gemm1 slowed by more than this kernel costs (bench/NOTES.md v5, the patch in
+ * bench/experiments/). */
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 #include "check.h"
 #include "kernels.h"
-#include "row_copy.cuh"
 
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kVecsInFlight = 4;   /* 16-byte vectors per lane per pass */
+
+/* One token's row of one tensor to the rows of its live slots (slot_row[0..K-1]). */
+__device__ __forceinline__ void copy_token(const int4 *src, uint16_t *xs, const int32_t *slot_row,
+                                           int K, int vecs, int lane) {
+    for (int v0 = 0; v0 < vecs; v0 += 32 * kVecsInFlight) {
+        int4 part[kVecsInFlight];
+#pragma unroll
+        for (int i = 0; i < kVecsInFlight; ++i) {
+            const int v = v0 + i * 32 + lane;
+            if (v < vecs) part[i] = __ldcs(src + v);
+        }
+        for (int k = 0; k < K; ++k) {
+            const int row = __ldg(slot_row + k);
+            if (row < 0) continue;
+            int4 *dst = reinterpret_cast<int4 *>(xs + (int64_t)row * (vecs * 8));
+#pragma unroll
+            for (int i = 0; i < kVecsInFlight; ++i) {
+                const int v = v0 + i * 32 + lane;
+                if (v < vecs) dst[v] = part[i];
+            }
+        }
+    }
+}
 
 __global__ void __launch_bounds__(kThreads)
 dispatch_rows_kernel(const __grid_constant__ mf_dispatch_params p) {
     if (*p.call_failed) return;
+    const int vecs = p.hidden / 8;   /* 16-byte vectors per row */
+    const int lane = threadIdx.x & 31, K = p.top_k;
+    const int warp = blockIdx.x * kWarps + (threadIdx.x >> 5), warps = gridDim.x * kWarps;
+    for (int t = warp; t < p.num_tokens; t += warps)
+        for (int j = 0; j < p.num_tensors; ++j)
+            copy_token(reinterpret_cast<const int4 *>(p.x[j] + t * p.x_stride[j]), p.xs[j],
+                       p.slot_row + (int64_t)t * K, K, vecs, lane);
+    /* Padding rows: 32 rows per warp step, one lane reads each row's slot. */
     const int num_rows = *p.num_rows;
-    const int vecs = p.hidden / 8;  // 16-byte vectors per row
-    const int lane = threadIdx.x & 31;
-    const int warps = gridDim.x * (kThreads / 32);
-    for (int r = blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5); r < num_rows; r += warps) {
-        const int slot = __ldg(p.row_slot + r);
-        int4 *dst = reinterpret_cast<int4 *>(p.xs + (int64_t)r * p.hidden);
-        if (slot < 0) {
-            mf::warp_zero_row(dst, vecs, lane);
-            continue;
+    for (int r0 = warp * 32; r0 < num_rows; r0 += warps * 32) {
+        const int r = r0 + lane;
+        unsigned pad = __ballot_sync(~0u, r < num_rows && __ldg(p.row_slot + r) < 0);
+        while (pad) {
+            const int row = r0 + __ffs(pad) - 1;
+            pad &= pad - 1;
+            for (int j = 0; j < p.num_tensors; ++j) {
+                int4 *dst = reinterpret_cast<int4 *>(p.xs[j] + (int64_t)row * p.hidden);
+                for (int v = lane; v < vecs; v += 32) dst[v] = make_int4(0, 0, 0, 0);
+            }
         }
-        const int4 *src =
-            reinterpret_cast<const int4 *>(p.x + (int64_t)(slot / p.top_k) * p.x_stride);
-        mf::warp_copy_row(dst, src, vecs, lane);
     }
 }
 
 }  // namespace
 
 extern "C" cudaError_t mf_dispatch_rows_bf16(const mf_dispatch_params *p, cudaStream_t stream) {
-    if (!p || p->hidden <= 0 || p->hidden % 8 != 0 || p->x_stride % 8 != 0 || p->top_k < 1 ||
-        p->rows_cap < 0 || p->num_sms < 1)
+    if (!p || p->hidden <= 0 || p->hidden % 8 != 0 || p->top_k < 1 || p->num_tokens < 0 ||
+        p->rows_cap < 0 || !p->slot_row || !p->row_slot ||
+        p->num_sms < 1 || p->num_tensors < 1 || p->num_tensors > 2)
         return cudaErrorInvalidValue;
+    for (int j = 0; j < p->num_tensors; ++j)
+        if (!p->x[j] || !p->xs[j] || p->x_stride[j] % 8 != 0) return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
-    const int rows_per_block = kThreads / 32;
-    const int need = (p->rows_cap + rows_per_block - 1) / rows_per_block;
-    const int blocks = need < p->num_sms * 8 ? need : p->num_sms * 8;
+    const int64_t work = p->num_tokens > p->rows_cap / 32 ? p->num_tokens : p->rows_cap / 32;
+    const int64_t need = (work + kWarps - 1) / kWarps;
+    const int blocks = need < p->num_sms * 8 ? (int)(need > 0 ? need : 1) : p->num_sms * 8;
     dispatch_rows_kernel<<<blocks, kThreads, 0, stream>>>(*p);
     return cudaGetLastError();
 }

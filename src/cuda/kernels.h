@@ -217,15 +217,19 @@ size_t mf_plan_smem_bytes(int top_k, int num_local_experts);
 cudaError_t mf_plan_prepare(int top_k, int num_local_experts);
 cudaError_t mf_plan_build_cuda(const mf_plan_params *p, cudaStream_t stream);
 
-/* xs[r] = x[token of row_slot[r]] for r < num_rows; padding rows (row_slot -1) get
- * zeros, so padding rows of act and gate_up are exactly 0. */
+/* xs[slot_row[t*K + k]] = x[t] for every live slot; padding rows (row_slot -1, below
+ * num_rows) get zeros, so padding rows of act and gate_up are exactly 0. */
 typedef struct mf_dispatch_params {
-    const uint16_t *x;            /* [T, H], row stride x_stride */
-    int64_t x_stride;
-    const int32_t *row_slot;      /* [rows_cap] */
+    /* one or two tensors of token rows moved with the same plan (the backward: dy and x) */
+    const uint16_t *x[2];         /* [T, H], row stride x_stride */
+    int64_t x_stride[2];
+    uint16_t *xs[2];              /* out [rows_cap, H] */
+    int num_tensors;              /* 1 or 2 */
+    const int32_t *slot_row;      /* [T*K] row of each slot, -1 when dropped */
+    const int32_t *row_slot;      /* [rows_cap] slot of each row, -1 for padding */
     const int32_t *num_rows;      /* device scalar */
     const int32_t *call_failed;   /* device flag: nonzero = write nothing */
-    uint16_t *xs;                 /* out [rows_cap, H] */
+    int num_tokens;               /* T */
     int rows_cap;
     int hidden;                   /* H, multiple of 8 */
     int top_k;

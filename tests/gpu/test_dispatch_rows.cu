@@ -1,0 +1,151 @@
+/* The one-GPU dispatch (mf_dispatch_rows_bf16, src/cuda/dispatch_rows.cu) against a host
+ * copy: expert-sorted layouts with uneven experts, dropped slots and spare capacity, one
+ * or two tensors of token rows with their own row strides, outputs poisoned first.
+ *   - every live row r < num_rows holds its token's row (token = row_slot[r] / K);
+ *   - every padding row below num_rows is zero;
+ *   - rows at or past num_rows keep the poison;
+ *   - with the plan's call_failed flag set, nothing is written. */
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <vector>
+
+extern "C" {
+#include "harness.h"
+}
+#include "gemm_test_util.h"
+#include "kernels.h"
+
+namespace {
+
+constexpr uint16_t kPoisonBits = 0xFFFF;
+
+/* One tensor of token rows [T, H] at row stride `stride` (elements), random bf16. */
+struct TokenRows {
+    int stride;
+    std::vector<uint16_t> host;
+    uint16_t *x = nullptr;    /* device copy */
+    uint16_t *xs = nullptr;   /* device output [rows_cap, H] */
+    ~TokenRows() { cudaFree(x); cudaFree(xs); }
+};
+
+/* The plan's device arrays. */
+struct PlanBufs {
+    int32_t *slot_row = nullptr, *row_slot = nullptr, *num_rows = nullptr, *failed = nullptr;
+    ~PlanBufs() { cudaFree(slot_row); cudaFree(row_slot); cudaFree(num_rows); cudaFree(failed); }
+};
+
+/* Runs the dispatch of `tensors` (1 or 2) over the layout and checks every output row. */
+void check_dispatch(const char *what, const std::vector<int> &counts, int K, int H,
+                    int extra_rows, int dropped, int num_tensors, bool failed) {
+    Layout L = make_layout(counts, extra_rows, dropped);
+    /* Whole tokens: pad the slot count up to a multiple of K with more dropped slots. */
+    const int T = (L.num_slots + K - 1) / K;
+    std::vector<int32_t> slot_row((size_t)T * K, -1);
+    for (int r = 0; r < L.num_rows; ++r)
+        if (L.row_slot[r] >= 0) slot_row[L.row_slot[r]] = r;
+
+    TokenRows t[2];
+    const int strides[2] = {H, H + 8 * th_rand_int(1, 4)};
+    PlanBufs b;
+    int32_t *&d_slot_row = b.slot_row, *&d_row_slot = b.row_slot, *&d_num_rows = b.num_rows,
+            *&d_failed = b.failed;
+    mf_dispatch_params p;
+    memset(&p, 0, sizeof p);
+    const int flag = failed ? 1 : 0;
+    CUDA_OK(cudaMalloc((void **)&d_slot_row, slot_row.size() * 4 + 4));
+    CUDA_OK(cudaMalloc((void **)&d_row_slot, (size_t)L.rows_cap * 4));
+    CUDA_OK(cudaMalloc((void **)&d_num_rows, 4));
+    CUDA_OK(cudaMalloc((void **)&d_failed, 4));
+    CUDA_OK(cudaMemcpy(d_slot_row, slot_row.data(), slot_row.size() * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_row_slot, L.row_slot.data(), (size_t)L.rows_cap * 4,
+                       cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_num_rows, &L.num_rows, 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_failed, &flag, 4, cudaMemcpyHostToDevice));
+    for (int j = 0; j < num_tensors; ++j) {
+        t[j].stride = strides[j];
+        t[j].host.resize((size_t)T * strides[j]);
+        for (auto &v : t[j].host) v = f2bf((float)th_normal());
+        CUDA_OK(cudaMalloc((void **)&t[j].x, t[j].host.size() * 2));
+        CUDA_OK(cudaMalloc((void **)&t[j].xs, (size_t)L.rows_cap * H * 2));
+        CUDA_OK(cudaMemcpy(t[j].x, t[j].host.data(), t[j].host.size() * 2,
+                           cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemset(t[j].xs, 0xFF, (size_t)L.rows_cap * H * 2));
+        p.x[j] = t[j].x;
+        p.x_stride[j] = strides[j];
+        p.xs[j] = t[j].xs;
+    }
+    p.num_tensors = num_tensors;
+    p.slot_row = d_slot_row;
+    p.row_slot = d_row_slot;
+    p.num_rows = d_num_rows;
+    p.call_failed = d_failed;
+    p.num_tokens = T;
+    p.rows_cap = L.rows_cap;
+    p.hidden = H;
+    p.top_k = K;
+    p.num_sms = num_sms();
+    CUDA_OK(mf_dispatch_rows_bf16(&p, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+
+    for (int j = 0; j < num_tensors; ++j) {
+        std::vector<uint16_t> out((size_t)L.rows_cap * H);
+        CUDA_OK(cudaMemcpy(out.data(), t[j].xs, out.size() * 2, cudaMemcpyDeviceToHost));
+        int wrong = 0, first = -1;
+        for (int r = 0; r < L.rows_cap; ++r) {
+            const uint16_t *row = out.data() + (size_t)r * H;
+            const int slot = L.row_slot[r];
+            bool ok = true;
+            for (int c = 0; c < H && ok; ++c) {
+                uint16_t want = kPoisonBits;
+                if (!failed && r < L.num_rows)
+                    want = slot >= 0 ? t[j].host[(size_t)(slot / K) * t[j].stride + c] : 0;
+                ok = row[c] == want;
+            }
+            if (!ok && wrong++ == 0) first = r;
+        }
+        CHECK(wrong == 0,
+              "%s, tensor %d: %d of %d rows wrong, first row %d (num_rows %d, slot %d)", what, j,
+              wrong, L.rows_cap, first, L.num_rows, first >= 0 ? L.row_slot[first] : 0);
+    }
+}
+
+void test_one_tensor(void) {
+    if (!have_sm90()) return;
+    check_dispatch("H 2048, K 8, 16 uneven experts", skewed_counts(16, 2000), 8, 2048, 256, 48,
+                   1, false);
+    check_dispatch("H 4096 (4 passes a row), K 4", skewed_counts(8, 700), 4, 4096, 0, 4, 1,
+                   false);
+    check_dispatch("H 136 (17 vectors a row), K 2", skewed_counts(5, 333), 2, 136, 128, 9, 1,
+                   false);
+    check_dispatch("one token, K 1", std::vector<int>{0, 1, 0}, 1, 256, 0, 0, 1, false);
+}
+
+void test_two_tensors(void) {
+    if (!have_sm90()) return;
+    check_dispatch("dy and x, H 2048, K 8", skewed_counts(32, 3000), 8, 2048, 384, 40, 2, false);
+    check_dispatch("dy and x, H 1280, K 6, empty experts",
+                   std::vector<int>{0, 700, 0, 0, 31, 0, 129, 0}, 6, 1280, 128, 26, 2, false);
+}
+
+void test_call_failed(void) {
+    if (!have_sm90()) return;
+    check_dispatch("call_failed set: nothing written", skewed_counts(16, 1000), 8, 512, 128, 24,
+                   2, true);
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+    static const struct { const char *name; void (*fn)(void); } cases[] = {
+        {"dispatch_rows_one_tensor", test_one_tensor},
+        {"dispatch_rows_two_tensors", test_two_tensors},
+        {"dispatch_rows_call_failed", test_call_failed},
+    };
+    th_seed_from_env_or_clock();
+    for (const auto &c : cases)
+        if (argc < 2 || strstr(c.name, argv[1])) th_run(c.name, c.fn);
+    return th_finish();
+}
