@@ -259,6 +259,8 @@ mf_reduce_params reduce_params(const moefuse_layer *layer, const int32_t *ids, i
 
 /* ---- ops --------------------------------------------------------------------------- */
 
+moefuse_status load_kernels(void);  // below the check kernels
+
 moefuse_status cuda_create_checked(moefuse_layer *layer, cuda_state *s) {
     const moefuse_config *c = &layer->cfg;
     if (c->precision != MOEFUSE_PRECISION_BF16)
@@ -318,6 +320,8 @@ moefuse_status cuda_create_checked(moefuse_layer *layer, cuda_state *s) {
                        "shared memory per block, the device allows %d",
                        c->num_experts, K, plan_smem, smem_optin);
     MF_CUDA_TRY(mf_plan_prepare(K, plan_experts));
+    const moefuse_status loaded = load_kernels();
+    if (loaded != MOEFUSE_OK) return loaded;
 
     const int T = c->max_tokens;
     const int64_t rows_cap = rows_cap_for(layer, T);
@@ -648,6 +652,36 @@ moefuse_status check_saved(moefuse_layer *layer, const moefuse_bwd_args *a,
     }
     bwd_check_finish_kernel<<<1, 1, 0, stream>>>(cp);
     MF_CUDA_LAUNCHED();
+    return MOEFUSE_OK;
+}
+
+/* Every kernel a layer may launch, loaded at create (check.h, mf_load_kernels). */
+moefuse_status load_kernels(void) {
+    typedef cudaError_t (*load_fn)(void);
+    static const struct { load_fn load; const char *what; } files[] = {
+        {mf_plan_load, "plan"},
+        {mf_dispatch_rows_load, "dispatch"},
+        {mf_reduce_slots_load, "reduce"},
+        {mf_reduce_dp_load, "reduce_dp"},
+        {mf_sm90_gemm1_swiglu_fwd_load, "gemm1"},
+        {mf_sm90_gemm2_combine_fwd_load, "gemm2"},
+        {mf_sm90_moe_fused_fwd_load, "fused forward"},
+        {mf_sm90_gemm2_dgrad_swiglu_load, "dgrad2"},
+        {mf_sm90_gemm1_dgrad_bwd_load, "dgrad1"},
+        {mf_sm90_wgrad_grouped_load, "wgrad"},
+        {mf_ep_exchange_counts_load, "ep exchange"},
+        {mf_ep_push_rows_load, "ep push rows"},
+        {mf_ep_push_dp_load, "ep push dp"},
+        {mf_ep_signal_wait_load, "ep signal"},
+    };
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        const cudaError_t err = files[i].load();
+        if (err != cudaSuccess)
+            return mf_fail(MOEFUSE_ERR_CUDA, "loading the %s kernels: %s (%s)", files[i].what,
+                           cudaGetErrorString(err), cudaGetErrorName(err));
+    }
+    MF_CUDA_TRY(mf_load_kernels(bwd_check_header_kernel, bwd_check_slots_kernel,
+                                bwd_check_finish_kernel));
     return MOEFUSE_OK;
 }
 

@@ -38,4 +38,22 @@
     } while (0)
 #endif
 
+#ifdef __cplusplus
+/* Loads kernels into the current context now (host). Under CUDA's lazy loading (the
+ * default since CUDA 12.2) a kernel is loaded at its first launch, and a load may wait
+ * for the kernels already running. With expert parallelism those kernels can be
+ * waiting for a launch that the same host thread has not made yet (virtual ranks):
+ * the first call would hang until its timeout. So every kernel file has an mf_*_load()
+ * that the backend calls when a layer is created. */
+template <class... Kernels>
+inline cudaError_t mf_load_kernels(Kernels... kernels) {
+    cudaFuncAttributes attr;
+    cudaError_t err = cudaSuccess;
+    ((err = err != cudaSuccess ? err
+                               : cudaFuncGetAttributes(&attr, reinterpret_cast<const void *>(kernels))),
+     ...);
+    return err;
+}
+#endif
+
 #endif /* MOEFUSE_CUDA_CHECK_H */

@@ -97,3 +97,5 @@ extern "C" cudaError_t mf_dispatch_rows_bf16(const mf_dispatch_params *p, cudaSt
     dispatch_rows_kernel<<<blocks, kThreads, 0, stream>>>(*p);
     return cudaGetLastError();
 }
+
+extern "C" cudaError_t mf_dispatch_rows_load(void) { return mf_load_kernels(dispatch_rows_kernel); }

@@ -156,3 +156,5 @@ extern "C" cudaError_t mf_ep_exchange_counts(const mf_ep_exchange_params *p,
     ep_exchange_counts_kernel<<<1, kThreads, smem, stream>>>(*p);
     return cudaGetLastError();
 }
+
+extern "C" cudaError_t mf_ep_exchange_counts_load(void) { return mf_load_kernels(ep_exchange_counts_kernel); }

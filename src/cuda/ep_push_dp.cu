@@ -39,3 +39,5 @@ extern "C" cudaError_t mf_ep_push_dp(const mf_ep_push_dp_params *p, cudaStream_t
     ep_push_dp_kernel<<<p->num_sms * 4, kThreads, 0, stream>>>(*p);
     return cudaGetLastError();
 }
+
+extern "C" cudaError_t mf_ep_push_dp_load(void) { return mf_load_kernels(ep_push_dp_kernel); }

@@ -125,3 +125,5 @@ extern "C" cudaError_t mf_ep_push_rows(const mf_ep_push_params *p, cudaStream_t 
     ep_push_rows_kernel<<<blocks, kThreads, 0, stream>>>(*p);
     return cudaGetLastError();
 }
+
+extern "C" cudaError_t mf_ep_push_rows_load(void) { return mf_load_kernels(ep_push_rows_kernel); }

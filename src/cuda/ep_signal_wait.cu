@@ -49,3 +49,5 @@ extern "C" cudaError_t mf_ep_signal_wait(const mf_ep_signal_params *p, cudaStrea
     ep_signal_wait_kernel<<<1, kThreads, 0, stream>>>(*p);
     return cudaGetLastError();
 }
+
+extern "C" cudaError_t mf_ep_signal_wait_load(void) { return mf_load_kernels(ep_signal_wait_kernel); }

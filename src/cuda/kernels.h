@@ -382,6 +382,23 @@ typedef struct mf_ep_push_dp_params {
 
 cudaError_t mf_ep_push_dp(const mf_ep_push_dp_params *p, cudaStream_t stream);
 
+/* Each kernel file's kernels loaded into the current context now (check.h,
+ * mf_load_kernels: CUDA's lazy loading must not load one in the middle of a call). */
+cudaError_t mf_plan_load(void);
+cudaError_t mf_dispatch_rows_load(void);
+cudaError_t mf_reduce_slots_load(void);
+cudaError_t mf_reduce_dp_load(void);
+cudaError_t mf_sm90_gemm1_swiglu_fwd_load(void);
+cudaError_t mf_sm90_gemm2_combine_fwd_load(void);
+cudaError_t mf_sm90_moe_fused_fwd_load(void);
+cudaError_t mf_sm90_gemm2_dgrad_swiglu_load(void);
+cudaError_t mf_sm90_gemm1_dgrad_bwd_load(void);
+cudaError_t mf_sm90_wgrad_grouped_load(void);
+cudaError_t mf_ep_exchange_counts_load(void);
+cudaError_t mf_ep_push_rows_load(void);
+cudaError_t mf_ep_push_dp_load(void);
+cudaError_t mf_ep_signal_wait_load(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -327,3 +327,5 @@ extern "C" cudaError_t mf_plan_build_cuda(const mf_plan_params *p, cudaStream_t 
     plan_scatter_kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), kThreads, 0, stream>>>(*p);
     return cudaGetLastError();
 }
+
+extern "C" cudaError_t mf_plan_load(void) { return mf_load_kernels(plan_count_kernel, plan_scatter_kernel); }

@@ -51,3 +51,5 @@ extern "C" cudaError_t mf_reduce_dp_f32(const mf_reduce_dp_params *p, cudaStream
     reduce_dp_kernel<<<(unsigned)((n + kThreads - 1) / kThreads), kThreads, 0, stream>>>(*p);
     return cudaGetLastError();
 }
+
+extern "C" cudaError_t mf_reduce_dp_load(void) { return mf_load_kernels(reduce_dp_kernel); }

@@ -81,3 +81,5 @@ extern "C" cudaError_t mf_reduce_slots_bf16(const mf_reduce_params *p, cudaStrea
     reduce_slots_kernel<<<(unsigned)((n + kThreads - 1) / kThreads), kThreads, 0, stream>>>(*p);
     return cudaGetLastError();
 }
+
+extern "C" cudaError_t mf_reduce_slots_load(void) { return mf_load_kernels(reduce_slots_kernel); }

@@ -63,6 +63,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                           args.hidden / Cfg::BN, (2 * args.intermediate) / kBlockK, load, epi);
 }
 
+/* The two tile choices (the launcher picks one by the output width). */
+using WideCfg = TileConfig<256, 3, false, true, 0, 512>;
+using NarrowCfg = TileConfig<128, 6, false, true, 0, 256>;
+
 template <class Cfg>
 cudaError_t launch(const mf_dgrad1_params *p, cudaStream_t stream) {
     Dgrad1Args args;
@@ -103,6 +107,10 @@ extern "C" cudaError_t mf_sm90_gemm1_dgrad_bwd_bf16(const mf_dgrad1_params *p,
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
     if (misaligned16(p->dh, p->w13, p->combine)) return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
-    if (p->hidden % 256 == 0) return launch<TileConfig<256, 3, false, true, 0, 512>>(p, stream);
-    return launch<TileConfig<128, 6, false, true, 0, 256>>(p, stream);
+    if (p->hidden % 256 == 0) return launch<WideCfg>(p, stream);
+    return launch<NarrowCfg>(p, stream);
+}
+
+extern "C" cudaError_t mf_sm90_gemm1_dgrad_bwd_load(void) {
+    return mf_load_kernels(sm90_gemm1_dgrad_bwd_bf16_kernel<WideCfg>, sm90_gemm1_dgrad_bwd_bf16_kernel<NarrowCfg>);
 }

@@ -25,6 +25,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                           (2 * args.intermediate) / Cfg::BN, args.hidden / kBlockK, load, epi);
 }
 
+/* The two tile choices (the launcher picks one by the output width). */
+using WideCfg = TileConfig<256, 3, false, false, 0, 512>;
+using NarrowCfg = TileConfig<128, 6, false, false, 0, 256>;
+
 template <class Cfg>
 cudaError_t launch(const mf_gemm1_params *p, cudaStream_t stream) {
     Gemm1Args args;
@@ -41,6 +45,10 @@ extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p,
                                                      cudaStream_t stream) {
     if (!gemm1_params_ok(p)) return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
-    if (p->intermediate % 128 == 0) return launch<TileConfig<256, 3, false, false, 0, 512>>(p, stream);
-    return launch<TileConfig<128, 6, false, false, 0, 256>>(p, stream);
+    if (p->intermediate % 128 == 0) return launch<WideCfg>(p, stream);
+    return launch<NarrowCfg>(p, stream);
+}
+
+extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_load(void) {
+    return mf_load_kernels(sm90_gemm1_swiglu_fwd_bf16_kernel<WideCfg>, sm90_gemm1_swiglu_fwd_bf16_kernel<NarrowCfg>);
 }

@@ -312,3 +312,8 @@ extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(const mf_dgrad2_param
         return launch<Dgrad2Cfg, true>(p, stream);
     return launch<Dgrad2Cfg, false>(p, stream);
 }
+
+extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_load(void) {
+    return mf_load_kernels(sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel<Dgrad2Cfg, true>,
+                           sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel<Dgrad2Cfg, false>);
+}

@@ -48,6 +48,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "check.h"
 #include "ptx/mbarrier.cuh"
 #include "ptx/tma.cuh"
 #include "ptx/wgmma.cuh"

@@ -284,3 +284,5 @@ extern "C" cudaError_t mf_sm90_moe_fused_fwd_bf16(const mf_moe_fused_fwd_params 
     return launch_persistent(sm90_moe_fused_fwd_bf16_kernel<FusedCfg>, FusedCfg::kSmemBytes,
                              a->num_sms, args, stream);
 }
+
+extern "C" cudaError_t mf_sm90_moe_fused_fwd_load(void) { return mf_load_kernels(sm90_moe_fused_fwd_bf16_kernel<FusedCfg>); }

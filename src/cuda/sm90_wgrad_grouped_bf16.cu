@@ -165,6 +165,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     run_grouped_gemm_sched<Cfg>(smem_raw, &args.map_lhs, &args.map_rhs, sched, load, epi);
 }
 
+/* The tile choices (see the launcher): output width BN, bf16 or fp32 out. */
+using WideBf16Cfg = TileConfig<256, 3, true, true, 0, 512>;
+using NarrowBf16Cfg = TileConfig<128, 6, true, true, 0, 256>;
+using WideF32Cfg = TileConfig<256, 4, true, true>;
+using NarrowF32Cfg = TileConfig<128, 6, true, true>;
+
 template <class Cfg>
 cudaError_t launch(const mf_wgrad_params *p, cudaStream_t stream) {
     WgradArgs args;
@@ -207,10 +213,13 @@ extern "C" cudaError_t mf_sm90_wgrad_grouped_bf16(const mf_wgrad_params *p,
         return p->dw ? cudaMemsetAsync(p->dw, 0, elems * 4, stream)
                      : cudaMemsetAsync(p->dw_bf16, 0, elems * 2, stream);
     }
-    if (p->dw_bf16) {
-        if (p->n % 256 == 0) return launch<TileConfig<256, 3, true, true, 0, 512>>(p, stream);
-        return launch<TileConfig<128, 6, true, true, 0, 256>>(p, stream);
-    }
-    if (p->n % 256 == 0) return launch<TileConfig<256, 4, true, true>>(p, stream);
-    return launch<TileConfig<128, 6, true, true>>(p, stream);
+    if (p->dw_bf16) return p->n % 256 == 0 ? launch<WideBf16Cfg>(p, stream)
+                                           : launch<NarrowBf16Cfg>(p, stream);
+    return p->n % 256 == 0 ? launch<WideF32Cfg>(p, stream) : launch<NarrowF32Cfg>(p, stream);
+}
+
+extern "C" cudaError_t mf_sm90_wgrad_grouped_load(void) {
+    return mf_load_kernels(
+        sm90_wgrad_grouped_bf16_kernel<WideBf16Cfg>, sm90_wgrad_grouped_bf16_kernel<NarrowBf16Cfg>,
+        sm90_wgrad_grouped_bf16_kernel<WideF32Cfg>, sm90_wgrad_grouped_bf16_kernel<NarrowF32Cfg>);
 }
