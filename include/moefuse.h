@@ -99,8 +99,8 @@ typedef enum moefuse_pipeline {
      * kernel so far, bench/NOTES.md v9) */
     MOEFUSE_PIPELINE_STAGED = 0,
     /* gemm1 and gemm2 in one persistent kernel, a gemm2 tile starting as soon as the
-     * gemm1 tiles of its rows are done; shapes it does not take (H a multiple of 128
-     * but not 256, expert parallelism so far) run staged */
+     * gemm1 tiles of its rows are done (with expert parallelism, once their rows have
+     * arrived); shapes it does not take (H a multiple of 128 but not 256) run staged */
     MOEFUSE_PIPELINE_FUSED = 1,
 } moefuse_pipeline;
 

@@ -36,6 +36,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 step build build.log make -j"$(nproc)" all || { tail -30 "$LOG_DIR/build.log"; exit 1; }
 step test_gemm_sm90 test_gemm_fwd.log build/tests/gpu/test_gemm_sm90
 step test_gemm_sm90_bwd test_gemm_bwd.log build/tests/gpu/test_gemm_sm90_bwd
+step test_dispatch_rows test_dispatch_rows.log build/tests/gpu/test_dispatch_rows
 step test_cuda_forward test_cuda_forward.log build/tests/gpu/test_cuda_forward
 step test_cuda_forward_fused test_cuda_forward_fused.log \
     env MOEFUSE_TEST_PIPELINE=fused build/tests/gpu/test_cuda_forward
@@ -57,6 +58,8 @@ if [ "${1:-}" != quick ]; then
     step racecheck racecheck.log timeout 140 compute-sanitizer --error-exitcode 1 --tool racecheck build/tests/gpu/test_gemm_sm90_bwd _bn
     step racecheck_fwd racecheck_fwd.log timeout 140 compute-sanitizer --error-exitcode 1 --tool racecheck build/tests/gpu/test_gemm_sm90 paths
     step memcheck_ep memcheck_ep.log timeout 150 compute-sanitizer --error-exitcode 1 --tool memcheck build/tests/gpu/test_cuda_ep "R=1 comm"
+    step memcheck_ep_fused memcheck_ep_fused.log timeout 150 compute-sanitizer --error-exitcode 1 \
+        --tool memcheck build/tests/gpu/test_cuda_ep "R=4 T={512,0,37,300} fused"
 fi
 printf '%s\n' "${summary[@]}" | tee "$LOG_DIR/summary.txt"
 if [ -n "${OUT:-}" ]; then

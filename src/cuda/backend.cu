@@ -338,7 +338,7 @@ moefuse_status cuda_create_checked(moefuse_layer *layer, cuda_state *s) {
     MF_ALLOC_FIELD(s, plan_state, sizeof(mf_plan_state));
     MF_ALLOC_FIELD(s, gemm_num_rows, sizeof(int32_t));
     MF_ALLOC_FIELD(s, plan_ws, layout_for(layer, T, false).total);
-    if (!layer->comm && c->pipeline == MOEFUSE_PIPELINE_FUSED &&
+    if (c->pipeline == MOEFUSE_PIPELINE_FUSED &&
         mf_sm90_moe_fused_fwd_takes(c->hidden, c->intermediate))
         MF_ALLOC_FIELD(s, act_ready, (rows_cap / 128 + 1) * 4);
     s->dp_parts = mf_dgrad2_dp_parts(c->intermediate);

@@ -313,14 +313,22 @@ moefuse_status ep_forward(moefuse_layer *layer, const moefuse_fwd_args *a, cudaS
     g1.state = s->plan_state;
     g1.timeout_ns = timeout_ns(layer);
     g1.num_sms = s->num_sms - s->push_sms > 0 ? s->num_sms - s->push_sms : 1;
-    MF_CUDA_TRY(mf_sm90_gemm1_swiglu_fwd_bf16(&g1, stream));
 
     // ---- 6. gemm2: p-scaled rows into their source ranks' combine slot rows ----
+    // MOEFUSE_PIPELINE_FUSED: gemm1 and gemm2 in one kernel, beside the push (its gemm2
+    // tiles then run on the SMs the push leaves too).
     mf_gemm2_params g2 = gemm2_params(layer, a->w2, rbe, s->row_slot, lay.rows_cap);
     g2.row_weight = s->row_weight;
     g2.combine_peers = combine_peers(s);
     g2.num_ranks = R;
-    MF_CUDA_TRY(mf_sm90_gemm2_combine_fwd_bf16(&g2, stream));
+    if (s->act_ready) {
+        g2.num_sms = g1.num_sms;
+        const mf_moe_fused_fwd_params fp = {g1, g2, s->act_ready};
+        MF_CUDA_TRY(mf_sm90_moe_fused_fwd_bf16(&fp, stream));
+    } else {
+        MF_CUDA_TRY(mf_sm90_gemm1_swiglu_fwd_bf16(&g1, stream));
+        MF_CUDA_TRY(mf_sm90_gemm2_combine_fwd_bf16(&g2, stream));
+    }
 
     // ---- 7. every rank's combine rows here; 8. the reduce, as with one rank ----
     mf_ep_signal_params sp = signal_params(layer, MF_EP_FLAG_DONE, MF_EP_STAGE_COMBINE);

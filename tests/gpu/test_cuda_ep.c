@@ -14,6 +14,8 @@
  *   - skew: every slot of every rank on the experts of one rank (R = 4 and 8, up to
  *     R * max_tokens * K received rows), also onto the rank with T = 0;
  *   - MOEFUSE_RECOMPUTE (every other case saves activations);
+ *   - MOEFUSE_PIPELINE_FUSED on the ranks (gemm1 and gemm2 in one kernel beside the push)
+ *     against the staged R = 1 run: R = 4 with uneven T and a T = 0 rank, R = 8 skew;
  *   - timeout: rank 3 of 4 never calls; moefuse_layer_check of the others reports
  *     MOEFUSE_ERR_TIMEOUT naming the rank, within a host bound, and y is untouched;
  *     layers made again on the same comm, then on a new comm, give the R = 1 bits;
@@ -433,6 +435,7 @@ typedef struct ep {
     int R, max_tokens;         /* max_tokens: per rank, the same on every rank */
     moefuse_saved_mode mode;
     int null_if_empty;         /* ranks with T = 0 pass NULL token tensors */
+    moefuse_pipeline pipeline; /* the ranks' forward (the R = 1 reference runs staged) */
     moefuse_comm *comm;
     void *nccl;                /* an ncclComm_t of one rank when the comm is NCCL's */
     rank_state rk[kMaxRanks];
@@ -504,6 +507,7 @@ static moefuse_config ep_config(const ep *s, int r) {
     c.rank = r;
     c.backend = MOEFUSE_BACKEND_CUDA;
     c.saved_mode = s->mode;
+    c.pipeline = s->pipeline;
     return c;
 }
 
@@ -761,6 +765,7 @@ typedef struct ep_case {
     int skew, skew_rank;        /* skew: every slot on skew_rank's experts */
     moefuse_saved_mode mode;
     int null_if_empty;          /* ranks with T = 0 pass NULL token tensors */
+    moefuse_pipeline pipeline;
 } ep_case;
 
 static void equality_case(const ep_case *c) {
@@ -769,9 +774,10 @@ static void equality_case(const ep_case *c) {
     ep s;
     memset(&s, 0, sizeof s);
     if (batch_make(&b, c->R, c->T, c->route, c->skew ? c->skew_rank : -1) &&
-        ep_open(&s, c->R, kMaxTokens, c->mode) && ep_layers_create(&s)) {
+        ep_open(&s, c->R, kMaxTokens, c->mode)) {
         s.null_if_empty = c->null_if_empty;
-        check_equal(&s, &b);
+        s.pipeline = c->pipeline;
+        if (ep_layers_create(&s)) check_equal(&s, &b);
     }
     ep_close(&s);
     batch_free(&b);
@@ -827,6 +833,13 @@ static void case_skew_r4_onto_empty(void) {
 }
 static void case_skew_r8(void) {
     equality_case(&(ep_case){.R = 8, .T = {M, M, M, M, M, M, M, M}, .skew = 1, .skew_rank = 0});
+}
+static void case_fused_r4(void) {
+    equality_case(&(ep_case){.R = 4, .T = {M, 0, 37, 300}, .pipeline = MOEFUSE_PIPELINE_FUSED});
+}
+static void case_fused_skew_r8(void) {
+    equality_case(&(ep_case){.R = 8, .T = {M, M, M, M, M, M, M, M}, .skew = 1, .skew_rank = 0,
+                             .pipeline = MOEFUSE_PIPELINE_FUSED});
 }
 static void case_recompute_r4(void) {
     equality_case(&(ep_case){.R = 4, .T = {M, 0, 37, 300}, .mode = MOEFUSE_RECOMPUTE});
@@ -1061,6 +1074,8 @@ int main(int argc, char **argv) {
              filter);
     run_case(case_skew_r8, "R=8 skew: every slot on rank 0's experts", filter);
     run_case(case_recompute_r4, "R=4 T={512,0,37,300} recompute", filter);
+    run_case(case_fused_r4, "R=4 T={512,0,37,300} fused forward", filter);
+    run_case(case_fused_skew_r8, "R=8 skew onto rank 0, fused forward", filter);
     run_case(case_timeout, "timeout: rank 3 of 4 never calls", filter);
     run_case(case_iterations, "1000 iterations R=2 T=256, routing redrawn", filter);
     run_case(case_refusals, "refusals: call before every layer, second layer, comm destroy",
