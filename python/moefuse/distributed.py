@@ -44,7 +44,7 @@ from . import _lib
 from .modules import MoEExperts
 from .ops import (_BF16, _aligned_saved, _alloc_saved, _as_rows, _bf16_weight,
                   _normalize_device, _on_device, _ptr, _row_stride, _stream, _wgrad_dtype,
-                  _wgrad_fields)
+                  _wgrad_fields, pipeline_from_env)
 
 _CUDA_MULTIPLE = 128  # H and I of the CUDA backend (moefuse.h)
 
@@ -350,7 +350,7 @@ class _ExpertParallelFn(torch.autograd.Function):
 
 
 def _check_module_config(hidden, intermediate, num_experts, top_k, max_tokens, comm, rank,
-                         num_ranks, dtype, saved_mode) -> None:
+                         num_ranks, dtype, saved_mode, pipeline) -> None:
     """Raises TypeError / ValueError before anything touches the library."""
     sizes = dict(hidden=hidden, intermediate=intermediate, num_experts=num_experts,
                  top_k=top_k, max_tokens=max_tokens)
@@ -384,6 +384,9 @@ def _check_module_config(hidden, intermediate, num_experts, top_k, max_tokens, c
     if saved_mode not in tuple(_lib.SavedMode):
         raise ValueError(f"ExpertParallelExperts: saved_mode must be a moefuse SavedMode, got "
                          f"{saved_mode!r}")
+    if pipeline is not None and pipeline not in tuple(_lib.Pipeline):
+        raise ValueError(f"ExpertParallelExperts: pipeline must be a moefuse Pipeline or None, "
+                         f"got {pipeline!r}")
 
 
 class ExpertParallelExperts(MoEExperts):
@@ -395,6 +398,8 @@ class ExpertParallelExperts(MoEExperts):
         down_proj:    W2 [E/R, H, I]
     bf16 by default; float32 works as master weights (cast to bf16 per call, gradients
     stay fp32). load_global_experts() copies this rank's shard of global weights in.
+    pipeline: how the forward runs its expert GEMMs (Pipeline.STAGED or FUSED, the same
+    bits); None reads MOEFUSE_PIPELINE when the module is made (ops.pipeline_from_env).
 
     forward(x [T, H] bf16, ids [T, K] int32 (int64 converted) global expert ids in
     [-1, E), -1 = dropped, no repeats in a row, p [T, K] fp32) -> y [T, H] bf16, all on
@@ -412,9 +417,10 @@ class ExpertParallelExperts(MoEExperts):
                  max_tokens: int, comm: _lib.Comm, rank: int, num_ranks: int,
                  dtype: torch.dtype = _BF16,
                  saved_mode: _lib.SavedMode = _lib.SavedMode.SAVE_ACTIVATIONS,
-                 device: Optional[Union[torch.device, str]] = None):
+                 device: Optional[Union[torch.device, str]] = None,
+                 pipeline: Optional[_lib.Pipeline] = None):
         _check_module_config(hidden, intermediate, num_experts, top_k, max_tokens, comm, rank,
-                             num_ranks, dtype, saved_mode)
+                             num_ranks, dtype, saved_mode, pipeline)
         super().__init__(num_experts // num_ranks, hidden, intermediate,
                          recompute=saved_mode == _lib.SavedMode.RECOMPUTE, device=device,
                          dtype=dtype)
@@ -426,6 +432,8 @@ class ExpertParallelExperts(MoEExperts):
         self.rank = rank
         self.num_ranks = num_ranks
         self.saved_mode = _lib.SavedMode(saved_mode)
+        # the forward's expert GEMMs (the same bits either way); None: MOEFUSE_PIPELINE
+        self.pipeline = pipeline_from_env() if pipeline is None else _lib.Pipeline(pipeline)
         self._layer: Optional[_lib.Layer] = None
         if self.gate_up_proj.device.type == "cuda":
             self._layer_on(self.gate_up_proj.device)
@@ -465,6 +473,7 @@ class ExpertParallelExperts(MoEExperts):
         cfg.rank = self.rank
         cfg.backend = _lib.Backend.CUDA
         cfg.saved_mode = self.saved_mode
+        cfg.pipeline = self.pipeline
         with _on_device(device):
             layer = _lib.Layer(cfg, self.comm)
         layer.device = device
@@ -539,4 +548,4 @@ class ExpertParallelExperts(MoEExperts):
                 f"{self.expert_range.stop - 1}), hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, top_k={self.top_k}, "
                 f"max_tokens={self.max_tokens}, rank={self.rank}, num_ranks={self.num_ranks}, "
-                f"saved_mode={self.saved_mode.name}")
+                f"saved_mode={self.saved_mode.name}, pipeline={self.pipeline.name}")

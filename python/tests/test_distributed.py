@@ -224,6 +224,7 @@ def _closed_comm():
     (dict(num_ranks=4, rank=0), ValueError, "num_ranks=4 but the comm has 2 ranks"),
     (dict(dtype=torch.float16), TypeError, "dtype must be bfloat16"),
     (dict(saved_mode="recompute"), ValueError, "saved_mode must be a moefuse SavedMode"),
+    (dict(pipeline="fused"), ValueError, "pipeline must be a moefuse Pipeline or None"),
 ])
 def test_module_refuses_bad_config(overrides, error, message):
     if callable(overrides.get("comm")):
@@ -238,6 +239,15 @@ def test_module_refuses_another_rank_of_an_nccl_comm():
     comm.rank = 0  # what an NCCL comm of rank 0 says
     with pytest.raises(ValueError, match="rank=1 but this process is rank 0"):
         make_module(comm=comm)
+
+
+def test_module_pipeline_from_argument_or_environment(monkeypatch):
+    monkeypatch.delenv("MOEFUSE_PIPELINE", raising=False)
+    assert make_module().pipeline is _lib.Pipeline.STAGED
+    monkeypatch.setenv("MOEFUSE_PIPELINE", "fused")
+    m = make_module()
+    assert m.pipeline is _lib.Pipeline.FUSED and "pipeline=FUSED" in repr(m)
+    assert make_module(pipeline=_lib.Pipeline.STAGED).pipeline is _lib.Pipeline.STAGED
 
 
 def test_module_takes_fp32_master_weights_and_recompute():
@@ -460,10 +470,12 @@ def test_nccl_one_rank_zero_tokens_and_a_bad_id(one_rank_group):
         comm.close()
 
 
-def test_two_virtual_ranks_match_one_rank():
+@pytest.mark.parametrize("pipeline", list(_lib.Pipeline), ids=lambda p: p.name)
+def test_two_virtual_ranks_match_one_rank(pipeline):
     """Two ranks in this process (a virtual comm), each with its own stream and tokens
-    (uneven T), against moefuse.experts on the concatenated batch: y, dx, dp per rank
-    and each rank's shard of dW13, dW2, bitwise. Both modules are made (their layers
+    (uneven T), against moefuse.experts on the concatenated batch (staged): y, dx, dp per
+    rank and each rank's shard of dW13, dW2, bitwise, with the ranks' forward staged or
+    fused. Both modules are made (their layers
     created) before the first call, and every rank's call is launched before any is
     waited for. The caching allocator is filled on each stream first: a cudaMalloc
     between two ranks' launches could serialize them (they wait on each other), which
@@ -478,7 +490,8 @@ def test_two_virtual_ranks_match_one_rank():
     comm = distributed.virtual_comm(R, timeout_ms=20000)
     streams = [torch.cuda.Stream() for _ in range(R)]
     try:
-        mods = [ExpertParallelExperts(256, 128, 16, 4, max(tokens), comm, r, R, device="cuda")
+        mods = [ExpertParallelExperts(256, 128, 16, 4, max(tokens), comm, r, R, device="cuda",
+                                      pipeline=pipeline)
                 for r in range(R)]
         for r, m in enumerate(mods):
             m.load_global_experts(w13.cuda(), w2.cuda())
