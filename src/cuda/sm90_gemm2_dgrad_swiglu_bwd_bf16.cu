@@ -56,7 +56,13 @@ struct Dgrad2Args {
 constexpr int kGuBoxBytes = kBlockM * 64 * 2;
 constexpr int kTileN = 128;                           /* BN */
 constexpr int kGuBytes = 2 * (kTileN / 64) * kGuBoxBytes;
-using Dgrad2Cfg = TileConfig<kTileN, 4, false, true, kGuBytes, kTileN * 2>;
+/* 5 stages of 32 KB beside the 64 KB gate_up tile: act_p goes from the consumers'
+ * registers straight to global memory, so no store buffers; the store warps copy dg and du
+ * out of the gate_up tile.
+ * NOTE: measured on an H200 (ncu stall sampling, bench/NOTES.md v10): with 4 stages and
+ * act_p staged through 34 KB of buffers, the consumers waited for their operands about
+ * 30% of the time (a stage feeds 0.28 us of wgmma at BN = 128). */
+using Dgrad2Cfg = TileConfig<kTileN, 5, false, true, kGuBytes, 0, true>;
 
 /* ---- producer: A rows of the block, then BN/64 boxes of W2_e rows k.. k+63; after the
  * last K stage, the tile's gate_up (once the epilogue of the tile before let go of it). */
@@ -97,10 +103,11 @@ struct Dgrad2Load {
 
 /* ---- epilogue ----------------------------------------------------------------------------
  * One pass over the accumulators: each element's exp, silu and sigmoid are computed once.
- * act_p goes to the epilogue buffer; dg and du overwrite the g and u words they were
- * computed from in the gate_up tile (each word is read and written by one thread only);
- * the store warps then copy both out as whole rows (sm90_grouped_gemm.cuh, "store
- * warps"). The math itself runs in 32 pieces between the wgmma issues of the next tile's
+ * act_p goes from the registers to global memory (4-byte stores: a warp's store is 8
+ * rows x 16 bytes, which L2 merges with the neighbouring pieces); dg and du overwrite the
+ * g and u words they were computed from in the gate_up tile (each word is read and
+ * written by one thread only), and the store warps copy them out as whole rows
+ * (sm90_grouped_gemm.cuh, "store warps"). The math itself runs in 32 pieces between the wgmma issues of the next tile's
  * first 8 K blocks, four per block (consumer_role_overlapped), on the second accumulator
  * set.
  * Accumulator layout of m64nN (per warpgroup): register 4c + 2h + {0,1} of lane l in warp
@@ -137,9 +144,12 @@ struct Dgrad2Epilogue {
     float w[2];          /* this lane's two rows' p, or 0 for a padding row */
     bool valid[2];
     float dp[2];         /* their partial d p */
+    uint32_t *act_p_row; /* this lane's first row of act_p, at its first column of the tile */
 
-    static_assert(Cfg::BN == kTileN && Cfg::kExtraBytes == kGuBytes && Cfg::kStoreRowBytes == kTileN * 2,
-                  "the gate_up tile's layout is kTileN columns of g and of u; act_p is staged");
+    static_assert(Cfg::BN == kTileN && Cfg::kExtraBytes == kGuBytes && Cfg::kStoreWarps &&
+                      Cfg::kStoreRowBytes == 0,
+                  "the gate_up tile's layout is kTileN columns of g and of u; act_p is stored "
+                  "from the registers, dg and du by the store warps");
 
     /* The routing weights of this lane's rows, for the tile after the one in its epilogue. */
     __device__ __forceinline__ void prepare(int m_block, int) {
@@ -154,16 +164,21 @@ struct Dgrad2Epilogue {
         }
     }
 
-    /* The tile's gate_up has landed and the act_p buffer is free. */
-    __device__ __forceinline__ void begin(int, int) {
+    /* The tile's gate_up has landed (so the store warps are done with the tile before). */
+    __device__ __forceinline__ void begin(int m_block, int n_block) {
         ptx::mbar_wait(ring.extra_full, gu_phase);
         gu_phase ^= 1u;
         handoff.acquire(ring, threadIdx.x / 128);
         dp[0] = dp[1] = 0.f;
+        const int t = threadIdx.x % 128;
+        const int64_t r = (int64_t)m_block * kBlockM + (threadIdx.x / 128) * 64 + (t / 32) * 16 +
+                          (t % 32) / 4;
+        act_p_row = reinterpret_cast<uint32_t *>(args.act_p + r * args.intermediate +
+                                                 n_block * Cfg::BN + 2 * (t % 4));
     }
 
     /* Column group c = q / 2, row half h = q % 2: two elements of one row. dg and du
-     * overwrite the g and u words they come from; act_p goes to the buffer. */
+     * overwrite the g and u words they come from; act_p goes to global memory. */
     __device__ __forceinline__ void piece(int q, float (&acc)[Cfg::kAccRegs]) {
         const int c = q / 2, h = q % 2;
         const int t = threadIdx.x % 128, wg = threadIdx.x / 128;
@@ -182,11 +197,11 @@ struct Dgrad2Epilogue {
         dp[h] = fmaf(d1, hi.act, dp[h]);
         *g2 = ok ? pack_bf16x2_rn(lo.dg, hi.dg) : 0u;
         *u2 = ok ? pack_bf16x2_rn(lo.du, hi.du) : 0u;
-        epi_write_piece<Cfg>(ring.epi_buf(wg), c, h,
-                             ok ? pack_bf16x2_rn(p * lo.act, p * hi.act) : 0u);
+        act_p_row[(8 * h * args.intermediate + 8 * c) / 2] =
+            ok ? pack_bf16x2_rn(p * lo.act, p * hi.act) : 0u;
     }
 
-    /* Hand the buffers to the store warps, then the row sums of d p. */
+    /* Hand dg and du to the store warps, then the row sums of d p. */
     __device__ __forceinline__ void finish(int m_block, int n_block) {
         const int t = threadIdx.x % 128, wg = threadIdx.x / 128;
         const int lane = t % 32, warp = t / 32;
@@ -216,16 +231,13 @@ struct Dgrad2Epilogue {
         finish(m_block, n_block);
     }
 
-    /* Store warps: act_p rows from the buffer; dg and du rows from the gate_up tile (one
-     * row per warp step: lanes 0-15 its 16 pieces of dg, lanes 16-31 those of du). After
-     * the last warpgroup's rows the tile goes back to the producer. */
-    __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf) {
+    /* Store warps: dg and du rows from the gate_up tile (one row per warp step: lanes 0-15
+     * its 16 pieces of dg, lanes 16-31 those of du). After the last warpgroup's rows the
+     * tile goes back to the producer. */
+    __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *) {
         const int I = args.intermediate;
         const int64_t row0 = (int64_t)m_block * kBlockM + wg * 64;
         const int col0 = n_block * Cfg::BN;
-        drain_rows_bf16<Cfg>(buf, [&](int r) -> uint16_t * {
-            return args.act_p + (row0 + r) * I + col0;
-        });
         const int sw = threadIdx.x / 32 - kFirstStoreWarp, lane = threadIdx.x % 32;
         const int v = lane % 16, half = lane / 16;
         const uint8_t *tile = ring.extra + half * (kGuBytes / 2) + wg * 64 * 128;
@@ -284,8 +296,8 @@ cudaError_t launch(const mf_dgrad2_params *p, cudaStream_t stream) {
 
 }  // namespace
 
-/* Tile choice (and so the dp partials per row): BN = 128, 4 stages of 32 KB, the 64 KB
- * gate_up tile and 34 KB of act_p buffers. 0 when I is not supported.
+/* Tile choice (and so the dp partials per row): BN = 128, 5 stages of 32 KB and the 64 KB
+ * gate_up tile. 0 when I is not supported.
  * NOTE: BN = 256 would need a 128 KB gate_up tile beside the ring: it does not fit. */
 extern "C" int mf_dgrad2_dp_parts(int intermediate) {
     if (intermediate <= 0 || intermediate % kTileN) return 0;

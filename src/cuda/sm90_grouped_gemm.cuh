@@ -79,14 +79,18 @@ static_assert(kConsumerWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
  * extra region needs at least one K block per tile (dgrad2: K = H >= 64). */
 /* STORE_ROW_BYTES: 0, the consumers store their rows themselves from the registers (no
  * buffers); else the store warps do, from a buffer per consumer warpgroup of 64 rows of
- * that many bytes (+16). */
+ * that many bytes (+16).
+ * STORE_WARPS: the producer warpgroup's other three warps run the epilogue's drain (the
+ * handoff barriers) even with no buffers: dgrad2's store warps copy dg and du out of its
+ * extra region. */
 template <int BN_, int STAGES_, bool A_MN_MAJOR = false, bool B_MN_MAJOR = false,
-          int EXTRA_BYTES = 0, int STORE_ROW_BYTES = 0>
+          int EXTRA_BYTES = 0, int STORE_ROW_BYTES = 0, bool STORE_WARPS = (STORE_ROW_BYTES > 0)>
 struct TileConfig {
     static constexpr int BN = BN_;
     static constexpr int kStages = STAGES_;
     static constexpr int kExtraBytes = EXTRA_BYTES;
     static constexpr int kStoreRowBytes = STORE_ROW_BYTES;
+    static constexpr bool kStoreWarps = STORE_WARPS;
     static constexpr int kProducerRegs = sm90::kProducerRegs;   /* setmaxnreg of the roles */
     static constexpr int kConsumerRegs = sm90::kConsumerRegs;
     /* +16 bytes per row: rows 4 banks apart, so the 4-byte stores of the accumulator
@@ -116,6 +120,7 @@ struct TileConfig {
                   "MN-major tiles are whole 64-element boxes of whole swizzle atoms");
     static_assert(STORE_ROW_BYTES % 128 == 0 && STORE_ROW_BYTES <= 512,
                   "store warps move rows of 8 to 32 pieces of 16 bytes");
+    static_assert(STORE_WARPS || STORE_ROW_BYTES == 0, "store buffers need store warps");
 };
 
 /* A tile configuration whose producer warpgroup (the TMA thread and the store warps) gets
@@ -190,7 +195,7 @@ __device__ __forceinline__ void ring_init(const Ring<Cfg> &r) {
         ptx::mbar_init(&r.empty[s], kConsumerWarpgroups * 4);   /* one per consumer warp */
     }
     ptx::mbar_init(r.extra_full, 1);
-    ptx::mbar_init(r.extra_empty, Cfg::kStoreRowBytes ? kStoreThreads : kConsumerWarpgroups * 4);
+    ptx::mbar_init(r.extra_empty, Cfg::kStoreWarps ? kStoreThreads : kConsumerWarpgroups * 4);
     /* Every thread that touched a buffer arrives: an arrival releases only the arriving
      * thread's own accesses (racecheck flags a lane-0 arrival after __syncwarp). */
     for (int wg = 0; wg < kConsumerWarpgroups; ++wg) {
@@ -573,7 +578,7 @@ __device__ __forceinline__ void run_grouped_gemm_sched(uint8_t *smem_raw,
     if (wg == kConsumerWarpgroups) {
         ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
         if (threadIdx.x == kConsumerWarpgroups * 128) producer_role<Cfg>(ring, sched, load);
-        if constexpr (Cfg::kStoreRowBytes > 0)
+        if constexpr (Cfg::kStoreWarps)
             if (threadIdx.x / 32 >= kFirstStoreWarp) store_role<Cfg>(ring, sched, epi);
     } else {
         ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
