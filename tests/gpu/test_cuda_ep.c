@@ -15,7 +15,10 @@
  *     R * max_tokens * K received rows), also onto the rank with T = 0;
  *   - MOEFUSE_RECOMPUTE (every other case saves activations);
  *   - MOEFUSE_PIPELINE_FUSED on the ranks (gemm1 and gemm2 in one kernel beside the push)
- *     against the staged R = 1 run: R = 4 with uneven T and a T = 0 rank, R = 8 skew;
+ *     against the staged R = 1 run: R = 4 with uneven T and a T = 0 rank, R = 8 skew.
+ *     The R = 1 reference runs staged, so the first fused case also launches the fused
+ *     kernel for the first time inside an EP call: before the backend loaded every kernel
+ *     at create, CUDA's lazy loading hung it there (bench/NOTES.md v10);
  *   - timeout: rank 3 of 4 never calls; moefuse_layer_check of the others reports
  *     MOEFUSE_ERR_TIMEOUT naming the rank, within a host bound, and y is untouched;
  *     layers made again on the same comm, then on a new comm, give the R = 1 bits;
