@@ -25,6 +25,7 @@
 
 #include "check.h"
 #include "kernels.h"
+#include "row_copy.cuh"
 
 namespace {
 
@@ -73,10 +74,9 @@ dispatch_rows_kernel(const __grid_constant__ mf_dispatch_params p) {
         while (pad) {
             const int row = r0 + __ffs(pad) - 1;
             pad &= pad - 1;
-            for (int j = 0; j < p.num_tensors; ++j) {
-                int4 *dst = reinterpret_cast<int4 *>(p.xs[j] + (int64_t)row * p.hidden);
-                for (int v = lane; v < vecs; v += 32) dst[v] = make_int4(0, 0, 0, 0);
-            }
+            for (int j = 0; j < p.num_tensors; ++j)
+                mf::warp_zero_row(reinterpret_cast<int4 *>(p.xs[j] + (int64_t)row * p.hidden),
+                                  vecs, lane);
         }
     }
 }

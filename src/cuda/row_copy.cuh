@@ -1,5 +1,5 @@
 /* One warp moves one token row: 16-byte vectors, four loads in flight per lane before
- * the stores (dst never aliases src). Used by the EP push (ep_push_rows.cu). Device only. */
+ * the stores (dst never aliases src). Used by the dispatch kernels. Device only. */
 #pragma once
 
 #include <stdint.h>
