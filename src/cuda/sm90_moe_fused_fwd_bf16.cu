@@ -55,6 +55,12 @@ struct FusedFwdArgs {
     int group_blocks;      /* G */
 };
 
+/* Column blocks of gemm1 at tile width BN. */
+template <int BN>
+__device__ __forceinline__ int gemm1_n_blocks(const FusedFwdArgs &args) {
+    return 2 * args.g1.intermediate / BN;
+}
+
 /* The tiles this CTA takes, from the producer thread to the consumers and the store warps:
  * a queue of tile indices in shared memory (the ring's extra region), kQueueDepth deep.
  * Readers are every consumer thread and every store-warp thread. */
@@ -105,7 +111,7 @@ struct FusedFwdScheduler {
         rows = rows < 0 ? 0 : (rows > a.g1.rows_cap ? a.g1.rows_cap : rows);
         m_blocks = rows / kBlockM;
     }
-    __device__ __forceinline__ int n1() const { return 2 * args.g1.intermediate / BN; }
+    __device__ __forceinline__ int n1() const { return gemm1_n_blocks<BN>(args); }
     __device__ __forceinline__ int n2() const { return args.g1.hidden / BN; }
     __device__ __forceinline__ int num_k_blocks(int, int n_block) const {
         return (n_block < n1() ? args.g1.hidden : args.g1.intermediate) / kBlockK;
@@ -154,12 +160,6 @@ struct FusedFwdScheduler {
         return t >= 0;
     }
 };
-
-/* Column blocks of gemm1 at tile width BN. */
-template <int BN>
-__device__ __forceinline__ int gemm1_n_blocks(const FusedFwdArgs &args) {
-    return 2 * args.g1.intermediate / BN;
-}
 
 /* Producer: gemm1's or gemm2's loads; a gemm2 tile first waits for its act rows. */
 template <class Cfg>
