@@ -302,6 +302,16 @@ static void test_no_rows(void) {
 /* ---- timing at the Qwen3 shapes --------------------------------------------------------
  * Inputs come from a counter hash (fill_hash_bf16), and a sample of rows is still
  * checked against fp64. */
+/* Milliseconds of launch() (one or more kernel launches) between two events. */
+template <class Launch>
+static cudaError_t time_ms(cudaEvent_t t0, cudaEvent_t t1, Launch &&launch, float *ms) {
+    cudaError_t e;
+    if ((e = cudaEventRecord(t0)) != cudaSuccess || (e = launch()) != cudaSuccess ||
+        (e = cudaEventRecord(t1)) != cudaSuccess || (e = cudaEventSynchronize(t1)) != cudaSuccess)
+        return e;
+    return cudaEventElapsedTime(ms, t0, t1);
+}
+
 static void time_model(const char *name, int H, int I, int E, int tokens, int top_k) {
     if (!have_sm90()) return;
     /* Rows spread unevenly over experts: weight ~ 0.25 + U(0,1)^2 * 3. */
@@ -377,33 +387,15 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
     std::vector<float> ms1, ms1n, ms2, msf, msb;
     for (int it = 0; it < 23; ++it) {
         float a, b, c, f, both;
-        /* gemm1 (+gate_up) and gemm2 back to back, then the fused kernel */
-        CUDA_OK(cudaEventRecord(t0));
-        CUDA_OK(mf_sm90_gemm1_swiglu_fwd_bf16(&p1, 0));
-        CUDA_OK(mf_sm90_gemm2_combine_fwd_bf16(&p2, 0));
-        CUDA_OK(cudaEventRecord(t1));
-        CUDA_OK(cudaEventSynchronize(t1));
-        CUDA_OK(cudaEventElapsedTime(&both, t0, t1));
-        CUDA_OK(cudaEventRecord(t0));
-        CUDA_OK(mf_sm90_moe_fused_fwd_bf16(&pf, 0));
-        CUDA_OK(cudaEventRecord(t1));
-        CUDA_OK(cudaEventSynchronize(t1));
-        CUDA_OK(cudaEventElapsedTime(&f, t0, t1));
-        CUDA_OK(cudaEventRecord(t0));
-        CUDA_OK(mf_sm90_gemm1_swiglu_fwd_bf16(&p1, 0));
-        CUDA_OK(cudaEventRecord(t1));
-        CUDA_OK(cudaEventSynchronize(t1));
-        CUDA_OK(cudaEventElapsedTime(&a, t0, t1));
-        CUDA_OK(cudaEventRecord(t0));
-        CUDA_OK(mf_sm90_gemm1_swiglu_fwd_bf16(&p1n, 0));
-        CUDA_OK(cudaEventRecord(t1));
-        CUDA_OK(cudaEventSynchronize(t1));
-        CUDA_OK(cudaEventElapsedTime(&b, t0, t1));
-        CUDA_OK(cudaEventRecord(t0));
-        CUDA_OK(mf_sm90_gemm2_combine_fwd_bf16(&p2, 0));
-        CUDA_OK(cudaEventRecord(t1));
-        CUDA_OK(cudaEventSynchronize(t1));
-        CUDA_OK(cudaEventElapsedTime(&c, t0, t1));
+        /* gemm1 (+gate_up) and gemm2 back to back, then the fused kernel, then each alone */
+        CUDA_OK(time_ms(t0, t1, [&] {
+            const cudaError_t e = mf_sm90_gemm1_swiglu_fwd_bf16(&p1, 0);
+            return e != cudaSuccess ? e : mf_sm90_gemm2_combine_fwd_bf16(&p2, 0);
+        }, &both));
+        CUDA_OK(time_ms(t0, t1, [&] { return mf_sm90_moe_fused_fwd_bf16(&pf, 0); }, &f));
+        CUDA_OK(time_ms(t0, t1, [&] { return mf_sm90_gemm1_swiglu_fwd_bf16(&p1, 0); }, &a));
+        CUDA_OK(time_ms(t0, t1, [&] { return mf_sm90_gemm1_swiglu_fwd_bf16(&p1n, 0); }, &b));
+        CUDA_OK(time_ms(t0, t1, [&] { return mf_sm90_gemm2_combine_fwd_bf16(&p2, 0); }, &c));
         if (it >= 3) {
             ms1.push_back(a); ms1n.push_back(b); ms2.push_back(c);
             msf.push_back(f); msb.push_back(both);
