@@ -93,9 +93,9 @@ static void free_state(cuda_state *s) {
     if (!s) return;
     void *bufs[] = {s->xs, s->act, s->combine, s->slot_rank, s->chunk_base, s->plan_state,
                     s->gemm_num_rows, s->plan_ws, s->act_ready, s->dh, s->dp_partial, s->gate_up,
-                    s->bwd_offsets, s->dys, s->row_slot, s->row_weight, s->dp_slot, s->sync,
-                    s->peers, s->send_counts, s->send_offsets, s->send_rbe, s->send_slot_row,
-                    s->send_row_slot, s->send_scalars, s->dest_base};
+                    s->bwd_offsets, s->expert_order, s->dys, s->row_slot, s->row_weight,
+                    s->dp_slot, s->sync, s->peers, s->send_counts, s->send_offsets, s->send_rbe,
+                    s->send_slot_row, s->send_row_slot, s->send_scalars, s->dest_base};
     for (void *b : bufs)
         if (b) cudaFree(b);
     free(s);
@@ -211,6 +211,7 @@ static mf_wgrad_params wgrad_common(const moefuse_layer *layer, const moefuse_bw
     const cuda_state *s = state_of(layer);
     mf_wgrad_params w = {};
     w.expert_offsets = s->bwd_offsets;
+    w.expert_order = s->expert_order;
     w.rows_cap = rows_cap;
     w.num_local_experts = layer->num_local_experts;
     w.accumulate = a->accumulate;
@@ -240,6 +241,12 @@ mf_wgrad_params dw13_params(const moefuse_layer *layer, const moefuse_bwd_args *
     w.m = 2 * layer->cfg.intermediate;
     w.n = layer->cfg.hidden;
     return w;
+}
+
+moefuse_status order_experts(moefuse_layer *layer, cudaStream_t stream) {
+    const cuda_state *s = state_of(layer);
+    MF_CUDA_TRY(mf_expert_order(s->bwd_offsets, layer->num_local_experts, s->expert_order, stream));
+    return MOEFUSE_OK;
 }
 
 mf_reduce_params reduce_params(const moefuse_layer *layer, const int32_t *ids, int num_tokens,
@@ -351,6 +358,7 @@ moefuse_status cuda_create_checked(moefuse_layer *layer, cuda_state *s) {
     if (c->saved_mode == MOEFUSE_RECOMPUTE)
         MF_ALLOC_FIELD(s, gate_up, rows_cap * 2 * c->intermediate * 2);
     MF_ALLOC_FIELD(s, bwd_offsets, (int64_t)(EL + 1) * 4);
+    MF_ALLOC_FIELD(s, expert_order, (int64_t)(EL + 1) * 4);
     const mf_plan_state init = MF_PLAN_STATE_INIT;
     MF_CUDA_TRY(cudaMemcpy(s->plan_state, &init, sizeof init, cudaMemcpyHostToDevice));
     MF_CUDA_TRY(cudaMemset(s->gemm_num_rows, 0, sizeof(int32_t)));
@@ -669,6 +677,7 @@ moefuse_status load_kernels(void) {
         {mf_sm90_gemm2_dgrad_swiglu_load, "dgrad2"},
         {mf_sm90_gemm1_dgrad_bwd_load, "dgrad1"},
         {mf_sm90_wgrad_grouped_load, "wgrad"},
+        {mf_expert_order_load, "expert order"},
         {mf_ep_exchange_counts_load, "ep exchange"},
         {mf_ep_push_rows_load, "ep push rows"},
         {mf_ep_push_dp_load, "ep push dp"},
@@ -747,6 +756,8 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     MF_CUDA_TRY(mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&d2, stream));
 
     // ---- 4. dW2 = dys^T act_p per expert: before dgrad1 overwrites dys ----
+    const moefuse_status ordered = order_experts(layer, stream);
+    if (ordered != MOEFUSE_OK) return ordered;
     const mf_wgrad_params dw2 = dw2_params(layer, a, lay.rows_cap, dys);
     MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw2, stream));
 

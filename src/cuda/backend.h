@@ -56,6 +56,7 @@ struct cuda_state {
     float *dp_partial;          /* [rows_cap, dp_parts] */
     uint16_t *gate_up;          /* [rows_cap, 2I], MOEFUSE_RECOMPUTE only */
     int32_t *bwd_offsets;       /* [E_local + 1]: the checked expert_offsets, 0s on failure */
+    int32_t *expert_order;      /* [E_local + 1]: the wgrad tiles' expert order (order_experts) */
     /* expert parallelism (R > 1), see backend_ep.cu */
     uint16_t *dys;              /* window [rows_cap, H] */
     int32_t *row_slot;          /* window [rows_cap] */
@@ -123,6 +124,9 @@ mf_wgrad_params dw13_params(const moefuse_layer *layer, const moefuse_bwd_args *
                             int rows_cap);
 mf_reduce_params reduce_params(const moefuse_layer *layer, const int32_t *ids, int num_tokens,
                                uint16_t *out, int64_t out_stride);
+/* expert_order for both weight gradients: the local experts by their rows in the checked
+ * bwd_offsets, heavy ones first (expert_order.cu); after check_saved, before dW2. */
+moefuse_status order_experts(moefuse_layer *layer, cudaStream_t stream);
 
 /* The backward's device check of the saved buffer (backend.cu): fails the call
  * (call_failed, gemm_num_rows 0, bwd_offsets 0) and records MOEFUSE_ERR_SAVED_STATE

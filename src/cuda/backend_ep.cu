@@ -384,6 +384,8 @@ moefuse_status ep_backward(moefuse_layer *layer, const moefuse_bwd_args *a, cuda
                                         lay.rows_cap);
     d2.row_weight = s->row_weight;
     MF_CUDA_TRY(mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&d2, stream));
+    const moefuse_status ordered = order_experts(layer, stream);
+    if (ordered != MOEFUSE_OK) return ordered;
     const mf_wgrad_params dw2 = dw2_params(layer, a, lay.rows_cap, s->dys);
     MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw2, stream));
 

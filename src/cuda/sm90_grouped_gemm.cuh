@@ -540,6 +540,18 @@ __device__ __forceinline__ void drain_rows_bf16(const uint8_t *buf, Dst &&dst) {
     }
 }
 
+/* An epilogue with work of its own for the store warps (`bool idle_work()`: one small
+ * piece, false when none is left), done while the consumers' next buffer is not ready
+ * yet and after the last tile. */
+template <class E, class = void>
+struct HasIdleWork {
+    static constexpr bool value = false;
+};
+template <class E>
+struct HasIdleWork<E, decltype(void(&E::idle_work))> {
+    static constexpr bool value = true;
+};
+
 /* The store warps' loop over this CTA's tiles (the same walk as the consumers'). */
 template <class Cfg, class Sched, class Epi>
 __device__ __forceinline__ void store_role(const Ring<Cfg> &ring, Sched sched, Epi &epi) {
@@ -548,12 +560,16 @@ __device__ __forceinline__ void store_role(const Ring<Cfg> &ring, Sched sched, E
     while (sched.next_tile(m_block, n_block)) {
 #pragma unroll 1
         for (int wg = 0; wg < kConsumerWarpgroups; ++wg) {
+            if constexpr (HasIdleWork<Epi>::value)
+                while (!ptx::mbar_test_wait(&ring.epi_full[wg], phase) && epi.idle_work()) {}
             ptx::mbar_wait(&ring.epi_full[wg], phase);
             epi.drain(m_block, n_block, wg, ring.epi_buf(wg));
             ptx::mbar_arrive(&ring.epi_empty[wg]);
         }
         phase ^= 1u;
     }
+    if constexpr (HasIdleWork<Epi>::value)
+        while (epi.idle_work()) {}
 }
 
 /* ---- kernel skeleton ----------------------------------------------------------------

@@ -10,10 +10,12 @@
  * contiguous. A stage is 64 rows: A = 2 boxes of 64 M columns x 64 rows, B = BN/64 boxes
  * of 64 N columns x 64 rows, read by wgmma with both transpose immediates set.
  *
- * Tiles are (expert, 128-row m block, BN n block), n fastest; one CTA owns each output
- * tile and runs the expert's whole K loop (no split-K, no atomics: deterministic). The K
- * loop may be empty (an expert without rows): the tile is then written as zeros, or left
- * as it is in accumulate mode.
+ * Tiles are (expert, 128-row m block, BN n block), n fastest, the experts in a given
+ * order (the scheduler below); one CTA owns each output tile and runs the expert's whole
+ * K loop (no split-K, no atomics: deterministic, whichever CTA runs it). The K
+ * loop may be empty (an expert without rows): the tile is then written as zeros (with
+ * bf16 out and an order, by the store warps beside the GEMM tiles), or left as it is in
+ * accumulate mode.
  *
  * Epilogue: fp32 straight from the accumulators, 8-byte stores (4 lanes cover 32
  * contiguous bytes of a row, whole sectors); accumulate mode loads, adds once, stores.
@@ -38,25 +40,44 @@ struct WgradArgs {
     CUtensorMap map_lhs;   /* [rows_cap, M], box 64 rows x 64 columns */
     CUtensorMap map_rhs;   /* [rows_cap, N], box 64 rows x 64 columns */
     const int32_t *expert_offsets;
+    const int32_t *expert_order;   /* [E_local + 1] mf_expert_order's; NULL: 0, 1, ... */
     float *dw;
     uint16_t *dw_bf16;
     int m, n, m_blocks, n_blocks, num_experts, accumulate;
 };
 
-/* ---- scheduler: (expert, m block, n block), n fastest; K = the expert's rows -------------
+/* ---- scheduler: (expert, m block, n block) tiles, n fastest; K = the expert's rows -------
+ * The experts come in args.expert_order (expert_order.cu: the heavy ones first, most rows
+ * first; identity when NULL), so tile i belongs to the (i / tiles_per_expert)-th of them.
+ * Wave w hands tiles w*G .. w*G + G-1 to the G CTAs forwards when w is even and
+ * backwards when it is odd (a snake): the CTA that got one of a wave's costliest tiles
+ * gets one of the next wave's cheapest, so the heavy experts' tiles spread evenly.
+ * With store warps (bf16 out) and an order, the tiles of experts without rows are left
+ * out here: they are zeros, written by the store warps beside the GEMM tiles
+ * (WgradEpilogue::idle_work), instead of a tail of pure stores after them.
  * m_block below is the combined index e * m_blocks + m block. */
 struct WgradScheduler {
-    const int32_t *offsets;
-    int m_blocks, n_blocks, total, next;
+    const int32_t *offsets, *order;
+    int m_blocks, n_blocks, tiles_per_expert, total, wave;
 
-    __device__ __forceinline__ WgradScheduler(const WgradArgs &a)
-        : offsets(a.expert_offsets), m_blocks(a.m_blocks), n_blocks(a.n_blocks),
-          total(a.num_experts * a.m_blocks * a.n_blocks), next(blockIdx.x) {}
+    __device__ __forceinline__ WgradScheduler(const WgradArgs &a, bool store_warps_zero_empty)
+        : offsets(a.expert_offsets), order(a.expert_order), m_blocks(a.m_blocks),
+          n_blocks(a.n_blocks), tiles_per_expert(a.m_blocks * a.n_blocks),
+          total(gemm_experts(a, store_warps_zero_empty) * a.m_blocks * a.n_blocks), wave(0) {}
+    /* The experts whose tiles run the GEMM: those with rows come first in the order. */
+    static __device__ __forceinline__ int gemm_experts(const WgradArgs &a, bool skip_empty) {
+        return skip_empty && a.expert_order ? __ldg(a.expert_order + a.num_experts)
+                                            : a.num_experts;
+    }
     __device__ __forceinline__ bool next_tile(int &m_block, int &n_block) {
-        if (next >= total) return false;
-        m_block = next / n_blocks;
-        n_block = next - m_block * n_blocks;
-        next += gridDim.x;
+        const int cta = (wave & 1) ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+        const int i = wave * (int)gridDim.x + cta;
+        if (i >= total) return false;   /* later waves hold only larger i */
+        ++wave;
+        const int rank = i / tiles_per_expert, t = i - rank * tiles_per_expert;
+        const int e = order ? __ldg(order + rank) : rank;
+        m_block = e * m_blocks + t / n_blocks;
+        n_block = t % n_blocks;
         return true;
     }
     __device__ __forceinline__ int num_k_blocks(int m_block, int) const {
@@ -93,11 +114,23 @@ struct WgradLoad {
  * the store warps (Cfg::kStoreRowBytes > 0).
  * Accumulator layout of m64nN (per warpgroup): register 4c + 2h + {0,1} of lane l in warp
  * w holds row 16w + l/4 + 8h, columns 8c + 2(l%4) + {0,1}. */
+constexpr int kZeroRows = 16;   /* rows of a zero tile per idle_work piece */
+
 template <class Cfg>
 struct WgradEpilogue {
     const WgradArgs &args;
     Ring<Cfg> ring;
     StoreHandoff handoff;
+    int zero_tile, zero_end, zero_row;   /* store warps: this warp's zero tiles (idle_work) */
+
+    __device__ __forceinline__ WgradEpilogue(const WgradArgs &a, const Ring<Cfg> &r,
+                                             const WgradScheduler &sched)
+        : args(a), ring(r), zero_end(sched.tiles_per_expert * a.num_experts), zero_row(0) {
+        /* Tiles past sched.total (none when it covers every expert): CTA c takes every G-th
+         * from total + c, its store warp sw every kStoreWarps-th of those. */
+        const int sw = (int)threadIdx.x / 32 - kFirstStoreWarp;
+        zero_tile = sched.total + (int)blockIdx.x + sw * (int)gridDim.x;
+    }
 
     /* The first dw row of warpgroup wg's 64 rows of the tile (E * M rows in all). */
     __device__ __forceinline__ int64_t first_row(int m_block, int wg) const {
@@ -120,6 +153,32 @@ struct WgradEpilogue {
         drain_rows_bf16<Cfg>(buf, [&](int r) -> uint16_t * {
             return args.dw_bf16 + (row0 + r) * args.n + n_block * Cfg::BN;
         });
+    }
+
+    /* Store warps (bf16), between drains: kZeroRows rows of this warp's next zero tile (an
+     * expert without rows: its gradient is 0); false when none is left. A piece is 8 KB
+     * at BN = 256, so a consumer whose buffer is ready waits at most that long. */
+    __device__ __forceinline__ bool idle_work() {
+        if (zero_tile >= zero_end) return false;
+        const int rank = zero_tile / (args.m_blocks * args.n_blocks);
+        const int t = zero_tile - rank * args.m_blocks * args.n_blocks;
+        const int e = __ldg(args.expert_order + rank);
+        const int64_t row = (int64_t)e * args.m + (t / args.n_blocks) * kBlockM + zero_row;
+        uint16_t *tile = args.dw_bf16 + row * args.n + (t % args.n_blocks) * Cfg::BN;
+        constexpr int kVecs = Cfg::BN * 2 / 16, kRowsPerStep = 32 / kVecs;
+        const int lane = threadIdx.x % 32;
+        uint4 *piece =
+            reinterpret_cast<uint4 *>(tile + (int64_t)(lane / kVecs) * args.n) + lane % kVecs;
+        const int64_t step = (int64_t)kRowsPerStep * args.n / 8;   /* in uint4 */
+#pragma unroll 1
+        for (int r = 0; r < kZeroRows; r += kRowsPerStep, piece += step)
+            *piece = make_uint4(0, 0, 0, 0);
+        zero_row += kZeroRows;
+        if (zero_row == kBlockM) {
+            zero_row = 0;
+            zero_tile += kStoreWarps * (int)gridDim.x;
+        }
+        return true;
     }
 
     __device__ __forceinline__ void store_fp32(int m_block, int n_block,
@@ -160,14 +219,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90_wgrad_grouped_bf16_kernel(const __grid_constant__ WgradArgs args) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     WgradLoad<Cfg> load{args, 0, 0, 0};
-    WgradEpilogue<Cfg> epi{args, ring_from_smem<Cfg>(smem_raw), {}};
-    const WgradScheduler sched(args);
+    const WgradScheduler sched(args, Cfg::kStoreWarps);
+    WgradEpilogue<Cfg> epi(args, ring_from_smem<Cfg>(smem_raw), sched);
     run_grouped_gemm_sched<Cfg>(smem_raw, &args.map_lhs, &args.map_rhs, sched, load, epi);
 }
 
 /* The tile choices (see the launcher): output width BN, bf16 or fp32 out. */
 using WideBf16Cfg = TileConfig<256, 3, true, true, 0, 512>;
-using NarrowBf16Cfg = TileConfig<128, 6, true, true, 0, 256>;
+/* 48 registers for the store warps: the drain of 128-wide rows and the zero tiles do not
+ * fit 40 (the consumers keep 224, three times their 64 accumulators). */
+using NarrowBf16Cfg = ProducerRegs<TileConfig<128, 6, true, true, 0, 256>, 48>;
 using WideF32Cfg = TileConfig<256, 4, true, true>;
 using NarrowF32Cfg = TileConfig<128, 6, true, true>;
 
@@ -182,6 +243,7 @@ cudaError_t launch(const mf_wgrad_params *p, cudaStream_t stream) {
                                      kBlockK, 64)) != cudaSuccess)
         return err;
     args.expert_offsets = p->expert_offsets;
+    args.expert_order = p->expert_order;
     args.dw = p->dw;
     args.dw_bf16 = p->dw_bf16;
     args.m = p->m;

@@ -77,15 +77,29 @@ Layout make_layout(const std::vector<int> &counts, int extra_rows, int dropped) 
     return L;
 }
 
-std::vector<int> skewed_counts(int E, int total) {
-    std::vector<double> wt(E);
+/* E counts summing to total in proportion to the weights, the rounding remainder on one
+ * random expert. */
+static std::vector<int> counts_by_weight(const std::vector<double> &wt, int total) {
     double ws = 0;
-    for (auto &w : wt) { const double u = th_uniform(); w = 0.25 + 3 * u * u; ws += w; }
+    for (double w : wt) ws += w;
+    const int E = (int)wt.size();
     std::vector<int> counts(E);
     int assigned = 0;
     for (int e = 0; e < E; ++e) { counts[e] = (int)(total * wt[e] / ws); assigned += counts[e]; }
     counts[th_rand_int(0, E - 1)] += total - assigned;
     return counts;
+}
+
+std::vector<int> skewed_counts(int E, int total) {
+    std::vector<double> wt(E);
+    for (auto &w : wt) { const double u = th_uniform(); w = 0.25 + 3 * u * u; }
+    return counts_by_weight(wt, total);
+}
+
+std::vector<int> heavy_skew_counts(int E, int total) {
+    std::vector<double> wt(E);
+    for (auto &w : wt) { const double u = th_uniform(); w = 0.02 + u * u * u * u; }
+    return counts_by_weight(wt, total);
 }
 
 bool all_poison(const uint16_t *p, size_t n) {

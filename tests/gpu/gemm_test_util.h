@@ -46,6 +46,9 @@ Layout make_layout(const std::vector<int> &counts, int extra_rows, int dropped);
 /* E per-expert row counts summing to total, spread unevenly: weight ~ 0.25 + U(0,1)^2 * 3,
  * the rounding remainder on one random expert. */
 std::vector<int> skewed_counts(int E, int total);
+/* The same with weight ~ 0.02 + U(0,1)^4: the busiest expert ~5x the mean, some nearly
+ * idle (routing skew as a training run meets it). */
+std::vector<int> heavy_skew_counts(int E, int total);
 
 /* Every element is the poison value 0xFFFF (bf16 NaN) that outputs are filled with. */
 bool all_poison(const uint16_t *p, size_t n);

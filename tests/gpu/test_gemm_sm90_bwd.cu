@@ -261,6 +261,21 @@ static void check_wgrad(int M, int N, const std::vector<int> &counts) {
     std::vector<float> dw2 = dev_download(d_dw, ndw);
     CHECK(memcmp(dw.data(), dw2.data(), ndw * 4) == 0, "dW differs between runs");
 
+    /* The experts in mf_expert_order's order, on the full grid and on 7 CTAs: the tiles
+     * move between CTAs, the bits stay. */
+    int32_t *d_order = nullptr;
+    CUDA_OK(cudaMalloc(&d_order, (E + 1) * 4));
+    CUDA_OK(mf_expert_order(d_off, E, d_order, 0));
+    for (int sms : {num_sms(), 7}) {
+        CUDA_OK(cudaMemset(d_dw, 0xFF, ndw * 4));
+        mf_wgrad_params po = {d_l, d_r, d_off, d_dw, R, M, N, E, 0, sms, nullptr, d_order};
+        CUDA_OK(mf_sm90_wgrad_grouped_bf16(&po, 0));
+        CUDA_OK(cudaDeviceSynchronize());
+        dw2 = dev_download(d_dw, ndw);
+        CHECK(memcmp(dw.data(), dw2.data(), ndw * 4) == 0,
+              "dW with the experts in mf_expert_order's order differs (%d CTAs)", sms);
+    }
+
     /* Accumulate: exactly old + write result (one fp32 add); empty experts unchanged. */
     std::vector<float> old(ndw);
     for (auto &x : old) x = (float)th_normal();
@@ -287,6 +302,21 @@ static void check_wgrad(int M, int N, const std::vector<int> &counts) {
     size_t bad_bf16 = 0;
     for (size_t i = 0; i < ndw; ++i) bad_bf16 += dwb[i] != mf_float_to_bf16(dw[i]);
     CHECK(bad_bf16 == 0, "bf16 dW differs from the rounded fp32 dW in %zu elements", bad_bf16);
+    /* With the order the store warps write the empty experts' zero tiles beside the GEMM
+     * tiles (on 7 CTAs each has several, and more zero tiles than GEMM tiles): the same
+     * bits, nothing left poisoned. */
+    for (int sms : {num_sms(), 7}) {
+        CUDA_OK(cudaMemset(d_dwb, 0xFF, ndw * 2));
+        mf_wgrad_params po = pb;
+        po.num_sms = sms;
+        po.expert_order = d_order;
+        CUDA_OK(mf_sm90_wgrad_grouped_bf16(&po, 0));
+        CUDA_OK(cudaDeviceSynchronize());
+        const std::vector<uint16_t> got = dev_download(d_dwb, ndw);
+        CHECK(memcmp(got.data(), dwb.data(), ndw * 2) == 0,
+              "bf16 dW with the experts in mf_expert_order's order differs (%d CTAs)", sms);
+    }
+    cudaFree(d_order);
     pb.accumulate = 1;
     CHECK(mf_sm90_wgrad_grouped_bf16(&pb, 0) == cudaErrorInvalidValue,
           "bf16 dW with accumulate was not refused");
@@ -301,6 +331,49 @@ static void test_dgrad_bn128(void) { check_dgrad(384, 384, {3, 0, 0, 256, 1, 110
 static void test_dgrad_bn256_overlap(void) { check_dgrad(1280, 256, {0, 1, 1037, 37, 0, 200, 128, 5}); }
 static void test_wgrad_bn256(void) { check_wgrad(384, 512, {0, 1, 1037, 37, 0, 200, 128, 5}); }
 static void test_wgrad_bn128(void) { check_wgrad(256, 384, {3, 0, 0, 256, 1, 1100}); }
+
+/* ---- the experts' order for the wgrad scheduler ---------------------------------------- */
+/* mf_expert_order against a host stable sort by its key (experts with more than 1/16 of
+ * the rows by rows, then the other experts with rows, then those without), and the count
+ * of experts with rows after it: E past one block of threads (1024) and past one
+ * shared-memory chunk (2048), ties, empty experts, heavy experts (some E = 5 and 128
+ * draws have several, E = 1 has one). */
+static void test_expert_order(void) {
+    if (!have_sm90()) return;
+    for (int E : {1, 5, 128, 1500, 5000}) {
+        std::vector<int32_t> off(E + 1, 0);
+        for (int e = 0; e < E; ++e) {
+            const int heavy = E > 1 && E <= 128 && th_rand_int(0, 15) == 0;
+            off[e + 1] = off[e] + 128 * (heavy ? th_rand_int(2 * E, 4 * E) : th_rand_int(0, 9));
+        }
+        const int64_t all = off[E];
+        auto key = [&](int e) -> int64_t {
+            const int64_t r = off[e + 1] - off[e];
+            return 16 * r > all ? r : r > 0;
+        };
+        std::vector<int32_t> want(E);
+        for (int e = 0; e < E; ++e) want[e] = e;
+        std::stable_sort(want.begin(), want.end(), [&](int a, int b) { return key(a) > key(b); });
+        int busy = 0;
+        for (int e = 0; e < E; ++e) busy += off[e + 1] > off[e];
+        int32_t *d_off = dev_upload(off), *d_order = nullptr;
+        CUDA_OK(cudaMalloc(&d_order, (E + 1) * 4));
+        CUDA_OK(cudaMemset(d_order, 0xFF, (E + 1) * 4));
+        CUDA_OK(mf_expert_order(d_off, E, d_order, 0));
+        CUDA_OK(cudaDeviceSynchronize());
+        const std::vector<int32_t> got = dev_download(d_order, E + 1);
+        int bad = 0;
+        for (int i = 0; i < E; ++i) bad += got[i] != want[i];
+        CHECK(bad == 0, "E=%d: %d positions of the expert order differ from the host sort", E,
+              bad);
+        CHECK(got[E] == busy, "E=%d: order[E] = %d experts with rows, expected %d", E, got[E],
+              busy);
+        cudaFree(d_off);
+        cudaFree(d_order);
+    }
+    CHECK(mf_expert_order(nullptr, 4, nullptr, 0) == cudaErrorInvalidValue,
+          "a NULL order was not refused");
+}
 
 /* ---- timing at the Qwen3 shapes -------------------------------------------------------- */
 template <class F>
@@ -324,10 +397,11 @@ static float time_ms(F &&launch) {
     return median(ms);
 }
 
-static void time_model(const char *name, int H, int I, int E, int tokens, int top_k) {
+static void time_model(const char *name, int H, int I, int E, int tokens, int top_k,
+                       const std::vector<int> &counts) {
     if (!have_sm90()) return;
     const int total = tokens * top_k;
-    Layout L = make_layout(skewed_counts(E, total), 0, 0);
+    Layout L = make_layout(counts, 0, 0);
     const int R = L.rows_cap, parts = mf_dgrad2_dp_parts(I), sms = num_sms();
 
     /* Padding rows hold hash values here too; timing does not depend on them. */
@@ -371,6 +445,11 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
     pw2b.dw = pw13b.dw = nullptr;
     pw2b.dw_bf16 = dw2b;
     pw13b.dw_bf16 = dw13b;
+    int32_t *order = nullptr;   /* the backward's order (mf_expert_order) */
+    CUDA_OK(cudaMalloc(&order, (E + 1) * 4));
+    CUDA_OK(mf_expert_order(off, E, order, 0));
+    mf_wgrad_params pw2o = pw2b, pw13o = pw13b;
+    pw2o.expert_order = pw13o.expert_order = order;
     const float m2 = time_ms([&] { return mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&p2, 0); });
     const float m1 = time_ms([&] { return mf_sm90_gemm1_dgrad_bwd_bf16(&p1, 0); });
     const float mw2 = time_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw2, 0); });
@@ -378,12 +457,15 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
     const float mw13a = time_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw13a, 0); });
     const float mw2b = time_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw2b, 0); });
     const float mw13b = time_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw13b, 0); });
+    const float mw2o = time_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw2o, 0); });
+    const float mw13o = time_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw13o, 0); });
     CUDA_OK(cudaGetLastError());
     CUDA_OK(cudaDeviceSynchronize());
     const double v = (double)total;
     const double f_small = 2.0 * v * H * I, f_big = 2.0 * v * 2 * I * H;
-    printf("  %-16s rows %d (padded %d) E=%d H=%d I=%d sms=%d\n", name, total, L.num_rows, E, H,
-           I, sms);
+    const int most = *std::max_element(counts.begin(), counts.end());
+    printf("  %-16s rows %d (padded %d) E=%d H=%d I=%d sms=%d, busiest expert %.2f x mean\n",
+           name, total, L.num_rows, E, H, I, sms, most * (double)E / total);
     printf("  %-16s dgrad2+swiglu_bwd+dp  %8.3f ms %6.1f TFLOP/s\n", name, m2, f_small / m2 * 1e-9);
     printf("  %-16s dgrad1+scatter        %8.3f ms %6.1f TFLOP/s\n", name, m1, f_big / m1 * 1e-9);
     printf("  %-16s wgrad dW2  (write)    %8.3f ms %6.1f TFLOP/s\n", name, mw2, f_small / mw2 * 1e-9);
@@ -391,16 +473,53 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
     printf("  %-16s wgrad dW13 (accum)    %8.3f ms %6.1f TFLOP/s\n", name, mw13a, f_big / mw13a * 1e-9);
     printf("  %-16s wgrad dW2  (bf16)     %8.3f ms %6.1f TFLOP/s\n", name, mw2b, f_small / mw2b * 1e-9);
     printf("  %-16s wgrad dW13 (bf16)     %8.3f ms %6.1f TFLOP/s\n", name, mw13b, f_big / mw13b * 1e-9);
-    CHECK(m2 > 0 && m1 > 0 && mw2 > 0 && mw13 > 0 && mw13a > 0 && mw2b > 0 && mw13b > 0,
+    printf("  %-16s wgrad dW2  (bf16, ordered) %8.3f ms %6.1f TFLOP/s\n", name, mw2o,
+           f_small / mw2o * 1e-9);
+    printf("  %-16s wgrad dW13 (bf16, ordered) %8.3f ms %6.1f TFLOP/s\n", name, mw13o,
+           f_big / mw13o * 1e-9);
+    CHECK(m2 > 0 && m1 > 0 && mw2 > 0 && mw13 > 0 && mw13a > 0 && mw2b > 0 && mw13b > 0 &&
+              mw2o > 0 && mw13o > 0,
           "a timed launch failed");
     cudaFree(dys); cudaFree(xs); cudaFree(gu); cudaFree(dh); cudaFree(actp); cudaFree(w2);
     cudaFree(w13); cudaFree(comb); cudaFree(sw); cudaFree(dp); cudaFree(dw2); cudaFree(dw13);
     cudaFree(dw2b); cudaFree(dw13b);
-    cudaFree(rbe); cudaFree(slot); cudaFree(nr); cudaFree(off);
+    cudaFree(rbe); cudaFree(slot); cudaFree(nr); cudaFree(off); cudaFree(order);
 }
 
-static void time_qwen3_30b(void) { time_model("qwen3-30b-a3b", 2048, 768, 128, 16384, 8); }
-static void time_qwen3_235b(void) { time_model("qwen3-235b-a22b", 4096, 1536, 128, 16384, 8); }
+static void time_qwen3_30b(void) {
+    time_model("qwen3-30b-a3b", 2048, 768, 128, 16384, 8, skewed_counts(128, 16384 * 8));
+}
+static void time_qwen3_235b(void) {
+    time_model("qwen3-235b-a22b", 4096, 1536, 128, 16384, 8, skewed_counts(128, 16384 * 8));
+}
+/* Skewed routing (heavy_skew_counts: the busiest expert ~5x the mean). */
+static void time_qwen3_30b_heavy_skew(void) {
+    time_model("qwen3-30b-a3b", 2048, 768, 128, 16384, 8, heavy_skew_counts(128, 16384 * 8));
+}
+/* Collapsed routing, as in bench_train_step.py's randomly initialized model: every token
+ * picks the same 8 experts, 120 have no rows. */
+static void time_qwen3_30b_collapsed(void) {
+    std::vector<int> counts(128, 0);
+    for (int e = 0; e < 128; e += 16) counts[e] = 16384;
+    time_model("qwen3-30b-a3b", 2048, 768, 128, 16384, 8, counts);
+}
+/* Nearly collapsed, like that model's first layer: 8 experts with 13-16 K rows, the other
+ * ~9% of the rows on 40 experts, 80 without rows. */
+static void time_qwen3_30b_nearly_collapsed(void) {
+    std::vector<int> counts(128, 0);
+    int light = 16384 * 8;
+    for (int i = 0; i < 8; ++i) {
+        counts[8 * i + 1] = th_rand_int(13000, 16384);
+        light -= counts[8 * i + 1];
+    }
+    int left = light;
+    for (int i = 0; i < 40; ++i) {   /* weights 1, 2, 3, 1, ...: sum 79 */
+        counts[64 + i] = light * (1 + i % 3) / 79;
+        left -= counts[64 + i];
+    }
+    counts[64] += left;
+    time_model("qwen3-30b-a3b", 2048, 768, 128, 16384, 8, counts);
+}
 
 /* An optional argument runs only the cases whose name contains it. */
 int main(int argc, char **argv) {
@@ -410,8 +529,12 @@ int main(int argc, char **argv) {
         {"gemm_sm90_bwd_dgrad_bn256_overlap", test_dgrad_bn256_overlap},
         {"gemm_sm90_bwd_wgrad_bn256", test_wgrad_bn256},
         {"gemm_sm90_bwd_wgrad_bn128", test_wgrad_bn128},
+        {"gemm_sm90_bwd_expert_order", test_expert_order},
         {"gemm_sm90_bwd_time_qwen3_30b", time_qwen3_30b},
         {"gemm_sm90_bwd_time_qwen3_235b", time_qwen3_235b},
+        {"gemm_sm90_bwd_time_qwen3_30b_heavy_skew", time_qwen3_30b_heavy_skew},
+        {"gemm_sm90_bwd_time_qwen3_30b_collapsed", time_qwen3_30b_collapsed},
+        {"gemm_sm90_bwd_time_qwen3_30b_nearly_collapsed", time_qwen3_30b_nearly_collapsed},
     };
     th_seed_from_env_or_clock();
     for (const auto &c : cases)

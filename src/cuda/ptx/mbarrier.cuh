@@ -1,5 +1,5 @@
 /* mbarrier wrappers (sm_90): init, arrive, arrive with an expected transaction byte
- * count, and a bounded parity wait. Inline device helpers only. */
+ * count, a parity test and a bounded parity wait. Inline device helpers only. */
 #pragma once
 
 #include <stdint.h>
@@ -40,6 +40,20 @@ __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
         "selp.u32 %0, 1, 0, p;\n\t}"
         : "=r"(done)
         : "r"(bar), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+
+/* Whether the phase with the given parity completed, without waiting (try_wait may
+ * suspend the thread a while; this returns at once). */
+__device__ __forceinline__ bool mbar_test_wait(uint64_t *bar, uint32_t parity) {
+    uint32_t done;
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
         : "memory");
     return done != 0;
 }
