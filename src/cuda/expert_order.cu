@@ -1,18 +1,17 @@
 /* The order in which the weight-gradient kernel (sm90_wgrad_grouped_bf16.cu) hands out
- * the local experts' tiles, by rows(e) = expert_offsets[e + 1] - expert_offsets[e]:
+ * the local experts' tiles: by rows(e) = expert_offsets[e + 1] - expert_offsets[e], most
+ * first, ties by lower expert,
  *
- *   1. heavy experts, 16 rows(e) > all rows: most rows first;
- *   2. the other experts with rows, lower id first;
- *   3. the experts without rows, lower id first;
+ *   order[rank(e)] = e,   rank(e) = #{f : rows(f) > rows(e) or (rows(f) = rows(e), f < e)}
  *
- * and order[E] = how many experts have rows (classes 1 and 2).
+ * and order[E] = how many experts have rows (they come first).
  *
- * A wgrad tile costs its expert's rows. An expert with more than 1/16 of all rows has
- * tiles worth 2-17% of a CTA's share at the Qwen3 shapes, so where its tiles land
- * decides the balance: handed out first and largest first (the scheduler's snake), they
- * spread evenly. Sorting the rest too cost 0-20% per kernel at moderate skew (busiest
- * expert 2-5x the mean), so they keep the id order (bench/NOTES.md v11). Tiles of experts
- * without rows are zeros, which the store warps write beside the GEMM tiles.
+ * A wgrad tile costs its expert's rows. Handed out most rows first (the scheduler's
+ * snake), the costliest tiles spread evenly over the CTAs, and the tiles of experts
+ * without rows (zeros) come last, where the store warps write them beside the GEMM
+ * tiles. NOTE: at moderate skew (busiest expert 2-5x the mean) this order cost 0-20% per
+ * kernel against the id order; sorting only the experts with more than 1/16 of the rows
+ * is the candidate fix, written but not GPU-run (bench/NOTES.md v11).
  *
  * The rank is a strict total order over the experts, so order[0..E-1] is a permutation of
  * 0..E-1 whatever the offsets hold (the wgrad kernel relies on it: every tile is run
@@ -27,34 +26,26 @@
 namespace {
 
 constexpr int kThreads = 1024;
-constexpr int kChunk = 2048;   /* experts' keys staged in shared memory at a time */
-
-/* The sort key: rows for heavy experts (>= 128 > 1), 1 for the other experts with
- * rows, 0 for those without. */
-__device__ __forceinline__ int32_t order_key(int32_t rows, int32_t all_rows) {
-    return (int64_t)16 * rows > all_rows ? rows : rows > 0;
-}
+constexpr int kChunk = 2048;   /* experts' rows staged in shared memory at a time */
 
 __global__ void __launch_bounds__(kThreads)
 expert_order_kernel(const int32_t *offsets, int num_experts, int32_t *order) {
-    __shared__ int32_t keys[kChunk];
-    const int32_t all_rows = offsets[num_experts] - offsets[0];
+    __shared__ int32_t rows[kChunk];
     int busy = 0;
     for (int e0 = 0; e0 < num_experts; e0 += kThreads) {
         const int e = e0 + threadIdx.x;
-        const int32_t rows = e < num_experts ? offsets[e + 1] - offsets[e] : 0;
-        busy += __syncthreads_count(rows > 0);
-        const int32_t mine = order_key(rows, all_rows);
+        const int32_t mine = e < num_experts ? offsets[e + 1] - offsets[e] : 0;
+        busy += __syncthreads_count(mine > 0);
         int rank = 0;
         for (int f0 = 0; f0 < num_experts; f0 += kChunk) {
             const int n = min(kChunk, num_experts - f0);
             __syncthreads();   /* the previous chunk is read by every thread */
             for (int f = threadIdx.x; f < n; f += kThreads)
-                keys[f] = order_key(offsets[f0 + f + 1] - offsets[f0 + f], all_rows);
+                rows[f] = offsets[f0 + f + 1] - offsets[f0 + f];
             __syncthreads();
             if (e < num_experts)
                 for (int f = 0; f < n; ++f)
-                    rank += keys[f] > mine || (keys[f] == mine && f0 + f < e);
+                    rank += rows[f] > mine || (rows[f] == mine && f0 + f < e);
         }
         if (e < num_experts) order[rank] = e;
     }

@@ -47,11 +47,11 @@ struct WgradArgs {
 };
 
 /* ---- scheduler: (expert, m block, n block) tiles, n fastest; K = the expert's rows -------
- * The experts come in args.expert_order (expert_order.cu: the heavy ones first, most rows
- * first; identity when NULL), so tile i belongs to the (i / tiles_per_expert)-th of them.
+ * The experts come in args.expert_order (expert_order.cu: most rows first; identity when
+ * NULL), so tile i belongs to the (i / tiles_per_expert)-th of them.
  * Wave w hands tiles w*G .. w*G + G-1 to the G CTAs forwards when w is even and
  * backwards when it is odd (a snake): the CTA that got one of a wave's costliest tiles
- * gets one of the next wave's cheapest, so the heavy experts' tiles spread evenly.
+ * gets one of the next wave's cheapest, so the costliest tiles spread evenly.
  * With store warps (bf16 out) and an order, the tiles of experts without rows are left
  * out here: they are zeros, written by the store warps beside the GEMM tiles
  * (WgradEpilogue::idle_work), instead of a tail of pure stores after them.
