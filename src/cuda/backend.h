@@ -125,7 +125,7 @@ mf_wgrad_params dw13_params(const moefuse_layer *layer, const moefuse_bwd_args *
 mf_reduce_params reduce_params(const moefuse_layer *layer, const int32_t *ids, int num_tokens,
                                uint16_t *out, int64_t out_stride);
 /* expert_order for both weight gradients: the local experts by their rows in the checked
- * bwd_offsets, most first (expert_order.cu); after check_saved, before dW2. */
+ * bwd_offsets, heavy ones first (expert_order.cu); after check_saved, before dW2. */
 moefuse_status order_experts(moefuse_layer *layer, cudaStream_t stream);
 
 /* The backward's device check of the saved buffer (backend.cu): fails the call

@@ -1,17 +1,20 @@
 /* The order in which the weight-gradient kernel (sm90_wgrad_grouped_bf16.cu) hands out
- * the local experts' tiles: by rows(e) = expert_offsets[e + 1] - expert_offsets[e], most
- * first, ties by lower expert,
+ * the local experts' tiles, by rows(e) = expert_offsets[e + 1] - expert_offsets[e]:
  *
- *   order[rank(e)] = e,   rank(e) = #{f : rows(f) > rows(e) or (rows(f) = rows(e), f < e)}
+ *   1. heavy experts, 16 rows(e) > all rows: most rows first;
+ *   2. the other experts with rows, lower id first;
+ *   3. the experts without rows, lower id first;
  *
- * and order[E] = how many experts have rows (they come first).
+ * and order[E] = how many experts have rows (classes 1 and 2).
  *
- * A wgrad tile costs its expert's rows. Handed out most rows first (the scheduler's
- * snake), the costliest tiles spread evenly over the CTAs, and the tiles of experts
- * without rows (zeros) come last, where the store warps write them beside the GEMM
- * tiles. NOTE: at moderate skew (busiest expert 2-5x the mean) this order cost 0-20% per
- * kernel against the id order; sorting only the experts with more than 1/16 of the rows
- * is the candidate fix, written but not GPU-run (bench/NOTES.md v11).
+ * A wgrad tile costs its expert's rows. An expert with more than 1/16 of all rows has
+ * tiles worth 2-17% of a CTA's share at the Qwen3 shapes, so where its tiles land
+ * decides the balance: handed out first and largest first (the scheduler's snake), they
+ * spread evenly. The rest keep the id order: at moderate skew (busiest expert 2-5x the
+ * mean) no expert is heavy, and the order is the unordered schedule but for the empty
+ * experts. (Sorting them all looked 0-20% slower there in v11, but those variants were
+ * timed one after the other under the GPU's power limit: bench/NOTES.md v12.) Tiles of
+ * experts without rows are zeros, which the store warps write beside the GEMM tiles.
  *
  * The rank is a strict total order over the experts, so order[0..E-1] is a permutation of
  * 0..E-1 whatever the offsets hold (the wgrad kernel relies on it: every tile is run
@@ -26,26 +29,34 @@
 namespace {
 
 constexpr int kThreads = 1024;
-constexpr int kChunk = 2048;   /* experts' rows staged in shared memory at a time */
+constexpr int kChunk = 2048;   /* experts' keys staged in shared memory at a time */
+
+/* The sort key: rows for heavy experts (>= 128 > 1), 1 for the other experts with
+ * rows, 0 for those without. */
+__device__ __forceinline__ int32_t order_key(int32_t rows, int32_t all_rows) {
+    return (int64_t)16 * rows > all_rows ? rows : rows > 0;
+}
 
 __global__ void __launch_bounds__(kThreads)
 expert_order_kernel(const int32_t *offsets, int num_experts, int32_t *order) {
-    __shared__ int32_t rows[kChunk];
+    __shared__ int32_t keys[kChunk];
+    const int32_t all_rows = offsets[num_experts] - offsets[0];
     int busy = 0;
     for (int e0 = 0; e0 < num_experts; e0 += kThreads) {
         const int e = e0 + threadIdx.x;
-        const int32_t mine = e < num_experts ? offsets[e + 1] - offsets[e] : 0;
-        busy += __syncthreads_count(mine > 0);
+        const int32_t rows = e < num_experts ? offsets[e + 1] - offsets[e] : 0;
+        busy += __syncthreads_count(rows > 0);
+        const int32_t mine = order_key(rows, all_rows);
         int rank = 0;
         for (int f0 = 0; f0 < num_experts; f0 += kChunk) {
             const int n = min(kChunk, num_experts - f0);
             __syncthreads();   /* the previous chunk is read by every thread */
             for (int f = threadIdx.x; f < n; f += kThreads)
-                rows[f] = offsets[f0 + f + 1] - offsets[f0 + f];
+                keys[f] = order_key(offsets[f0 + f + 1] - offsets[f0 + f], all_rows);
             __syncthreads();
             if (e < num_experts)
                 for (int f = 0; f < n; ++f)
-                    rank += rows[f] > mine || (rows[f] == mine && f0 + f < e);
+                    rank += keys[f] > mine || (keys[f] == mine && f0 + f < e);
         }
         if (e < num_experts) order[rank] = e;
     }

@@ -152,17 +152,19 @@ typedef struct mf_wgrad_params {
     float *dw;                        /* [E_local, M, N] fp32, or NULL */
     int rows_cap, m, n, num_local_experts, accumulate, num_sms;
     uint16_t *dw_bf16;                /* [E_local, M, N] bf16, when dw is NULL */
-    /* [E_local + 1] device, from mf_expert_order: the experts most rows first, then how
-     * many have rows. Their tiles are handed out in this order, and with bf16 out the
-     * store warps write the zero tiles of experts without rows beside the GEMM tiles.
-     * NULL: expert 0 first, every tile through the GEMM. Same bits either way. */
+    /* [E_local + 1] device, from mf_expert_order: the experts (heavy ones first, those
+     * without rows last), then how many have rows. Their tiles are handed out in this
+     * order, and with bf16 out the store warps write the zero tiles of experts without
+     * rows beside the GEMM tiles. NULL: expert 0 first, every tile through the GEMM.
+     * Same bits either way. */
     const int32_t *expert_order;
 } mf_wgrad_params;
 
 cudaError_t mf_sm90_wgrad_grouped_bf16(const mf_wgrad_params *p, cudaStream_t stream);
 
-/* order[0..E_local-1]: the experts by rows = expert_offsets[e + 1] - expert_offsets[e],
- * most first, ties by lower expert (a permutation whatever the offsets hold);
+/* order[0..E_local-1], by rows(e) = expert_offsets[e + 1] - expert_offsets[e]: experts
+ * with 16 rows(e) > all rows, most rows first; the other experts with rows; those
+ * without; ties by lower expert (a permutation whatever the offsets hold).
  * order[E_local]: how many experts have rows. One block. */
 cudaError_t mf_expert_order(const int32_t *expert_offsets, int num_experts, int32_t *order,
                             cudaStream_t stream);

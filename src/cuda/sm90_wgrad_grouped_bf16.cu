@@ -46,12 +46,22 @@ struct WgradArgs {
     int m, n, m_blocks, n_blocks, num_experts, accumulate;
 };
 
+/* Tile i of the order: the ((i / (m_blocks n_blocks))-th expert of it, n fastest. */
+__device__ __forceinline__ void wgrad_tile(const int32_t *order, int m_blocks, int n_blocks,
+                                           int i, int &m_block, int &n_block) {
+    const int per_expert = m_blocks * n_blocks;
+    const int rank = i / per_expert, t = i - rank * per_expert;
+    const int e = order ? __ldg(order + rank) : rank;
+    m_block = e * m_blocks + t / n_blocks;
+    n_block = t % n_blocks;
+}
+
 /* ---- scheduler: (expert, m block, n block) tiles, n fastest; K = the expert's rows -------
- * The experts come in args.expert_order (expert_order.cu: most rows first; identity when
- * NULL), so tile i belongs to the (i / tiles_per_expert)-th of them.
+ * The experts come in args.expert_order (expert_order.cu: the heavy ones first, most rows
+ * first; identity when NULL), so tile i belongs to the (i / tiles_per_expert)-th of them.
  * Wave w hands tiles w*G .. w*G + G-1 to the G CTAs forwards when w is even and
  * backwards when it is odd (a snake): the CTA that got one of a wave's costliest tiles
- * gets one of the next wave's cheapest, so the costliest tiles spread evenly.
+ * gets one of the next wave's cheapest, so the heavy experts' tiles spread evenly.
  * With store warps (bf16 out) and an order, the tiles of experts without rows are left
  * out here: they are zeros, written by the store warps beside the GEMM tiles
  * (WgradEpilogue::idle_work), instead of a tail of pure stores after them.
@@ -74,10 +84,7 @@ struct WgradScheduler {
         const int i = wave * (int)gridDim.x + cta;
         if (i >= total) return false;   /* later waves hold only larger i */
         ++wave;
-        const int rank = i / tiles_per_expert, t = i - rank * tiles_per_expert;
-        const int e = order ? __ldg(order + rank) : rank;
-        m_block = e * m_blocks + t / n_blocks;
-        n_block = t % n_blocks;
+        wgrad_tile(order, m_blocks, n_blocks, i, m_block, n_block);
         return true;
     }
     __device__ __forceinline__ int num_k_blocks(int m_block, int) const {
@@ -160,11 +167,10 @@ struct WgradEpilogue {
      * at BN = 256, so a consumer whose buffer is ready waits at most that long. */
     __device__ __forceinline__ bool idle_work() {
         if (zero_tile >= zero_end) return false;
-        const int rank = zero_tile / (args.m_blocks * args.n_blocks);
-        const int t = zero_tile - rank * args.m_blocks * args.n_blocks;
-        const int e = __ldg(args.expert_order + rank);
-        const int64_t row = (int64_t)e * args.m + (t / args.n_blocks) * kBlockM + zero_row;
-        uint16_t *tile = args.dw_bf16 + row * args.n + (t % args.n_blocks) * Cfg::BN;
+        int m_block, n_block;
+        wgrad_tile(args.expert_order, args.m_blocks, args.n_blocks, zero_tile, m_block, n_block);
+        uint16_t *tile =
+            args.dw_bf16 + (first_row(m_block, 0) + zero_row) * args.n + n_block * Cfg::BN;
         constexpr int kVecs = Cfg::BN * 2 / 16, kRowsPerStep = 32 / kVecs;
         const int lane = threadIdx.x % 32;
         uint4 *piece =
