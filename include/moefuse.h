@@ -90,6 +90,12 @@ typedef enum moefuse_saved_mode {
     /* only the plan; the backward recomputes W13 x (one more gemm1, 1/3 of the
      * forward's FLOPs) */
     MOEFUSE_RECOMPUTE = 1,
+    /* [g; u] as MOEFUSE_SAVE_ACTIVATIONS, and the expert-sorted input rows the forward
+     * dispatched (what dW13 reads): K * (2I + H) * 2 bytes per token, plus the plan. The
+     * backward skips its second dispatch of x. Same bits as MOEFUSE_SAVE_ACTIVATIONS.
+     * CUDA backend with R = 1 only (R > 1 is refused at create); the CPU backend takes
+     * it as MOEFUSE_SAVE_ACTIVATIONS (its gather of x is not worth keeping). */
+    MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS = 2,
 } moefuse_saved_mode;
 
 /* How the CUDA forward runs its two expert GEMMs (the CPU backend ignores it). Both give

@@ -66,6 +66,9 @@ class SavedMode(enum.IntEnum):
 
     SAVE_ACTIVATIONS = 0  # [g; u] of every routed slot, bf16
     RECOMPUTE = 1  # only the plan; the backward recomputes W13 x
+    # [g; u] and the forward's expert-sorted x rows (one rank, CUDA: the backward does
+    # not gather x again; the CPU backend keeps [g; u] only)
+    SAVE_ACTIVATIONS_AND_INPUTS = 2
 
 
 class Pipeline(enum.IntEnum):

@@ -384,6 +384,10 @@ def _check_module_config(hidden, intermediate, num_experts, top_k, max_tokens, c
     if saved_mode not in tuple(_lib.SavedMode):
         raise ValueError(f"ExpertParallelExperts: saved_mode must be a moefuse SavedMode, got "
                          f"{saved_mode!r}")
+    if saved_mode == _lib.SavedMode.SAVE_ACTIVATIONS_AND_INPUTS:
+        raise ValueError("ExpertParallelExperts: saved_mode SAVE_ACTIVATIONS_AND_INPUTS is for "
+                         "one rank (the expert-parallel backward receives its x rows again); "
+                         "use SAVE_ACTIVATIONS or RECOMPUTE")
     if pipeline is not None and pipeline not in tuple(_lib.Pipeline):
         raise ValueError(f"ExpertParallelExperts: pipeline must be a moefuse Pipeline or None, "
                          f"got {pipeline!r}")

@@ -58,7 +58,8 @@ class MoEExperts(nn.Module):
                       ([out, in] as nn.Linear).
         down_proj:    W2 [E, H, I].
     Both bf16 by default; fp32 works too (master weights: cast to bf16 per call,
-    gradients stay fp32).
+    gradients stay fp32). recompute and save_inputs choose what a forward keeps for its
+    backward, as moefuse.experts() documents.
 
     forward(x [T, H], ids [T, K], p [T, K]) -> y [T, H]:
         y_t = sum_k p[t,k] * W2_e (silu(g) * u),  [g; u] = W13_e x_t,  e = ids[t,k].
@@ -67,13 +68,15 @@ class MoEExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
-                 recompute: bool = False, device: Optional[Union[torch.device, str]] = None,
+                 recompute: bool = False, save_inputs: bool = True,
+                 device: Optional[Union[torch.device, str]] = None,
                  dtype: torch.dtype = _BF16):
         super().__init__()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.recompute = recompute
+        self.save_inputs = save_inputs
         self.gate_up_proj = nn.Parameter(torch.empty(
             num_experts, 2 * intermediate_size, hidden_size, device=device, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(
@@ -109,12 +112,14 @@ class MoEExperts(nn.Module):
             x = x.to(_BF16)
         if p.is_floating_point() and p.dtype != torch.float32:
             p = p.to(torch.float32)
-        y = ops.experts(x, ids, p, self.gate_up_proj, self.down_proj, recompute=self.recompute)
+        y = ops.experts(x, ids, p, self.gate_up_proj, self.down_proj, recompute=self.recompute,
+                        save_inputs=self.save_inputs)
         return y if y.dtype == in_dtype else y.to(in_dtype)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
-                f"intermediate_size={self.intermediate_size}, recompute={self.recompute}")
+                f"intermediate_size={self.intermediate_size}, recompute={self.recompute}, "
+                f"save_inputs={self.save_inputs}")
 
 
 class MoefuseQwen3MoeBlock(nn.Module):
@@ -134,7 +139,8 @@ class MoefuseQwen3MoeBlock(nn.Module):
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int,
                  num_experts_per_tok: int, norm_topk_prob: bool = True, *,
                  router: str = "torch", return_router_logits: bool = False,
-                 recompute: bool = False, device: Optional[Union[torch.device, str]] = None,
+                 recompute: bool = False, save_inputs: bool = True,
+                 device: Optional[Union[torch.device, str]] = None,
                  dtype: torch.dtype = _BF16):
         super().__init__()
         if router not in ("torch", "moefuse"):
@@ -153,7 +159,8 @@ class MoefuseQwen3MoeBlock(nn.Module):
         self.return_router_logits = return_router_logits
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
         self.experts = MoEExperts(num_experts, hidden_size, moe_intermediate_size,
-                                  recompute=recompute, device=device, dtype=dtype)
+                                  recompute=recompute, save_inputs=save_inputs,
+                                  device=device, dtype=dtype)
 
     @classmethod
     def from_config(cls, config, **kwargs) -> "MoefuseQwen3MoeBlock":

@@ -2,7 +2,7 @@
 
 Public functions (differentiable, torch.compile(fullgraph=True) friendly):
 
-    experts(x, ids, p, w13, w2, recompute=False) -> y
+    experts(x, ids, p, w13, w2, recompute=False, save_inputs=True) -> y
         x    [T, H]      bf16
         ids  [T, K]      int32 (int64 is converted: it is what torch.topk returns);
                          expert id per slot, -1 = slot dropped
@@ -88,8 +88,8 @@ class LayerCache:
         self._lock = threading.Lock()
 
     def get(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
-            num_tokens: int, device: torch.device, recompute: bool) -> _lib.Layer:
-        saved_mode = _lib.SavedMode.RECOMPUTE if recompute else _lib.SavedMode.SAVE_ACTIVATIONS
+            num_tokens: int, device: torch.device, saved_mode: int) -> _lib.Layer:
+        saved_mode = _lib.SavedMode(saved_mode)
         bucket = token_bucket(num_tokens)
         device = _normalize_device(device)
         pipeline = pipeline_from_env()
@@ -276,14 +276,22 @@ def _shape_of(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor):
     return num_tokens, hidden, two_i // 2, num_experts, ids.shape[1]
 
 
+def saved_mode_for(recompute: bool, save_inputs: bool) -> _lib.SavedMode:
+    """The layer's moefuse_saved_mode for experts()'s two switches."""
+    if recompute:
+        return _lib.SavedMode.RECOMPUTE
+    return (_lib.SavedMode.SAVE_ACTIVATIONS_AND_INPUTS if save_inputs
+            else _lib.SavedMode.SAVE_ACTIVATIONS)
+
+
 def saved_bytes(num_tokens: int, hidden: int, intermediate: int, num_experts: int,
                 top_k: int, device: torch.device | str = "cpu",
-                recompute: bool = False) -> int:
+                recompute: bool = False, save_inputs: bool = True) -> int:
     """Bytes the forward keeps for the backward for T tokens (moefuse_saved_bytes)."""
     if num_tokens == 0:
         return 0
     layer = layer_cache.get(hidden, intermediate, num_experts, top_k, num_tokens,
-                            torch.device(device), recompute)
+                            torch.device(device), saved_mode_for(recompute, save_inputs))
     return layer.saved_bytes(num_tokens)
 
 
@@ -293,7 +301,7 @@ def saved_bytes(num_tokens: int, hidden: int, intermediate: int, num_experts: in
 @torch.library.custom_op("moefuse::experts_fwd", mutates_args=())
 def _experts_fwd(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch.Tensor,
                  w2: torch.Tensor, need_saved: bool,
-                 recompute: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 saved_mode: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [T, H] bf16, saved uint8 [saved_bytes(T)], empty when need_saved is False).
     Arguments already validated by experts()."""
     T, H, I, E, K = _shape_of(x, ids, w13)
@@ -301,7 +309,7 @@ def _experts_fwd(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch
     y = torch.empty((T, H), dtype=_BF16, device=device)
     if T == 0:
         return y, torch.empty(0, dtype=torch.uint8, device=device)
-    layer = layer_cache.get(H, I, E, K, T, device, recompute)
+    layer = layer_cache.get(H, I, E, K, T, device, saved_mode)
     x = _as_rows(x, H)
     w13, w2 = _bf16_weight(w13), _bf16_weight(w2)
     saved = (_alloc_saved(layer.saved_bytes(T), device) if need_saved
@@ -316,13 +324,13 @@ def _experts_fwd(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch
 
 
 @_experts_fwd.register_fake
-def _experts_fwd_fake(x, ids, p, w13, w2, need_saved, recompute):
+def _experts_fwd_fake(x, ids, p, w13, w2, need_saved, saved_mode):
     T, H, I, E, K = _shape_of(x, ids, w13)
     y = x.new_empty((T, H), dtype=_BF16)
     if not need_saved:
         num_bytes = 0
     elif isinstance(T, int):
-        num_bytes = saved_bytes(T, H, I, E, K, x.device, recompute)
+        num_bytes = layer_cache.get(H, I, E, K, T, x.device, saved_mode).saved_bytes(T)
     else:
         # Dynamic T: the size is a function of T and the config only, but that
         # function lives in C; an unbacked size says "known at run time".
@@ -336,7 +344,7 @@ def _experts_fwd_fake(x, ids, p, w13, w2, need_saved, recompute):
 @torch.library.custom_op("moefuse::experts_bwd", mutates_args=())
 def _experts_bwd(dy: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor,
                  w13: torch.Tensor, w2: torch.Tensor, saved: torch.Tensor,
-                 recompute: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                 saved_mode: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                            torch.Tensor]:
     """(dx [T, H] bf16, dp [T, K] fp32, dw13 [E, 2I, H], dw2 [E, H, I]); the weight
     gradients bf16 when w13 and w2 are bf16, else fp32 (_wgrad_dtype)."""
@@ -350,7 +358,7 @@ def _experts_bwd(dy: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, p: torch.
                 torch.zeros(w2.shape, dtype=wgrad_dtype, device=device))
     dw13 = torch.empty(w13.shape, dtype=wgrad_dtype, device=device)
     dw2 = torch.empty(w2.shape, dtype=wgrad_dtype, device=device)
-    layer = layer_cache.get(H, I, E, K, T, device, recompute)
+    layer = layer_cache.get(H, I, E, K, T, device, saved_mode)
     x, dy = _as_rows(x, H), _as_rows(dy.to(_BF16), H)
     w13, w2 = _bf16_weight(w13), _bf16_weight(w2)
     saved = _aligned_saved(saved)
@@ -365,7 +373,7 @@ def _experts_bwd(dy: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, p: torch.
 
 
 @_experts_bwd.register_fake
-def _experts_bwd_fake(dy, x, ids, p, w13, w2, saved, recompute):
+def _experts_bwd_fake(dy, x, ids, p, w13, w2, saved, saved_mode):
     T, H, _, _, K = _shape_of(x, ids, w13)
     wgrad_dtype = _wgrad_dtype(w13, w2)
     return (x.new_empty((T, H), dtype=_BF16), x.new_empty((T, K), dtype=torch.float32),
@@ -374,11 +382,11 @@ def _experts_bwd_fake(dy, x, ids, p, w13, w2, saved, recompute):
 
 
 def _experts_setup_context(ctx, inputs, output):
-    x, ids, p, w13, w2, need_saved, recompute = inputs
+    x, ids, p, w13, w2, need_saved, saved_mode = inputs
     _, saved = output
     ctx.save_for_backward(x, ids, p, w13, w2, saved)
     ctx.need_saved = need_saved
-    ctx.recompute = recompute
+    ctx.saved_mode = saved_mode
     # saved never gets a gradient: without this, autograd would pass a zero-filled
     # uint8 tensor of its size (a fill of 0.4 GB per call on qwen3-30b-a3b at T = 16384).
     ctx.set_materialize_grads(False)
@@ -394,7 +402,7 @@ def _experts_backward(ctx, dy, _dsaved):
             "requires grad)")
     x, ids, p, w13, w2, saved = ctx.saved_tensors
     dx, dp, dw13, dw2 = torch.ops.moefuse.experts_bwd(dy, x, ids, p, w13, w2, saved,
-                                                      ctx.recompute)
+                                                      ctx.saved_mode)
     need = ctx.needs_input_grad
     # Already each weight's dtype (a no-op) unless one weight is bf16 and the other fp32.
     return (dx if need[0] else None, None, dp if need[2] else None,
@@ -459,7 +467,7 @@ def _validate_experts(x, ids, p, w13, w2) -> torch.Tensor:
 
 
 def experts(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch.Tensor,
-            w2: torch.Tensor, recompute: bool = False) -> torch.Tensor:
+            w2: torch.Tensor, recompute: bool = False, save_inputs: bool = True) -> torch.Tensor:
     """The routed experts: y_t = sum_k p[t,k] * W2_e silu-glu(W13_e x_t), e = ids[t,k].
 
     Args:
@@ -473,6 +481,10 @@ def experts(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch.Tens
         w2:  [E, H, I] contiguous, bf16 (or fp32).
         recompute: keep only the routing plan and recompute W13 x in the backward
              (saves K * 2I * 2 bytes per token for 1/3 more forward FLOPs).
+        save_inputs: without recompute, also keep the forward's expert-sorted copies of
+             x (K * H * 2 bytes more per token), so the backward does not gather x
+             again (CUDA; the CPU backend ignores it). Even so, fewer bytes than autograd
+             through torch._grouped_mm keeps. Same results either way.
 
     Returns:
         y [T, H] bf16.
@@ -484,7 +496,8 @@ def experts(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch.Tens
         x = x.contiguous()
     need_saved = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, p, w13, w2))
-    y, _ = torch.ops.moefuse.experts_fwd(x, ids, p, w13, w2, need_saved, recompute)
+    y, _ = torch.ops.moefuse.experts_fwd(x, ids, p, w13, w2, need_saved,
+                                         int(saved_mode_for(recompute, save_inputs)))
     return y
 
 

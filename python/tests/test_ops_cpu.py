@@ -33,10 +33,10 @@ HEADER = REPO / "include" / "moefuse.h"
 pytestmark = pytest.mark.usefixtures("library")
 
 
-def run_op(x, ids, p, w13, w2, dy, recompute=False):
+def run_op(x, ids, p, w13, w2, dy, recompute=False, save_inputs=True):
     """(y, dx, dp, dw13, dw2) from the op with autograd."""
     x, p, w13, w2 = (t.detach().clone().requires_grad_() for t in (x, p, w13, w2))
-    y = moefuse.experts(x, ids, p, w13, w2, recompute=recompute)
+    y = moefuse.experts(x, ids, p, w13, w2, recompute=recompute, save_inputs=save_inputs)
     y.backward(dy)
     return y.detach(), x.grad, p.grad, w13.grad, w2.grad
 
@@ -92,12 +92,16 @@ def test_layer_cache_and_saved_bytes():
     n = moefuse.saved_bytes(100, 64, 32, 8, 2)
     n_recompute = moefuse.saved_bytes(100, 64, 32, 8, 2, recompute=True)
     assert n > 0 and n_recompute < n  # recompute keeps the plan, not [g; u]
+    # The CPU backend keeps no input rows: save_inputs changes nothing there.
+    assert moefuse.saved_bytes(100, 64, 32, 8, 2, save_inputs=False) == n
     assert ops.token_bucket(100) == 128 and ops.token_bucket(1) == 64
-    layer = ops.layer_cache.get(64, 32, 8, 2, 100, torch.device("cpu"), False)
-    assert layer is ops.layer_cache.get(64, 32, 8, 2, 128, torch.device("cpu"), False)
-    assert layer.cfg.max_tokens == 128
+    mode = int(_lib.SavedMode.SAVE_ACTIVATIONS_AND_INPUTS)
+    assert ops.saved_mode_for(False, True) == mode
+    layer = ops.layer_cache.get(64, 32, 8, 2, 100, torch.device("cpu"), mode)
+    assert layer is ops.layer_cache.get(64, 32, 8, 2, 128, torch.device("cpu"), mode)
+    assert layer.cfg.max_tokens == 128 and layer.cfg.saved_mode == mode
     x, ids, p, w13, w2, _ = random_problem(100, 64, 32, 8, 2)
-    y, saved = torch.ops.moefuse.experts_fwd(x, ids, p, w13, w2, True, False)
+    y, saved = torch.ops.moefuse.experts_fwd(x, ids, p, w13, w2, True, mode)
     assert saved.dtype == torch.uint8 and saved.numel() == n
     assert saved.data_ptr() % 256 == 0
 
@@ -107,7 +111,8 @@ def test_pipeline_from_env(monkeypatch):
     assert ops.pipeline_from_env() == _lib.Pipeline.STAGED == 0
     monkeypatch.setenv("MOEFUSE_PIPELINE", "Fused")
     assert ops.pipeline_from_env() == _lib.Pipeline.FUSED
-    layer = ops.layer_cache.get(64, 32, 8, 2, 100, torch.device("cpu"), False)
+    layer = ops.layer_cache.get(64, 32, 8, 2, 100, torch.device("cpu"),
+                                _lib.SavedMode.SAVE_ACTIVATIONS)
     assert layer.cfg.pipeline == _lib.Pipeline.FUSED  # the CPU backend takes and ignores it
     monkeypatch.setenv("MOEFUSE_PIPELINE", "fastest")
     with pytest.raises(ValueError, match="MOEFUSE_PIPELINE='fastest'.*staged, fused"):
@@ -192,10 +197,11 @@ def test_bf16_weight_gradients_are_rounded_fp32():
     assert dw13_m.dtype == torch.bfloat16 and dw2_m.dtype == torch.float32
     assert torch.equal(_bits(dw13_m), _bits(dw13_b)) and torch.equal(dw2_m, dw2_f)
 
-    _, saved = torch.ops.moefuse.experts_fwd(x, ids, p, w13, w2, True, False)
+    mode = int(_lib.SavedMode.SAVE_ACTIVATIONS)
+    _, saved = torch.ops.moefuse.experts_fwd(x, ids, p, w13, w2, True, mode)
     for a, b, want in ((w13, w2, torch.bfloat16), (w13.float(), w2.float(), torch.float32),
                        (w13, w2.float(), torch.float32)):
-        args = (dy, x, ids, p, a, b, saved, False)
+        args = (dy, x, ids, p, a, b, saved, mode)
         dw13, dw2 = torch.ops.moefuse.experts_bwd(*args)[2:]
         assert dw13.dtype == want and dw2.dtype == want
         torch.library.opcheck(torch.ops.moefuse.experts_bwd.default, args,
@@ -209,7 +215,8 @@ def test_bf16_weight_gradients_zero_tokens():
     ids, p = torch.empty(0, 2, dtype=torch.int32), torch.empty(0, 2)
     saved = torch.empty(0, dtype=torch.uint8)
     for a, b, want in ((w13, w2, torch.bfloat16), (w13.float(), w2.float(), torch.float32)):
-        dw13, dw2 = torch.ops.moefuse.experts_bwd(x, x, ids, p, a, b, saved, False)[2:]
+        dw13, dw2 = torch.ops.moefuse.experts_bwd(x, x, ids, p, a, b, saved,
+                                                  int(_lib.SavedMode.SAVE_ACTIVATIONS))[2:]
         assert dw13.dtype == want and dw2.dtype == want
         assert not dw13.any() and not dw2.any()
 
@@ -222,11 +229,12 @@ def test_deterministic():
 
 
 def test_recompute_equals_saved_activations():
-    """[g; u] recomputed in the backward is the same GEMM as the forward's, so both
+    """[g; u] recomputed in the backward is the same GEMM as the forward's, so all
     modes give the same gradients, bit for bit."""
     problem = random_problem(64, 128, 64, 8, 2, seed=5)
-    for a, b in zip(run_op(*problem), run_op(*problem, recompute=True)):
-        assert torch.equal(a, b)
+    for a, b, c in zip(run_op(*problem), run_op(*problem, recompute=True),
+                       run_op(*problem, save_inputs=False)):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_two_forwards_before_backward():

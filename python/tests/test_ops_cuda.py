@@ -64,10 +64,11 @@ def on_device(*tensors):
     return tuple(t.to(DEV) for t in tensors)
 
 
-def run_op(x, ids, p, w13, w2, dy, recompute=False):
+def run_op(x, ids, p, w13, w2, dy, recompute=False, save_inputs=True):
     """(y, dx, dp, dw13, dw2) on CUDA from the op with autograd, as CPU tensors."""
     x, p, w13, w2 = (t.detach().to(DEV).clone().requires_grad_() for t in (x, p, w13, w2))
-    y = moefuse.experts(x, ids.to(DEV), p, w13, w2, recompute=recompute)
+    y = moefuse.experts(x, ids.to(DEV), p, w13, w2, recompute=recompute,
+                        save_inputs=save_inputs)
     y.backward(dy.to(DEV))
     moefuse.check_device_errors()
     return tuple(t.cpu() for t in (y.detach(), x.grad, p.grad, w13.grad, w2.grad))
@@ -209,9 +210,18 @@ def test_backward_fp32_master_weights_and_recompute_equal():
         assert_close_bf16(g, r, name)
     bf16 = run_op(x, ids, p, w13, w2, dy)
     assert torch.equal(y, bf16[0]) and torch.equal(dw13.to(torch.bfloat16), bf16[3])
-    # Saved activations and recompute run the same GEMMs: same bits.
-    for a, b in zip(bf16, run_op(x, ids, p, w13, w2, dy, recompute=True)):
-        assert torch.equal(a, b)
+    # Saved activations (with or without the input rows) and recompute run the same
+    # GEMMs on the same rows: same bits.
+    for a, b, c in zip(bf16, run_op(x, ids, p, w13, w2, dy, recompute=True),
+                       run_op(x, ids, p, w13, w2, dy, save_inputs=False)):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    # The input rows: [rows_cap, H] bf16, rows_cap = the T*K slots and each expert's
+    # padding rows, rounded to the 128-row tiles (backend.cu's saved layout).
+    H, K = x.shape[1], ids.shape[1]
+    extra = (moefuse.saved_bytes(128, H, 128, 8, K, DEV)
+             - moefuse.saved_bytes(128, H, 128, 8, K, DEV, save_inputs=False))
+    rows_cap = (128 * K + 127 * min(8, 128 * K) + 127) // 128 * 128
+    assert extra == rows_cap * H * 2
 
 
 def test_backward_deterministic():

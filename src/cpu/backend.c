@@ -90,7 +90,9 @@ typedef struct cpu_state {
 /* ---- the saved buffer ---------------------------------------------------------------
  * [header | expert_counts | expert_offsets | slot_row | row_slot | [g;u] rows]
  * The header names the layer's identity and T; backward refuses anything else.
- * [g;u] (SAVE_ACTIVATIONS only) is bf16 [T*K, 2I] in plan row order. */
+ * [g;u] (every mode but RECOMPUTE) is bf16 [T*K, 2I] in plan row order: this backend
+ * takes MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS as SAVE_ACTIVATIONS (its gather of x rows
+ * is cheap beside its GEMMs, so it does not keep them). */
 
 #define SAVED_MAGIC 0x3143464du /* "MFC1" */
 #define SAVED_VERSION 1u
@@ -128,7 +130,7 @@ static saved_layout layout_for(const moefuse_layer *layer, int num_tokens) {
     l.row_slot = align_up(l.slot_row + sizeof(int32_t) * (size_t)slots, 64);
     l.gu = align_up(l.row_slot + sizeof(int32_t) * (size_t)slots, 256);
     l.total = l.gu;
-    if (layer->cfg.saved_mode == MOEFUSE_SAVE_ACTIVATIONS)
+    if (layer->cfg.saved_mode != MOEFUSE_RECOMPUTE)
         l.total += sizeof(uint16_t) * (size_t)slots * 2 * (size_t)layer->cfg.intermediate;
     return l;
 }
@@ -511,7 +513,7 @@ static moefuse_status cpu_forward(moefuse_layer *layer, const moefuse_fwd_args *
         .layer = layer, .st = st, .a = a,
         .pv = {plan.num_rows, plan.expert_counts, plan.expert_offsets, plan.slot_row,
                plan.row_slot},
-        .saved_gu = saved && cfg->saved_mode == MOEFUSE_SAVE_ACTIVATIONS
+        .saved_gu = saved && cfg->saved_mode != MOEFUSE_RECOMPUTE
                         ? (uint16_t *)(saved + l.gu) : NULL,
     };
     int num_tasks = build_tasks(&c.pv, el, st->tasks);
@@ -671,7 +673,7 @@ static moefuse_status cpu_backward(moefuse_layer *layer, const moefuse_bwd_args 
     bwd_ctx c = {.layer = layer, .st = st, .a = a, .saved_gu = NULL};
     moefuse_status s = check_saved(layer, a, &c.pv);
     if (s != MOEFUSE_OK) return s;
-    if (cfg->saved_mode == MOEFUSE_SAVE_ACTIVATIONS)
+    if (cfg->saved_mode != MOEFUSE_RECOMPUTE)
         c.saved_gu = (const uint16_t *)((const unsigned char *)a->saved +
                                         layout_for(layer, T).gu);
     int num_tasks = build_tasks(&c.pv, el, st->tasks);

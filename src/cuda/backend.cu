@@ -16,17 +16,22 @@
  *   row_block_expert int32[rows_cap / 128]
  *   slot_row         int32[T * K]
  *   row_slot         int32[rows_cap]
- *   gate_up          bf16 [rows_cap, 2I]   MOEFUSE_SAVE_ACTIVATIONS only
+ *   gate_up          bf16 [rows_cap, 2I]   MOEFUSE_SAVE_ACTIVATIONS(_AND_INPUTS)
+ *   xs               bf16 [rows_cap, H]    MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS only
  * with rows_cap = roundup(T*K + 127 * min(E_local, T*K), 128), the most rows the
  * padded layout can take. Bytes per token: 8K (slot_row + row_slot) + 4KI (gate_up,
  * K rows of 2I bf16) + K/32 (row_block_expert): qwen3-30b-a3b 64 + 24576 = 24,640 B,
  * qwen3-235b-a22b 64 + 49152 = 49,216 B; plus at most 127 * min(E_local, T*K) padding
- * rows of 4 + 4I bytes, and the header and counts (under 2 KB at E = 128).
+ * rows of 4 + 4I bytes, and the header and counts (under 2 KB at E = 128). The
+ * inputs add 2KH bytes per token (xs, the forward's own dispatch target): qwen3-30b-a3b
+ * 32,768, qwen3-235b-a22b 65,536.
  * (This layout is the contract between the CUDA forward and backward below.)
  *
  * Layer workspaces, bytes per token of max_tokens (K slot rows each; the padding rows
  * of rows_cap add up to 127 * min(E_local, T*K) rows on top):
  *   xs        [rows_cap, H]  bf16   fwd: gathered x      bwd: gathered x again (dW13)
+ *                                   (MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS: saved's xs
+ *                                   instead, but for forwards with saved = NULL)
  *   act       [rows_cap, I]  bf16   fwd: a               bwd: act_p = bf16(p a) (dW2)
  *   combine   [rows_cap, H]  bf16   fwd: slot rows of y  bwd: dys, then slot rows of dx
  *   dh        [rows_cap, 2I] bf16   bwd: [dg | du]
@@ -68,7 +73,7 @@ int rows_cap_for(const moefuse_layer *layer, int num_tokens) {
     return (int)((rows + MF_SM90_BLOCK_M - 1) / MF_SM90_BLOCK_M * MF_SM90_BLOCK_M);
 }
 
-saved_layout layout_for(const moefuse_layer *layer, int num_tokens, bool with_gate_up) {
+saved_layout layout_for(const moefuse_layer *layer, int num_tokens, moefuse_saved_mode mode) {
     saved_layout s;
     const int EL = layer->num_local_experts;
     s.rows_cap = rows_cap_for(layer, num_tokens);
@@ -81,8 +86,11 @@ saved_layout layout_for(const moefuse_layer *layer, int num_tokens, bool with_ga
     s.row_slot = at;  // one rank only (EP: the rows' sources are sent again by the backward)
     if (!layer->comm) at += align256((size_t)s.rows_cap * sizeof(int32_t));
     s.gate_up = at;
-    if (with_gate_up)
+    if (mode != MOEFUSE_RECOMPUTE)
         at += align256((size_t)s.rows_cap * 2 * layer->cfg.intermediate * sizeof(uint16_t));
+    s.xs = at;
+    if (mode == MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS)
+        at += align256((size_t)s.rows_cap * layer->cfg.hidden * sizeof(uint16_t));
     s.total = at;
     return s;
 }
@@ -116,8 +124,12 @@ moefuse_status alloc(void **p, size_t bytes, const char *what) {
 
 /* ---- the stages both pipelines run (backend.h) ------------------------------------- */
 
-void header_words(const moefuse_layer *layer, int num_tokens, int rows_cap, bool save_act,
-                  int32_t words[kHeaderWords]) {
+moefuse_saved_mode saved_mode_of(const moefuse_layer *layer, const void *saved) {
+    return saved ? layer->cfg.saved_mode : MOEFUSE_RECOMPUTE;
+}
+
+void header_words(const moefuse_layer *layer, int num_tokens, int rows_cap,
+                  moefuse_saved_mode mode, int32_t words[kHeaderWords]) {
     const moefuse_config *c = &layer->cfg;
     memset(words, 0, sizeof(int32_t) * kHeaderWords);
     words[kHeaderMagic] = kSavedMagic;
@@ -128,14 +140,15 @@ void header_words(const moefuse_layer *layer, int num_tokens, int rows_cap, bool
     words[kHeaderHidden] = c->hidden;
     words[kHeaderIntermediate] = c->intermediate;
     words[kHeaderRowsCap] = rows_cap;
-    words[kHeaderSavedMode] = save_act ? MOEFUSE_SAVE_ACTIVATIONS : MOEFUSE_RECOMPUTE;
+    words[kHeaderSavedMode] = mode;
 }
 
-mf_gemm1_params gemm1_params(const moefuse_layer *layer, const uint16_t *w13, const int32_t *rbe,
-                             uint16_t *gate_up, int rows_cap) {
+mf_gemm1_params gemm1_params(const moefuse_layer *layer, const uint16_t *xs,
+                             const uint16_t *w13, const int32_t *rbe, uint16_t *gate_up,
+                             int rows_cap) {
     const cuda_state *s = state_of(layer);
     mf_gemm1_params g = {};
-    g.xs = s->xs;
+    g.xs = xs;
     g.w13 = w13;
     g.row_block_expert = rbe;
     g.num_rows = s->gemm_num_rows;
@@ -232,10 +245,10 @@ mf_wgrad_params dw2_params(const moefuse_layer *layer, const moefuse_bwd_args *a
 }
 
 mf_wgrad_params dw13_params(const moefuse_layer *layer, const moefuse_bwd_args *a,
-                            int rows_cap) {
+                            int rows_cap, const uint16_t *xs) {
     mf_wgrad_params w = wgrad_common(layer, a, rows_cap);
     w.lhs = state_of(layer)->dh;
-    w.rhs = state_of(layer)->xs;
+    w.rhs = xs;
     w.dw = a->dw13;
     w.dw_bf16 = a->dw13_bf16;
     w.m = 2 * layer->cfg.intermediate;
@@ -274,6 +287,12 @@ moefuse_status cuda_create_checked(moefuse_layer *layer, cuda_state *s) {
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
                        "config.precision = %d: the CUDA backend runs MOEFUSE_PRECISION_BF16 "
                        "only so far", (int)c->precision);
+    if (layer->comm && c->saved_mode == MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS)
+        return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
+                       "config.saved_mode = MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS with a comm: "
+                       "the expert-parallel backward receives its x rows again and does not "
+                       "read saved ones; expected MOEFUSE_SAVE_ACTIVATIONS or "
+                       "MOEFUSE_RECOMPUTE");
     /* The GEMM tiles: 128-row output blocks over H and 2I in the weight gradients and
      * 128-column blocks over H and I in the dgrads (the launchers refuse the rest). */
     if (c->hidden % 128 != 0 || c->intermediate % 128 != 0)
@@ -344,7 +363,7 @@ moefuse_status cuda_create_checked(moefuse_layer *layer, cuda_state *s) {
     MF_ALLOC_FIELD(s, chunk_base, (chunks > 0 ? chunks : 1) * plan_experts * 4);
     MF_ALLOC_FIELD(s, plan_state, sizeof(mf_plan_state));
     MF_ALLOC_FIELD(s, gemm_num_rows, sizeof(int32_t));
-    MF_ALLOC_FIELD(s, plan_ws, layout_for(layer, T, false).total);
+    MF_ALLOC_FIELD(s, plan_ws, layout_for(layer, T, MOEFUSE_RECOMPUTE).total);
     if (c->pipeline == MOEFUSE_PIPELINE_FUSED &&
         mf_sm90_moe_fused_fwd_takes(c->hidden, c->intermediate))
         MF_ALLOC_FIELD(s, act_ready, (rows_cap / 128 + 1) * 4);
@@ -386,8 +405,7 @@ void cuda_destroy(moefuse_layer *layer) {
 }
 
 size_t cuda_saved_bytes(const moefuse_layer *layer, int num_tokens) {
-    return layout_for(layer, num_tokens, layer->cfg.saved_mode == MOEFUSE_SAVE_ACTIVATIONS)
-        .total;
+    return layout_for(layer, num_tokens, layer->cfg.saved_mode).total;
 }
 
 moefuse_status cuda_forward(moefuse_layer *layer, const moefuse_fwd_args *a, void *stream_) {
@@ -396,10 +414,10 @@ moefuse_status cuda_forward(moefuse_layer *layer, const moefuse_fwd_args *a, voi
     if (layer->comm) return ep_forward(layer, a, stream);
     const moefuse_config *c = &layer->cfg;
     const int T = a->num_tokens, K = c->top_k, EL = layer->num_local_experts;
-    const bool save_act = a->saved && c->saved_mode == MOEFUSE_SAVE_ACTIVATIONS;
+    const moefuse_saved_mode mode = saved_mode_of(layer, a->saved);
 
     // ---- 1. plan: into the caller's saved buffer, else into the workspace ----
-    const saved_layout lay = layout_for(layer, T, save_act);
+    const saved_layout lay = layout_for(layer, T, mode);
     char *plan_base = a->saved ? (char *)a->saved : (char *)s->plan_ws;
     mf_plan_params pp = {};
     pp.ids = a->ids;
@@ -421,16 +439,19 @@ moefuse_status cuda_forward(moefuse_layer *layer, const moefuse_fwd_args *a, voi
     pp.saved_header = (int32_t *)(plan_base + lay.header);
     pp.num_rows = pp.saved_header + kHeaderNumRows;
     pp.user_counts = a->expert_counts;
-    header_words(layer, T, lay.rows_cap, save_act, pp.header_words);
+    header_words(layer, T, lay.rows_cap, mode, pp.header_words);
     MF_CUDA_TRY(mf_plan_build_cuda(&pp, stream));
     if (T == 0) return MOEFUSE_OK;  // the plan wrote expert_counts = 0; y has no rows
     const int32_t *call_failed = &s->plan_state->call_failed;
 
-    // ---- 2. dispatch: x rows -> expert-sorted xs ----
+    // ---- 2. dispatch: x rows -> expert-sorted xs (the workspace, or saved's for the
+    //      backward's dW13) ----
+    uint16_t *xs = mode == MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS
+                       ? (uint16_t *)((char *)a->saved + lay.xs) : s->xs;
     mf_dispatch_params dp = {};
     dp.x[0] = a->x;
     dp.x_stride[0] = a->x_stride;
-    dp.xs[0] = s->xs;
+    dp.xs[0] = xs;
     dp.num_tensors = 1;
     dp.slot_row = pp.slot_row;
     dp.row_slot = pp.row_slot;
@@ -448,8 +469,9 @@ moefuse_status cuda_forward(moefuse_layer *layer, const moefuse_fwd_args *a, voi
     // One fused kernel (act_ready set) or one kernel each; the same bits.
     // On bad ids gemm_num_rows is 0: the gemms touch nothing.
     const mf_gemm1_params g1 = gemm1_params(
-        layer, a->w13, pp.row_block_expert,
-        save_act ? (uint16_t *)((char *)a->saved + lay.gate_up) : NULL, lay.rows_cap);
+        layer, xs, a->w13, pp.row_block_expert,
+        mode != MOEFUSE_RECOMPUTE ? (uint16_t *)((char *)a->saved + lay.gate_up) : NULL,
+        lay.rows_cap);
     mf_gemm2_params g2 = gemm2_params(layer, a->w2, pp.row_block_expert, pp.row_slot, lay.rows_cap);
     g2.slot_weight = a->weights;
     g2.combine = s->combine;
@@ -470,7 +492,8 @@ moefuse_status cuda_forward(moefuse_layer *layer, const moefuse_fwd_args *a, voi
 /* ---- backward ----------------------------------------------------------------------
  *
  *   check     the saved plan against the layer, T and ids (device, below)
- *   dispatch  dy -> dys (in combine), x -> xs, in the saved plan's row order
+ *   dispatch  dy -> dys (in combine), x -> xs, in the saved plan's row order (x not
+ *             with MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS: dW13 reads the saved xs)
  *   gemm1     MOEFUSE_RECOMPUTE only: xs -> [g | u] (the forward's very call, so the
  *             forward's bits; act goes to the act workspace and is not read)
  *   dgrad2    dys W2_e with the SwiGLU backward -> dh = [dg | du], act_p = bf16(p a),
@@ -639,7 +662,7 @@ moefuse_status check_saved(moefuse_layer *layer, const moefuse_bwd_args *a,
     cp.row_slot = (const int32_t *)(base + lay.row_slot);
     cp.ids = a->ids;
     int32_t want[kHeaderWords];
-    header_words(layer, T, lay.rows_cap, c->saved_mode == MOEFUSE_SAVE_ACTIVATIONS, want);
+    header_words(layer, T, lay.rows_cap, c->saved_mode, want);
     memcpy(cp.want, want, sizeof cp.want);
     cp.num_tokens = T;
     cp.top_k = K;
@@ -705,14 +728,14 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     if (layer->comm) return ep_backward(layer, a, stream);
     if (T == 0) {  // no rows: the wgrad launcher writes zero gradients (accumulating: none)
         const mf_wgrad_params dw2 = dw2_params(layer, a, 0, s->combine);
-        const mf_wgrad_params dw13 = dw13_params(layer, a, 0);
+        const mf_wgrad_params dw13 = dw13_params(layer, a, 0, s->xs);
         MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw2, stream));
         MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw13, stream));
         return MOEFUSE_OK;
     }
 
     // ---- 0. the saved plan: checked on the device ----
-    const saved_layout lay = layout_for(layer, T, !recompute);
+    const saved_layout lay = layout_for(layer, T, c->saved_mode);
     const char *base = (const char *)a->saved;
     const int32_t *row_slot = (const int32_t *)(base + lay.row_slot);
     const int32_t *rbe = (const int32_t *)(base + lay.row_block_expert);
@@ -720,8 +743,11 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     const moefuse_status checked = check_saved(layer, a, lay, stream);
     if (checked != MOEFUSE_OK) return checked;
 
-    // ---- 1. dispatch: dy -> dys (the combine workspace), x -> xs, in one pass ----
+    // ---- 1. dispatch: dy -> dys (the combine workspace), x -> xs, in one pass; x not
+    //      with MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS (the forward's xs is saved) ----
     uint16_t *dys = s->combine;
+    const bool saved_xs = c->saved_mode == MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS;
+    const uint16_t *xs = saved_xs ? (const uint16_t *)(base + lay.xs) : s->xs;
     mf_dispatch_params dp = {};
     dp.x[0] = a->dy;
     dp.x_stride[0] = a->dy_stride;
@@ -729,7 +755,7 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     dp.x[1] = a->x;
     dp.x_stride[1] = a->x_stride;
     dp.xs[1] = s->xs;
-    dp.num_tensors = 2;
+    dp.num_tensors = saved_xs ? 1 : 2;
     dp.slot_row = (const int32_t *)(base + lay.slot_row);
     dp.row_slot = row_slot;
     dp.num_rows = s->gemm_num_rows;
@@ -745,7 +771,8 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     // (act is not read: dgrad2 overwrites it with act_p)
     const uint16_t *gate_up = (const uint16_t *)(base + lay.gate_up);
     if (recompute) {
-        const mf_gemm1_params g1 = gemm1_params(layer, a->w13, rbe, s->gate_up, lay.rows_cap);
+        const mf_gemm1_params g1 =
+            gemm1_params(layer, s->xs, a->w13, rbe, s->gate_up, lay.rows_cap);
         MF_CUDA_TRY(mf_sm90_gemm1_swiglu_fwd_bf16(&g1, stream));
         gate_up = s->gate_up;
     }
@@ -781,7 +808,7 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     MF_CUDA_TRY(mf_reduce_dp_f32(&rd, stream));
 
     // ---- 7. dW13 = dh^T xs per expert ----
-    const mf_wgrad_params dw13 = dw13_params(layer, a, lay.rows_cap);
+    const mf_wgrad_params dw13 = dw13_params(layer, a, lay.rows_cap, xs);
     MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw13, stream));
     return MOEFUSE_OK;
 }

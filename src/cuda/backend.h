@@ -32,7 +32,7 @@ constexpr int32_t kSavedMagic = 0x5653464d;  /* "MFSV" */
 constexpr int32_t kSavedVersion = 2;
 
 struct saved_layout {
-    size_t header, counts, offsets, row_block_expert, slot_row, row_slot, gate_up, total;
+    size_t header, counts, offsets, row_block_expert, slot_row, row_slot, gate_up, xs, total;
     int rows_cap;
 };
 
@@ -47,7 +47,7 @@ struct cuda_state {
     int32_t *chunk_base;        /* [chunks(max_tokens), E_local] (EP: E) */
     mf_plan_state *plan_state;  /* error record and per-call flags */
     int32_t *gemm_num_rows;     /* device scalar */
-    void *plan_ws;              /* layout_for(max_tokens, no gate_up): the plan when saved = NULL */
+    void *plan_ws;              /* layout_for(max_tokens, RECOMPUTE): the plan when saved = NULL */
     uint32_t *act_ready;        /* [rows_cap / 128 + 1] fused forward: gemm1 tiles done per
                                  * row block, and the tile counter; NULL when staged */
     /* backward */
@@ -85,7 +85,11 @@ inline cuda_state *state_of(const moefuse_layer *layer) { return (cuda_state *)l
  * receive capacity R * max_tokens * K plus padding, whatever T is (the rows come from
  * every rank). */
 int rows_cap_for(const moefuse_layer *layer, int num_tokens);
-saved_layout layout_for(const moefuse_layer *layer, int num_tokens, bool with_gate_up);
+/* mode: what the forward keeps (cfg.saved_mode), MOEFUSE_RECOMPUTE for the plan only. */
+saved_layout layout_for(const moefuse_layer *layer, int num_tokens, moefuse_saved_mode mode);
+/* The mode a forward with this saved buffer writes: the layer's, or the plan only
+ * (MOEFUSE_RECOMPUTE) when saved is NULL. */
+moefuse_saved_mode saved_mode_of(const moefuse_layer *layer, const void *saved);
 
 /* cudaMalloc with a clear error (MOEFUSE_ERR_NO_MEMORY / _CUDA naming `what`). */
 moefuse_status alloc(void **p, size_t bytes, const char *what);
@@ -98,16 +102,17 @@ moefuse_status alloc(void **p, size_t bytes, const char *what);
     } while (0)
 
 /* The saved header a forward writes (words 0 .. kHeaderSavedMode; the rest 0). */
-void header_words(const moefuse_layer *layer, int num_tokens, int rows_cap, bool save_act,
-                  int32_t words[kHeaderWords]);
+void header_words(const moefuse_layer *layer, int num_tokens, int rows_cap,
+                  moefuse_saved_mode mode, int32_t words[kHeaderWords]);
 
 /* The params of the stages both pipelines run, on the layer's workspaces (xs, act, dh,
  * dp_partial, combine, gemm_num_rows, num_sms); the caller sets what differs:
  *   gemm2:  slot_weight + combine (one rank) or row_weight + combine_peers (EP)
  *   dgrad2: slot_weight or row_weight;  dgrad1: combine or combine_peers
  *   wgrad:  lhs, rhs, dw, m, n */
-mf_gemm1_params gemm1_params(const moefuse_layer *layer, const uint16_t *w13, const int32_t *rbe,
-                             uint16_t *gate_up, int rows_cap);
+mf_gemm1_params gemm1_params(const moefuse_layer *layer, const uint16_t *xs,
+                             const uint16_t *w13, const int32_t *rbe, uint16_t *gate_up,
+                             int rows_cap);
 mf_gemm2_params gemm2_params(const moefuse_layer *layer, const uint16_t *w2, const int32_t *rbe,
                              const int32_t *row_slot, int rows_cap);
 mf_dgrad2_params dgrad2_params(const moefuse_layer *layer, const uint16_t *dys,
@@ -116,12 +121,13 @@ mf_dgrad2_params dgrad2_params(const moefuse_layer *layer, const uint16_t *dys,
 mf_dgrad1_params dgrad1_params(const moefuse_layer *layer, const uint16_t *w13,
                                const int32_t *rbe, const int32_t *row_slot, int rows_cap);
 /* dW2 = dys^T act_p and dW13 = dh^T xs of the call, into its fp32 or bf16 buffers; dW2
- * reads dys from where the call dispatched dy. rows_cap 0: the gradients are written as
- * zeros (accumulating: left as they are). */
+ * reads dys from where the call dispatched dy, dW13 xs from the workspace or the saved
+ * buffer. rows_cap 0: the gradients are written as zeros (accumulating: left as they
+ * are). */
 mf_wgrad_params dw2_params(const moefuse_layer *layer, const moefuse_bwd_args *a, int rows_cap,
                            const uint16_t *dys);
 mf_wgrad_params dw13_params(const moefuse_layer *layer, const moefuse_bwd_args *a,
-                            int rows_cap);
+                            int rows_cap, const uint16_t *xs);
 mf_reduce_params reduce_params(const moefuse_layer *layer, const int32_t *ids, int num_tokens,
                                uint16_t *out, int64_t out_stride);
 /* expert_order for both weight gradients: the local experts by their rows in the checked

@@ -239,8 +239,8 @@ moefuse_status ep_forward(moefuse_layer *layer, const moefuse_fwd_args *a, cudaS
     const moefuse_config *c = &layer->cfg;
     const int T = a->num_tokens, K = c->top_k, E = c->num_experts, EL = layer->num_local_experts;
     const int R = s->num_ranks;
-    const bool save_act = a->saved && c->saved_mode == MOEFUSE_SAVE_ACTIVATIONS;
-    const saved_layout lay = layout_for(layer, T, save_act);
+    const moefuse_saved_mode mode = saved_mode_of(layer, a->saved);   /* not _AND_INPUTS */
+    const saved_layout lay = layout_for(layer, T, mode);
     char *plan_base = a->saved ? (char *)a->saved : (char *)s->plan_ws;
     int32_t *header = (int32_t *)(plan_base + lay.header);
 
@@ -284,7 +284,7 @@ moefuse_status ep_forward(moefuse_layer *layer, const moefuse_fwd_args *a, cudaS
     ex.gemm_num_rows = s->gemm_num_rows;
     ex.user_counts = a->expert_counts;
     ex.saved_header = header;
-    header_words(layer, T, lay.rows_cap, save_act, ex.header_words);
+    header_words(layer, T, lay.rows_cap, mode, ex.header_words);
     ex.header_send_failed_word = kHeaderSendFailed;
     ex.dest_base = s->dest_base;
     MF_CUDA_TRY(mf_ep_exchange_counts(&ex, stream));
@@ -305,7 +305,8 @@ moefuse_status ep_forward(moefuse_layer *layer, const moefuse_fwd_args *a, cudaS
 
     const int32_t *rbe = (const int32_t *)(plan_base + lay.row_block_expert);
     mf_gemm1_params g1 = gemm1_params(
-        layer, a->w13, rbe, save_act ? (uint16_t *)((char *)a->saved + lay.gate_up) : NULL,
+        layer, s->xs, a->w13, rbe,
+        mode != MOEFUSE_RECOMPUTE ? (uint16_t *)((char *)a->saved + lay.gate_up) : NULL,
         lay.rows_cap);
     const int blocks = lay.rows_cap / MF_SM90_BLOCK_M;
     g1.arrivals = s->sync + mf_ep_arrivals_word(R, c->num_experts);
@@ -347,7 +348,7 @@ moefuse_status ep_backward(moefuse_layer *layer, const moefuse_bwd_args *a, cuda
     const int T = a->num_tokens, K = c->top_k;
     const int R = s->num_ranks;
     const bool recompute = c->saved_mode == MOEFUSE_RECOMPUTE;
-    const saved_layout lay = layout_for(layer, T, !recompute);
+    const saved_layout lay = layout_for(layer, T, c->saved_mode);
     const char *base = (const char *)a->saved;
     const int32_t *rbe = (const int32_t *)(base + lay.row_block_expert);
 
@@ -374,7 +375,8 @@ moefuse_status ep_backward(moefuse_layer *layer, const moefuse_bwd_args *a, cuda
     // ---- 2. [g | u]: saved, or recomputed by the forward's gemm1 ----
     const uint16_t *gate_up = (const uint16_t *)(base + lay.gate_up);
     if (recompute) {
-        const mf_gemm1_params g1 = gemm1_params(layer, a->w13, rbe, s->gate_up, lay.rows_cap);
+        const mf_gemm1_params g1 =
+            gemm1_params(layer, s->xs, a->w13, rbe, s->gate_up, lay.rows_cap);
         MF_CUDA_TRY(mf_sm90_gemm1_swiglu_fwd_bf16(&g1, stream));
         gate_up = s->gate_up;
     }
@@ -409,7 +411,7 @@ moefuse_status ep_backward(moefuse_layer *layer, const moefuse_bwd_args *a, cuda
     sp = signal_params(layer, MF_EP_FLAG_DONE, MF_EP_STAGE_BWD_COMBINE);
     sp.signal = 1;
     MF_CUDA_TRY(mf_ep_signal_wait(&sp, stream));
-    const mf_wgrad_params dw13 = dw13_params(layer, a, lay.rows_cap);
+    const mf_wgrad_params dw13 = dw13_params(layer, a, lay.rows_cap, s->xs);
     MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw13, stream));
     sp.signal = 0;
     sp.wait = 1;

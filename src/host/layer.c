@@ -55,10 +55,12 @@ static moefuse_status check_config(const moefuse_config *c, const moefuse_comm *
     if (c->num_threads < 0)
         return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
                        "config.num_threads = %d: expected >= 0 (0 = all cores)", c->num_threads);
-    if (c->saved_mode != MOEFUSE_SAVE_ACTIVATIONS && c->saved_mode != MOEFUSE_RECOMPUTE)
+    if (c->saved_mode != MOEFUSE_SAVE_ACTIVATIONS && c->saved_mode != MOEFUSE_RECOMPUTE &&
+        c->saved_mode != MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS)
         return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
-                       "config.saved_mode = %d: expected MOEFUSE_SAVE_ACTIVATIONS (0) or "
-                       "MOEFUSE_RECOMPUTE (1)", (int)c->saved_mode);
+                       "config.saved_mode = %d: expected MOEFUSE_SAVE_ACTIVATIONS (0), "
+                       "MOEFUSE_RECOMPUTE (1) or MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS (2)",
+                       (int)c->saved_mode);
     if (c->pipeline != MOEFUSE_PIPELINE_STAGED && c->pipeline != MOEFUSE_PIPELINE_FUSED)
         return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
                        "config.pipeline = %d: expected MOEFUSE_PIPELINE_STAGED (0) or "

@@ -6,7 +6,8 @@
  *     shapes and give each expert 8x the rows), T in {1, 7, 512, 4096 (= max)};
  *   - routing edge cases: all tokens on one expert, most experts empty, T = 1 with one
  *     slot, dropped slots with fully dropped tokens (row strides > H), Zipf;
- *   - MOEFUSE_RECOMPUTE gives the bits of MOEFUSE_SAVE_ACTIVATIONS;
+ *   - MOEFUSE_RECOMPUTE and MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS give the bits of
+ *     MOEFUSE_SAVE_ACTIVATIONS;
  *   - accumulate = 1 gives exactly old + the write-mode gradient;
  *   - 50 repetitions bitwise identical; a CUDA graph replays to the eager bits;
  *   - a saved buffer of no forward: moefuse_layer_check reports MOEFUSE_ERR_SAVED_STATE
@@ -616,30 +617,47 @@ static void outputs_free(outputs *o) {
     memset(o, 0, sizeof *o);
 }
 
-/* MOEFUSE_RECOMPUTE: the backward reruns gemm1, so it must give the saving layer's bits. */
-static void case_recompute(void) {
+/* The other saved modes give the saving layer's bits: MOEFUSE_RECOMPUTE reruns gemm1,
+ * MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS reads the forward's xs rows from the saved buffer
+ * instead of gathering x again. */
+static void saved_mode_case(moefuse_saved_mode mode, int T, routing r, int64_t pad) {
     if (!ready()) return;
-    const int T = 512;
     inputs in;
     outputs a, b;
     memset(&a, 0, sizeof a);
     memset(&b, 0, sizeof b);
-    moefuse_layer *rl = make_layer(MOEFUSE_RECOMPUTE, T);
-    CHECK(rl != NULL, "recompute layer");
-    if (!rl || !inputs_make(&in, T, ROUTE_ZIPF, 0)) goto done;
+    moefuse_layer *ml = make_layer(mode, T);
+    CHECK(ml != NULL, "layer of saved_mode %d", (int)mode);
+    if (!ml || !inputs_make(&in, T, r, pad)) goto done;
     MF_OK(run_fwd_bwd(F.layer, &in, 1));
     CHECK(outputs_get(&a, &in), "copy");
-    size_t rbytes = 0;
-    MF_OK(moefuse_saved_bytes(rl, T, &rbytes));
-    CHECK(rbytes < in.saved_bytes, "recompute saves %zu bytes, activations %zu", rbytes, in.saved_bytes);
-    MF_OK(run_fwd_bwd(rl, &in, 1));
+    size_t mbytes = 0;
+    MF_OK(moefuse_saved_bytes(ml, T, &mbytes));
+    if (mode == MOEFUSE_RECOMPUTE)
+        CHECK(mbytes < in.saved_bytes, "recompute saves %zu bytes, activations %zu", mbytes,
+              in.saved_bytes);
+    else  /* at least the T*K slot rows of H bf16 more */
+        CHECK(mbytes >= in.saved_bytes + (size_t)T * F.m->K * F.m->H * 2,
+              "activations and inputs save %zu bytes, activations %zu", mbytes, in.saved_bytes);
+    if (mbytes > in.saved_bytes) {
+        CUDA_OK(cudaFree(in.saved_d));
+        CUDA_OK(cudaMalloc(&in.saved_d, mbytes));
+        in.saved_bytes = mbytes;
+    }
+    MF_OK(run_fwd_bwd(ml, &in, 1));
     CHECK(outputs_get(&b, &in), "copy");
-    CHECK(outputs_equal(&a, &b), "MOEFUSE_RECOMPUTE differs from MOEFUSE_SAVE_ACTIVATIONS");
+    CHECK(outputs_equal(&a, &b), "saved_mode %d differs from MOEFUSE_SAVE_ACTIVATIONS",
+          (int)mode);
 done:
-    if (rl) moefuse_layer_destroy(rl);
+    if (ml) moefuse_layer_destroy(ml);
     outputs_free(&a);
     outputs_free(&b);
     inputs_free(&in);
+}
+
+static void case_recompute(void) { saved_mode_case(MOEFUSE_RECOMPUTE, 512, ROUTE_ZIPF, 0); }
+static void case_saved_inputs(void) {
+    saved_mode_case(MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS, 1000, ROUTE_DROPPED, 8);
 }
 
 /* accumulate = 1 on old values gives exactly old + the write-mode gradient (fp32). */
@@ -983,6 +1001,7 @@ int main(int argc, char **argv) {
         RUN(case_dropped, "T=1000 dropped slots and tokens, strided x/dy/dx")
         RUN(case_zipf, "T=3000 zipf routing")
         RUN(case_recompute, "recompute bitwise = saved activations")
+        RUN(case_saved_inputs, "saved inputs bitwise = saved activations")
         RUN(case_accumulate, "accumulate = old + write mode, exactly")
         RUN(case_dw_bf16, "bf16 dW = rounded fp32 dW, bitwise")
         RUN(case_deterministic, "50 repetitions bitwise")
