@@ -93,8 +93,9 @@ typedef enum moefuse_saved_mode {
     /* [g; u] as MOEFUSE_SAVE_ACTIVATIONS, and the expert-sorted input rows the forward
      * dispatched (what dW13 reads): K * (2I + H) * 2 bytes per token, plus the plan. The
      * backward skips its second dispatch of x. Same bits as MOEFUSE_SAVE_ACTIVATIONS.
-     * CUDA backend with R = 1 only (R > 1 is refused at create); the CPU backend takes
-     * it as MOEFUSE_SAVE_ACTIVATIONS (its gather of x is not worth keeping). */
+     * CUDA backend without a comm (a layer with one refuses it at create); the CPU
+     * backend takes it as MOEFUSE_SAVE_ACTIVATIONS (its gather of x is not worth
+     * keeping). */
     MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS = 2,
 } moefuse_saved_mode;
 

@@ -331,6 +331,12 @@ static void test_comm_errors(void) {
     c.num_ranks = 2;
     CHECK(moefuse_layer_create(&c, comm, &layer) == MOEFUSE_ERR_UNSUPPORTED, "CPU backend with a comm");
     CHECK(strstr(moefuse_last_error(), "MOEFUSE_BACKEND_CUDA") != NULL, "%s", moefuse_last_error());
+    /* the saved input rows are for one rank */
+    c.backend = MOEFUSE_BACKEND_CUDA;
+    c.saved_mode = MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS;
+    CHECK(moefuse_layer_create(&c, comm, &layer) == MOEFUSE_ERR_UNSUPPORTED, "saved inputs with a comm");
+    CHECK(strstr(moefuse_last_error(), "SAVE_ACTIVATIONS_AND_INPUTS with a comm") != NULL, "%s",
+          moefuse_last_error());
     CHECK(layer == (moefuse_layer *)0x1, "out must be untouched on failure");
     CHECK(moefuse_comm_destroy(comm) == MOEFUSE_OK, "%s", moefuse_last_error());
 }

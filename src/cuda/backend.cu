@@ -287,12 +287,6 @@ moefuse_status cuda_create_checked(moefuse_layer *layer, cuda_state *s) {
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
                        "config.precision = %d: the CUDA backend runs MOEFUSE_PRECISION_BF16 "
                        "only so far", (int)c->precision);
-    if (layer->comm && c->saved_mode == MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS)
-        return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
-                       "config.saved_mode = MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS with a comm: "
-                       "the expert-parallel backward receives its x rows again and does not "
-                       "read saved ones; expected MOEFUSE_SAVE_ACTIVATIONS or "
-                       "MOEFUSE_RECOMPUTE");
     /* The GEMM tiles: 128-row output blocks over H and 2I in the weight gradients and
      * 128-column blocks over H and I in the dgrads (the launchers refuse the rest). */
     if (c->hidden % 128 != 0 || c->intermediate % 128 != 0)

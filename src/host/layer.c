@@ -100,6 +100,12 @@ static moefuse_status check_config(const moefuse_config *c, const moefuse_comm *
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
                        "config.backend = %d with a comm: expert parallelism runs on "
                        "MOEFUSE_BACKEND_CUDA only", (int)c->backend);
+    if (comm != NULL && c->saved_mode == MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS)
+        return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
+                       "config.saved_mode = MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS with a comm: "
+                       "the expert-parallel backward receives its x rows again and does not "
+                       "read saved ones; expected MOEFUSE_SAVE_ACTIVATIONS or "
+                       "MOEFUSE_RECOMPUTE");
     return MOEFUSE_OK;
 }
 
