@@ -61,6 +61,16 @@ __device__ __forceinline__ int gemm1_n_blocks(const FusedFwdArgs &args) {
     return 2 * args.g1.intermediate / BN;
 }
 
+/* Waits until block m_block's gemm1 tiles are all stored (acquire). Their producer waited
+ * for the block's rows, so after this the rows' act and everything that came with them
+ * (expert parallelism: row_slot and row_weight, pushed with the rows) are visible. */
+template <int BN>
+__device__ __forceinline__ void wait_act_ready(const FusedFwdArgs &args, int m_block) {
+    const uint32_t *count = args.act_ready + m_block;
+    const uint32_t want = gemm1_n_blocks<BN>(args);
+    while (ptx::ld_acquire_gpu(count) < want) __nanosleep(32);
+}
+
 /* The tiles this CTA takes, from the producer thread to the consumers and the store warps:
  * a queue of tile indices in shared memory (the ring's extra region), kQueueDepth deep.
  * Readers are every consumer thread and every store-warp thread. */
@@ -170,9 +180,7 @@ struct FusedFwdLoad {
     bool second;   /* the tile is gemm2's */
 
     __device__ __forceinline__ void wait_act(int m_block) {
-        const uint32_t *count = args.act_ready + m_block;
-        const uint32_t want = gemm1_n_blocks<Cfg::BN>(args);
-        while (ptx::ld_acquire_gpu(count) < want) __nanosleep(32);
+        wait_act_ready<Cfg::BN>(args, m_block);
         asm volatile("fence.proxy.async.global;" ::: "memory");
     }
     __device__ __forceinline__ void tile_begin(int m_block, int n_block) {
@@ -204,8 +212,13 @@ struct FusedFwdEpilogue {
     StoreHandoff handoff;
 
     __device__ __forceinline__ int n1() const { return gemm1_n_blocks<Cfg::BN>(args); }
+    /* Consumers, before a gemm2 tile's K loop: its rows' weights. With expert parallelism
+     * they are pushed with the rows, maybe still on their way (nothing else orders this
+     * read after the producer's wait_act): wait for the block here too. */
     __device__ __forceinline__ void prepare(int m_block, int n_block) {
-        if (n_block >= n1()) g2.prepare(m_block, n_block - n1());
+        if (n_block < n1()) return;
+        if (args.g2.to.row_weight) wait_act_ready<Cfg::BN>(args, m_block);
+        g2.prepare(m_block, n_block - n1());
     }
     __device__ __forceinline__ void operator()(int, int n_block, float (&acc)[Cfg::kAccRegs],
                                                uint8_t *buf) {
