@@ -3,10 +3,11 @@
 One line per case (qwen3-30b-a3b and qwen3-235b-a22b, T in {4096, 16384}, bf16):
 
     model, T, precision, moefuse fwd ms, TFLOP/s (6*T*K*H*I), % of the bf16 matmul
-    peak measured in this run, baseline fwd ms, x baseline (baseline ms / moefuse ms),
-    then the same for forward+backward (3x the FLOPs) where the library has a backward
-    on this device, 'n/a' where it does not (never a made-up number),
-    and the relative difference of moefuse's y from the baseline's.
+    peak measured beside it (%peak) and % of the peak measured cold at the start
+    (%cold), baseline fwd ms, x baseline (baseline ms / moefuse ms), then the same for
+    forward+backward (3x the FLOPs) where the library has a backward on this device,
+    'n/a' where it does not (never a made-up number), and the relative difference of
+    moefuse's y from the baseline's.
 
 Timing: CUDA events around each call, warm-up first, median of --reps (>= 20) calls,
 inputs rotating over several random sets (never zeros) so no call reads the previous
@@ -19,8 +20,16 @@ what one isolated, synchronized call costs, host included. Both sides time the t
 forward (inputs require grad, so moefuse writes its saved buffer and the baseline
 records its graph).
 
+Interleaved: a case's samples take turns (moefuse fwd, baseline fwd, moefuse fwd+bwd,
+baseline fwd+bwd, the peak's matmul, and again), so all of them run at the same clocks.
+Under seconds of this load an H200 reaches its power limit (~700 W) and lowers its SM
+clock from 1980 MHz to 1300-1500 MHz; timed one after the other, whatever ran later
+looked slower (bench/NOTES.md v12).
+
 The peak: torch.matmul of two random 8192 x 8192 bf16 matrices, median of CUDA-event
-timings, 2 * 8192^3 FLOPs.
+timings, 2 * 8192^3 FLOPs; once cold before the first case (the header's figure, %cold:
+the boost clock, which no sustained load keeps), and in every case among its samples
+(%peak: the clock the case ran at).
 
 Runs only on a CUDA device; without one it prints SKIP and the reason and exits 0.
 
@@ -71,15 +80,54 @@ def time_cuda_ms(fn, num_sets: int, warmup: int, reps: int, queue: int = 1) -> f
     return statistics.median(times)
 
 
-def measure_bf16_peak_tflops(reps: int) -> float:
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = time_cuda_ms(lambda _: torch.matmul(a, b), 1, warmup=5, reps=max(reps, 20))
-    return 2 * n ** 3 / ms / 1e9
+def time_interleaved_ms(fns, num_sets: int, warmup: int, reps: int,
+                        queue: int = 1) -> list[float]:
+    """time_cuda_ms of each fn, their samples taken in turn (one sample of fn 0, one of
+    fn 1, ..., reps rounds), so that every fn runs at the same clocks."""
+    for fn in fns:
+        for i in range(warmup):
+            fn(i % num_sets)
+    torch.cuda.synchronize()
+    times = [[] for _ in fns]
+    call = 0
+    for _ in range(reps):
+        for fn, samples in zip(fns, times):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for q in range(queue):
+                fn((call + q) % num_sets)
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / queue)
+        call += queue
+    return [statistics.median(t) for t in times]
 
 
-def run_case(moefuse, model: str, T: int, peak: float, has_backward: bool, args) -> str:
+PEAK_N = 8192
+
+
+class PeakMatmul:
+    """The peak's product: fn(_) runs one, tflops(ms) converts its time."""
+
+    def __init__(self):
+        self.a = torch.randn(PEAK_N, PEAK_N, device="cuda", dtype=torch.bfloat16)
+        self.b = torch.randn(PEAK_N, PEAK_N, device="cuda", dtype=torch.bfloat16)
+
+    def __call__(self, _):
+        torch.matmul(self.a, self.b)
+
+    @staticmethod
+    def tflops(ms: float) -> float:
+        return 2 * PEAK_N ** 3 / ms / 1e9
+
+
+def measure_bf16_peak_tflops(reps: int, peak: PeakMatmul) -> float:
+    return PeakMatmul.tflops(time_cuda_ms(peak, 1, warmup=5, reps=max(reps, 20)))
+
+
+def run_case(moefuse, model: str, T: int, cold_peak: float, peak_matmul: PeakMatmul,
+             has_backward: bool, args) -> str:
     """Times one (model, T) case; returns its line."""
     shape = baseline.MODELS[model]
     device = torch.device("cuda")
@@ -115,22 +163,26 @@ def run_case(moefuse, model: str, T: int, peak: float, has_backward: bool, args)
     rel_diff = ((y_m.float() - y_b.float()).norm() / y_b.float().norm()).item()
     del y_m, y_b
 
-    def timed(fn):
-        return time_cuda_ms(fn, NUM_INPUT_SETS, args.warmup, args.reps, args.queue)
-
-    m_fwd = timed(moefuse_fwd)
-    b_fwd = timed(baseline_fwd)
-    b_fb = timed(baseline_fwd_bwd)
-    tflops = flops / m_fwd / 1e9
-    line = (f"{model:<17} {T:<6} bf16  {m_fwd:14.3f}  {tflops:7.1f}  "
-            f"{100 * tflops / peak:5.1f}  {b_fwd:11.3f}  {b_fwd / m_fwd:6.2f} | ")
+    fns = [moefuse_fwd, baseline_fwd, baseline_fwd_bwd, peak_matmul]
     if has_backward:
-        m_fb = timed(moefuse_fwd_bwd)
+        fns.append(moefuse_fwd_bwd)
+    ms = time_interleaved_ms(fns, NUM_INPUT_SETS, args.warmup, args.reps, args.queue)
+    m_fwd, b_fwd, b_fb, peak = ms[0], ms[1], ms[2], PeakMatmul.tflops(ms[3])
+
+    def percents(tflops):
+        return f"{100 * tflops / peak:5.1f}  {100 * tflops / cold_peak:5.1f}"
+
+    tflops = flops / m_fwd / 1e9
+    line = (f"{model:<17} {T:<6} bf16  {m_fwd:14.3f}  {tflops:7.1f}  {percents(tflops)}  "
+            f"{b_fwd:11.3f}  {b_fwd / m_fwd:6.2f} | ")
+    if has_backward:
+        m_fb = ms[4]
         tf_fb = 3 * flops / m_fb / 1e9
-        line += (f"{m_fb:17.3f}  {tf_fb:7.1f}  {100 * tf_fb / peak:5.1f}  "
+        line += (f"{m_fb:17.3f}  {tf_fb:7.1f}  {percents(tf_fb)}  "
                  f"{b_fb:14.3f}  {b_fb / m_fb:6.2f} | ")
     else:
-        line += f"{'n/a':>17}  {'n/a':>7}  {'n/a':>5}  {b_fb:14.3f}  {'n/a':>6} | "
+        line += f"{'n/a':>17}  {'n/a':>7}  {'n/a':>5}  {'n/a':>5}  {b_fb:14.3f}  {'n/a':>6} | "
+    line += f"{peak:6.1f} | "
     line += f"{rel_diff:.2e}"
     return line
 
@@ -170,20 +222,24 @@ def main() -> None:
 
     name = torch.cuda.get_device_name(device)
     bwd_reason = moefuse.backward_unsupported_reason(device)
-    peak = measure_bf16_peak_tflops(args.reps)
+    peak_matmul = PeakMatmul()
+    cold_peak = measure_bf16_peak_tflops(args.reps, peak_matmul)
     gm = baseline.grouped_mm_reason(device)
-    print(f"# device {name}; bf16 matmul peak {peak:.1f} TFLOP/s (8192^3, median of "
-          f"{max(args.reps, 20)}); library {moefuse.library_path()}")
+    print(f"# device {name}; bf16 matmul peak cold {cold_peak:.1f} TFLOP/s (8192^3, median "
+          f"of {max(args.reps, 20)}); library {moefuse.library_path()}")
     print(f"# baseline: {'torch._grouped_mm' if gm is None else 'per-expert loop: ' + gm}; "
           f"moefuse backward: {'yes' if bwd_reason is None else 'n/a (' + bwd_reason + ')'}; "
           f"timing: " + ("each call alone, synchronized" if args.queue == 1 else
-                         f"{args.queue} calls queued back to back per sample"))
-    print("# model            T      prec  moefuse_fwd_ms  TFLOP/s  %peak  base_fwd_ms  "
-          "x_base | moefuse_fwdbwd_ms  TFLOP/s  %peak  base_fwdbwd_ms  x_base | rel_diff_y")
+                         f"{args.queue} calls queued back to back per sample") +
+          "; samples interleaved, %peak against the matmul timed among them (peak_tf)")
+    print("# model            T      prec  moefuse_fwd_ms  TFLOP/s  %peak  %cold  base_fwd_ms  "
+          "x_base | moefuse_fwdbwd_ms  TFLOP/s  %peak  %cold  base_fwdbwd_ms  x_base | "
+          "peak_tf | rel_diff_y")
 
     for model in args.models:
         for T in args.tokens:
-            print(run_case(moefuse, model, T, peak, bwd_reason is None, args), flush=True)
+            print(run_case(moefuse, model, T, cold_peak, peak_matmul, bwd_reason is None,
+                           args), flush=True)
             torch.cuda.empty_cache()
 
 
