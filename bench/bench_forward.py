@@ -3,11 +3,10 @@
 One line per case (qwen3-30b-a3b and qwen3-235b-a22b, T in {4096, 16384}, bf16):
 
     model, T, precision, moefuse fwd ms, TFLOP/s (6*T*K*H*I), % of the bf16 matmul
-    peak measured beside it (%peak) and % of the peak measured cold at the start
-    (%cold), baseline fwd ms, x baseline (baseline ms / moefuse ms), then the same for
+    peak, baseline fwd ms, x baseline (baseline ms / moefuse ms), then the same for
     forward+backward (3x the FLOPs) where the library has a backward on this device,
-    'n/a' where it does not (never a made-up number), and the relative difference of
-    moefuse's y from the baseline's.
+    'n/a' where it does not (never a made-up number), the matmul's rate among the case's
+    samples, and the relative difference of moefuse's y from the baseline's.
 
 Timing: CUDA events around each call, warm-up first, median of --reps (>= 20) calls,
 inputs rotating over several random sets (never zeros) so no call reads the previous
@@ -20,20 +19,27 @@ what one isolated, synchronized call costs, host included. Both sides time the t
 forward (inputs require grad, so moefuse writes its saved buffer and the baseline
 records its graph).
 
-Interleaved: a case's samples take turns (moefuse fwd, baseline fwd, moefuse fwd+bwd,
-baseline fwd+bwd, the peak's matmul, and again), so all of them run at the same clocks.
-Under seconds of this load an H200 reaches its power limit (~700 W) and lowers its SM
-clock from 1980 MHz to 1300-1500 MHz; timed one after the other, whatever ran later
-looked slower (bench/NOTES.md v12).
+The clocks. Under seconds of this load an H200 reaches its power limit (~700 W) and
+lowers its SM clock from 1980 MHz to 1300-1500 MHz, so when and after what a variant
+runs moves its time by 10-20% (bench/NOTES.md v12). Two ways to time, both fair:
+  default      the case's samples take turns (moefuse fwd, baseline fwd, baseline
+               fwd+bwd, the peak's matmul, moefuse fwd+bwd, and again): no variant runs
+               systematically later, or hotter, than another;
+  --sustained  each variant runs alone for SUSTAIN_S seconds before its samples, which
+               follow back to back: the rate of a long run at the power limit. Dense
+               code pays most there: moefuse's fwd+bwd ran ~10% slower than interleaved,
+               the baseline's about the same (v12).
 
 The peak: torch.matmul of two random 8192 x 8192 bf16 matrices, median of CUDA-event
-timings, 2 * 8192^3 FLOPs; once cold before the first case (the header's figure, %cold:
-the boost clock, which no sustained load keeps), and in every case among its samples
-(%peak: the clock the case ran at).
+timings, 2 * 8192^3 FLOPs, timed cold before the first case (the header's figure) and
+with each case's samples (peak_tf: interleaved, or sustained like them). %peak is
+against the faster of the two, so a matmul slowed by the power limit never flatters a
+case.
 
 Runs only on a CUDA device; without one it prints SKIP and the reason and exits 0.
 
-    python bench/bench_forward.py [--reps 20] [--queue 1] [--models ...] [--tokens 4096 16384]
+    python bench/bench_forward.py [--reps 20] [--queue 1] [--sustained] [--models ...]
+                                  [--tokens 4096 16384]
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import argparse
 import pathlib
 import statistics
 import sys
+import time
 
 import torch
 
@@ -52,6 +59,7 @@ sys.path.insert(0, str(HERE.parent / "python"))  # the checkout's package, when 
 import torch_moe_baseline as baseline  # noqa: E402
 
 NUM_INPUT_SETS = 4  # x of qwen3-235b at T=16384 is 128 MiB; four sets pass L2 many times over
+SUSTAIN_S = 3.0     # --sustained: seconds of a variant alone before its samples
 
 
 def skip(reason: str) -> None:
@@ -102,6 +110,22 @@ def time_interleaved_ms(fns, num_sets: int, warmup: int, reps: int,
             samples.append(start.elapsed_time(end) / queue)
         call += queue
     return [statistics.median(t) for t in times]
+
+
+def time_sustained_ms(fns, num_sets: int, warmup: int, reps: int,
+                      queue: int = 1) -> list[float]:
+    """time_cuda_ms of each fn after SUSTAIN_S seconds of it alone (the clocks settled
+    at the power limit)."""
+    out = []
+    for fn in fns:
+        t0, i = time.monotonic(), 0
+        while time.monotonic() - t0 < SUSTAIN_S:
+            fn(i % num_sets)
+            i += 1
+            if i % 8 == 0:
+                torch.cuda.synchronize()   # bounds the host's lead over the GPU
+        out.append(time_cuda_ms(fn, num_sets, warmup, reps, queue))
+    return out
 
 
 PEAK_N = 8192
@@ -166,22 +190,25 @@ def run_case(moefuse, model: str, T: int, cold_peak: float, peak_matmul: PeakMat
     fns = [moefuse_fwd, baseline_fwd, baseline_fwd_bwd, peak_matmul]
     if has_backward:
         fns.append(moefuse_fwd_bwd)
-    ms = time_interleaved_ms(fns, NUM_INPUT_SETS, args.warmup, args.reps, args.queue)
+    timing = time_sustained_ms if args.sustained else time_interleaved_ms
+    ms = timing(fns, NUM_INPUT_SETS, args.warmup, args.reps, args.queue)
     m_fwd, b_fwd, b_fb, peak = ms[0], ms[1], ms[2], PeakMatmul.tflops(ms[3])
 
-    def percents(tflops):
-        return f"{100 * tflops / peak:5.1f}  {100 * tflops / cold_peak:5.1f}"
+    best_peak = max(peak, cold_peak)
+
+    def percent(tflops):
+        return f"{100 * tflops / best_peak:5.1f}"
 
     tflops = flops / m_fwd / 1e9
-    line = (f"{model:<17} {T:<6} bf16  {m_fwd:14.3f}  {tflops:7.1f}  {percents(tflops)}  "
+    line = (f"{model:<17} {T:<6} bf16  {m_fwd:14.3f}  {tflops:7.1f}  {percent(tflops)}  "
             f"{b_fwd:11.3f}  {b_fwd / m_fwd:6.2f} | ")
     if has_backward:
         m_fb = ms[4]
         tf_fb = 3 * flops / m_fb / 1e9
-        line += (f"{m_fb:17.3f}  {tf_fb:7.1f}  {percents(tf_fb)}  "
+        line += (f"{m_fb:17.3f}  {tf_fb:7.1f}  {percent(tf_fb)}  "
                  f"{b_fb:14.3f}  {b_fb / m_fb:6.2f} | ")
     else:
-        line += f"{'n/a':>17}  {'n/a':>7}  {'n/a':>5}  {'n/a':>5}  {b_fb:14.3f}  {'n/a':>6} | "
+        line += f"{'n/a':>17}  {'n/a':>7}  {'n/a':>5}  {b_fb:14.3f}  {'n/a':>6} | "
     line += f"{peak:6.1f} | "
     line += f"{rel_diff:.2e}"
     return line
@@ -198,6 +225,9 @@ def main() -> None:
     parser.add_argument("--queue", type=int, default=1,
                         help="calls issued back to back per timed sample (1: each call "
                         "alone and synchronized, host time included)")
+    parser.add_argument("--sustained", action="store_true",
+                        help=f"time each variant after {SUSTAIN_S:.0f} s of it alone, "
+                        "samples back to back (default: the variants' samples interleaved)")
     args = parser.parse_args()
     if args.reps < 20:
         parser.error("--reps must be >= 20 (medians of fewer calls are noise)")
@@ -231,9 +261,11 @@ def main() -> None:
           f"moefuse backward: {'yes' if bwd_reason is None else 'n/a (' + bwd_reason + ')'}; "
           f"timing: " + ("each call alone, synchronized" if args.queue == 1 else
                          f"{args.queue} calls queued back to back per sample") +
-          "; samples interleaved, %peak against the matmul timed among them (peak_tf)")
-    print("# model            T      prec  moefuse_fwd_ms  TFLOP/s  %peak  %cold  base_fwd_ms  "
-          "x_base | moefuse_fwdbwd_ms  TFLOP/s  %peak  %cold  base_fwdbwd_ms  x_base | "
+          ("; each variant sustained (%.0f s alone first), peak_tf likewise" % SUSTAIN_S
+           if args.sustained else "; samples interleaved with the matmul's (peak_tf)") +
+          "; %peak against the faster of peak_tf and the cold peak")
+    print("# model            T      prec  moefuse_fwd_ms  TFLOP/s  %peak  base_fwd_ms  "
+          "x_base | moefuse_fwdbwd_ms  TFLOP/s  %peak  base_fwdbwd_ms  x_base | "
           "peak_tf | rel_diff_y")
 
     for model in args.models:
