@@ -7,7 +7,7 @@
  *   - routing edge cases: all tokens on one expert, most experts empty, T = 1 with one
  *     slot, dropped slots with fully dropped tokens (row strides > H), Zipf;
  *   - MOEFUSE_RECOMPUTE and MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS give the bits of
- *     MOEFUSE_SAVE_ACTIVATIONS;
+ *     MOEFUSE_SAVE_ACTIVATIONS, the latter also with the fused forward;
  *   - accumulate = 1 gives exactly old + the write-mode gradient;
  *   - 50 repetitions bitwise identical; a CUDA graph replays to the eager bits;
  *   - a saved buffer of no forward: moefuse_layer_check reports MOEFUSE_ERR_SAVED_STATE
@@ -86,11 +86,13 @@ static double bf(uint16_t v) { return (double)mf_bf16_to_float(v); }
 static int64_t n13(void) { return (int64_t)F.m->E * 2 * F.m->I * F.m->H; }
 static int64_t n2(void) { return (int64_t)F.m->E * F.m->H * F.m->I; }
 
-static moefuse_layer *make_layer(moefuse_saved_mode mode, int max_tokens) {
+static moefuse_layer *make_layer(moefuse_saved_mode mode, moefuse_pipeline pipeline,
+                                 int max_tokens) {
     moefuse_config cfg;
     moefuse_config_init(&cfg, F.m->H, F.m->I, F.m->E, F.m->K, max_tokens);
     cfg.backend = MOEFUSE_BACKEND_CUDA;
     cfg.saved_mode = mode;
+    cfg.pipeline = pipeline;
     moefuse_layer *l = NULL;
     moefuse_status st = moefuse_layer_create(&cfg, NULL, &l);
     if (st != MOEFUSE_OK)
@@ -102,7 +104,7 @@ static moefuse_layer *make_layer(moefuse_saved_mode mode, int max_tokens) {
 static int fixture_setup(const model *m) {
     memset(&F, 0, sizeof F);
     F.m = m;
-    F.layer = make_layer(MOEFUSE_SAVE_ACTIVATIONS, kMaxTokens);
+    F.layer = make_layer(MOEFUSE_SAVE_ACTIVATIONS, MOEFUSE_PIPELINE_STAGED, kMaxTokens);
     if (!F.layer) return 0;
     uint16_t *w13 = malloc((size_t)n13() * 2), *w2 = malloc((size_t)n2() * 2);
     F.w13_ref = malloc((size_t)n13() * 8);
@@ -619,14 +621,16 @@ static void outputs_free(outputs *o) {
 
 /* The other saved modes give the saving layer's bits: MOEFUSE_RECOMPUTE reruns gemm1,
  * MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS reads the forward's xs rows from the saved buffer
- * instead of gathering x again. */
-static void saved_mode_case(moefuse_saved_mode mode, int T, routing r, int64_t pad) {
+ * instead of gathering x again (with either forward pipeline: the fused one gives the
+ * staged bits). */
+static void saved_mode_case(moefuse_saved_mode mode, moefuse_pipeline pipeline, int T,
+                            routing r, int64_t pad) {
     if (!ready()) return;
     inputs in;
     outputs a, b;
     memset(&a, 0, sizeof a);
     memset(&b, 0, sizeof b);
-    moefuse_layer *ml = make_layer(mode, T);
+    moefuse_layer *ml = make_layer(mode, pipeline, T);
     CHECK(ml != NULL, "layer of saved_mode %d", (int)mode);
     if (!ml || !inputs_make(&in, T, r, pad)) goto done;
     MF_OK(run_fwd_bwd(F.layer, &in, 1));
@@ -655,9 +659,16 @@ done:
     inputs_free(&in);
 }
 
-static void case_recompute(void) { saved_mode_case(MOEFUSE_RECOMPUTE, 512, ROUTE_ZIPF, 0); }
+static void case_recompute(void) {
+    saved_mode_case(MOEFUSE_RECOMPUTE, MOEFUSE_PIPELINE_STAGED, 512, ROUTE_ZIPF, 0);
+}
 static void case_saved_inputs(void) {
-    saved_mode_case(MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS, 1000, ROUTE_DROPPED, 8);
+    saved_mode_case(MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS, MOEFUSE_PIPELINE_STAGED, 1000,
+                    ROUTE_DROPPED, 8);
+}
+static void case_saved_inputs_fused(void) {
+    saved_mode_case(MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS, MOEFUSE_PIPELINE_FUSED, 700,
+                    ROUTE_ZIPF, 0);
 }
 
 /* accumulate = 1 on old values gives exactly old + the write-mode gradient (fp32). */
@@ -1002,6 +1013,7 @@ int main(int argc, char **argv) {
         RUN(case_zipf, "T=3000 zipf routing")
         RUN(case_recompute, "recompute bitwise = saved activations")
         RUN(case_saved_inputs, "saved inputs bitwise = saved activations")
+        RUN(case_saved_inputs_fused, "saved inputs, fused forward, bitwise = saved activations")
         RUN(case_accumulate, "accumulate = old + write mode, exactly")
         RUN(case_dw_bf16, "bf16 dW = rounded fp32 dW, bitwise")
         RUN(case_deterministic, "50 repetitions bitwise")
