@@ -128,6 +128,10 @@ moefuse_saved_mode saved_mode_of(const moefuse_layer *layer, const void *saved) 
     return saved ? layer->cfg.saved_mode : MOEFUSE_RECOMPUTE;
 }
 
+uint16_t *saved_gate_up(void *saved, const saved_layout &lay, moefuse_saved_mode mode) {
+    return mode != MOEFUSE_RECOMPUTE ? (uint16_t *)((char *)saved + lay.gate_up) : NULL;
+}
+
 void header_words(const moefuse_layer *layer, int num_tokens, int rows_cap,
                   moefuse_saved_mode mode, int32_t words[kHeaderWords]) {
     const moefuse_config *c = &layer->cfg;
@@ -462,10 +466,8 @@ moefuse_status cuda_forward(moefuse_layer *layer, const moefuse_fwd_args *a, voi
     // ---- 4. gemm2 + combine: act -> p-scaled slot rows of combine ----
     // One fused kernel (act_ready set) or one kernel each; the same bits.
     // On bad ids gemm_num_rows is 0: the gemms touch nothing.
-    const mf_gemm1_params g1 = gemm1_params(
-        layer, xs, a->w13, pp.row_block_expert,
-        mode != MOEFUSE_RECOMPUTE ? (uint16_t *)((char *)a->saved + lay.gate_up) : NULL,
-        lay.rows_cap);
+    const mf_gemm1_params g1 = gemm1_params(layer, xs, a->w13, pp.row_block_expert,
+                                            saved_gate_up(a->saved, lay, mode), lay.rows_cap);
     mf_gemm2_params g2 = gemm2_params(layer, a->w2, pp.row_block_expert, pp.row_slot, lay.rows_cap);
     g2.slot_weight = a->weights;
     g2.combine = s->combine;

@@ -90,6 +90,8 @@ saved_layout layout_for(const moefuse_layer *layer, int num_tokens, moefuse_save
 /* The mode a forward with this saved buffer writes: the layer's, or the plan only
  * (MOEFUSE_RECOMPUTE) when saved is NULL. */
 moefuse_saved_mode saved_mode_of(const moefuse_layer *layer, const void *saved);
+/* Where the forward's gemm1 writes [g; u]: saved's section, or NULL when mode keeps none. */
+uint16_t *saved_gate_up(void *saved, const saved_layout &lay, moefuse_saved_mode mode);
 
 /* cudaMalloc with a clear error (MOEFUSE_ERR_NO_MEMORY / _CUDA naming `what`). */
 moefuse_status alloc(void **p, size_t bytes, const char *what);

@@ -304,10 +304,8 @@ moefuse_status ep_forward(moefuse_layer *layer, const moefuse_fwd_args *a, cudaS
     MF_CUDA_TRY(cudaEventRecord(s->join, s->side));
 
     const int32_t *rbe = (const int32_t *)(plan_base + lay.row_block_expert);
-    mf_gemm1_params g1 = gemm1_params(
-        layer, s->xs, a->w13, rbe,
-        mode != MOEFUSE_RECOMPUTE ? (uint16_t *)((char *)a->saved + lay.gate_up) : NULL,
-        lay.rows_cap);
+    mf_gemm1_params g1 = gemm1_params(layer, s->xs, a->w13, rbe,
+                                      saved_gate_up(a->saved, lay, mode), lay.rows_cap);
     const int blocks = lay.rows_cap / MF_SM90_BLOCK_M;
     g1.arrivals = s->sync + mf_ep_arrivals_word(R, c->num_experts);
     g1.arrival_target = s->sync + mf_ep_targets_word(R, c->num_experts, blocks);

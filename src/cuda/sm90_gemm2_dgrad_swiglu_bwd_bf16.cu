@@ -107,9 +107,9 @@ struct Dgrad2Load {
  * rows x 16 bytes, which L2 merges with the neighbouring pieces); dg and du overwrite the
  * g and u words they were computed from in the gate_up tile (each word is read and
  * written by one thread only), and the store warps copy them out as whole rows
- * (sm90_grouped_gemm.cuh, "store warps"). The math itself runs in 32 pieces between the wgmma issues of the next tile's
- * first 8 K blocks, four per block (consumer_role_overlapped), on the second accumulator
- * set.
+ * (sm90_grouped_gemm.cuh, "store warps"). The math itself runs in 32 pieces between the
+ * wgmma issues of the next tile's first 8 K blocks, four per block
+ * (consumer_role_overlapped), on the second accumulator set.
  * Accumulator layout of m64nN (per warpgroup): register 4c + 2h + {0,1} of lane l in warp
  * w holds row 16w + l/4 + 8h, columns 8c + 2(l%4) + {0,1}. Those two g (or u) values are
  * one 4-byte word of the swizzled gate_up tile: box c/8, row R, 16-byte piece
