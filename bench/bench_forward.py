@@ -70,28 +70,14 @@ def skip(reason: str) -> None:
 def time_cuda_ms(fn, num_sets: int, warmup: int, reps: int, queue: int = 1) -> float:
     """Median ms per call of fn(i % num_sets) over reps samples, each `queue` calls issued
     back to back between two CUDA events (the sample's time / queue)."""
-    for i in range(warmup):
-        fn(i % num_sets)
-    torch.cuda.synchronize()
-    times = []
-    call = 0
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(queue):
-            fn(call % num_sets)
-            call += 1
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / queue)
-    return statistics.median(times)
+    return time_interleaved_ms([fn], num_sets, warmup, reps, queue)[0]
 
 
 def time_interleaved_ms(fns, num_sets: int, warmup: int, reps: int,
                         queue: int = 1) -> list[float]:
-    """time_cuda_ms of each fn, their samples taken in turn (one sample of fn 0, one of
-    fn 1, ..., reps rounds), so that every fn runs at the same clocks."""
+    """Median ms per call of each fn, as time_cuda_ms, their samples taken in turn (one
+    sample of fn 0, one of fn 1, ..., reps rounds): no fn runs systematically later, at
+    lower clocks, than another."""
     for fn in fns:
         for i in range(warmup):
             fn(i % num_sets)
