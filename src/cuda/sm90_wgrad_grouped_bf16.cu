@@ -140,9 +140,10 @@ struct WgradEpilogue {
     }
 
     /* The first dw row of warpgroup wg's 64 rows of the tile (E * M rows in all). */
+    /* m = m_blocks * 128 (the launcher checks), so expert e's row block j is m_block
+     * e * m_blocks + j and its rows start at m_block * 128. */
     __device__ __forceinline__ int64_t first_row(int m_block, int wg) const {
-        const int e = m_block / args.m_blocks;
-        return (int64_t)e * args.m + (m_block - e * args.m_blocks) * kBlockM + wg * 64;
+        return (int64_t)m_block * kBlockM + wg * 64;
     }
 
     __device__ __forceinline__ void operator()(int m_block, int n_block,
@@ -192,10 +193,8 @@ struct WgradEpilogue {
         const int e = m_block / args.m_blocks;
         const int t = threadIdx.x % 128;
         const int lane = t % 32, warp = t / 32;
-        const int row = (m_block - e * args.m_blocks) * kBlockM + (threadIdx.x / 128) * 64 +
-                        warp * 16 + lane / 4;
-        float *base = args.dw + ((int64_t)e * args.m + row) * args.n + n_block * Cfg::BN +
-                      2 * (lane % 4);
+        const int64_t row = first_row(m_block, threadIdx.x / 128) + warp * 16 + lane / 4;
+        float *base = args.dw + row * args.n + n_block * Cfg::BN + 2 * (lane % 4);
         if (args.accumulate) {
             /* Nothing to add for an expert without rows: leave its tile as it is. */
             if (args.expert_offsets[e + 1] <= args.expert_offsets[e]) return;
