@@ -134,7 +134,10 @@ struct Dgrad2Epilogue {
     static constexpr int kPieces = 2 * (Cfg::BN / 8);
     /* NOTE: measured on an H200 (131072 rows), 4 per K block against 2 (over 16 blocks):
      * qwen3-30b-a3b 0.908 -> 0.854 ms, qwen3-235b-a22b 2.906 -> 2.94 ms. Finishing early
-     * leaves the store warps' drain and the next gate_up load more of the K loop. */
+     * leaves the store warps' drain and the next gate_up load more of the K loop.
+     * With the gate_up tile in two halves (each reloaded as soon as its pieces are done,
+     * so spreading costs no reload slack) it was still slower: qwen3-30b-a3b 0.823 ms
+     * here, 0.86 at 4 and 2 per block, 1.02 at 1 (bench/NOTES.md v13). */
     static constexpr int kPiecesPerKBlock = 4;
     static_assert(kPieces % kPiecesPerKBlock == 0, "whole K blocks of pieces");
     const Dgrad2Args &args;
