@@ -45,18 +45,11 @@ __device__ __forceinline__ uint64_t *gu_full(const Ring<Cfg> &r) {
     return r.epi_empty + kConsumerWarpgroups;
 }
 
+/* The ring's barriers with one warpgroup's 4 warps reading each stage, and the two
+ * gate_up full barriers (ring_init's fence covers them). */
 __device__ __forceinline__ void pingpong_ring_init(const Ring<Cfg> &r) {
-    for (int s = 0; s < Cfg::kStages; ++s) {
-        ptx::mbar_init(&r.full[s], 1);   /* producer's expect_tx */
-        ptx::mbar_init(&r.empty[s], 4);  /* the warps of the one warpgroup that reads it */
-    }
-    ptx::mbar_init(r.extra_empty, kStoreThreads);
-    for (int wg = 0; wg < kConsumerWarpgroups; ++wg) {
-        ptx::mbar_init(&gu_full(r)[wg], 1);
-        ptx::mbar_init(&r.epi_full[wg], 128);
-        ptx::mbar_init(&r.epi_empty[wg], kStoreThreads);
-    }
-    ptx::mbar_fence_init();
+    for (int wg = 0; wg < kConsumerWarpgroups; ++wg) ptx::mbar_init(&gu_full(r)[wg], 1);
+    ring_init<Cfg>(r, 4);
 }
 
 /* ---- consumer warpgroup: its tiles' K loops and epilogues ---------------------------- */
