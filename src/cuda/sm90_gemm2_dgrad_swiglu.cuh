@@ -119,6 +119,25 @@ __device__ __forceinline__ void swiglu_bwd_word(uint32_t *g2, uint32_t *u2, floa
     act_p[i] = ok ? pack_bf16x2_rn(p * lo.act, p * hi.act) : 0u;
 }
 
+/* Store warps: dg and du of kRows rows of the gate_up tile from tile row `first` on, to
+ * dh rows row0, row0 + 1, ... (one row per warp step: lanes 0-15 its 16 pieces of dg,
+ * lanes 16-31 those of du). */
+template <int kRows>
+__device__ __forceinline__ void store_dg_du_rows(const Dgrad2Args &args, const uint8_t *extra,
+                                                 int first, int64_t row0, int n_block) {
+    const int I = args.intermediate;
+    const int col0 = n_block * kTileN;
+    const int sw = threadIdx.x / 32 - kFirstStoreWarp, lane = threadIdx.x % 32;
+    const int v = lane % 16, half = lane / 16;
+    const uint8_t *tile = extra + half * (kGuBytes / 2) + first * 128;
+#pragma unroll 1   /* the store warps have 40 registers (kProducerRegs) */
+    for (int r = sw; r < kRows; r += kStoreWarps) {
+        const int off = (v / 8) * kGuBoxBytes + r * 128 + (((v % 8) ^ (r % 8)) << 4);
+        uint4 *dst = reinterpret_cast<uint4 *>(args.dh + (row0 + r) * 2 * I + half * I + col0);
+        dst[v] = *reinterpret_cast<const uint4 *>(tile + off);
+    }
+}
+
 /* The kernel arguments from checked parameters (the caller checks them). */
 inline cudaError_t dgrad2_args(const mf_dgrad2_params *p, Dgrad2Args *args) {
     cudaError_t err;

@@ -164,17 +164,8 @@ struct Dgrad2Epilogue {
      * its 16 pieces of dg, lanes 16-31 those of du). After the last warpgroup's rows the
      * tile goes back to the producer. */
     __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *) {
-        const int I = args.intermediate;
-        const int64_t row0 = (int64_t)m_block * kBlockM + wg * 64;
-        const int col0 = n_block * Cfg::BN;
-        const int sw = threadIdx.x / 32 - kFirstStoreWarp, lane = threadIdx.x % 32;
-        const int v = lane % 16, half = lane / 16;
-        const uint8_t *tile = ring.extra + half * (kGuBytes / 2) + wg * 64 * 128;
-        for (int r = sw; r < 64; r += kStoreWarps) {
-            const int off = (v / 8) * kGuBoxBytes + r * 128 + (((v % 8) ^ (r % 8)) << 4);
-            uint4 *dst = reinterpret_cast<uint4 *>(args.dh + (row0 + r) * 2 * I + half * I + col0);
-            dst[v] = *reinterpret_cast<const uint4 *>(tile + off);
-        }
+        store_dg_du_rows<64>(args, ring.extra, wg * 64, (int64_t)m_block * kBlockM + wg * 64,
+                             n_block);
         if (wg == kConsumerWarpgroups - 1) ptx::mbar_arrive(ring.extra_empty);
     }
 };

@@ -189,22 +189,11 @@ struct PingPongConsumer {
  * the producer. */
 __device__ __forceinline__ void pingpong_store(const Dgrad2Args &args, const Ring<Cfg> &ring,
                                                TileScheduler sched) {
-    const int I = args.intermediate;
-    const int sw = threadIdx.x / 32 - kFirstStoreWarp, lane = threadIdx.x % 32;
-    const int v = lane % 16, du = lane / 16;
-    const uint8_t *tile_du = ring.extra + du * (kGuBytes / 2);
     int m_block, n_block;
     for (uint32_t tile = 0; sched.next_tile(m_block, n_block); ++tile) {
         const uint32_t wg = tile & 1u;
         ptx::mbar_wait(&ring.epi_full[wg], (tile >> 1) & 1u);
-        const int64_t row0 = (int64_t)m_block * kBlockM;
-        const int col0 = n_block * Cfg::BN;
-#pragma unroll 1   /* the store warps have 40 registers (Cfg::kProducerRegs) */
-        for (int r = sw; r < kBlockM; r += kStoreWarps) {
-            const int off = (v / 8) * kGuBoxBytes + r * 128 + (((v % 8) ^ (r % 8)) << 4);
-            uint4 *dst = reinterpret_cast<uint4 *>(args.dh + (row0 + r) * 2 * I + du * I + col0);
-            dst[v] = *reinterpret_cast<const uint4 *>(tile_du + off);
-        }
+        store_dg_du_rows<kBlockM>(args, ring.extra, 0, (int64_t)m_block * kBlockM, n_block);
         ptx::mbar_arrive(&ring.epi_empty[wg]);
         ptx::mbar_arrive(ring.extra_empty);
     }
