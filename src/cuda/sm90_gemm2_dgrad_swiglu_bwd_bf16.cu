@@ -160,9 +160,8 @@ struct Dgrad2Epilogue {
         finish(m_block, n_block);
     }
 
-    /* Store warps: dg and du rows from the gate_up tile (one row per warp step: lanes 0-15
-     * its 16 pieces of dg, lanes 16-31 those of du). After the last warpgroup's rows the
-     * tile goes back to the producer. */
+    /* Store warps: warpgroup wg's dg and du rows from the gate_up tile. After the last
+     * warpgroup's rows the tile goes back to the producer. */
     __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *) {
         store_dg_du_rows<64>(args, ring.extra, wg * 64, (int64_t)m_block * kBlockM + wg * 64,
                              n_block);

@@ -184,9 +184,8 @@ struct PingPongConsumer {
     }
 };
 
-/* ---- store warps: each CTA tile's dg and du rows (128 rows: per warp step one row, lanes
- * 0-15 its 16 pieces of dg, lanes 16-31 those of du), then the gate_up tile goes back to
- * the producer. */
+/* ---- store warps: each CTA tile's 128 dg and du rows, from the warpgroup that owns the
+ * tile; then the gate_up tile goes back to the producer. */
 __device__ __forceinline__ void pingpong_store(const Dgrad2Args &args, const Ring<Cfg> &ring,
                                                TileScheduler sched) {
     int m_block, n_block;
