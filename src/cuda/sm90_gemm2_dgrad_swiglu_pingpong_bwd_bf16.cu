@@ -25,8 +25,15 @@
  * after the ring's own (kSmemBytes + 16), so that warpgroup w waits on its own barrier for
  * its k-th tile with parity k & 1: with one barrier for both, a warpgroup that came to
  * its wait before the other's tile had landed would read that phase's parity as done.
- * Handoff w to the store warps carries warpgroup w's tiles, the k-th with parity k & 1. */
+ * Handoff w to the store warps carries warpgroup w's tiles, the k-th with parity k & 1.
+ *
+ * The K loops take turns (named barriers kKLoopIssued + w): a warpgroup starts waiting on
+ * the ring for its tile only after the other has waited on every stage of the tile before.
+ * The ring's full barriers are waited by parity, which is right only for a waiter at most
+ * one phase ahead; a warpgroup that skipped ahead by a whole tile (6 rounds of the ring at
+ * H = 2048) read an earlier round's completion as its own (the first GPU run hung). */
 #include "kernels.h"
+#include "ptx/named_barrier.cuh"
 #include "sm90_gemm2_dgrad_swiglu.cuh"
 
 namespace {
@@ -38,6 +45,9 @@ using namespace mf::sm90::dgrad2;
 using Cfg = Dgrad2Cfg;
 constexpr int kHalfRows = 64;   /* rows of one m64 wgmma: a tile is two halves */
 constexpr int kSmemBytes = Cfg::kSmemBytes + kConsumerWarpgroups * 8;   /* + gu_full[2] */
+/* Named barrier kKLoopIssued + w: warpgroup w has waited on every ring stage of its tile
+ * (its 128 threads arrive, the other warpgroup's 128 wait). */
+constexpr uint32_t kKLoopIssued = 1;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 
 /* The two gate_up full barriers, after the ring's. */
@@ -82,7 +92,8 @@ struct PingPongConsumer {
     }
 
     /* The tile's K loop: per K block, the four k16 steps of both row halves as one group;
-     * one group stays in flight, and the stage before goes back to the producer. */
+     * one group stays in flight, and the stage before goes back to the producer. After the
+     * last stage's wait the other warpgroup may start on its tile. */
     __device__ __forceinline__ void k_loop(RingPos<Cfg> &pos, int num_k_blocks) {
         using DescA = OperandDesc<Cfg::kAMnMajor, Cfg::kMnBoxBytes>;
         using DescB = OperandDesc<Cfg::kBMnMajor, Cfg::kMnBoxBytes>;
@@ -110,6 +121,7 @@ struct PingPongConsumer {
             prev_stage = pos.stage;
             pos.advance();
         }
+        ptx::bar_arrive(kKLoopIssued + threadIdx.x / 128, 256);
         ptx::wgmma_wait<0>();
         ptx::wgmma_fence_operand(acc[0]);
         ptx::wgmma_fence_operand(acc[1]);
@@ -165,7 +177,9 @@ struct PingPongConsumer {
     }
 
     /* Warpgroup wg's tiles: CTA tiles wg, wg + 2, ...; the others' K blocks are skipped in
-     * the ring. */
+     * the ring. At each of the other warpgroup's tiles this one waits until that tile's K
+     * loop has waited on all its stages, so every arrival has its wait (the last tile's
+     * too) and this warpgroup's next K loop comes after the other's. */
     __device__ __forceinline__ void run(TileScheduler sched) {
         const uint32_t wg = threadIdx.x / 128;
         const int num_k_blocks = args.hidden / kBlockK;
@@ -174,6 +188,7 @@ struct PingPongConsumer {
         uint32_t own = 0;
         for (uint32_t tile = 0; sched.next_tile(m_block, n_block); ++tile) {
             if ((tile & 1u) != wg) {
+                ptx::bar_sync(kKLoopIssued + (wg ^ 1u), 256);
                 for (int kb = 0; kb < num_k_blocks; ++kb) pos.advance();
                 continue;
             }
