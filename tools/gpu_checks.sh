@@ -36,8 +36,6 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 step build build.log make -j"$(nproc)" all || { tail -30 "$LOG_DIR/build.log"; exit 1; }
 step test_gemm_sm90 test_gemm_fwd.log build/tests/gpu/test_gemm_sm90
 step test_gemm_sm90_bwd test_gemm_bwd.log build/tests/gpu/test_gemm_sm90_bwd
-# the experimental ping-pong dgrad2 (not on the default path): bitwise = default, and timing
-step experimental_pingpong test_pingpong.log build/tests/gpu/test_gemm_sm90_bwd dgrad2_pingpong
 step test_dispatch_rows test_dispatch_rows.log build/tests/gpu/test_dispatch_rows
 step test_cuda_forward test_cuda_forward.log build/tests/gpu/test_cuda_forward
 step test_cuda_forward_fused test_cuda_forward_fused.log \

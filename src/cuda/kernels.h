@@ -118,11 +118,6 @@ typedef struct mf_dgrad2_params {
 /* Column blocks of dgrad2 over I, i.e. the partial sums per row that make d p. */
 int mf_dgrad2_dp_parts(int intermediate);
 cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(const mf_dgrad2_params *p, cudaStream_t stream);
-/* EXPERIMENTAL, not GPU-run yet: the same as a ping-pong kernel, which the call above runs
- * instead when the environment sets MOEFUSE_EXPERIMENTAL_DGRAD2_PINGPONG=1 (parameters
- * checked by that call). */
-cudaError_t mf_sm90_gemm2_dgrad_swiglu_pingpong_bwd_bf16(const mf_dgrad2_params *p,
-                                                         cudaStream_t stream);
 
 /* dgrad of gemm1: combine[row_slot[r]] = bf16(dh[r] W13_e) for rows with row_slot >= 0
  * (W13_e is [2I, H]: B is MN-major). The reduce kernel then sums the K slots of a token
@@ -410,7 +405,6 @@ cudaError_t mf_sm90_gemm1_swiglu_fwd_load(void);
 cudaError_t mf_sm90_gemm2_combine_fwd_load(void);
 cudaError_t mf_sm90_moe_fused_fwd_load(void);
 cudaError_t mf_sm90_gemm2_dgrad_swiglu_load(void);
-cudaError_t mf_sm90_gemm2_dgrad_swiglu_pingpong_load(void);
 cudaError_t mf_sm90_gemm1_dgrad_bwd_load(void);
 cudaError_t mf_sm90_wgrad_grouped_load(void);
 cudaError_t mf_expert_order_load(void);

@@ -1,7 +1,6 @@
-/* What the two dgrad2 kernels share (sm_90a, bf16): the arguments, the gate_up tile's
- * layout, the producer and the SwiGLU backward of one 4-byte word of g and u. The math
- * and the layouts are described in sm90_gemm2_dgrad_swiglu_bwd_bf16.cu; the ping-pong
- * variant is sm90_gemm2_dgrad_swiglu_pingpong_bwd_bf16.cu. */
+/* dgrad2's pieces apart from its kernel (sm_90a, bf16): the arguments, the gate_up tile's
+ * layout, the producer, the SwiGLU backward of one element and the store warps' copy of
+ * dg and du. The math and the layouts are described in sm90_gemm2_dgrad_swiglu_bwd_bf16.cu. */
 #pragma once
 
 #include <cuda_bf16.h>
@@ -45,23 +44,12 @@ using Dgrad2Cfg = TileConfig<kTileN, 5, false, true, kGuBytes, 0, true>;
 
 /* ---- producer: A rows of the block, then BN/64 boxes of W2_e rows k.. k+63; after the
  * last K stage, the tile's gate_up (once the epilogue of the tile before let go of it). */
-/* kGuFull: the gate_up tile lands on the extra region's full barrier (1), or on
- * gu_full[0] and gu_full[1] by turns, tile by tile (2: the ping-pong kernel, whose two
- * warpgroups each wait for their own tiles'). */
-template <class Cfg, int kGuFull = 1>
+template <class Cfg>
 struct Dgrad2Load {
     const Dgrad2Args &args;
     Ring<Cfg> ring;
     int m_row, w_row, n_col;
     uint32_t gu_phase;
-    uint64_t *gu_full = nullptr;   /* [2] with kGuFull = 2 */
-
-    __device__ __forceinline__ uint64_t *gu_barrier() const {
-        if constexpr (kGuFull == 1)
-            return ring.extra_full;
-        else
-            return gu_full + gu_phase;
-    }
 
     __device__ __forceinline__ void tile_begin(int m_block, int n_block) {
         const int e = args.row_block_expert[m_block];
@@ -78,7 +66,7 @@ struct Dgrad2Load {
                              w_row + k);
         if (k + kBlockK < args.hidden) return;
         ptx::mbar_wait(ring.extra_empty, gu_phase ^ 1u);
-        uint64_t *const full = gu_barrier();
+        uint64_t *const full = ring.extra_full;
         ptx::mbar_arrive_expect_tx(full, Cfg::kExtraBytes);
 #pragma unroll
         for (int j = 0; j < Cfg::BN / 64; ++j) {
@@ -101,22 +89,6 @@ __device__ __forceinline__ SwigluBwd swiglu_bwd(float g, float u, float da) {
     const Swiglu f = swiglu(g, u);
     return {__bfloat162float(__float2bfloat16_rn(f.a)), da * u * (f.s * (1.f + g * (1.f - f.s))),
             da * f.silu};
-}
-
-/* One 4-byte word of g and of u (two adjacent columns of one row) with the row's two
- * accumulators d0, d1 (da' = dys W2_e) and its weight p (ok: not a padding row): dg and
- * du overwrite the g and u words, p a goes to act_p[i], and d a (unweighted) adds to the
- * row's partial d p. */
-__device__ __forceinline__ void swiglu_bwd_word(uint32_t *g2, uint32_t *u2, float d0, float d1,
-                                                float p, bool ok, float &dp, uint32_t *act_p,
-                                                int i) {
-    const SwigluBwd lo = swiglu_bwd(bf16_lo(*g2), bf16_lo(*u2), p * d0);
-    const SwigluBwd hi = swiglu_bwd(bf16_hi(*g2), bf16_hi(*u2), p * d1);
-    dp = fmaf(d0, lo.act, dp);
-    dp = fmaf(d1, hi.act, dp);
-    *g2 = ok ? pack_bf16x2_rn(lo.dg, hi.dg) : 0u;
-    *u2 = ok ? pack_bf16x2_rn(lo.du, hi.du) : 0u;
-    act_p[i] = ok ? pack_bf16x2_rn(p * lo.act, p * hi.act) : 0u;
 }
 
 /* Store warps: dg and du of kRows rows of the gate_up tile from tile row `first` on, to

@@ -24,9 +24,6 @@
  * FLOPs: 2 * rows * H * I. qwen3-30b-a3b at 131072 rows: 412 GFLOP, about 0.52 ms at
  * 790 TFLOP/s; outputs dh + act_p are 3 * rows * I * 2 bytes (0.6 GB) and the gate_up
  * read 0.4 GB: the epilogue's share is large. */
-#include <stdlib.h>
-#include <string.h>
-
 #include "kernels.h"
 #include "sm90_gemm2_dgrad_swiglu.cuh"
 
@@ -115,8 +112,6 @@ struct Dgrad2Epilogue {
         uint8_t *const g_tile = ring.extra + wg * 64 * 128;   /* this warpgroup's rows */
         uint32_t *g2 = reinterpret_cast<uint32_t *>(g_tile + off);
         uint32_t *u2 = reinterpret_cast<uint32_t *>(g_tile + kGuBytes / 2 + off);
-        /* swiglu_bwd_word's math, written out: through that helper ptxas schedules this
-         * kernel differently (same instructions, another order), not measured yet. */
         const float d0 = acc[4 * c + 2 * h], d1 = acc[4 * c + 2 * h + 1];
         const float p = w[h];
         const bool ok = valid[h];
@@ -189,15 +184,6 @@ cudaError_t launch(const mf_dgrad2_params *p, cudaStream_t stream) {
                              Cfg::kSmemBytes, p->num_sms, args, stream);
 }
 
-/* MOEFUSE_EXPERIMENTAL_DGRAD2_PINGPONG=1: the ping-pong kernel instead (read once). */
-bool pingpong_requested() {
-    static const bool requested = [] {
-        const char *v = getenv("MOEFUSE_EXPERIMENTAL_DGRAD2_PINGPONG");
-        return v && strcmp(v, "1") == 0;
-    }();
-    return requested;
-}
-
 }  // namespace
 
 /* Tile choice (and so the dp partials per row): BN = 128, 5 stages of 32 KB and the 64 KB
@@ -222,7 +208,6 @@ extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(const mf_dgrad2_param
         (reinterpret_cast<uintptr_t>(p->dp_partial) & 3u))
         return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
-    if (pingpong_requested()) return mf_sm90_gemm2_dgrad_swiglu_pingpong_bwd_bf16(p, stream);
     /* The epilogue under the next tile's K loop needs 8 K blocks (H >= 512). */
     using Overlapped = Dgrad2Epilogue<Dgrad2Cfg, true>;
     if (p->hidden / kBlockK >= Overlapped::kPieces / Overlapped::kPiecesPerKBlock)
@@ -231,10 +216,6 @@ extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(const mf_dgrad2_param
 }
 
 extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_load(void) {
-    if (pingpong_requested()) {
-        const cudaError_t err = mf_sm90_gemm2_dgrad_swiglu_pingpong_load();
-        if (err != cudaSuccess) return err;
-    }
     return mf_load_kernels(sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel<Dgrad2Cfg, true>,
                            sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel<Dgrad2Cfg, false>);
 }

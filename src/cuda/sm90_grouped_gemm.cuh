@@ -190,7 +190,7 @@ __device__ __forceinline__ Ring<Cfg> ring_from_smem(uint8_t *raw) {
 }
 
 /* One thread initialises; the caller syncs the CTA afterwards. stage_readers: the warps
- * that read each stage (all consumer warps; one warpgroup's in a ping-pong kernel). */
+ * that read each stage (all consumer warps, unless a kernel splits them). */
 template <class Cfg>
 __device__ __forceinline__ void ring_init(const Ring<Cfg> &r,
                                           int stage_readers = kConsumerWarpgroups * 4) {

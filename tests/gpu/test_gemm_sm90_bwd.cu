@@ -46,9 +46,7 @@ static std::vector<T> dev_download(const T *p, size_t n) {
     return v;
 }
 /* ---- dgrad2 + dgrad1 ------------------------------------------------------------------ */
-/* pingpong: also the experimental ping-pong dgrad2 (not on the default path), which must
- * give the default kernel's bits. */
-static void check_dgrad(int H, int I, const std::vector<int> &counts, bool pingpong = false) {
+static void check_dgrad(int H, int I, const std::vector<int> &counts) {
     if (!have_sm90()) return;
     const int E = (int)counts.size();
     Layout L = make_layout(counts, /*extra_rows=*/256, /*dropped=*/29);
@@ -195,20 +193,6 @@ static void check_dgrad(int H, int I, const std::vector<int> &counts, bool pingp
     std::vector<float> dp2 = dev_download(d_dp, (size_t)R * parts);
     CHECK(memcmp(dp2.data(), dp.data(), dp.size() * 4) == 0, "dp_partial differs between runs");
 
-    for (const int sms : {num_sms(), 7}) {
-        if (!pingpong) break;
-        poison();
-        mf_dgrad2_params p2 = {d_dys, d_w2, d_gu, d_rbe, d_nr, d_slot, d_sw, d_dh, d_actp, d_dp,
-                               R, H, I, E, sms};
-        CUDA_OK(mf_sm90_gemm2_dgrad_swiglu_pingpong_bwd_bf16(&p2, 0));
-        CUDA_OK(cudaDeviceSynchronize());
-        CHECK(dev_download(d_dh, ngu) == dh, "ping-pong dh differs (%d SMs)", sms);
-        CHECK(dev_download(d_actp, (size_t)R * I) == actp, "ping-pong act_p differs (%d SMs)", sms);
-        std::vector<float> dp3 = dev_download(d_dp, (size_t)R * parts);
-        CHECK(memcmp(dp3.data(), dp.data(), dp.size() * 4) == 0,
-              "ping-pong dp_partial differs (%d SMs)", sms);
-    }
-
     cudaFree(d_rbe); cudaFree(d_slot); cudaFree(d_nr); cudaFree(d_dys); cudaFree(d_gu);
     cudaFree(d_w2); cudaFree(d_w13); cudaFree(d_sw); cudaFree(d_dh); cudaFree(d_actp);
     cudaFree(d_comb); cudaFree(d_dp);
@@ -345,12 +329,6 @@ static void test_dgrad_bn128(void) { check_dgrad(384, 384, {3, 0, 0, 256, 1, 110
 /* H >= 512: dgrad2's epilogue runs under the next tile's K loop (20 K blocks: 8 with
  * epilogue pieces, 4 without); the 7-CTA rerun gives each CTA several tiles. */
 static void test_dgrad_bn256_overlap(void) { check_dgrad(1280, 256, {0, 1, 1037, 37, 0, 200, 128, 5}); }
-/* The experimental ping-pong dgrad2 against the default kernel (6 and 20 K blocks). */
-static void test_dgrad2_pingpong(void) {
-    if (!have_sm90()) return;
-    check_dgrad(384, 384, {3, 0, 0, 256, 1, 1100}, true);
-    check_dgrad(1280, 256, {0, 1, 1037, 37, 0, 200, 128, 5}, true);
-}
 static void test_wgrad_bn256(void) { check_wgrad(384, 512, {0, 1, 1037, 37, 0, 200, 128, 5}); }
 static void test_wgrad_bn128(void) { check_wgrad(256, 384, {3, 0, 0, 256, 1, 1100}); }
 
@@ -435,21 +413,8 @@ static std::vector<float> time_interleaved_ms(F &&...launch) {
 template <class F>
 static float time_ms(F &&launch) { return time_interleaved_ms(launch)[0]; }
 
-/* The default dgrad2 and the experimental ping-pong one, interleaved. */
-static void time_dgrad2_pingpong(const char *name, const mf_dgrad2_params &p2, double flops) {
-    const std::vector<float> ms =
-        time_interleaved_ms([&] { return mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&p2, 0); },
-                            [&] { return mf_sm90_gemm2_dgrad_swiglu_pingpong_bwd_bf16(&p2, 0); });
-    printf("  %-16s dgrad2 (default)      %8.3f ms %6.1f TFLOP/s\n",
-           name, ms[0], flops / ms[0] * 1e-9);
-    printf("  %-16s dgrad2 (ping-pong)    %8.3f ms %6.1f TFLOP/s\n",
-           name, ms[1], flops / ms[1] * 1e-9);
-    CHECK(ms[0] > 0 && ms[1] > 0, "a timed launch failed");
-}
-
-/* dgrad2_pingpong: only dgrad2, the default kernel against the experimental ping-pong. */
 static void time_model(const char *name, int H, int I, int E, int tokens, int top_k,
-                       const std::vector<int> &counts, bool dgrad2_pingpong = false) {
+                       const std::vector<int> &counts) {
     if (!have_sm90()) return;
     const int total = tokens * top_k;
     Layout L = make_layout(counts, 0, 0);
@@ -501,52 +466,40 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
     CUDA_OK(mf_expert_order(off, E, order, 0));
     mf_wgrad_params pw2o = pw2b, pw13o = pw13b;
     pw2o.expert_order = pw13o.expert_order = order;
-    const double f_dgrad2 = 2.0 * (double)total * H * I;
-    if (dgrad2_pingpong) {
-        time_dgrad2_pingpong(name, p2, f_dgrad2);
-    } else {
-        const float m2 = time_ms([&] { return mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&p2, 0); });
-        const float m1 = time_ms([&] { return mf_sm90_gemm1_dgrad_bwd_bf16(&p1, 0); });
-        const float mw2 = time_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw2, 0); });
-        const float mw13 = time_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw13, 0); });
-        const float mw13a = time_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw13a, 0); });
-        /* bf16 without and with the order: interleaved, so at the same clocks */
-        const std::vector<float> w2bo =
-            time_interleaved_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw2b, 0); },
-                                [&] { return mf_sm90_wgrad_grouped_bf16(&pw2o, 0); });
-        const std::vector<float> w13bo =
-            time_interleaved_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw13b, 0); },
-                                [&] { return mf_sm90_wgrad_grouped_bf16(&pw13o, 0); });
-        const float mw2b = w2bo[0], mw2o = w2bo[1], mw13b = w13bo[0], mw13o = w13bo[1];
-        CUDA_OK(cudaGetLastError());
-        CUDA_OK(cudaDeviceSynchronize());
-        const double v = (double)total;
-        const double f_small = f_dgrad2, f_big = 2.0 * v * 2 * I * H;
-        const int most = *std::max_element(counts.begin(), counts.end());
-        printf("  %-16s rows %d (padded %d) E=%d H=%d I=%d sms=%d, busiest expert %.2f x mean\n",
-               name, total, L.num_rows, E, H, I, sms, most * (double)E / total);
-        printf("  %-16s dgrad2+swiglu_bwd+dp  %8.3f ms %6.1f TFLOP/s\n",
-               name, m2, f_small / m2 * 1e-9);
-        printf("  %-16s dgrad1+scatter        %8.3f ms %6.1f TFLOP/s\n",
-               name, m1, f_big / m1 * 1e-9);
-        printf("  %-16s wgrad dW2  (write)    %8.3f ms %6.1f TFLOP/s\n",
-               name, mw2, f_small / mw2 * 1e-9);
-        printf("  %-16s wgrad dW13 (write)    %8.3f ms %6.1f TFLOP/s\n",
-               name, mw13, f_big / mw13 * 1e-9);
-        printf("  %-16s wgrad dW13 (accum)    %8.3f ms %6.1f TFLOP/s\n",
-               name, mw13a, f_big / mw13a * 1e-9);
-        printf("  %-16s wgrad dW2  (bf16)     %8.3f ms %6.1f TFLOP/s\n",
-               name, mw2b, f_small / mw2b * 1e-9);
-        printf("  %-16s wgrad dW13 (bf16)     %8.3f ms %6.1f TFLOP/s\n",
-               name, mw13b, f_big / mw13b * 1e-9);
-        printf("  %-16s wgrad dW2  (bf16, ordered) %8.3f ms %6.1f TFLOP/s\n", name, mw2o,
-               f_small / mw2o * 1e-9);
-        printf("  %-16s wgrad dW13 (bf16, ordered) %8.3f ms %6.1f TFLOP/s\n", name, mw13o,
-               f_big / mw13o * 1e-9);
-        CHECK(m2 > 0 && m1 > 0 && mw2 > 0 && mw13 > 0 && mw13a > 0 && mw2b > 0 && mw13b > 0 &&
-                  mw2o > 0 && mw13o > 0,
-              "a timed launch failed");
-    }
+    const float m2 = time_ms([&] { return mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&p2, 0); });
+    const float m1 = time_ms([&] { return mf_sm90_gemm1_dgrad_bwd_bf16(&p1, 0); });
+    const float mw2 = time_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw2, 0); });
+    const float mw13 = time_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw13, 0); });
+    const float mw13a = time_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw13a, 0); });
+    /* bf16 without and with the order: interleaved, so at the same clocks */
+    const std::vector<float> w2bo =
+        time_interleaved_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw2b, 0); },
+                            [&] { return mf_sm90_wgrad_grouped_bf16(&pw2o, 0); });
+    const std::vector<float> w13bo =
+        time_interleaved_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw13b, 0); },
+                            [&] { return mf_sm90_wgrad_grouped_bf16(&pw13o, 0); });
+    const float mw2b = w2bo[0], mw2o = w2bo[1], mw13b = w13bo[0], mw13o = w13bo[1];
+    CUDA_OK(cudaGetLastError());
+    CUDA_OK(cudaDeviceSynchronize());
+    const double v = (double)total;
+    const double f_small = 2.0 * v * H * I, f_big = 2.0 * v * 2 * I * H;
+    const int most = *std::max_element(counts.begin(), counts.end());
+    printf("  %-16s rows %d (padded %d) E=%d H=%d I=%d sms=%d, busiest expert %.2f x mean\n",
+           name, total, L.num_rows, E, H, I, sms, most * (double)E / total);
+    printf("  %-16s dgrad2+swiglu_bwd+dp  %8.3f ms %6.1f TFLOP/s\n", name, m2, f_small / m2 * 1e-9);
+    printf("  %-16s dgrad1+scatter        %8.3f ms %6.1f TFLOP/s\n", name, m1, f_big / m1 * 1e-9);
+    printf("  %-16s wgrad dW2  (write)    %8.3f ms %6.1f TFLOP/s\n", name, mw2, f_small / mw2 * 1e-9);
+    printf("  %-16s wgrad dW13 (write)    %8.3f ms %6.1f TFLOP/s\n", name, mw13, f_big / mw13 * 1e-9);
+    printf("  %-16s wgrad dW13 (accum)    %8.3f ms %6.1f TFLOP/s\n", name, mw13a, f_big / mw13a * 1e-9);
+    printf("  %-16s wgrad dW2  (bf16)     %8.3f ms %6.1f TFLOP/s\n", name, mw2b, f_small / mw2b * 1e-9);
+    printf("  %-16s wgrad dW13 (bf16)     %8.3f ms %6.1f TFLOP/s\n", name, mw13b, f_big / mw13b * 1e-9);
+    printf("  %-16s wgrad dW2  (bf16, ordered) %8.3f ms %6.1f TFLOP/s\n", name, mw2o,
+           f_small / mw2o * 1e-9);
+    printf("  %-16s wgrad dW13 (bf16, ordered) %8.3f ms %6.1f TFLOP/s\n", name, mw13o,
+           f_big / mw13o * 1e-9);
+    CHECK(m2 > 0 && m1 > 0 && mw2 > 0 && mw13 > 0 && mw13a > 0 && mw2b > 0 && mw13b > 0 &&
+              mw2o > 0 && mw13o > 0,
+          "a timed launch failed");
     cudaFree(dys); cudaFree(xs); cudaFree(gu); cudaFree(dh); cudaFree(actp); cudaFree(w2);
     cudaFree(w13); cudaFree(comb); cudaFree(sw); cudaFree(dp); cudaFree(dw2); cudaFree(dw13);
     cudaFree(dw2b); cudaFree(dw13b);
@@ -558,11 +511,6 @@ static void time_qwen3_30b(void) {
 }
 static void time_qwen3_235b(void) {
     time_model("qwen3-235b-a22b", 4096, 1536, 128, 16384, 8, skewed_counts(128, 16384 * 8));
-}
-static void time_dgrad2_pingpong_qwen3(void) {
-    if (!have_sm90()) return;
-    time_model("qwen3-30b-a3b", 2048, 768, 128, 16384, 8, skewed_counts(128, 16384 * 8), true);
-    time_model("qwen3-235b-a22b", 4096, 1536, 128, 16384, 8, skewed_counts(128, 16384 * 8), true);
 }
 /* Skewed routing (heavy_skew_counts: the busiest expert ~5x the mean). */
 static void time_qwen3_30b_heavy_skew(void) {
@@ -593,8 +541,7 @@ static void time_qwen3_30b_nearly_collapsed(void) {
     time_model("qwen3-30b-a3b", 2048, 768, 128, 16384, 8, counts);
 }
 
-/* An optional argument runs only the cases whose name contains it. Cases of an
- * experimental kernel (not on the default path) run only when asked for that way. */
+/* An optional argument runs only the cases whose name contains it. */
 int main(int argc, char **argv) {
     static const struct { const char *name; void (*fn)(void); } cases[] = {
         {"gemm_sm90_bwd_dgrad_bn256", test_dgrad_bn256},
@@ -608,14 +555,9 @@ int main(int argc, char **argv) {
         {"gemm_sm90_bwd_time_qwen3_30b_heavy_skew", time_qwen3_30b_heavy_skew},
         {"gemm_sm90_bwd_time_qwen3_30b_collapsed", time_qwen3_30b_collapsed},
         {"gemm_sm90_bwd_time_qwen3_30b_nearly_collapsed", time_qwen3_30b_nearly_collapsed},
-        /* last: an experimental kernel that has not run yet must not take the others down
-         * (and only when named: see above) */
-        {"gemm_sm90_bwd_dgrad2_pingpong_experimental_check", test_dgrad2_pingpong},
-        {"gemm_sm90_bwd_dgrad2_pingpong_experimental_time", time_dgrad2_pingpong_qwen3},
     };
     th_seed_from_env_or_clock();
     for (const auto &c : cases)
-        if (argc < 2 ? !strstr(c.name, "experimental") : strstr(c.name, argv[1]) != nullptr)
-            th_run(c.name, c.fn);
+        if (argc < 2 || strstr(c.name, argv[1])) th_run(c.name, c.fn);
     return th_finish();
 }
