@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the build and the tests need on a fresh Debian 12 machine (as root):
 # OpenBLAS (OpenMP build) for the CPU backend, clang + libFuzzer for the fuzz target,
-# and PyTorch + pytest for the Python binding's tests. nvcc is optional: with it the
-# CUDA kernels are compiled for sm_90a too.
+# and PyTorch + pytest for the Python binding's tests, with transformers for the test that
+# compares the drop-in block against its Qwen3MoeSparseMoeBlock. nvcc is optional: with it
+# the CUDA kernels are compiled for sm_90a too.
 set -euo pipefail
 need_apt=()
 [ -e /usr/include/x86_64-linux-gnu/openblas-openmp/cblas.h ] || [ -e /usr/include/aarch64-linux-gnu/openblas-openmp/cblas.h ] || need_apt+=(libopenblas-openmp-dev)
@@ -16,3 +17,5 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 python3 -c 'import torch, pytest, numpy' 2>/dev/null ||
     python3 -m pip install -q --disable-pip-version-check torch==2.11.0 pytest numpy
+python3 -c 'import transformers' 2>/dev/null ||
+    python3 -m pip install -q --disable-pip-version-check transformers==5.24.0
