@@ -10,7 +10,7 @@
 #
 # Logs: build/ab-logs/<tree>_<command index>_<round>.log; printed last: each run's exit
 # code, seconds and the lines of its log that hold a time in ms. The copy is made from the
-# working tree (not git), without build/ and exp/; the patch is applied with git apply.
+# working tree (not git), without build/ and exp/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 3 ]; then
@@ -21,11 +21,19 @@ patch_file=$(realpath "$1") rounds=$2
 shift 2
 AB_DIR=${AB_DIR:-/tmp/ab_patched}
 LOG_DIR=build/ab-logs
-export PATH="$PATH:/usr/local/cuda/bin"
+export PATH="$PATH:/usr/local/cuda/bin" NCCL_NVLS_ENABLE=0
+# Build against the libnccl PyTorch loads, as tools/gpu_checks.sh does.
+if [ -z "${NCCL_HOME:-}" ]; then
+    NCCL_HOME=$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0])" 2>/dev/null) &&
+        export NCCL_HOME || unset NCCL_HOME
+fi
 
 rm -rf "$AB_DIR" && mkdir -p "$AB_DIR" "$LOG_DIR" || exit 1
 tar cf - --exclude=./build --exclude=./exp . | tar xf - -C "$AB_DIR" || exit 1
-(cd "$AB_DIR" && git apply "$patch_file") || { echo "ab_patch: $1 does not apply" >&2; exit 1; }
+# git apply works outside a repository; patch(1) where git is missing
+(cd "$AB_DIR" && if command -v git >/dev/null; then git apply "$patch_file"
+                 else patch -s -p1 < "$patch_file"; fi) ||
+    { echo "ab_patch: $1 does not apply" >&2; exit 1; }
 jobs=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))
 make -j"$jobs" all > "$LOG_DIR/build_main.log" 2>&1 &
 main_build=$!
