@@ -189,14 +189,12 @@ __device__ __forceinline__ Ring<Cfg> ring_from_smem(uint8_t *raw) {
     return r;
 }
 
-/* One thread initialises; the caller syncs the CTA afterwards. stage_readers: the warps
- * that read each stage (all consumer warps, unless a kernel splits them). */
+/* One thread initialises; the caller syncs the CTA afterwards. */
 template <class Cfg>
-__device__ __forceinline__ void ring_init(const Ring<Cfg> &r,
-                                          int stage_readers = kConsumerWarpgroups * 4) {
+__device__ __forceinline__ void ring_init(const Ring<Cfg> &r) {
     for (int s = 0; s < Cfg::kStages; ++s) {
-        ptx::mbar_init(&r.full[s], 1);                /* producer's expect_tx */
-        ptx::mbar_init(&r.empty[s], stage_readers);   /* one per consumer warp reading it */
+        ptx::mbar_init(&r.full[s], 1);                          /* producer's expect_tx */
+        ptx::mbar_init(&r.empty[s], kConsumerWarpgroups * 4);   /* one per consumer warp */
     }
     ptx::mbar_init(r.extra_full, 1);
     ptx::mbar_init(r.extra_empty, Cfg::kStoreWarps ? kStoreThreads : kConsumerWarpgroups * 4);
