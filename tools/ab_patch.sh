@@ -21,12 +21,7 @@ patch_file=$(realpath "$1") rounds=$2
 shift 2
 AB_DIR=${AB_DIR:-/tmp/ab_patched}
 LOG_DIR=build/ab-logs
-export PATH="$PATH:/usr/local/cuda/bin" NCCL_NVLS_ENABLE=0
-# Build against the libnccl PyTorch loads, as tools/gpu_checks.sh does.
-if [ -z "${NCCL_HOME:-}" ]; then
-    NCCL_HOME=$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0])" 2>/dev/null) &&
-        export NCCL_HOME || unset NCCL_HOME
-fi
+source tools/gpu_env.sh
 
 rm -rf "$AB_DIR" && mkdir -p "$AB_DIR" "$LOG_DIR" || exit 1
 tar cf - --exclude=./build --exclude=./exp . | tar xf - -C "$AB_DIR" || exit 1

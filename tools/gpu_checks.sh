@@ -10,14 +10,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR=build/gpu-logs
 mkdir -p "$LOG_DIR"
-export PATH="$PATH:/usr/local/cuda/bin" PYTHONUNBUFFERED=1 MOEFUSE_LIB="$PWD/build/libmoefuse.so"
+source tools/gpu_env.sh
+export PYTHONUNBUFFERED=1 MOEFUSE_LIB="$PWD/build/libmoefuse.so"
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
-export NCCL_NVLS_ENABLE=0
-# Build against the libnccl PyTorch loads (DESIGN 4: the headers of the library that runs).
-if [ -z "${NCCL_HOME:-}" ]; then
-    NCCL_HOME=$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0])" 2>/dev/null) &&
-        export NCCL_HOME || unset NCCL_HOME
-fi
 summary=()
 step() { # name, log file, command...
     local name=$1 log=$2; shift 2
