@@ -24,9 +24,10 @@
  * asking for more, 2 x 128 x 208 + 128 x 96 = 65536, died with "unspecified launch
  * failure" on an H200: bench/NOTES.md v9.) A TileConfig may pick another split
  * (ProducerRegs).
- * NOTE: ptxas (CUDA 13) still allocates the consumer code within the kernel's 168
- * registers (no SASS here uses a register above R165, and code that needs more spills),
- * so the 232 is headroom nothing uses yet; the producer's 40 does bind the store warps.
+ * NOTE: ptxas (CUDA 13) allocates the code after setmaxnreg.inc within the new count:
+ * the BN = 256 gemm2 and dgrad1 consumers use registers up to R211 and dgrad2's up to
+ * R193 (cuobjdump -sass, 2026-12-03; an earlier note here said nothing passed R165).
+ * The producer's 40 binds the store warps.
  *
  * Epilogue: by the store warps (TileConfig's STORE_ROW_BYTES > 0): each consumer
  * warpgroup writes its 64 output rows into its own shared-memory buffer and hands it over;
@@ -387,10 +388,10 @@ __device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched
  * Every tile's K loop must be at least kPieces / kPiecesPerKBlock blocks long (the
  * launcher checks; the kernel traps otherwise rather than wait for stages that never
  * come).
- * NOTE: ptxas (CUDA 13) gives the consumers 168 registers, not setmaxnreg's 232: the
- * two 64-register sets fit, and the loop has no branch on whether an epilogue is
- * pending (a first tile is peeled off), since a wgmma in a path ptxas cannot prove
- * uniform makes it serialize every wgmma (C7518). */
+ * NOTE: the two 64-register sets fit setmaxnreg's 232 (dgrad2's consumers use up to
+ * R186 here), and the loop has no branch on whether an epilogue is pending (a first tile
+ * is peeled off), since a wgmma in a path ptxas cannot prove uniform makes it serialize
+ * every wgmma (C7518). */
 template <class E, class = void>
 struct OverlapsNextTile {
     static constexpr bool value = false;
@@ -403,7 +404,7 @@ struct OverlapsNextTile<E, decltype(void(E::kOverlapNextTile))> {
 template <class Cfg, class Sched, class Epi>
 __device__ __forceinline__ void consumer_role_overlapped(const Ring<Cfg> &ring, Sched sched,
                                                          Epi &epi) {
-    static_assert(Cfg::kAccRegs <= 64, "two accumulator sets must fit the 168 registers ptxas gives");
+    static_assert(Cfg::kAccRegs <= 64, "two accumulator sets beside the epilogue's registers");
     constexpr int kPerBlock = Epi::kPiecesPerKBlock;
     static_assert(Epi::kPieces % kPerBlock == 0, "whole K blocks of pieces");
     constexpr int kSpreadBlocks = Epi::kPieces / kPerBlock;
