@@ -225,7 +225,9 @@ const char *moefuse_last_error(void);
  * A bad expert id on one rank (moefuse_layer_check there) makes that rank send no rows
  * and write no y / expert_counts (no dx / d p in its backward), while it still serves
  * the rows the other ranks send it. After a timeout the weight gradients of that call
- * are not valid either.
+ * are not valid either. A saved buffer that one rank's backward rejects
+ * (MOEFUSE_ERR_SAVED_STATE there) fails that backward on every rank: the others report
+ * MOEFUSE_ERR_TIMEOUT naming that rank.
  *
  * A comm is made once and given to moefuse_layer_create of every rank's layer (with
  * config.num_ranks = R and config.rank = r); a call needs all R layers created. A

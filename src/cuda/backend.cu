@@ -591,6 +591,7 @@ __global__ void __launch_bounds__(256) bwd_check_header_kernel(const __grid_cons
          * serves the rows the other ranks send it. */
         const bool sent_nothing = p.ep && p.header[kHeaderSendFailed] != 0;
         p.state->call_failed = bad || sent_nothing ? 1 : 0;
+        p.state->saved_rejected = bad ? 1 : 0;
         *p.gemm_num_rows = bad ? 0 : nr;
     }
 }
@@ -637,6 +638,7 @@ __global__ void bwd_check_finish_kernel(const __grid_constant__ bwd_check_params
     else
         record_saved_error(p.state, kBadRow, (int)(bad - slots), p.row_slot[bad - slots]);
     p.state->call_failed = 1;
+    p.state->saved_rejected = 1;
     *p.gemm_num_rows = 0;
     for (int e = 0; e <= p.num_local_experts; e++) p.bwd_offsets[e] = 0;
     p.state->first_bad_token = 0xffffffffu;
@@ -863,7 +865,8 @@ moefuse_status cuda_check(moefuse_layer *layer, void *stream_) {
                            -1 - rec.token, st, (unsigned)rec.value, (unsigned)rec.expected);
         if (rec.value & 1)
             return mf_fail(MOEFUSE_ERR_TIMEOUT,
-                           "rank %d: peer rank %d reported a failed wait (a timeout on its side) "
+                           "rank %d: peer rank %d reported a failed call (a timeout on its side, "
+                           "or at the start of a backward a saved buffer it rejected) "
                            "at stage '%s' (flag 0x%x, epoch %u); that call wrote no output on "
                            "this rank; destroy and create every rank's layer",
                            layer->cfg.rank, rec.token, st, (unsigned)rec.value,

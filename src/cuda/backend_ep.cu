@@ -17,11 +17,13 @@
  *   signal    DONE on every rank, wait for every rank's DONE (ep_signal_wait.cu)
  *   reduce    y from this rank's combine slot rows, as with one rank, after the side
  *             stream joined
- * Backward: check the saved buffer, a READY barrier (every rank has finished its
- * previous call, so its windows are free), push dy and x rows again (the saved
- * slot_row says where; no count exchange), wait ROWS, dgrad2, dW2, dgrad1 into the
- * source ranks' combine slot rows, d p to the source ranks, raise DONE, dW13, wait
- * DONE, reduce dx and copy d p.
+ * Backward: check the saved buffer; a READY barrier (every rank has finished its
+ * previous call, so its windows are free), which also adds this call's arrival targets;
+ * push dy and x rows again on the side stream (the saved slot_row says where; no count
+ * exchange), each row counted in on its receive block; beside it dgrad2 (and the
+ * recomputed gemm1) on the rest of the SMs, each block once its rows are in; wait ROWS
+ * (every rank's push done); dW2, dgrad1 into the source ranks' combine slot rows, d p to
+ * the source ranks, raise DONE, dW13, wait DONE, reduce dx and copy d p.
  *
  * Windows (MF_WIN_*, written by peers): xs, dys, row_slot, row_weight, combine, dp,
  * sync. Each receiver sizes its row buffers for R * max_tokens * K rows plus padding
@@ -116,6 +118,11 @@ mf_ep_push_params push_params(const moefuse_layer *layer, const saved_layout &la
     pu.state = s->plan_state;
     pu.num_sms = s->num_sms;
     return pu;
+}
+
+/* The SMs a GEMM gets while the push runs beside it on the side stream. */
+int gemm_sms_beside_push(const cuda_state *s) {
+    return s->num_sms - s->push_sms > 0 ? s->num_sms - s->push_sms : 1;
 }
 
 uint16_t *const *combine_peers(const cuda_state *s) {
@@ -311,7 +318,8 @@ moefuse_status ep_forward(moefuse_layer *layer, const moefuse_fwd_args *a, cudaS
     g1.arrival_target = s->sync + mf_ep_targets_word(R, c->num_experts, blocks);
     g1.state = s->plan_state;
     g1.timeout_ns = timeout_ns(layer);
-    g1.num_sms = s->num_sms - s->push_sms > 0 ? s->num_sms - s->push_sms : 1;
+    g1.arrival_stage = MF_EP_STAGE_ROWS;
+    g1.num_sms = gemm_sms_beside_push(s);
 
     // ---- 6. gemm2: p-scaled rows into their source ranks' combine slot rows ----
     // MOEFUSE_PIPELINE_FUSED: gemm1 and gemm2 in one kernel, beside the push (its gemm2
@@ -350,40 +358,65 @@ moefuse_status ep_backward(moefuse_layer *layer, const moefuse_bwd_args *a, cuda
     const char *base = (const char *)a->saved;
     const int32_t *rbe = (const int32_t *)(base + lay.row_block_expert);
 
-    // ---- 0. the saved buffer, checked; every rank done with its previous call ----
+    // ---- 0. the saved buffer, checked; every rank done with its previous call; the
+    //      arrival targets of this call's receive blocks ----
     const moefuse_status checked = check_saved(layer, a, lay, stream);
     if (checked != MOEFUSE_OK) return checked;
+    const int blocks = lay.rows_cap / MF_SM90_BLOCK_M;
+    uint32_t *arrivals = s->sync + mf_ep_arrivals_word(R, c->num_experts);
+    uint32_t *targets = s->sync + mf_ep_targets_word(R, c->num_experts, blocks);
     mf_ep_signal_params sp = signal_params(layer, MF_EP_FLAG_READY, MF_EP_STAGE_READY);
     sp.new_epoch = 1;
     sp.signal = 1;
     sp.wait = 1;
+    sp.arrival_target = targets;
     MF_CUDA_TRY(mf_ep_signal_wait(&sp, stream));
 
-    // ---- 1. dy and x rows to the experts' ranks again; every rank's rows here ----
+    // ---- 1. dy and x rows to the experts' ranks again, on the side stream, each row
+    //      counted in on its receive block; 2-3 beside it, each 128-row block as soon as
+    //      its rows are in: the recomputed gemm1, dgrad2 ----
     mf_ep_push_params pu = push_params(layer, lay, base, T, a->ids, a->weights, a->x,
                                        a->x_stride);
     pu.dy = a->dy;
     pu.dy_stride = a->dy_stride;
     pu.backward = 1;
-    MF_CUDA_TRY(mf_ep_push_rows(&pu, stream));
-    sp = signal_params(layer, MF_EP_FLAG_ROWS, MF_EP_STAGE_BWD_ROWS);
-    sp.wait = 1;
-    MF_CUDA_TRY(mf_ep_signal_wait(&sp, stream));
+    pu.count_arrivals = 1;
+    pu.num_sms = s->push_sms;
+    MF_CUDA_TRY(cudaEventRecord(s->fork, stream));
+    MF_CUDA_TRY(cudaStreamWaitEvent(s->side, s->fork, 0));
+    MF_CUDA_TRY(mf_ep_push_rows(&pu, s->side));
+    MF_CUDA_TRY(cudaEventRecord(s->join, s->side));
 
     // ---- 2. [g | u]: saved, or recomputed by the forward's gemm1 ----
     const uint16_t *gate_up = (const uint16_t *)(base + lay.gate_up);
     if (recompute) {
-        const mf_gemm1_params g1 =
-            gemm1_params(layer, s->xs, a->w13, rbe, s->gate_up, lay.rows_cap);
+        mf_gemm1_params g1 = gemm1_params(layer, s->xs, a->w13, rbe, s->gate_up, lay.rows_cap);
+        g1.arrivals = arrivals;
+        g1.arrival_target = targets;
+        g1.state = s->plan_state;
+        g1.timeout_ns = timeout_ns(layer);
+        g1.arrival_stage = MF_EP_STAGE_BWD_ROWS;
+        g1.num_sms = gemm_sms_beside_push(s);
         MF_CUDA_TRY(mf_sm90_gemm1_swiglu_fwd_bf16(&g1, stream));
         gate_up = s->gate_up;
     }
 
-    // ---- 3. dgrad2 + SwiGLU backward; 4. dW2 ----
+    // ---- 3. dgrad2 + SwiGLU backward; then every rank's push done (a failed wait fails
+    //      the call: no dx rows, d p or reduce after it); 4. dW2 ----
     mf_dgrad2_params d2 = dgrad2_params(layer, s->dys, a->w2, gate_up, rbe, s->row_slot,
                                         lay.rows_cap);
     d2.row_weight = s->row_weight;
+    d2.arrivals = arrivals;
+    d2.arrival_target = targets;
+    d2.state = s->plan_state;
+    d2.timeout_ns = timeout_ns(layer);
+    d2.arrival_stage = MF_EP_STAGE_BWD_ROWS;
+    d2.num_sms = gemm_sms_beside_push(s);
     MF_CUDA_TRY(mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&d2, stream));
+    MF_CUDA_TRY(cudaStreamWaitEvent(stream, s->join, 0));
+    sp = signal_params(layer, MF_EP_FLAG_ROWS, MF_EP_STAGE_BWD_ROWS);
+    sp.wait = 1;
+    MF_CUDA_TRY(mf_ep_signal_wait(&sp, stream));
     const moefuse_status ordered = order_experts(layer, stream);
     if (ordered != MOEFUSE_OK) return ordered;
     const mf_wgrad_params dw2 = dw2_params(layer, a, lay.rows_cap, s->dys);

@@ -24,7 +24,7 @@ ep_signal_wait_kernel(const __grid_constant__ mf_ep_signal_params p) {
     if (threadIdx.x == 0) {
         if (p.new_epoch) {
             sync[MF_EP_SYNC_EPOCH] += 1;
-            sync[MF_EP_SYNC_COMM_FAILED] = 0;
+            sync[MF_EP_SYNC_COMM_FAILED] = p.state->saved_rejected ? 1 : 0;
         }
         s_epoch = sync[MF_EP_SYNC_EPOCH];
         s_failed = sync[MF_EP_SYNC_COMM_FAILED] != 0;
@@ -35,9 +35,13 @@ ep_signal_wait_kernel(const __grid_constant__ mf_ep_signal_params p) {
     if (p.signal) mf::ep::raise_on_all(p.peers, p.rank, p.num_ranks, p.flag, epoch, failed);
     if (!p.wait || failed) return;
     __syncthreads();
-    if (mf::ep::wait_all(sync, p.num_ranks, p.flag, epoch, p.timeout_ns, p.state, p.stage) &&
-        threadIdx.x == 0)
-        mf::ep::fail_call(sync, p.state, p.gemm_num_rows);
+    if (mf::ep::wait_all(sync, p.num_ranks, p.flag, epoch, p.timeout_ns, p.state, p.stage)) {
+        if (threadIdx.x == 0) mf::ep::fail_call(sync, p.state, p.gemm_num_rows);
+        return;
+    }
+    if (!p.arrival_target) return;
+    const int blocks = *p.gemm_num_rows / MF_SM90_BLOCK_M;
+    for (int b = threadIdx.x; b < blocks; b += kThreads) p.arrival_target[b] += MF_SM90_BLOCK_M;
 }
 
 }  // namespace

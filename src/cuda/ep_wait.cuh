@@ -74,6 +74,42 @@ __device__ inline bool wait_all(const uint32_t *sync, int num_ranks, int flag, u
     return s_failed != 0;
 }
 
+/* A GEMM producer's wait for the rows of a 128-row receive block: mf_ep_push_rows counts
+ * every row it writes into block b (padding included) on arrivals[b], and the block is
+ * complete when the count reaches target[b] (running sums: wrap-safe compare). The
+ * generic-proxy acquire, then a proxy fence, orders the producer's TMA reads after the
+ * rows. At most timeout_ns per block: a wait that runs out is recorded
+ * (MOEFUSE_ERR_TIMEOUT, the block as peer -1 - b, at `stage`) and fails the call. */
+struct RowArrivals {
+    const uint32_t *arrivals;   /* [blocks], this rank's sync window; null: no waits */
+    const uint32_t *target;     /* [blocks] */
+    mf_plan_state *state;
+    int64_t timeout_ns;
+    int stage;                  /* mf_ep_stage of the record */
+};
+
+/* Returns false when the wait ran out: the caller then waits for no later block. */
+__device__ inline bool wait_block_rows(const RowArrivals &r, int m_block) {
+    const uint32_t want = r.target[m_block];
+    const uint32_t *count = r.arrivals + m_block;
+    uint32_t seen = ptx::ld_acquire_sys(count);
+    bool in = true;
+    if ((int32_t)(seen - want) < 0) {
+        const uint64_t t0 = ptx::globaltimer_ns();
+        while ((int32_t)((seen = ptx::ld_acquire_sys(count)) - want) < 0) {
+            if ((int64_t)(ptx::globaltimer_ns() - t0) > r.timeout_ns) {
+                record_failure(r.state, MOEFUSE_ERR_TIMEOUT, -1 - m_block, r.stage, seen, want);
+                r.state->call_failed = 1;
+                in = false;
+                break;
+            }
+            __nanosleep(64);
+        }
+    }
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    return in;
+}
+
 /* A failed wait: this call writes no output of this rank and waits no more. */
 __device__ inline void fail_call(uint32_t *sync, mf_plan_state *st, int32_t *gemm_num_rows) {
     sync[MF_EP_SYNC_COMM_FAILED] = 1;

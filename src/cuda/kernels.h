@@ -39,6 +39,7 @@ typedef struct mf_gemm1_params {
     const uint32_t *arrival_target;   /* [rows_cap / 128] */
     struct mf_plan_state *state;      /* below */
     int64_t timeout_ns;
+    int arrival_stage;                /* mf_ep_stage the record names (forward or backward rows) */
 } mf_gemm1_params;
 
 cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p, cudaStream_t stream);
@@ -113,6 +114,13 @@ typedef struct mf_dgrad2_params {
     float *dp_partial;                /* out [rows_cap, mf_dgrad2_dp_parts(I)] fp32 */
     int rows_cap, hidden, intermediate, num_local_experts, num_sms;
     const float *row_weight;          /* [rows_cap] replaces slot_weight when set (EP) */
+    /* Expert parallelism (NULL: the rows are all there): the producer waits for each
+     * block's dys rows (and their row_slot and row_weight) as in mf_gemm1_params. */
+    const uint32_t *arrivals;
+    const uint32_t *arrival_target;
+    struct mf_plan_state *state;
+    int64_t timeout_ns;
+    int arrival_stage;
 } mf_dgrad2_params;
 
 /* Column blocks of dgrad2 over I, i.e. the partial sums per row that make d p. */
@@ -190,7 +198,8 @@ typedef struct mf_plan_state {
     uint32_t blocks_done;       /* per call: the last block of the count pass scans */
     int32_t call_failed;        /* per call: 1 when this call's ids were bad; every later
                                    kernel of the call reads it and writes nothing */
-    int32_t pad_;
+    int32_t saved_rejected;     /* per backward call: 1 when its saved buffer failed the
+                                   device check (EP: fails the call on every rank) */
 } mf_plan_state;
 
 /* Initial contents of an mf_plan_state (the kernels restore the per-call fields). */
@@ -377,6 +386,11 @@ typedef struct mf_ep_signal_params {
     mf_plan_state *state;
     int32_t *gemm_num_rows;       /* set to 0 when the call fails here */
     int64_t timeout_ns;
+    /* The backward's READY (new_epoch): a saved buffer this rank's check rejected
+     * (state->saved_rejected) raises the flag as failed, so that no rank pushes rows into a
+     * layout nobody will read; and after a successful wait, arrival_target[b] += 128 for
+     * the first *gemm_num_rows / 128 receive blocks, the rows the push will count in. */
+    uint32_t *arrival_target;
 } mf_ep_signal_params;
 
 cudaError_t mf_ep_signal_wait(const mf_ep_signal_params *p, cudaStream_t stream);

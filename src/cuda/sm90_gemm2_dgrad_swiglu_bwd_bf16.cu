@@ -7,6 +7,9 @@
  *   dh_r  = bf16([da * u * silu'(g) | da * silu(g)])      [rows, 2I], like gate_up
  *   act_p_r = bf16(p * a)             [rows, I], the A operand of dW2
  * Padding rows (row_slot -1) get zeros in all three outputs.
+ * Expert parallelism: the dys rows (with their row_slot and row_weight) may still be
+ * arriving from the other ranks; the producer waits for each block's rows before its
+ * first load (ep_wait.cuh), so the kernel runs beside the backward's push.
  *
  * A = dys is K-major (K = H). B = W2_e is MN-major: the reduction runs over its rows,
  * its N = I index is contiguous, so each stage loads BN/64 boxes of 64 I columns x 64 W2
@@ -26,6 +29,7 @@
  * read 0.4 GB: the epilogue's share is large. */
 #include <cuda_bf16.h>
 
+#include "ep_wait.cuh"
 #include "kernels.h"
 #include "sm90_grouped_gemm.cuh"
 #include "swiglu.cuh"
@@ -48,6 +52,7 @@ struct Dgrad2Args {
     uint16_t *dh;
     uint16_t *act_p;
     float *dp_partial;
+    ep::RowArrivals rows_in;   /* EP: the blocks' dys rows arriving (arrivals null: none) */
     int rows_cap, hidden, intermediate, dp_parts;
 };
 
@@ -72,8 +77,10 @@ struct Dgrad2Load {
     Ring<Cfg> ring;
     int m_row, w_row, n_col;
     uint32_t gu_phase;
+    bool gave_up;   /* EP: a wait for a block's rows ran out (the call failed): no more */
 
     __device__ __forceinline__ void tile_begin(int m_block, int n_block) {
+        if (args.rows_in.arrivals && !gave_up) gave_up = !ep::wait_block_rows(args.rows_in, m_block);
         const int e = args.row_block_expert[m_block];
         m_row = m_block * kBlockM;
         w_row = e * args.hidden;
@@ -260,7 +267,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel(const __grid_constant__ Dgrad2Args args) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     const Ring<Cfg> ring = ring_from_smem<Cfg>(smem_raw);
-    Dgrad2Load<Cfg> load{args, ring, 0, 0, 0, 0u};
+    Dgrad2Load<Cfg> load{args, ring, 0, 0, 0, 0u, false};
     Dgrad2Epilogue<Cfg, kOverlap> epi{args, ring, 0u, {}, {}, {}, {}};
     run_grouped_gemm<Cfg>(smem_raw, &args.map_dys, &args.map_w2, args.num_rows, args.rows_cap,
                           args.intermediate / Cfg::BN, args.hidden / kBlockK, load, epi);
@@ -290,6 +297,7 @@ cudaError_t launch(const mf_dgrad2_params *p, cudaStream_t stream) {
     args.dh = p->dh;
     args.act_p = p->act_p;
     args.dp_partial = p->dp_partial;
+    args.rows_in = {p->arrivals, p->arrival_target, p->state, p->timeout_ns, p->arrival_stage};
     args.rows_cap = p->rows_cap;
     args.hidden = p->hidden;
     args.intermediate = p->intermediate;
@@ -312,7 +320,8 @@ extern "C" int mf_dgrad2_dp_parts(int intermediate) {
 extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(const mf_dgrad2_params *p,
                                                            cudaStream_t stream) {
     if (!p || !p->dys || !p->w2 || !p->gate_up || !p->row_block_expert || !p->num_rows ||
-        !p->row_slot || (!p->slot_weight && !p->row_weight) || !p->dh || !p->act_p || !p->dp_partial)
+        !p->row_slot || (!p->slot_weight && !p->row_weight) || !p->dh || !p->act_p || !p->dp_partial ||
+        (p->arrivals && (!p->arrival_target || !p->state)))
         return cudaErrorInvalidValue;
     if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % kBlockK ||
         p->intermediate <= 0 || p->intermediate % kTileN || p->num_local_experts <= 0 ||

@@ -36,10 +36,7 @@ struct Gemm1Args {
     const int32_t *num_rows;
     __nv_bfloat16 *act;
     __nv_bfloat16 *gate_up;
-    const uint32_t *arrivals;        /* EP: rows in of each block, or null */
-    const uint32_t *arrival_target;
-    mf_plan_state *state;
-    int64_t timeout_ns;
+    ep::RowArrivals rows_in;         /* EP: the blocks' rows arriving (arrivals null: none) */
     int rows_cap, hidden, intermediate;
 };
 
@@ -70,10 +67,7 @@ cudaError_t gemm1_args_from(const mf_gemm1_params *p, Gemm1Args *args) {
     args->num_rows = p->num_rows;
     args->act = reinterpret_cast<__nv_bfloat16 *>(p->act);
     args->gate_up = reinterpret_cast<__nv_bfloat16 *>(p->gate_up);
-    args->arrivals = p->arrivals;
-    args->arrival_target = p->arrival_target;
-    args->state = p->state;
-    args->timeout_ns = p->timeout_ns;
+    args->rows_in = {p->arrivals, p->arrival_target, p->state, p->timeout_ns, p->arrival_stage};
     args->rows_cap = p->rows_cap;
     args->hidden = p->hidden;
     args->intermediate = p->intermediate;
@@ -87,27 +81,9 @@ struct Gemm1Load {
     int m_row, w_gate_row, w_up_row;
     bool gave_up;   /* a wait ran out: the call failed, wait no more */
 
-    /* Expert parallelism: the block's rows are still arriving from the other ranks. The
-     * generic-proxy acquire, then a proxy fence, orders the TMA reads after the rows. */
+    /* Expert parallelism: the block's rows may still be arriving from the other ranks. */
     __device__ __forceinline__ void wait_rows(int m_block) {
-        if (!args.arrivals || gave_up) return;
-        const uint32_t want = args.arrival_target[m_block];
-        const uint32_t *count = args.arrivals + m_block;
-        uint32_t seen = ptx::ld_acquire_sys(count);
-        if ((int32_t)(seen - want) < 0) {
-            const uint64_t t0 = ptx::globaltimer_ns();
-            while ((int32_t)((seen = ptx::ld_acquire_sys(count)) - want) < 0) {
-                if ((int64_t)(ptx::globaltimer_ns() - t0) > args.timeout_ns) {
-                    ep::record_failure(args.state, MOEFUSE_ERR_TIMEOUT, -1 - m_block,
-                                       MF_EP_STAGE_ROWS, seen, want);
-                    args.state->call_failed = 1;
-                    gave_up = true;
-                    break;
-                }
-                __nanosleep(64);
-            }
-        }
-        asm volatile("fence.proxy.async.global;" ::: "memory");
+        if (args.rows_in.arrivals && !gave_up) gave_up = !ep::wait_block_rows(args.rows_in, m_block);
     }
 
     __device__ __forceinline__ void tile_begin(int m_block, int n_block) {

@@ -22,6 +22,9 @@
  *   - timeout: rank 3 of 4 never calls; moefuse_layer_check of the others reports
  *     MOEFUSE_ERR_TIMEOUT naming the rank, within a host bound, and y is untouched;
  *     layers made again on the same comm, then on a new comm, give the R = 1 bits;
+ *   - the backward's failures after a good forward: one rank's saved buffer rejected
+ *     (the others fail at once, naming it), one rank that never calls its backward
+ *     (the others time out); no dx written; new layers give the R = 1 bits;
  *   - 1000 forward + backward iterations, R = 2, routing re-drawn every iteration and
  *     no host synchronization between iterations; iterations 0, 1, 2, 499 and 999
  *     against R = 1, every iteration's moefuse_layer_check at the end, time printed;
@@ -914,6 +917,85 @@ done:
     batch_free(&b);
 }
 
+/* The backward's failures, R = 4 after a good forward on every rank:
+ *   rejected  rank 2's saved header is overwritten: rank 2 reports MOEFUSE_ERR_SAVED_STATE
+ *             and the others MOEFUSE_ERR_TIMEOUT naming rank 2, at once (rank 2 raises
+ *             its READY flag as failed, so nobody waits out the bound or pushes rows);
+ *   missing   rank 3 never calls its backward: ranks 0..2 report MOEFUSE_ERR_TIMEOUT
+ *             naming rank 3 within the host bound.
+ * Neither writes any dx or d p; layers made again on the comm then give the R = 1 bits. */
+static void backward_failure(int rejected) {
+    if (!ready()) return;
+    const int R = 4, T[4] = {256, 256, 256, 256}, odd = rejected ? 2 : 3;
+    batch b;
+    ep s;
+    memset(&s, 0, sizeof s);
+    uint16_t *dx = NULL;
+    if (!batch_make(&b, R, T, ROUTE_RANDOM, -1) ||
+        !ep_open(&s, R, kMaxTokens, MOEFUSE_SAVE_ACTIVATIONS))
+        goto done;
+    MF_OK(moefuse_comm_set_timeout_ms(s.comm, kTimeoutMs));
+    if (!ep_layers_create(&s)) goto done;
+    for (int r = 0; r < R; r++)
+        if (!ep_prepare(&s, &b, r)) goto done;
+    if (!ep_poison(&s) || !ep_upload(&s, &b, 0)) goto done;
+    for (int r = 0; r < R; r++) {
+        const moefuse_fwd_args a = ep_fwd_args(&s, &b, r);
+        if (!rank_ok(moefuse_forward(s.rk[r].layer, &a, s.rk[r].stream), r, "moefuse_forward"))
+            goto done;
+    }
+    if (!ep_wait(&s, R, kWaitSeconds) || !ep_check(&s)) goto done;
+    if (rejected) CUDA_OK(cudaMemset(s.rk[odd].saved, 0x5a, 64));
+    const double t0 = now_s();
+    for (int r = 0; r < R; r++) {
+        if (!rejected && r == odd) continue;
+        const moefuse_bwd_args g = ep_bwd_args(&s, &b, r);
+        if (!rank_ok(moefuse_backward(s.rk[r].layer, &g, s.rk[r].stream), r, "moefuse_backward"))
+            goto done;
+    }
+    if (!ep_wait(&s, R, kTimeoutBoundSeconds)) goto done;
+    printf("    the backwards finished %.0f ms after their launch (comm timeout %d ms)\n",
+           1e3 * (now_s() - t0), kTimeoutMs);
+    const size_t dxb = (size_t)(kMaxTokens * kH) * 2;
+    dx = malloc(dxb);
+    for (int r = 0; r < R; r++) {
+        if (!rejected && r == odd) continue;
+        const moefuse_status st = moefuse_layer_check(s.rk[r].layer, s.rk[r].stream);
+        const char *msg = moefuse_last_error();
+        char peer[32];
+        snprintf(peer, sizeof peer, "rank %d", odd);
+        if (r == odd)
+            CHECK(st == MOEFUSE_ERR_SAVED_STATE, "rank %d: moefuse_layer_check: %s (%s), expected "
+                  "MOEFUSE_ERR_SAVED_STATE", r, moefuse_status_string(st), msg);
+        else
+            CHECK(st == MOEFUSE_ERR_TIMEOUT && strstr(msg, peer),
+                  "rank %d: moefuse_layer_check: %s (%s), expected MOEFUSE_ERR_TIMEOUT naming %s",
+                  r, moefuse_status_string(st), msg, peer);
+        printf("    rank %d: %s: %s\n", r, moefuse_status_string(st), msg);
+        CUDA_OK(cudaMemcpy(dx, s.rk[r].dx, dxb, cudaMemcpyDeviceToHost));
+        int64_t touched = 0;
+        for (size_t i = 0; i < dxb / 2; i++) touched += dx[i] != 0xffff;
+        CHECK(touched == 0, "rank %d: the failed backward wrote %lld elements of dx", r,
+              (long long)touched);
+    }
+    if (rejected)
+        CHECK(now_s() - t0 < 0.5 * kTimeoutMs / 1e3, "the rejected saved buffer should fail the "
+              "other ranks at once, not after the %d ms bound", kTimeoutMs);
+
+    ep_layers_destroy(&s);
+    MF_OK(moefuse_comm_set_timeout_ms(s.comm, 30000));
+    if (!ep_layers_create(&s)) goto done;
+    printf("    layers made again on the same comm:\n");
+    check_equal(&s, &b);
+done:
+    free(dx);
+    ep_close(&s);
+    batch_free(&b);
+}
+
+static void case_bwd_rejected_saved(void) { backward_failure(1); }
+static void case_bwd_missing_rank(void) { backward_failure(0); }
+
 static int iteration_checked(int it) {
     return it <= 2 || it == kIterations / 2 - 1 || it == kIterations - 1;
 }
@@ -1080,6 +1162,10 @@ int main(int argc, char **argv) {
     run_case(case_fused_r4, "R=4 T={512,0,37,300} fused forward", filter);
     run_case(case_fused_skew_r8, "R=8 skew onto rank 0, fused forward", filter);
     run_case(case_timeout, "timeout: rank 3 of 4 never calls", filter);
+    run_case(case_bwd_rejected_saved, "backward: rank 2 of 4 passes a rejected saved buffer",
+             filter);
+    run_case(case_bwd_missing_rank, "backward timeout: rank 3 of 4 never calls its backward",
+             filter);
     run_case(case_iterations, "1000 iterations R=2 T=256, routing redrawn", filter);
     run_case(case_refusals, "refusals: call before every layer, second layer, comm destroy",
              filter);
