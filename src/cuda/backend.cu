@@ -355,6 +355,7 @@ moefuse_status cuda_create_checked(moefuse_layer *layer, cuda_state *s) {
         MF_ALLOC_FIELD(s, xs, rows_cap * c->hidden * 2);
         // rows_cap >= T*K rows: also the backward's dys
         MF_ALLOC_FIELD(s, combine, rows_cap * c->hidden * 2);
+        MF_ALLOC_FIELD(s, row_weight, rows_cap * 4);
     }
     MF_ALLOC_FIELD(s, act, rows_cap * c->intermediate * 2);
     MF_ALLOC_FIELD(s, slot_rank, (int64_t)T * K * 4);
@@ -460,6 +461,8 @@ moefuse_status cuda_forward(moefuse_layer *layer, const moefuse_fwd_args *a, voi
     dp.hidden = c->hidden;
     dp.top_k = K;
     dp.num_sms = s->num_sms;
+    dp.weights = a->weights;
+    dp.row_weight = s->row_weight;
     MF_CUDA_TRY(mf_dispatch_rows_bf16(&dp, stream));
 
     // ---- 3. gemm1 + SwiGLU: xs -> act (and [g; u] into saved) ----
@@ -469,7 +472,7 @@ moefuse_status cuda_forward(moefuse_layer *layer, const moefuse_fwd_args *a, voi
     const mf_gemm1_params g1 = gemm1_params(layer, xs, a->w13, pp.row_block_expert,
                                             saved_gate_up(a->saved, lay, mode), lay.rows_cap);
     mf_gemm2_params g2 = gemm2_params(layer, a->w2, pp.row_block_expert, pp.row_slot, lay.rows_cap);
-    g2.slot_weight = a->weights;
+    g2.row_weight = s->row_weight;
     g2.combine = s->combine;
     if (s->act_ready) {
         const mf_moe_fused_fwd_params fp = {g1, g2, s->act_ready};
@@ -763,6 +766,8 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     dp.hidden = H;
     dp.top_k = K;
     dp.num_sms = s->num_sms;
+    dp.weights = a->weights;
+    dp.row_weight = s->row_weight;
     MF_CUDA_TRY(mf_dispatch_rows_bf16(&dp, stream));
 
     // ---- 2. [g | u]: saved, or recomputed by the forward's gemm1 ----
@@ -777,7 +782,7 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
 
     // ---- 3. dgrad2 + SwiGLU backward: dh, act_p, d p partials ----
     mf_dgrad2_params d2 = dgrad2_params(layer, dys, a->w2, gate_up, rbe, row_slot, lay.rows_cap);
-    d2.slot_weight = a->weights;
+    d2.row_weight = s->row_weight;
     MF_CUDA_TRY(mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&d2, stream));
 
     // ---- 4. dW2 = dys^T act_p per expert: before dgrad1 overwrites dys ----

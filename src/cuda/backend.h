@@ -43,6 +43,7 @@ struct cuda_state {
     uint16_t *xs;               /* [rows_cap, H]; EP: window MF_WIN_XS */
     uint16_t *act;              /* [rows_cap, I] */
     uint16_t *combine;          /* R = 1: [rows_cap, H] (also dys); EP: [max_tokens*K, H] window */
+    float *row_weight;          /* [rows_cap] each row's p: R = 1 the dispatch's; EP: window */
     int32_t *slot_rank;         /* [max_tokens * K] */
     int32_t *chunk_base;        /* [chunks(max_tokens), E_local] (EP: E) */
     mf_plan_state *plan_state;  /* error record and per-call flags */
@@ -60,7 +61,6 @@ struct cuda_state {
     /* expert parallelism (R > 1), see backend_ep.cu */
     uint16_t *dys;              /* window [rows_cap, H] */
     int32_t *row_slot;          /* window [rows_cap] */
-    float *row_weight;          /* window [rows_cap] */
     float *dp_slot;             /* window [max_tokens * K] */
     uint32_t *sync;             /* window, mf_ep_sync_bytes */
     void *win_handle[MF_WIN_COUNT]; /* NCCL: each window's ncclWindow_t */
@@ -109,8 +109,9 @@ void header_words(const moefuse_layer *layer, int num_tokens, int rows_cap,
 
 /* The params of the stages both pipelines run, on the layer's workspaces (xs, act, dh,
  * dp_partial, combine, gemm_num_rows, num_sms); the caller sets what differs:
- *   gemm2:  slot_weight + combine (one rank) or row_weight + combine_peers (EP)
- *   dgrad2: slot_weight or row_weight;  dgrad1: combine or combine_peers
+ *   gemm2:  row_weight (one rank: written by the dispatch; EP: pushed with the rows)
+ *           + combine (one rank) or combine_peers (EP)
+ *   dgrad2: row_weight;  dgrad1: combine or combine_peers
  *   wgrad:  lhs, rhs, dw, m, n */
 mf_gemm1_params gemm1_params(const moefuse_layer *layer, const uint16_t *xs,
                              const uint16_t *w13, const int32_t *rbe, uint16_t *gate_up,

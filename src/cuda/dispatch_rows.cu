@@ -3,6 +3,10 @@
  *
  *   xs[slot_row[t*K + k]] = x[t]   for every slot with slot_row >= 0
  *   xs[r] = 0                      for padding rows (row_slot[r] = -1), r < num_rows
+ * and, when asked, each row's routing weight: row_weight[slot_row[s]] = weights[s], 0 for
+ * padding rows. gemm2 and dgrad2 read it before a tile's K loop; reading
+ * weights[row_slot[r]] there instead is two dependent loads that stall the consumers at
+ * every tile (measured on an H200, bench/NOTES.md v15: gemm2 5-8% slower).
  *
  * Padding rows are zeroed although gemm rows are independent (a garbage padding row
  * would only produce a garbage act row that gemm2 skips): zeros make the padding
@@ -62,10 +66,17 @@ dispatch_rows_kernel(const __grid_constant__ mf_dispatch_params p) {
     const int vecs = p.hidden / 8;   /* 16-byte vectors per row */
     const int lane = threadIdx.x & 31, K = p.top_k;
     const int warp = blockIdx.x * kWarps + (threadIdx.x >> 5), warps = gridDim.x * kWarps;
-    for (int t = warp; t < p.num_tokens; t += warps)
+    for (int t = warp; t < p.num_tokens; t += warps) {
         for (int j = 0; j < p.num_tensors; ++j)
             copy_token(reinterpret_cast<const int4 *>(p.x[j] + t * p.x_stride[j]), p.xs[j],
                        p.slot_row + (int64_t)t * K, K, vecs, lane);
+        if (!p.row_weight) continue;
+        for (int k = lane; k < K; k += 32) {
+            const int64_t s = (int64_t)t * K + k;
+            const int row = __ldg(p.slot_row + s);
+            if (row >= 0) p.row_weight[row] = __ldg(p.weights + s);
+        }
+    }
     /* Padding rows: 32 rows per warp step, one lane reads each row's slot. */
     const int num_rows = *p.num_rows;
     for (int r0 = warp * 32; r0 < num_rows; r0 += warps * 32) {
@@ -77,6 +88,7 @@ dispatch_rows_kernel(const __grid_constant__ mf_dispatch_params p) {
             for (int j = 0; j < p.num_tensors; ++j)
                 mf::warp_zero_row(reinterpret_cast<int4 *>(p.xs[j] + (int64_t)row * p.hidden),
                                   vecs, lane);
+            if (p.row_weight && lane == 0) p.row_weight[row] = 0.f;
         }
     }
 }
@@ -86,7 +98,8 @@ dispatch_rows_kernel(const __grid_constant__ mf_dispatch_params p) {
 extern "C" cudaError_t mf_dispatch_rows_bf16(const mf_dispatch_params *p, cudaStream_t stream) {
     if (!p || p->hidden <= 0 || p->hidden % 8 != 0 || p->top_k < 1 || p->num_tokens < 0 ||
         p->rows_cap < 0 || !p->slot_row || !p->row_slot ||
-        p->num_sms < 1 || p->num_tensors < 1 || p->num_tensors > 2)
+        p->num_sms < 1 || p->num_tensors < 1 || p->num_tensors > 2 ||
+        (p->row_weight && !p->weights))
         return cudaErrorInvalidValue;
     for (int j = 0; j < p->num_tensors; ++j)
         if (!p->x[j] || !p->xs[j] || p->x_stride[j] % 8 != 0) return cudaErrorInvalidValue;

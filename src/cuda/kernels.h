@@ -256,6 +256,11 @@ typedef struct mf_dispatch_params {
     int hidden;                   /* H, multiple of 8 */
     int top_k;
     int num_sms;
+    /* Optional (row_weight NULL: not written): each row's routing weight,
+     * row_weight[slot_row[s]] = weights[s], 0 for padding rows below num_rows, so that
+     * gemm2 and dgrad2 read it with one load instead of weights[row_slot[r]]. */
+    const float *weights;         /* [T*K] p */
+    float *row_weight;            /* out [rows_cap] */
 } mf_dispatch_params;
 
 cudaError_t mf_dispatch_rows_bf16(const mf_dispatch_params *p, cudaStream_t stream);

@@ -4,6 +4,8 @@
  *   - every live row r < num_rows holds its token's row (token = row_slot[r] / K);
  *   - every padding row below num_rows is zero;
  *   - rows at or past num_rows keep the poison;
+ *   - each row's routing weight: row_weight[r] = weights[row_slot[r]], 0 for padding
+ *     rows, poison at or past num_rows (with one tensor and with two);
  *   - with the plan's call_failed flag set, nothing is written. */
 #include <cuda_runtime.h>
 #include <stdio.h>
@@ -87,8 +89,34 @@ void check_dispatch(const char *what, const std::vector<int> &counts, int K, int
     p.hidden = H;
     p.top_k = K;
     p.num_sms = num_sms();
+    std::vector<float> weights((size_t)T * K);
+    for (auto &w : weights) w = (float)(0.05 + th_uniform());
+    float *d_weights = nullptr, *d_row_weight = nullptr;
+    CUDA_OK(cudaMalloc((void **)&d_weights, weights.size() * 4 + 4));
+    CUDA_OK(cudaMalloc((void **)&d_row_weight, (size_t)L.rows_cap * 4));
+    CUDA_OK(cudaMemcpy(d_weights, weights.data(), weights.size() * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(d_row_weight, 0xFF, (size_t)L.rows_cap * 4));
+    p.weights = d_weights;
+    p.row_weight = d_row_weight;
     CUDA_OK(mf_dispatch_rows_bf16(&p, 0));
     CUDA_OK(cudaDeviceSynchronize());
+    {
+        std::vector<uint32_t> rw(L.rows_cap);
+        CUDA_OK(cudaMemcpy(rw.data(), d_row_weight, rw.size() * 4, cudaMemcpyDeviceToHost));
+        int wrong = 0, first = -1;
+        for (int r = 0; r < L.rows_cap; ++r) {
+            uint32_t want = 0xFFFFFFFFu;
+            if (!failed && r < L.num_rows) {
+                const float w = L.row_slot[r] >= 0 ? weights[L.row_slot[r]] : 0.f;
+                memcpy(&want, &w, 4);
+            }
+            if (rw[r] != want && wrong++ == 0) first = r;
+        }
+        CHECK(wrong == 0, "%s: row_weight: %d of %d rows wrong, first row %d (num_rows %d)",
+              what, wrong, L.rows_cap, first, L.num_rows);
+    }
+    cudaFree(d_weights);
+    cudaFree(d_row_weight);
 
     for (int j = 0; j < num_tensors; ++j) {
         std::vector<uint16_t> out((size_t)L.rows_cap * H);

@@ -380,13 +380,23 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
     p1n.gate_up = nullptr;
     mf_gemm2_params p2 = {d.act, d.w2, d.rbe, d.num_rows, d.row_slot, d.slot_weight,
                           d.combine, L.rows_cap, H, I, E, sms};
+    /* gemm2's routing weight two ways: slot_weight[row_slot[r]] (one rank: two dependent
+     * loads per row before each tile's K loop) and row_weight[r] (EP: one load). */
+    std::vector<float> rw(L.rows_cap, 0.f);
+    for (int r = 0; r < L.num_rows; ++r)
+        if (L.row_slot[r] >= 0) rw[r] = sw[L.row_slot[r]];
+    float *d_rw = nullptr;
+    CUDA_OK(cudaMalloc(&d_rw, rw.size() * 4));
+    CUDA_OK(cudaMemcpy(d_rw, rw.data(), rw.size() * 4, cudaMemcpyHostToDevice));
+    mf_gemm2_params p2r = p2;
+    p2r.row_weight = d_rw;
     const mf_moe_fused_fwd_params pf = fwd_params(d, L, H, I, sms, true);
     cudaEvent_t t0, t1;
     CUDA_OK(cudaEventCreate(&t0));
     CUDA_OK(cudaEventCreate(&t1));
-    std::vector<float> ms1, ms1n, ms2, msf, msb;
+    std::vector<float> ms1, ms1n, ms2, ms2r, msf, msb;
     for (int it = 0; it < 23; ++it) {
-        float a, b, c, f, both;
+        float a, b, c, cr, f, both;
         /* gemm1 (+gate_up) and gemm2 back to back, then the fused kernel, then each alone */
         CUDA_OK(time_ms(t0, t1, [&] {
             const cudaError_t e = mf_sm90_gemm1_swiglu_fwd_bf16(&p1, 0);
@@ -396,13 +406,16 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
         CUDA_OK(time_ms(t0, t1, [&] { return mf_sm90_gemm1_swiglu_fwd_bf16(&p1, 0); }, &a));
         CUDA_OK(time_ms(t0, t1, [&] { return mf_sm90_gemm1_swiglu_fwd_bf16(&p1n, 0); }, &b));
         CUDA_OK(time_ms(t0, t1, [&] { return mf_sm90_gemm2_combine_fwd_bf16(&p2, 0); }, &c));
+        CUDA_OK(time_ms(t0, t1, [&] { return mf_sm90_gemm2_combine_fwd_bf16(&p2r, 0); }, &cr));
         if (it >= 3) {
             ms1.push_back(a); ms1n.push_back(b); ms2.push_back(c);
+            ms2r.push_back(cr);
             msf.push_back(f); msb.push_back(both);
         }
     }
     cudaEventDestroy(t0);
     cudaEventDestroy(t1);
+    cudaFree(d_rw);
     {   /* the fused kernel's combine and act, bitwise the staged ones at this shape */
         std::vector<uint16_t> c1((size_t)L.num_slots * H), c2(c1.size());
         std::vector<uint16_t> a1((size_t)L.num_rows * I), a2(a1.size());
@@ -425,6 +438,8 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
     printf("  %-16s gemm1+swiglu (+gate_up) %8.3f ms %6.1f TFLOP/s\n", name, m1, f1 / m1 * 1e-9);
     printf("  %-16s gemm1+swiglu (act only) %8.3f ms %6.1f TFLOP/s\n", name, m1n, f1 / m1n * 1e-9);
     printf("  %-16s gemm2+combine           %8.3f ms %6.1f TFLOP/s\n", name, m2, f2 / m2 * 1e-9);
+    const double m2r = median(ms2r);
+    printf("  %-16s gemm2 (row_weight)      %8.3f ms %6.1f TFLOP/s\n", name, m2r, f2 / m2r * 1e-9);
     const double mb = median(msb), mf = median(msf);
     printf("  %-16s gemm1 then gemm2        %8.3f ms %6.1f TFLOP/s\n", name, mb,
            (f1 + f2) / mb * 1e-9);
