@@ -120,9 +120,30 @@ mf_ep_push_params push_params(const moefuse_layer *layer, const saved_layout &la
     return pu;
 }
 
-/* The SMs a GEMM gets while the push runs beside it on the side stream. */
-int gemm_sms_beside_push(const cuda_state *s) {
-    return s->num_sms - s->push_sms > 0 ? s->num_sms - s->push_sms : 1;
+/* The row push on the layer's side stream, an eighth of the SMs, each row counted in on
+ * its receive block (the GEMMs beside it wait for the counts). */
+moefuse_status push_beside(cuda_state *s, mf_ep_push_params pu, cudaStream_t stream) {
+    pu.count_arrivals = 1;
+    pu.num_sms = s->push_sms;
+    MF_CUDA_TRY(cudaEventRecord(s->fork, stream));
+    MF_CUDA_TRY(cudaStreamWaitEvent(s->side, s->fork, 0));
+    MF_CUDA_TRY(mf_ep_push_rows(&pu, s->side));
+    MF_CUDA_TRY(cudaEventRecord(s->join, s->side));
+    return MOEFUSE_OK;
+}
+
+/* A GEMM beside the push (mf_gemm1_params, mf_dgrad2_params): the SMs the push leaves,
+ * and before each 128-row block a wait until its rows are counted in. */
+template <class GemmParams>
+void wait_for_rows(const moefuse_layer *layer, GemmParams *p, int rows_cap, int stage) {
+    const cuda_state *s = state_of(layer);
+    const int R = s->num_ranks, E = layer->cfg.num_experts;
+    p->arrivals = s->sync + mf_ep_arrivals_word(R, E);
+    p->arrival_target = s->sync + mf_ep_targets_word(R, E, rows_cap / MF_SM90_BLOCK_M);
+    p->state = s->plan_state;
+    p->timeout_ns = timeout_ns(layer);
+    p->arrival_stage = stage;
+    p->num_sms = s->num_sms - s->push_sms > 0 ? s->num_sms - s->push_sms : 1;
 }
 
 uint16_t *const *combine_peers(const cuda_state *s) {
@@ -303,23 +324,13 @@ moefuse_status ep_forward(moefuse_layer *layer, const moefuse_fwd_args *a, cudaS
     pu.dest_base = s->dest_base;
     pu.plan_slot_row = s->send_slot_row;
     pu.plan_offsets = s->send_offsets;
-    pu.count_arrivals = 1;
-    pu.num_sms = s->push_sms;
-    MF_CUDA_TRY(cudaEventRecord(s->fork, stream));
-    MF_CUDA_TRY(cudaStreamWaitEvent(s->side, s->fork, 0));
-    MF_CUDA_TRY(mf_ep_push_rows(&pu, s->side));
-    MF_CUDA_TRY(cudaEventRecord(s->join, s->side));
+    const moefuse_status pushed = push_beside(s, pu, stream);
+    if (pushed != MOEFUSE_OK) return pushed;
 
     const int32_t *rbe = (const int32_t *)(plan_base + lay.row_block_expert);
     mf_gemm1_params g1 = gemm1_params(layer, s->xs, a->w13, rbe,
                                       saved_gate_up(a->saved, lay, mode), lay.rows_cap);
-    const int blocks = lay.rows_cap / MF_SM90_BLOCK_M;
-    g1.arrivals = s->sync + mf_ep_arrivals_word(R, c->num_experts);
-    g1.arrival_target = s->sync + mf_ep_targets_word(R, c->num_experts, blocks);
-    g1.state = s->plan_state;
-    g1.timeout_ns = timeout_ns(layer);
-    g1.arrival_stage = MF_EP_STAGE_ROWS;
-    g1.num_sms = gemm_sms_beside_push(s);
+    wait_for_rows(layer, &g1, lay.rows_cap, MF_EP_STAGE_ROWS);
 
     // ---- 6. gemm2: p-scaled rows into their source ranks' combine slot rows ----
     // MOEFUSE_PIPELINE_FUSED: gemm1 and gemm2 in one kernel, beside the push (its gemm2
@@ -362,14 +373,12 @@ moefuse_status ep_backward(moefuse_layer *layer, const moefuse_bwd_args *a, cuda
     //      arrival targets of this call's receive blocks ----
     const moefuse_status checked = check_saved(layer, a, lay, stream);
     if (checked != MOEFUSE_OK) return checked;
-    const int blocks = lay.rows_cap / MF_SM90_BLOCK_M;
-    uint32_t *arrivals = s->sync + mf_ep_arrivals_word(R, c->num_experts);
-    uint32_t *targets = s->sync + mf_ep_targets_word(R, c->num_experts, blocks);
     mf_ep_signal_params sp = signal_params(layer, MF_EP_FLAG_READY, MF_EP_STAGE_READY);
     sp.new_epoch = 1;
     sp.signal = 1;
     sp.wait = 1;
-    sp.arrival_target = targets;
+    sp.arrival_target =
+        s->sync + mf_ep_targets_word(R, c->num_experts, lay.rows_cap / MF_SM90_BLOCK_M);
     MF_CUDA_TRY(mf_ep_signal_wait(&sp, stream));
 
     // ---- 1. dy and x rows to the experts' ranks again, on the side stream, each row
@@ -380,23 +389,14 @@ moefuse_status ep_backward(moefuse_layer *layer, const moefuse_bwd_args *a, cuda
     pu.dy = a->dy;
     pu.dy_stride = a->dy_stride;
     pu.backward = 1;
-    pu.count_arrivals = 1;
-    pu.num_sms = s->push_sms;
-    MF_CUDA_TRY(cudaEventRecord(s->fork, stream));
-    MF_CUDA_TRY(cudaStreamWaitEvent(s->side, s->fork, 0));
-    MF_CUDA_TRY(mf_ep_push_rows(&pu, s->side));
-    MF_CUDA_TRY(cudaEventRecord(s->join, s->side));
+    const moefuse_status pushed = push_beside(s, pu, stream);
+    if (pushed != MOEFUSE_OK) return pushed;
 
     // ---- 2. [g | u]: saved, or recomputed by the forward's gemm1 ----
     const uint16_t *gate_up = (const uint16_t *)(base + lay.gate_up);
     if (recompute) {
         mf_gemm1_params g1 = gemm1_params(layer, s->xs, a->w13, rbe, s->gate_up, lay.rows_cap);
-        g1.arrivals = arrivals;
-        g1.arrival_target = targets;
-        g1.state = s->plan_state;
-        g1.timeout_ns = timeout_ns(layer);
-        g1.arrival_stage = MF_EP_STAGE_BWD_ROWS;
-        g1.num_sms = gemm_sms_beside_push(s);
+        wait_for_rows(layer, &g1, lay.rows_cap, MF_EP_STAGE_BWD_ROWS);
         MF_CUDA_TRY(mf_sm90_gemm1_swiglu_fwd_bf16(&g1, stream));
         gate_up = s->gate_up;
     }
@@ -406,12 +406,7 @@ moefuse_status ep_backward(moefuse_layer *layer, const moefuse_bwd_args *a, cuda
     mf_dgrad2_params d2 = dgrad2_params(layer, s->dys, a->w2, gate_up, rbe, s->row_slot,
                                         lay.rows_cap);
     d2.row_weight = s->row_weight;
-    d2.arrivals = arrivals;
-    d2.arrival_target = targets;
-    d2.state = s->plan_state;
-    d2.timeout_ns = timeout_ns(layer);
-    d2.arrival_stage = MF_EP_STAGE_BWD_ROWS;
-    d2.num_sms = gemm_sms_beside_push(s);
+    wait_for_rows(layer, &d2, lay.rows_cap, MF_EP_STAGE_BWD_ROWS);
     MF_CUDA_TRY(mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&d2, stream));
     MF_CUDA_TRY(cudaStreamWaitEvent(stream, s->join, 0));
     sp = signal_params(layer, MF_EP_FLAG_ROWS, MF_EP_STAGE_BWD_ROWS);

@@ -855,22 +855,42 @@ static void case_recompute_r4(void) {
 /* Rank 3 of 4 never calls: the other ranks' waits run out after kTimeoutMs, their
  * calls write nothing and moefuse_layer_check reports MOEFUSE_ERR_TIMEOUT naming the
  * rank. Then layers made again on the same comm, and a new comm, match R = 1. */
+/* Elements of a device bf16 buffer that no longer hold the poison (0xffff), through the
+ * host buffer `host` of `bytes`; -1 when the copy fails (recorded). */
+static int64_t unpoisoned(const uint16_t *dev, uint16_t *host, size_t bytes) {
+    const cudaError_t e = cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost);
+    CHECK(e == cudaSuccess, "cudaMemcpy: %s", cudaGetErrorString(e));
+    if (e != cudaSuccess) return -1;
+    int64_t n = 0;
+    for (size_t i = 0; i < bytes / 2; i++) n += host[i] != 0xffff;
+    return n;
+}
+
+/* The failure cases' start: R = 4 ranks of 256 tokens, the comm's bound kTimeoutMs (set
+ * before the layers: right whether they read it when made or at each call), buffers
+ * sized, outputs poisoned, inputs uploaded. 0 on failure (recorded). */
+static int failure_case_open(batch *b, ep *s) {
+    const int T[4] = {256, 256, 256, 256};
+    memset(s, 0, sizeof *s);
+    if (!batch_make(b, 4, T, ROUTE_RANDOM, -1) ||
+        !ep_open(s, 4, kMaxTokens, MOEFUSE_SAVE_ACTIVATIONS))
+        return 0;
+    MF_OK(moefuse_comm_set_timeout_ms(s->comm, kTimeoutMs));
+    if (!ep_layers_create(s)) return 0;
+    for (int r = 0; r < s->R; r++)
+        if (!ep_prepare(s, b, r)) return 0;
+    return ep_poison(s) && ep_upload(s, b, 0);
+done:
+    return 0;
+}
+
 static void case_timeout(void) {
     if (!ready()) return;
-    const int R = 4, T[4] = {256, 256, 256, 256};
+    const int R = 4;
     batch b;
     ep s;
-    memset(&s, 0, sizeof s);
     uint16_t *y = NULL;
-    if (!batch_make(&b, R, T, ROUTE_RANDOM, -1) ||
-        !ep_open(&s, R, kMaxTokens, MOEFUSE_SAVE_ACTIVATIONS))
-        goto done;
-    /* before the layers: right whether they read the bound when made or at each call */
-    MF_OK(moefuse_comm_set_timeout_ms(s.comm, kTimeoutMs));
-    if (!ep_layers_create(&s)) goto done;
-    for (int r = 0; r < R; r++)
-        if (!ep_prepare(&s, &b, r)) goto done;
-    if (!ep_poison(&s) || !ep_upload(&s, &b, 0)) goto done;
+    if (!failure_case_open(&b, &s)) goto done;
     for (int r = 0; r < R - 1; r++) {
         const moefuse_fwd_args a = ep_fwd_args(&s, &b, r);
         if (!rank_ok(moefuse_forward(s.rk[r].layer, &a, s.rk[r].stream), r, "moefuse_forward"))
@@ -890,9 +910,7 @@ static void case_timeout(void) {
         CHECK(strstr(msg, "rank") && (strcasestr(msg, "timeout") || strcasestr(msg, "timed out")),
               "rank %d: the message should name the rank and the timeout: \"%s\"", r, msg);
         printf("    rank %d: %s: %s\n", r, moefuse_status_string(st), msg);
-        CUDA_OK(cudaMemcpy(y, s.rk[r].y, yb, cudaMemcpyDeviceToHost));
-        int64_t touched = 0;
-        for (size_t i = 0; i < yb / 2; i++) touched += y[i] != 0xffff;
+        const int64_t touched = unpoisoned(s.rk[r].y, y, yb);
         CHECK(touched == 0, "rank %d: the timed-out forward wrote %lld elements of y", r,
               (long long)touched);
     }
@@ -926,19 +944,11 @@ done:
  * Neither writes any dx or d p; layers made again on the comm then give the R = 1 bits. */
 static void backward_failure(int rejected) {
     if (!ready()) return;
-    const int R = 4, T[4] = {256, 256, 256, 256}, odd = rejected ? 2 : 3;
+    const int R = 4, odd = rejected ? 2 : 3;
     batch b;
     ep s;
-    memset(&s, 0, sizeof s);
     uint16_t *dx = NULL;
-    if (!batch_make(&b, R, T, ROUTE_RANDOM, -1) ||
-        !ep_open(&s, R, kMaxTokens, MOEFUSE_SAVE_ACTIVATIONS))
-        goto done;
-    MF_OK(moefuse_comm_set_timeout_ms(s.comm, kTimeoutMs));
-    if (!ep_layers_create(&s)) goto done;
-    for (int r = 0; r < R; r++)
-        if (!ep_prepare(&s, &b, r)) goto done;
-    if (!ep_poison(&s) || !ep_upload(&s, &b, 0)) goto done;
+    if (!failure_case_open(&b, &s)) goto done;
     for (int r = 0; r < R; r++) {
         const moefuse_fwd_args a = ep_fwd_args(&s, &b, r);
         if (!rank_ok(moefuse_forward(s.rk[r].layer, &a, s.rk[r].stream), r, "moefuse_forward"))
@@ -972,9 +982,7 @@ static void backward_failure(int rejected) {
                   "rank %d: moefuse_layer_check: %s (%s), expected MOEFUSE_ERR_TIMEOUT naming %s",
                   r, moefuse_status_string(st), msg, peer);
         printf("    rank %d: %s: %s\n", r, moefuse_status_string(st), msg);
-        CUDA_OK(cudaMemcpy(dx, s.rk[r].dx, dxb, cudaMemcpyDeviceToHost));
-        int64_t touched = 0;
-        for (size_t i = 0; i < dxb / 2; i++) touched += dx[i] != 0xffff;
+        const int64_t touched = unpoisoned(s.rk[r].dx, dx, dxb);
         CHECK(touched == 0, "rank %d: the failed backward wrote %lld elements of dx", r,
               (long long)touched);
     }
