@@ -3,8 +3,11 @@
  * varied per-expert counts (empty experts, a one-row expert, 1000+-row experts) padded to
  * 128 with zero padding rows; outputs poisoned first. Padding rows must come out zero,
  * rows past num_rows and unrouted combine rows untouched, runs with different grid sizes
- * bitwise equal, and wgrad's accumulate mode exactly write + old. Then times each kernel
- * at the Qwen3 shapes and prints TFLOP/s.
+ * bitwise equal, and wgrad's accumulate mode exactly write + old. dgrad2 also runs as the
+ * pipelines call it, with per-row weights and expert parallelism's block waits: bitwise
+ * the plain run when every block's rows are in, and a block that never completes ends in
+ * the timeout record, not a hang. Then times each kernel at the Qwen3 shapes and prints
+ * TFLOP/s.
  *
  * Tolerances (th_bf16_tolerance(n), n = bf16 roundings on the path, inputs exact bf16):
  *   dh, act_p, combine: one rounding of an fp32 result -> n = 1.
@@ -21,6 +24,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <chrono>
 #include <vector>
 
 extern "C" {
@@ -192,6 +196,66 @@ static void check_dgrad(int H, int I, const std::vector<int> &counts) {
     CHECK(dev_download(d_comb, (size_t)L.num_slots * H) == comb, "combine differs between runs");
     std::vector<float> dp2 = dev_download(d_dp, (size_t)R * parts);
     CHECK(memcmp(dp2.data(), dp.data(), dp.size() * 4) == 0, "dp_partial differs between runs");
+
+    /* dgrad2 as the pipelines call it: the weights per row (row_weight[r] = p[row_slot[r]],
+     * as the dispatch writes them), and with expert parallelism's wait for each block's
+     * rows. Every block's count past its target across the 32-bit wrap (0x40 against
+     * 0xffffffc0): bitwise the run above. One block's target 128 rows ahead: the wait runs
+     * out after timeout_ns, the record names the block and the stage, the call is failed,
+     * and the kernel ends. */
+    const int blocks = R / MF_SM90_BLOCK_M;
+    std::vector<float> rw(R, 0.f);
+    for (int r = 0; r < L.num_rows; ++r)
+        if (L.row_slot[r] >= 0) rw[r] = sw[L.row_slot[r]];
+    std::vector<uint32_t> arrivals(blocks, 0x40u), targets(blocks, 0xffffffc0u);
+    const mf_plan_state state0 = MF_PLAN_STATE_INIT;
+    float *d_rw = dev_upload(rw);
+    uint32_t *d_arr = dev_upload(arrivals), *d_tgt = dev_upload(targets);
+    mf_plan_state *d_state = dev_upload(std::vector<mf_plan_state>{state0});
+    auto run_ep = [&](int64_t timeout_ns) -> cudaError_t {
+        mf_dgrad2_params p2 = {d_dys, d_w2, d_gu, d_rbe, d_nr, d_slot, nullptr, d_dh, d_actp, d_dp,
+                               R, H, I, E, num_sms()};
+        p2.row_weight = d_rw;
+        p2.arrivals = d_arr;
+        p2.arrival_target = d_tgt;
+        p2.state = d_state;
+        p2.timeout_ns = timeout_ns;
+        p2.arrival_stage = MF_EP_STAGE_BWD_ROWS;
+        return mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&p2, 0);
+    };
+    poison();
+    CUDA_OK(run_ep(1000000000));
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK(dev_download(d_dh, ngu) == dh, "dh with row weights and block waits differs");
+    CHECK(dev_download(d_actp, (size_t)R * I) == actp, "act_p with row weights and block waits differs");
+    dp2 = dev_download(d_dp, (size_t)R * parts);
+    CHECK(memcmp(dp2.data(), dp.data(), dp.size() * 4) == 0,
+          "dp_partial with row weights and block waits differs");
+    CHECK(dev_download(d_state, 1)[0].call_failed == 0, "the satisfied waits failed the call");
+    if (L.num_rows >= MF_SM90_BLOCK_M) {
+        const int b = th_rand_int(0, L.num_rows / MF_SM90_BLOCK_M - 1);
+        const uint32_t ahead = arrivals[b] + MF_SM90_BLOCK_M;
+        CUDA_OK(cudaMemcpy(d_tgt + b, &ahead, 4, cudaMemcpyHostToDevice));
+        const auto t0 = std::chrono::steady_clock::now();
+        CUDA_OK(run_ep(20000000));
+        CUDA_OK(cudaDeviceSynchronize());
+        const double waited =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const mf_plan_state st = dev_download(d_state, 1)[0];
+        CHECK(st.record.code == MOEFUSE_ERR_TIMEOUT && st.record.token == -1 - b &&
+                  st.record.slot == MF_EP_STAGE_BWD_ROWS && (uint32_t)st.record.value == arrivals[b] &&
+                  (uint32_t)st.record.expected == ahead && st.call_failed == 1,
+              "block %d never complete: record code %d token %d stage %d seen %u want %u, "
+              "call_failed %d; expected TIMEOUT, %d, %d, %u, %u, 1", b, st.record.code,
+              st.record.token, st.record.slot, (unsigned)st.record.value,
+              (unsigned)st.record.expected, st.call_failed, -1 - b, (int)MF_EP_STAGE_BWD_ROWS,
+              arrivals[b], ahead);
+        CHECK(waited < 2.0, "the run with a block that never completes took %.2f s (bound 20 ms)",
+              waited);
+        printf("  block %d never complete: the kernel ended after %.1f ms (bound 20 ms)\n", b,
+               1e3 * waited);
+    }
+    cudaFree(d_rw); cudaFree(d_arr); cudaFree(d_tgt); cudaFree(d_state);
 
     cudaFree(d_rbe); cudaFree(d_slot); cudaFree(d_nr); cudaFree(d_dys); cudaFree(d_gu);
     cudaFree(d_w2); cudaFree(d_w13); cudaFree(d_sw); cudaFree(d_dh); cudaFree(d_actp);
