@@ -9,12 +9,13 @@
 #   tools/ab_patch.sh PATCH ROUNDS 'command line' ['command line' ...]
 #
 # Logs: build/ab-logs/<tree>_<command index>_<round>.log; printed last: each run's exit
-# code, seconds and the lines of its log that hold a time in ms. The copy is made from the
-# working tree (not git), without build/ and exp/.
+# code, seconds and the lines of its log that hold a time in ms or a bench_forward.py row
+# (they start with the model's name). The copy is made from the working tree (not git),
+# without build/ and exp/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 3 ]; then
-    sed -n '2,13p' "$0" >&2
+    sed -n '2,14p' "$0" >&2
     exit 2
 fi
 patch_file=$(realpath "$1") rounds=$2
@@ -55,7 +56,7 @@ for ((r = 1; r <= rounds; ++r)); do
             rc=$?
             summary+=("$(printf '%-7s #%d round %d rc=%-3s %4ss  %s' "$tree" "$i" "$r" "$rc" \
                 $((SECONDS - t0)) "$cmd")")
-            while IFS= read -r line; do summary+=("    $line"); done < <(grep -E '[0-9] ms' "$log")
+            while IFS= read -r line; do summary+=("    $line"); done < <(grep -E '[0-9] ms|^qwen3-' "$log")
         done
     done
 done
