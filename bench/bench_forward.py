@@ -105,7 +105,7 @@ def time_interleaved_ms(fns, num_sets: int, warmup: int, reps: int,
 def time_sustained_ms(fns, num_sets: int, warmup: int, reps: int,
                       queue: int = 1) -> list[float]:
     """time_cuda_ms of each fn after SUSTAIN_S seconds of it alone (the clocks settled
-    at the power limit)."""
+    at the power limit); those seconds are its warm-up, so `warmup` is not used."""
     out = []
     for fn in fns:
         t0, i = time.monotonic(), 0
@@ -114,7 +114,7 @@ def time_sustained_ms(fns, num_sets: int, warmup: int, reps: int,
             i += 1
             if i % 8 == 0:
                 torch.cuda.synchronize()   # bounds the host's lead over the GPU
-        out.append(time_cuda_ms(fn, num_sets, warmup, reps, queue))
+        out.append(time_cuda_ms(fn, num_sets, 0, reps, queue))
     return out
 
 
