@@ -13,45 +13,12 @@
  *
  * FLOPs: 2 * rows * 2I * H. qwen3-30b-a3b at 131072 rows: 825 GFLOP, about 1.0 ms at
  * 790 TFLOP/s: matrix-bound. */
-#include "kernels.h"
-#include "sm90_grouped_gemm.cuh"
-#include "tensor_map.h"
+#include "sm90_moe_bwd_tiles.cuh"
 
 namespace {
 
 using namespace mf;
 using namespace mf::sm90;
-
-struct Dgrad1Args {
-    CUtensorMap map_dh;    /* [rows_cap, 2I], box 128 x 64 (K-major) */
-    CUtensorMap map_w13;   /* [E * 2I, H], box 64 rows x 64 columns (MN-major B) */
-    const int32_t *row_block_expert;
-    const int32_t *num_rows;
-    ScatterTarget to;
-    int rows_cap, hidden, intermediate;
-};
-
-/* ---- producer: A rows of the block, then BN/64 boxes of W13_e rows k.. k+63 ---------- */
-template <class Cfg>
-struct Dgrad1Load {
-    const Dgrad1Args &args;
-    int m_row, w_row, n_col;
-
-    __device__ __forceinline__ void tile_begin(int m_block, int n_block) {
-        const int e = args.row_block_expert[m_block];
-        m_row = m_block * kBlockM;
-        w_row = e * 2 * args.intermediate;
-        n_col = n_block * Cfg::BN;
-    }
-    __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
-        const int k = kb * kBlockK;
-        ptx::tma_load_2d(a, &args.map_dh, bar, k, m_row);
-#pragma unroll
-        for (int j = 0; j < Cfg::BN / 64; ++j)
-            ptx::tma_load_2d(b + j * Cfg::kMnBoxBytes, &args.map_w13, bar, n_col + 64 * j,
-                             w_row + k);
-    }
-};
 
 template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -70,23 +37,8 @@ using NarrowCfg = TileConfig<128, 6, false, true, 0, 256>;
 template <class Cfg>
 cudaError_t launch(const mf_dgrad1_params *p, cudaStream_t stream) {
     Dgrad1Args args;
-    cudaError_t err;
-    const int two_i = 2 * p->intermediate;
-    if ((err = mf_tensor_map_bf16_2d(&args.map_dh, p->dh, (uint64_t)p->rows_cap, two_i, two_i,
-                                     kBlockM, kBlockK)) != cudaSuccess)
-        return err;
-    if ((err = mf_tensor_map_bf16_2d(&args.map_w13, p->w13,
-                                     (uint64_t)p->num_local_experts * two_i, p->hidden,
-                                     p->hidden, kBlockK, 64)) != cudaSuccess)
-        return err;
-    args.row_block_expert = p->row_block_expert;
-    args.num_rows = p->num_rows;
-    args.to = ScatterTarget{p->row_slot, nullptr, nullptr, p->combine, p->combine_peers,
-                            p->num_ranks, p->hidden};
-    args.rows_cap = p->rows_cap;
-    args.hidden = p->hidden;
-    args.intermediate = p->intermediate;
-
+    const cudaError_t err = dgrad1_args_from<Cfg>(p, &args);
+    if (err != cudaSuccess) return err;
     return launch_persistent(sm90_gemm1_dgrad_bwd_bf16_kernel<Cfg>, Cfg::kSmemBytes, p->num_sms, args, stream);
 }
 
@@ -97,15 +49,7 @@ cudaError_t launch(const mf_dgrad1_params *p, cudaStream_t stream) {
  * of 32 KB). */
 extern "C" cudaError_t mf_sm90_gemm1_dgrad_bwd_bf16(const mf_dgrad1_params *p,
                                                     cudaStream_t stream) {
-    if (!p || !p->dh || !p->w13 || !p->row_block_expert || !p->num_rows || !p->row_slot ||
-        (!p->combine && !p->combine_peers) || (p->combine_peers && p->num_ranks < 1))
-        return cudaErrorInvalidValue;
-    if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % 128 ||
-        p->intermediate <= 0 || p->intermediate % 32 || p->num_local_experts <= 0 ||
-        p->num_sms <= 0)
-        return cudaErrorInvalidValue;
-    /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
-    if (misaligned16(p->dh, p->w13, p->combine)) return cudaErrorInvalidValue;
+    if (!dgrad1_params_ok(p)) return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
     if (p->hidden % 256 == 0) return launch<WideCfg>(p, stream);
     return launch<NarrowCfg>(p, stream);

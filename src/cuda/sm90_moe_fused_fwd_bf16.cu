@@ -32,6 +32,7 @@
  * pipeline is staged (bench/NOTES.md v9). What it is for: the dispatch and the combine
  * of expert parallelism moving into it. */
 #include "sm90_moe_fwd_tiles.cuh"
+#include "sm90_tile_queue.cuh"
 
 namespace {
 
@@ -71,36 +72,10 @@ __device__ __forceinline__ void wait_act_ready(const FusedFwdArgs &args, int m_b
     while (ptx::ld_acquire_gpu(count) < want) __nanosleep(32);
 }
 
-/* The tiles this CTA takes, from the producer thread to the consumers and the store warps:
- * a queue of tile indices in shared memory (the ring's extra region), kQueueDepth deep.
- * Readers are every consumer thread and every store-warp thread. */
-constexpr int kQueueDepth = 4;
-constexpr int kQueueReaders = kConsumerWarpgroups * 128 + kStoreThreads;
-struct TileQueue {
-    int32_t tile[kQueueDepth];    /* a tile index of the order, -1: no more tiles */
-    uint64_t full[kQueueDepth];   /* written (the producer arrives) */
-    uint64_t empty[kQueueDepth];  /* read (every reader arrives) */
-};
-
-/* Called by the thread that initialises the ring, before the CTA's first sync. */
-__device__ __forceinline__ void tile_queue_init(TileQueue *q) {
-    for (int s = 0; s < kQueueDepth; ++s) {
-        ptx::mbar_init(&q->full[s], 1);
-        ptx::mbar_init(&q->empty[s], kQueueReaders);
-    }
-    ptx::mbar_fence_init();
-}
-
-/* The tile order above, taken dynamically: the producer thread of each CTA takes the
- * next index of the order (an atomic counter) when it starts a tile and passes it on
- * through the queue, so the tiles start in order whichever CTA is free.
- * NOTE: measured on an H200 (bench/NOTES.md v9): with the tiles handed out round-robin
- * by index, as the single GEMMs do, groups of half a wave made the fused kernel 25%
- * slower than gemm1 then gemm2 on qwen3-30b-a3b: gemm1 tiles (H / 64 K blocks) and gemm2
- * tiles (I / 64) take different times, CTAs drift apart, and a gemm2 tile waits for a
- * gemm1 tile that a slower CTA has not reached. Taking tiles in order removes the drift.
- * At two waves neither order waits (a model says so, and both measured the same): the
- * 1-3% the fused kernel still loses there is per tile, not yet explained.
+/* The tile order above, taken in order (sm90_tile_queue.cuh).
+ * NOTE: at two waves per group neither the in-order nor the round-robin hand-out waits
+ * (a model says so, and both measured the same): the 1-3% the fused kernel still loses
+ * there is per tile, not yet explained.
  * The order is a sequence of units of G * (n1 + n2) indices: unit u holds gemm1's tiles
  * of group u, then gemm2's of group u - 1; indices past the last row block (and gemm2's
  * part of unit 0) are holes, skipped by the producer. Tiles are returned as (block, n):
@@ -110,13 +85,11 @@ __device__ __forceinline__ void tile_queue_init(TileQueue *q) {
 template <int BN>
 struct FusedFwdScheduler {
     const FusedFwdArgs &args;
-    TileQueue *queue;
+    TileQueueCursor cursor;
     int m_blocks;
-    int slot;
-    uint32_t phase;
 
     __device__ __forceinline__ FusedFwdScheduler(const FusedFwdArgs &a, TileQueue *q)
-        : args(a), queue(q), slot(0), phase(0) {
+        : args(a), cursor(q) {
         int rows = *a.g1.num_rows;
         rows = rows < 0 ? 0 : (rows > a.g1.rows_cap ? a.g1.rows_cap : rows);
         m_blocks = rows / kBlockM;
@@ -145,28 +118,15 @@ struct FusedFwdScheduler {
         return m_block >= 0 && m_block < m_blocks;
     }
     __device__ __forceinline__ bool next_tile(int &m_block, int &n_block) {
-        TileQueue *q = queue;
-        int t;
-        if (threadIdx.x == kConsumerWarpgroups * 128) {   /* the producer takes it */
+        const int t = cursor.next(args.tile_counter, [&] {
             const int total = num_indices();
+            int i;
             do {
-                t = atomicAdd(args.tile_counter, 1);
-            } while (t < total && !decode(t, m_block, n_block));
-            if (t >= total) t = -1;
-            /* A fresh barrier counts as having completed the phase before phase 0. */
-            ptx::mbar_wait(&q->empty[slot], phase ^ 1u);
-            q->tile[slot] = t;
-            ptx::mbar_arrive(&q->full[slot]);
-        } else {
-            ptx::mbar_wait(&q->full[slot], phase);
-            t = *static_cast<volatile int32_t *>(&q->tile[slot]);
-            ptx::mbar_arrive(&q->empty[slot]);
-            if (t >= 0) decode(t, m_block, n_block);
-        }
-        if (++slot == kQueueDepth) {
-            slot = 0;
-            phase ^= 1u;
-        }
+                i = cursor.draw(args.tile_counter);
+            } while (i < total && !decode(i, m_block, n_block));
+            return i < total ? i : -1;
+        });
+        if (t >= 0) decode(t, m_block, n_block);
         return t >= 0;
     }
 };

@@ -1,0 +1,97 @@
+/* Tiles taken in a global order (sm_90a): the producer thread of each CTA takes the next
+ * index of the order from a counter in global memory when it starts a tile, and passes it
+ * to the CTA's consumers and store warps through a queue in shared memory, so the tiles
+ * start in order whichever CTA is free. Used by the fused kernels, whose tiles wait for
+ * other tiles (sm90_moe_fused_fwd_bf16.cu, sm90_moe_fused_bwd_bf16.cu).
+ * NOTE: why taking in order matters, measured on an H200 (bench/NOTES.md v9): with the
+ * tiles handed out round-robin by index, as the single GEMMs do, the fused forward was
+ * 25% slower than its two kernels: tiles of different K lengths let CTAs drift apart,
+ * and a tile waited for one that a slower CTA had not reached. */
+#pragma once
+
+#include "sm90_grouped_gemm.cuh"
+
+namespace mf {
+namespace sm90 {
+
+constexpr int kQueueDepth = 4;
+constexpr int kQueueReaderWarps = kConsumerWarpgroups * 4 + kStoreWarps;
+constexpr int kQueueWriter = kConsumerWarpgroups * 128;   /* the producer thread */
+
+struct TileQueue {
+    int32_t tile[kQueueDepth];    /* an index of the order, -1: no more tiles */
+    uint64_t full[kQueueDepth];   /* written (the producer arrives) */
+    uint64_t empty[kQueueDepth];  /* read (lane 0 of every reader warp arrives) */
+};
+
+/* Called by the thread that initialises the ring, before the CTA's first sync. */
+__device__ __forceinline__ void tile_queue_init(TileQueue *q) {
+    for (int s = 0; s < kQueueDepth; ++s) {
+        ptx::mbar_init(&q->full[s], 1);
+        ptx::mbar_init(&q->empty[s], kQueueReaderWarps);
+    }
+    ptx::mbar_fence_init();
+}
+
+/* One thread's walk through the queue (each role keeps its own copy). */
+struct TileQueueCursor {
+    TileQueue *queue;
+    int slot;
+    uint32_t phase;
+    int ahead;   /* producer: the index drawn for the tile after this one (-1: none yet) */
+
+    __device__ __forceinline__ explicit TileQueueCursor(TileQueue *q)
+        : queue(q), slot(0), phase(0), ahead(-1) {}
+
+    /* Producer thread: the next index of the order from the global counter. The index of
+     * the tile after it is drawn at the end of next() (refill) and used one tile later, so
+     * the atomic's round trip (about a microsecond) is not on the producer's path between
+     * two tiles, where the ring would run dry by that much. No index is lost: a CTA stops
+     * at an index past the end, and the one it drew ahead is larger still.
+     * NOTE: this keeps the order's guarantee: a CTA works on its tiles in the order it
+     * drew them, so the earliest unfinished tile is always one a CTA is working on.
+     * NOTE: the refill comes after the index went to the queue so that nothing else is
+     * live in the register the atomic returns into: drawn before, ptxas copied the result
+     * to the loop-carried register at once (a MOV that waits for the atomic). */
+    __device__ __forceinline__ int draw(int *counter) {
+        const int i = ahead >= 0 ? ahead : atomicAdd(counter, 1);
+        ahead = -1;
+        return i;
+    }
+
+    /* The CTA's next index of the order, -1 when none is left. Called by the producer
+     * thread and by whole warps of readers (the consumers, the store warps). take() runs
+     * on the producer thread only: it draws indices (draw) until one is a tile of the
+     * order, or returns -1 past the end. */
+    template <class Take>
+    __device__ __forceinline__ int next(int *counter, Take &&take) {
+        TileQueue *q = queue;
+        int t;
+        if (threadIdx.x == kQueueWriter) {
+            t = take();
+            /* A fresh barrier counts as having completed the phase before phase 0. */
+            ptx::mbar_wait(&q->empty[slot], phase ^ 1u);
+            q->tile[slot] = t;
+            ptx::mbar_arrive(&q->full[slot]);
+            if (t >= 0) ahead = atomicAdd(counter, 1);   /* refill */
+        } else {
+            /* Lane 0 reads for its warp (every reader calls with its whole warp): 11
+             * arrivals per tile instead of 352 on one barrier, at the start of the
+             * consumers' tile, when the tensor cores wait. */
+            if (threadIdx.x % 32 == 0) {
+                ptx::mbar_wait(&q->full[slot], phase);
+                t = *static_cast<volatile int32_t *>(&q->tile[slot]);
+                ptx::mbar_arrive(&q->empty[slot]);
+            }
+            t = __shfl_sync(0xffffffffu, t, 0);
+        }
+        if (++slot == kQueueDepth) {
+            slot = 0;
+            phase ^= 1u;
+        }
+        return t;
+    }
+};
+
+}  // namespace sm90
+}  // namespace mf
