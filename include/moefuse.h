@@ -99,15 +99,17 @@ typedef enum moefuse_saved_mode {
     MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS = 2,
 } moefuse_saved_mode;
 
-/* How the CUDA forward runs its two expert GEMMs (the CPU backend ignores it). Both give
- * the same bits. */
+/* How the CUDA forward and backward run their expert GEMMs (the CPU backend ignores it).
+ * Both give the same bits. */
 typedef enum moefuse_pipeline {
     /* one kernel per stage (the default: on an H200 it is 1-3% faster than the fused
      * kernel so far, bench/NOTES.md v9) */
     MOEFUSE_PIPELINE_STAGED = 0,
-    /* gemm1 and gemm2 in one persistent kernel, a gemm2 tile starting as soon as the
-     * gemm1 tiles of its rows are done (with expert parallelism, once their rows have
-     * arrived); shapes it does not take (H a multiple of 128 but not 256) run staged */
+    /* forward: gemm1 and gemm2 in one persistent kernel, a gemm2 tile starting as soon as
+     * the gemm1 tiles of its rows are done (with expert parallelism, once their rows have
+     * arrived); shapes it does not take (H a multiple of 128 but not 256) run staged.
+     * backward (one rank): dW2, dgrad1 and dW13 in one persistent kernel after dgrad2
+     * (H and I multiples of 256; other shapes, and expert parallelism, run staged) */
     MOEFUSE_PIPELINE_FUSED = 1,
 } moefuse_pipeline;
 

@@ -72,7 +72,8 @@ class SavedMode(enum.IntEnum):
 
 
 class Pipeline(enum.IntEnum):
-    """moefuse_pipeline: how the CUDA forward runs its expert GEMMs (same bits)."""
+    """moefuse_pipeline: how the CUDA forward and the one-rank backward run their expert
+    GEMMs (same bits)."""
 
     STAGED = 0  # one kernel per stage (default; 1-3% faster on an H200 so far)
     FUSED = 1  # gemm1 and gemm2 in one persistent kernel

@@ -31,7 +31,8 @@ Layers (moefuse_layer handles: the workspaces of one config) are cached per
 (H, I, E, K, device, saved mode, pipeline, max_tokens bucket) in `layer_cache`, the one
 piece of module state, and destroyed at interpreter exit (or by layer_cache.clear()).
 The environment variable MOEFUSE_PIPELINE (staged, the default, or fused) picks how the
-CUDA forward runs its two expert GEMMs (moefuse_config.pipeline; the same bits).
+CUDA forward runs its two expert GEMMs and the one-rank backward its dW2, dgrad1 and dW13
+(moefuse_config.pipeline; the same bits).
 
 Id errors on CUDA: the CUDA backend checks expert ids on the device without a host
 synchronization; a bad id leaves y unwritten and is recorded in the layer. Call

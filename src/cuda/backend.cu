@@ -502,6 +502,8 @@ moefuse_status cuda_forward(moefuse_layer *layer, const moefuse_fwd_args *a, voi
  *   reduce    dx[t] = bf16(sum over k in order of the slot rows), like y
  *   reduce_dp dweights[t,k] = sum over the column blocks in order
  *   dW13      sum over e's rows of dh^T xs
+ * With MOEFUSE_PIPELINE_FUSED (and H, I multiples of 256) dW2, dgrad1 and dW13 are one
+ * kernel (sm90_moe_fused_bwd_bf16.cu), the reduces after it; the same bits.
  * Every sum has one owner and a fixed order: bitwise reproducible, no atomics. */
 
 /* Device check of the saved plan, three tiny kernels (the plan lives in device memory;
@@ -701,6 +703,7 @@ moefuse_status load_kernels(void) {
         {mf_sm90_gemm2_dgrad_swiglu_load, "dgrad2"},
         {mf_sm90_gemm1_dgrad_bwd_load, "dgrad1"},
         {mf_sm90_wgrad_grouped_load, "wgrad"},
+        {mf_sm90_moe_fused_bwd_load, "fused backward"},
         {mf_expert_order_load, "expert order"},
         {mf_ep_exchange_counts_load, "ep exchange"},
         {mf_ep_push_rows_load, "ep push rows"},
@@ -785,16 +788,24 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     d2.row_weight = s->row_weight;
     MF_CUDA_TRY(mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&d2, stream));
 
-    // ---- 4. dW2 = dys^T act_p per expert: before dgrad1 overwrites dys ----
+    // ---- 4. dW2 = dys^T act_p per expert: before dgrad1 overwrites dys;
+    //      5. dgrad1: dh W13_e -> dx slot rows in combine; 7. dW13 = dh^T xs per expert.
+    //      One fused kernel (the fused pipeline, act_ready set) or one kernel each; the
+    //      same bits ----
     const moefuse_status ordered = order_experts(layer, stream);
     if (ordered != MOEFUSE_OK) return ordered;
     const mf_wgrad_params dw2 = dw2_params(layer, a, lay.rows_cap, dys);
-    MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw2, stream));
-
-    // ---- 5. dgrad1: dh W13_e -> dx slot rows in combine ----
     mf_dgrad1_params d1 = dgrad1_params(layer, a->w13, rbe, row_slot, lay.rows_cap);
     d1.combine = s->combine;
-    MF_CUDA_TRY(mf_sm90_gemm1_dgrad_bwd_bf16(&d1, stream));
+    const mf_wgrad_params dw13 = dw13_params(layer, a, lay.rows_cap, xs);
+    const bool fused = s->act_ready && mf_sm90_moe_fused_bwd_takes(H, c->intermediate);
+    if (fused) {
+        const mf_moe_fused_bwd_params fb = {dw2, d1, dw13, s->act_ready};
+        MF_CUDA_TRY(mf_sm90_moe_fused_bwd_bf16(&fb, stream));
+    } else {
+        MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw2, stream));
+        MF_CUDA_TRY(mf_sm90_gemm1_dgrad_bwd_bf16(&d1, stream));
+    }
 
     // ---- 6. reduce: dx[t] = sum of its K slot rows, fp32, k order; and d p ----
     const mf_reduce_params rp = reduce_params(layer, a->ids, T, a->dx, a->dx_stride);
@@ -810,9 +821,8 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     rd.top_k = K;
     MF_CUDA_TRY(mf_reduce_dp_f32(&rd, stream));
 
-    // ---- 7. dW13 = dh^T xs per expert ----
-    const mf_wgrad_params dw13 = dw13_params(layer, a, lay.rows_cap, xs);
-    MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw13, stream));
+    // ---- 7. dW13 (staged) ----
+    if (!fused) MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw13, stream));
     return MOEFUSE_OK;
 }
 

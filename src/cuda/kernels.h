@@ -170,6 +170,25 @@ typedef struct mf_wgrad_params {
 
 cudaError_t mf_sm90_wgrad_grouped_bf16(const mf_wgrad_params *p, cudaStream_t stream);
 
+/* The fused backward after dgrad2: dW2, dgrad1 and dW13 in one persistent kernel (the
+ * same tiles as the kernels above, bit for bit). The tiles are taken in order, by
+ * whichever CTA is free: every dW2 tile, then dgrad1's, then dW13's. dgrad1 writes its dx
+ * slot rows over dys (dW2's lhs, in the same combine buffer): its store warps wait until
+ * every dW2 tile has read its operands (a count, release / acquire); its K loops and
+ * dW13's tiles wait for nothing. Takes H % 256 == 0 and I % 256 == 0 (one 128 x 256 tile
+ * shape for all three; mf_sm90_moe_fused_bwd_takes); the params must describe one layer:
+ * dW2 M = H, N = I; dW13 M = 2I, N = H; rows_cap, num_local_experts, num_sms equal. */
+typedef struct mf_moe_fused_bwd_params {
+    mf_wgrad_params dw2;
+    mf_dgrad1_params dgrad1;
+    mf_wgrad_params dw13;
+    uint32_t *scratch;                /* [2] (dW2 tiles read, the next tile to take),
+                                       * zeroed by the launcher */
+} mf_moe_fused_bwd_params;
+
+int mf_sm90_moe_fused_bwd_takes(int hidden, int intermediate);
+cudaError_t mf_sm90_moe_fused_bwd_bf16(const mf_moe_fused_bwd_params *p, cudaStream_t stream);
+
 /* order[0..E_local-1], by rows(e) = expert_offsets[e + 1] - expert_offsets[e]: experts
  * with 16 rows(e) > all rows, most rows first; the other experts with rows; those
  * without; ties by lower expert (a permutation whatever the offsets hold).
@@ -426,6 +445,7 @@ cudaError_t mf_sm90_moe_fused_fwd_load(void);
 cudaError_t mf_sm90_gemm2_dgrad_swiglu_load(void);
 cudaError_t mf_sm90_gemm1_dgrad_bwd_load(void);
 cudaError_t mf_sm90_wgrad_grouped_load(void);
+cudaError_t mf_sm90_moe_fused_bwd_load(void);
 cudaError_t mf_expert_order_load(void);
 cudaError_t mf_ep_exchange_counts_load(void);
 cudaError_t mf_ep_push_rows_load(void);

@@ -553,12 +553,25 @@ struct HasIdleWork<E, decltype(void(&E::idle_work))> {
     static constexpr bool value = true;
 };
 
+/* An epilogue some of whose tiles the consumers store themselves (`bool drains(m_block,
+ * n_block)`: false for those; the fused backward's fp32 weight-gradient tiles). */
+template <class E, class = void>
+struct HasDrains {
+    static constexpr bool value = false;
+};
+template <class E>
+struct HasDrains<E, decltype(void(std::declval<E &>().drains(0, 0)))> {
+    static constexpr bool value = true;
+};
+
 /* The store warps' loop over this CTA's tiles (the same walk as the consumers'). */
 template <class Cfg, class Sched, class Epi>
 __device__ __forceinline__ void store_role(const Ring<Cfg> &ring, Sched sched, Epi &epi) {
     uint32_t phase = 0;
     int m_block, n_block;
     while (sched.next_tile(m_block, n_block)) {
+        if constexpr (HasDrains<Epi>::value)
+            if (!epi.drains(m_block, n_block)) continue;
 #pragma unroll 1
         for (int wg = 0; wg < kConsumerWarpgroups; ++wg) {
             if constexpr (HasIdleWork<Epi>::value)
@@ -575,13 +588,14 @@ __device__ __forceinline__ void store_role(const Ring<Cfg> &ring, Sched sched, E
 
 /* ---- kernel skeleton ----------------------------------------------------------------
  * Role split shared by all kernels: barrier setup, setmaxnreg, then one role per
- * warpgroup. Must be called from a __launch_bounds__(kThreads, 1) kernel. */
-template <class Cfg, class Sched, class Load, class Epi>
-__device__ __forceinline__ void run_grouped_gemm_sched(uint8_t *smem_raw,
+ * warpgroup; the consumers run consume(ring, sched, epi). Must be called from a
+ * __launch_bounds__(kThreads, 1) kernel. */
+template <class Cfg, class Sched, class Load, class Epi, class Consume>
+__device__ __forceinline__ void run_grouped_gemm_roles(uint8_t *smem_raw,
                                                        const CUtensorMap *map_a,
                                                        const CUtensorMap *map_b,
                                                        const Sched &sched, Load &load,
-                                                       Epi &epi) {
+                                                       Epi &epi, Consume &&consume) {
     /* NOTE: the swizzled TMA tiles need 1024-byte alignment; a dynamic buffer declared
      * __align__(1024) with no static shared memory starts there, and we check. */
     if (ptx::smem_u32(smem_raw) & 1023u) __trap();
@@ -601,11 +615,25 @@ __device__ __forceinline__ void run_grouped_gemm_sched(uint8_t *smem_raw,
             if (threadIdx.x / 32 >= kFirstStoreWarp) store_role<Cfg>(ring, sched, epi);
     } else {
         ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
-        if constexpr (OverlapsNextTile<Epi>::value)
-            consumer_role_overlapped<Cfg>(ring, sched, epi);
-        else
-            consumer_role<Cfg>(ring, sched, epi);
+        consume(ring, sched, epi);
     }
+}
+
+/* The kernels with one operand layout: consumer_role, or consumer_role_overlapped for an
+ * epilogue that asks for it. */
+template <class Cfg, class Sched, class Load, class Epi>
+__device__ __forceinline__ void run_grouped_gemm_sched(uint8_t *smem_raw,
+                                                       const CUtensorMap *map_a,
+                                                       const CUtensorMap *map_b,
+                                                       const Sched &sched, Load &load,
+                                                       Epi &epi) {
+    run_grouped_gemm_roles<Cfg>(smem_raw, map_a, map_b, sched, load, epi,
+                                [](const Ring<Cfg> &ring, const Sched &s, Epi &e) {
+                                    if constexpr (OverlapsNextTile<Epi>::value)
+                                        consumer_role_overlapped<Cfg>(ring, s, e);
+                                    else
+                                        consumer_role<Cfg>(ring, s, e);
+                                });
 }
 
 /* Row-block GEMMs (gemm1, gemm2, dgrad1, dgrad2): tiles (128-row block, n block), a

@@ -9,6 +9,8 @@
  *   - MOEFUSE_RECOMPUTE and MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS give the bits of
  *     MOEFUSE_SAVE_ACTIVATIONS, the latter also with the fused forward;
  *   - accumulate = 1 gives exactly old + the write-mode gradient;
+ *   - the fused backward (MOEFUSE_PIPELINE_FUSED: dW2, dgrad1 and dW13 in one kernel)
+ *     bitwise equal to the staged one: fp32 write and accumulate, bf16 dW, five routings;
  *   - 50 repetitions bitwise identical; a CUDA graph replays to the eager bits;
  *   - a saved buffer of no forward: moefuse_layer_check reports MOEFUSE_ERR_SAVED_STATE
  *     and dx / dweights are untouched.
@@ -41,7 +43,8 @@
  *   dW2       4: g, u as bf16, a as bf16, act_p = p a as bf16 (dys is exact).
  * Errors are relative l2 over the checked elements. Outputs are poisoned (NaN) first.
  *
- * With no sm_90 device every case prints SKIP with the reason. */
+ * With no sm_90 device every case prints SKIP with the reason. MOEFUSE_TEST_PIPELINE=fused
+ * makes the fused pipeline the fixture's (the default is staged). */
 #include <cuda_runtime.h>
 #include <math.h>
 #include <omp.h>
@@ -73,6 +76,7 @@ static char g_skip[512];
 typedef struct fixture {
     const model *m;
     moefuse_layer *layer;     /* MOEFUSE_SAVE_ACTIVATIONS */
+    moefuse_pipeline pipeline;/* the layer's: staged unless MOEFUSE_TEST_PIPELINE=fused */
     uint16_t *w13_d, *w2_d;   /* [E, 2I, H], [E, H, I] */
     float *dw13_d, *dw2_d;    /* [E, 2I, H], [E, H, I] fp32 */
     double *w13_ref, *w2_ref; /* fp64 copies */
@@ -104,7 +108,11 @@ static moefuse_layer *make_layer(moefuse_saved_mode mode, moefuse_pipeline pipel
 static int fixture_setup(const model *m) {
     memset(&F, 0, sizeof F);
     F.m = m;
-    F.layer = make_layer(MOEFUSE_SAVE_ACTIVATIONS, MOEFUSE_PIPELINE_STAGED, kMaxTokens);
+    /* MOEFUSE_TEST_PIPELINE=fused runs every case on the fused pipeline (sanitizer runs). */
+    const char *pipeline = getenv("MOEFUSE_TEST_PIPELINE");
+    F.pipeline = pipeline && !strcmp(pipeline, "fused") ? MOEFUSE_PIPELINE_FUSED
+                                                         : MOEFUSE_PIPELINE_STAGED;
+    F.layer = make_layer(MOEFUSE_SAVE_ACTIVATIONS, F.pipeline, kMaxTokens);
     if (!F.layer) return 0;
     uint16_t *w13 = malloc((size_t)n13() * 2), *w2 = malloc((size_t)n2() * 2);
     F.w13_ref = malloc((size_t)n13() * 8);
@@ -713,15 +721,20 @@ done:
 
 /* The write-mode backward of `in` into the bf16 weight gradients d13 / d2 (no fp32 ones),
  * synchronized. */
-static moefuse_status backward_dw_bf16(const inputs *in, uint16_t *d13, uint16_t *d2) {
+static moefuse_status backward_dw_bf16_on(moefuse_layer *layer, const inputs *in, uint16_t *d13,
+                                          uint16_t *d2) {
     moefuse_bwd_args b = bwd_args(in, 0);
     b.dw13 = NULL;
     b.dw2 = NULL;
     b.dw13_bf16 = d13;
     b.dw2_bf16 = d2;
-    moefuse_status st = moefuse_backward(F.layer, &b, F.stream);
+    moefuse_status st = moefuse_backward(layer, &b, F.stream);
     if (st == MOEFUSE_OK && cudaStreamSynchronize(F.stream) != cudaSuccess) st = MOEFUSE_ERR_CUDA;
     return st;
+}
+
+static moefuse_status backward_dw_bf16(const inputs *in, uint16_t *d13, uint16_t *d2) {
+    return backward_dw_bf16_on(F.layer, in, d13, d2);
 }
 
 /* bf16 weight gradients (dw13_bf16 / dw2_bf16): the write-mode fp32 gradients rounded
@@ -968,6 +981,88 @@ done:
     inputs_free(&in);
 }
 
+/* The fused backward (MOEFUSE_PIPELINE_FUSED: dW2, dgrad1 and dW13 in one kernel) against
+ * the staged one, bit for bit, on five routings with fresh inputs each: fp32 write mode
+ * three times (outputs poisoned before each run: a dgrad1 tile storing dx rows over dys
+ * before a dW2 tile had read them would show in dW2), accumulate mode once on top, and
+ * the bf16 weight gradients once (experts without rows: zero tiles). */
+static int fused_vs_staged(moefuse_layer *fused, int T, routing r, uint16_t *b13, uint16_t *b2,
+                           int *diff) {
+    int runs = 0;
+    inputs in;
+    outputs staged, staged_acc, got;
+    memset(&staged, 0, sizeof staged);
+    memset(&staged_acc, 0, sizeof staged_acc);
+    memset(&got, 0, sizeof got);
+    const size_t h13 = (size_t)n13() * 2, h2 = (size_t)n2() * 2;
+    uint16_t *s13 = malloc(h13), *s2 = malloc(h2), *f13 = malloc(h13), *f2 = malloc(h2);
+    if (!s13 || !s2 || !f13 || !f2 || !inputs_make(&in, T, r, 0)) goto done;
+    /* staged: write, accumulate on top, bf16 */
+    MF_OK(run_fwd_bwd(F.layer, &in, 1));
+    CHECK(outputs_get(&staged, &in), "copy");
+    MF_OK(run_fwd_bwd(F.layer, &in, 0));
+    CHECK(outputs_get(&staged_acc, &in), "copy");
+    MF_OK(backward_dw_bf16_on(F.layer, &in, b13, b2));
+    CUDA_OK(cudaMemcpy(s13, b13, h13, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(s2, b2, h2, cudaMemcpyDeviceToHost));
+    /* fused */
+    for (int rep = 0; rep < 3; rep++) {
+        MF_OK(run_fwd_bwd(fused, &in, 1));
+        CHECK(outputs_get(&got, &in), "copy");
+        *diff += !outputs_equal(&staged, &got);
+        runs++;
+    }
+    MF_OK(run_fwd_bwd(fused, &in, 0));   /* onto the write-mode gradients, as staged */
+    CHECK(outputs_get(&got, &in), "copy");
+    *diff += !outputs_equal(&staged_acc, &got);
+    runs++;
+    CUDA_OK(cudaMemsetAsync(b13, 0xff, h13, F.stream));
+    CUDA_OK(cudaMemsetAsync(b2, 0xff, h2, F.stream));
+    MF_OK(backward_dw_bf16_on(fused, &in, b13, b2));
+    CUDA_OK(cudaMemcpy(f13, b13, h13, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(f2, b2, h2, cudaMemcpyDeviceToHost));
+    *diff += memcmp(s13, f13, h13) != 0 || memcmp(s2, f2, h2) != 0;
+    runs++;
+    if (r == ROUTE_RANDOM) check_dx_dp(&in, got.dx, got.dp);
+done:
+    free(s13);
+    free(s2);
+    free(f13);
+    free(f2);
+    outputs_free(&staged);
+    outputs_free(&staged_acc);
+    outputs_free(&got);
+    inputs_free(&in);
+    return runs;
+}
+
+static void case_fused_equals_staged(void) {
+    if (!ready()) return;
+    if (F.pipeline == MOEFUSE_PIPELINE_FUSED) {
+        th_skip("the fixture runs the fused pipeline already (MOEFUSE_TEST_PIPELINE=fused)");
+        return;
+    }
+    moefuse_layer *fused = make_layer(MOEFUSE_SAVE_ACTIVATIONS, MOEFUSE_PIPELINE_FUSED, kMaxTokens);
+    uint16_t *b13 = NULL, *b2 = NULL;
+    CHECK(fused != NULL, "fused layer");
+    if (!fused) goto done;
+    CUDA_OK(cudaMalloc((void **)&b13, (size_t)n13() * 2));
+    CUDA_OK(cudaMalloc((void **)&b2, (size_t)n2() * 2));
+    if (!b13 || !b2) goto done;
+    static const routing kRoutes[] = {ROUTE_RANDOM, ROUTE_ZIPF, ROUTE_ONE_EXPERT,
+                                      ROUTE_FEW_EXPERTS, ROUTE_DROPPED};
+    static const int kTokens[] = {kMaxTokens, 3000, 2048, 777, 1000};
+    int diff = 0, runs = 0;
+    for (int i = 0; i < 5; i++) runs += fused_vs_staged(fused, kTokens[i], kRoutes[i], b13, b2, &diff);
+    CHECK(runs == 25, "ran %d of 25 fused backwards", runs);
+    CHECK(diff == 0, "the fused backward differed from the staged one in %d of %d runs", diff, runs);
+    MF_OK(moefuse_layer_check(fused, F.stream));
+done:
+    cudaFree(b13);
+    cudaFree(b2);
+    if (fused) moefuse_layer_destroy(fused);
+}
+
 static void case_t1(void) { backward_case(1, ROUTE_RANDOM, 0); }
 static void case_t1_one_slot(void) { backward_case(1, ROUTE_ONE_EXPERT, 0); }
 static void case_t7(void) { backward_case(7, ROUTE_RANDOM, 0); }
@@ -1019,6 +1114,7 @@ int main(int argc, char **argv) {
         RUN(case_deterministic, "50 repetitions bitwise")
         RUN(case_graph, "cuda graph replay")
         RUN(case_bad_saved, "bad saved buffer")
+        RUN(case_fused_equals_staged, "fused backward bitwise = staged")
 #undef RUN
         fixture_teardown();
     }

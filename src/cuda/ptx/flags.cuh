@@ -31,6 +31,13 @@ __device__ __forceinline__ void red_release_gpu_add(uint32_t *p, uint32_t v) {
     asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+/* A count whose meaning needs no ordering of this thread's own memory accesses (the
+ * fused backward's "operands read": the reads were TMA's, complete once their mbarrier
+ * was seen). red.release compiles to a GPU-wide MEMBAR before the add; this does not. */
+__device__ __forceinline__ void red_relaxed_gpu_add(uint32_t *p, uint32_t v) {
+    asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 /* Orders this thread's earlier writes (to peers included) before its later ones at
  * system scope. */
 __device__ __forceinline__ void fence_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
