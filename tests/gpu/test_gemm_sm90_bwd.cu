@@ -7,7 +7,7 @@
  * pipelines call it, with per-row weights and expert parallelism's block waits: bitwise
  * the plain run when every block's rows are in, and a block that never completes ends in
  * the timeout record, not a hang. Then times each kernel at the Qwen3 shapes and prints
- * TFLOP/s.
+ * TFLOP/s, and the fused backward's kernel (dW2 + dgrad1 + dW13) against the three.
  *
  * Tolerances (th_bf16_tolerance(n), n = bf16 roundings on the path, inputs exact bf16):
  *   dh, act_p, combine: one rounding of an fp32 result -> n = 1.
@@ -543,6 +543,22 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
         time_interleaved_ms([&] { return mf_sm90_wgrad_grouped_bf16(&pw13b, 0); },
                             [&] { return mf_sm90_wgrad_grouped_bf16(&pw13o, 0); });
     const float mw2b = w2bo[0], mw2o = w2bo[1], mw13b = w13bo[0], mw13o = w13bo[1];
+    /* The fused backward's kernel against the three it replaces, as the pipelines run them
+     * (bf16 out, ordered), interleaved. Here dys and the dx slot rows are separate buffers;
+     * the fused kernel's dW2 wait runs all the same. */
+    const bool fused = mf_sm90_moe_fused_bwd_takes(H, I);
+    uint32_t *scratch = nullptr;
+    CUDA_OK(cudaMalloc(&scratch, 2 * sizeof(uint32_t)));
+    const mf_moe_fused_bwd_params pf = {pw2o, p1, pw13o, scratch};
+    std::vector<float> fs = {0.f, 0.f};
+    if (fused)
+        fs = time_interleaved_ms(
+            [&] {
+                cudaError_t e = mf_sm90_wgrad_grouped_bf16(&pw2o, 0);
+                if (e == cudaSuccess) e = mf_sm90_gemm1_dgrad_bwd_bf16(&p1, 0);
+                return e == cudaSuccess ? mf_sm90_wgrad_grouped_bf16(&pw13o, 0) : e;
+            },
+            [&] { return mf_sm90_moe_fused_bwd_bf16(&pf, 0); });
     CUDA_OK(cudaGetLastError());
     CUDA_OK(cudaDeviceSynchronize());
     const double v = (double)total;
@@ -561,13 +577,21 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
            f_small / mw2o * 1e-9);
     printf("  %-16s wgrad dW13 (bf16, ordered) %8.3f ms %6.1f TFLOP/s\n", name, mw13o,
            f_big / mw13o * 1e-9);
+    if (fused) {
+        const double f3 = f_small + 2 * f_big;   /* dW2 + dgrad1 + dW13 */
+        printf("  %-16s dW2, dgrad1, dW13 (bf16, ordered) %8.3f ms %6.1f TFLOP/s\n", name, fs[0],
+               f3 / fs[0] * 1e-9);
+        printf("  %-16s fused dW2+dgrad1+dW13      %8.3f ms %6.1f TFLOP/s (%.1f%% of the three)\n",
+               name, fs[1], f3 / fs[1] * 1e-9, 100.0 * fs[1] / fs[0]);
+    }
     CHECK(m2 > 0 && m1 > 0 && mw2 > 0 && mw13 > 0 && mw13a > 0 && mw2b > 0 && mw13b > 0 &&
-              mw2o > 0 && mw13o > 0,
+              mw2o > 0 && mw13o > 0 && (!fused || (fs[0] > 0 && fs[1] > 0)),
           "a timed launch failed");
     cudaFree(dys); cudaFree(xs); cudaFree(gu); cudaFree(dh); cudaFree(actp); cudaFree(w2);
     cudaFree(w13); cudaFree(comb); cudaFree(sw); cudaFree(dp); cudaFree(dw2); cudaFree(dw13);
     cudaFree(dw2b); cudaFree(dw13b);
     cudaFree(rbe); cudaFree(slot); cudaFree(nr); cudaFree(off); cudaFree(order);
+    cudaFree(scratch);
 }
 
 static void time_qwen3_30b(void) {
