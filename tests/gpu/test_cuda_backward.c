@@ -7,7 +7,8 @@
  *   - routing edge cases: all tokens on one expert, most experts empty, T = 1 with one
  *     slot, dropped slots with fully dropped tokens (row strides > H), Zipf;
  *   - MOEFUSE_RECOMPUTE and MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS give the bits of
- *     MOEFUSE_SAVE_ACTIVATIONS, the latter also with the fused forward;
+ *     MOEFUSE_SAVE_ACTIVATIONS, the latter also with the fused pipeline (forward and
+ *     backward);
  *   - accumulate = 1 gives exactly old + the write-mode gradient;
  *   - the fused backward (MOEFUSE_PIPELINE_FUSED: dW2, dgrad1 and dW13 in one kernel)
  *     bitwise equal to the staged one: fp32 write and accumulate, bf16 dW, five routings;
@@ -629,8 +630,8 @@ static void outputs_free(outputs *o) {
 
 /* The other saved modes give the saving layer's bits: MOEFUSE_RECOMPUTE reruns gemm1,
  * MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS reads the forward's xs rows from the saved buffer
- * instead of gathering x again (with either forward pipeline: the fused one gives the
- * staged bits). */
+ * instead of gathering x again (with either pipeline: the fused forward and backward
+ * give the staged bits). */
 static void saved_mode_case(moefuse_saved_mode mode, moefuse_pipeline pipeline, int T,
                             routing r, int64_t pad) {
     if (!ready()) return;
@@ -1108,7 +1109,7 @@ int main(int argc, char **argv) {
         RUN(case_zipf, "T=3000 zipf routing")
         RUN(case_recompute, "recompute bitwise = saved activations")
         RUN(case_saved_inputs, "saved inputs bitwise = saved activations")
-        RUN(case_saved_inputs_fused, "saved inputs, fused forward, bitwise = saved activations")
+        RUN(case_saved_inputs_fused, "saved inputs, fused pipeline, bitwise = saved activations")
         RUN(case_accumulate, "accumulate = old + write mode, exactly")
         RUN(case_dw_bf16, "bf16 dW = rounded fp32 dW, bitwise")
         RUN(case_deterministic, "50 repetitions bitwise")
