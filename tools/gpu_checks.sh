@@ -36,6 +36,8 @@ step test_cuda_forward test_cuda_forward.log build/tests/gpu/test_cuda_forward
 step test_cuda_forward_fused test_cuda_forward_fused.log \
     env MOEFUSE_TEST_PIPELINE=fused build/tests/gpu/test_cuda_forward
 step test_cuda_backward test_cuda_backward.log build/tests/gpu/test_cuda_backward
+step test_cuda_backward_fused test_cuda_backward_fused.log \
+    env MOEFUSE_TEST_PIPELINE=fused build/tests/gpu/test_cuda_backward
 step test_cuda_ep test_cuda_ep.log build/tests/gpu/test_cuda_ep
 step moefuse_step moefuse_step.log build/moefuse_step
 step bench bench.log tools/run_bench.sh
@@ -51,6 +53,8 @@ if [ "${1:-}" != quick ]; then
     step memcheck_fused memcheck_fused.log timeout 120 env MOEFUSE_TEST_PIPELINE=fused \
         compute-sanitizer --error-exitcode 1 --tool memcheck build/tests/gpu/test_cuda_forward 30b "T=512"
     step racecheck racecheck.log timeout 140 compute-sanitizer --error-exitcode 1 --tool racecheck build/tests/gpu/test_gemm_sm90_bwd _bn
+    step racecheck_bwd_fused racecheck_bwd_fused.log timeout 140 env MOEFUSE_TEST_PIPELINE=fused \
+        compute-sanitizer --error-exitcode 1 --tool racecheck build/tests/gpu/test_cuda_backward 30b "T=7"
     step racecheck_fwd racecheck_fwd.log timeout 140 compute-sanitizer --error-exitcode 1 --tool racecheck build/tests/gpu/test_gemm_sm90 paths
     step memcheck_ep memcheck_ep.log timeout 150 compute-sanitizer --error-exitcode 1 --tool memcheck build/tests/gpu/test_cuda_ep "R=1 comm"
     step memcheck_ep_fused memcheck_ep_fused.log timeout 150 compute-sanitizer --error-exitcode 1 \
