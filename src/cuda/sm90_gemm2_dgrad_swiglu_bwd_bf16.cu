@@ -89,10 +89,7 @@ struct Dgrad2Load {
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
         const int k = kb * kBlockK;
         ptx::tma_load_2d(a, &args.map_dys, bar, k, m_row);
-#pragma unroll
-        for (int j = 0; j < Cfg::BN / 64; ++j)
-            ptx::tma_load_2d(b + j * Cfg::kMnBoxBytes, &args.map_w2, bar, n_col + 64 * j,
-                             w_row + k);
+        tma_load_mn_boxes<Cfg, Cfg::BN / 64>(b, &args.map_w2, bar, n_col, w_row + k);
         if (k + kBlockK < args.hidden) return;
         ptx::mbar_wait(ring.extra_empty, gu_phase ^ 1u);
         ptx::mbar_arrive_expect_tx(ring.extra_full, Cfg::kExtraBytes);

@@ -253,6 +253,16 @@ struct TileScheduler {
     }
 };
 
+/* The producer's load of an MN-major operand stage: kBoxes boxes of 64 contiguous MN
+ * elements (columns col, col + 64, ...) x 64 K rows from row, kMnBoxBytes apart. */
+template <class Cfg, int kBoxes>
+__device__ __forceinline__ void tma_load_mn_boxes(uint8_t *dst, const CUtensorMap *map,
+                                                  uint64_t *bar, int col, int row) {
+#pragma unroll
+    for (int j = 0; j < kBoxes; ++j)
+        ptx::tma_load_2d(dst + j * Cfg::kMnBoxBytes, map, bar, col + 64 * j, row);
+}
+
 /* ---- producer role ------------------------------------------------------------------
  * One thread. load(m_block, n_block, k_block, smem_a, smem_b, full_bar) issues the TMA
  * copies of one stage, kStageBytes in total; load_tile_begin(m_block) runs once per tile

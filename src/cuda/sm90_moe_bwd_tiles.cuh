@@ -73,6 +73,11 @@ cudaError_t wgrad_args_from(const mf_wgrad_params *p, WgradArgs *args) {
     return cudaSuccess;
 }
 
+/* All the tiles of a wgrad, every expert's (m_blocks x n_blocks each). */
+__device__ __forceinline__ int wgrad_tiles(const WgradArgs &a) {
+    return a.num_experts * a.m_blocks * a.n_blocks;
+}
+
 /* K blocks of a wgrad tile: the expert's rows (a multiple of 128, maybe 0) in 64-row
  * blocks; m_block is the combined index e * m_blocks + m block. */
 __device__ __forceinline__ int wgrad_k_blocks(const int32_t *offsets, int m_blocks, int m_block) {
@@ -95,12 +100,8 @@ struct WgradLoad {
     }
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
         const int row = row0 + kb * kBlockK;
-#pragma unroll
-        for (int j = 0; j < kBlockM / 64; ++j)
-            ptx::tma_load_2d(a + j * Cfg::kMnBoxBytes, &args.map_lhs, bar, m_col + 64 * j, row);
-#pragma unroll
-        for (int j = 0; j < Cfg::BN / 64; ++j)
-            ptx::tma_load_2d(b + j * Cfg::kMnBoxBytes, &args.map_rhs, bar, n_col + 64 * j, row);
+        tma_load_mn_boxes<Cfg, kBlockM / 64>(a, &args.map_lhs, bar, m_col, row);
+        tma_load_mn_boxes<Cfg, Cfg::BN / 64>(b, &args.map_rhs, bar, n_col, row);
     }
 };
 
@@ -121,7 +122,7 @@ struct WgradEpilogue {
      * covers every expert) are zero tiles: CTA c takes every G-th from gemm_tiles + c, its
      * store warp sw every kStoreWarps-th of those. */
     __device__ __forceinline__ WgradEpilogue(const WgradArgs &a, const Ring<Cfg> &r, int gemm_tiles)
-        : args(a), ring(r), zero_end(a.m_blocks * a.n_blocks * a.num_experts), zero_row(0) {
+        : args(a), ring(r), zero_end(wgrad_tiles(a)), zero_row(0) {
         const int sw = (int)threadIdx.x / 32 - kFirstStoreWarp;
         zero_tile = gemm_tiles + (int)blockIdx.x + sw * (int)gridDim.x;
     }
@@ -232,10 +233,7 @@ struct Dgrad1Load {
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
         const int k = kb * kBlockK;
         ptx::tma_load_2d(a, &args.map_dh, bar, k, m_row);
-#pragma unroll
-        for (int j = 0; j < Cfg::BN / 64; ++j)
-            ptx::tma_load_2d(b + j * Cfg::kMnBoxBytes, &args.map_w13, bar, n_col + 64 * j,
-                             w_row + k);
+        tma_load_mn_boxes<Cfg, Cfg::BN / 64>(b, &args.map_w13, bar, n_col, w_row + k);
     }
 };
 

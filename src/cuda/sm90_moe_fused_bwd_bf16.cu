@@ -64,11 +64,9 @@ struct FusedBwdArgs {
     int *tile_counter;          /* the next index of the order, zeroed before the launch */
 };
 
-/* The tiles of each part of the order. Sizes are read from the kernel's parameters at
- * each use (the fused forward's scheduler spilled when it kept them in registers). */
-__device__ __forceinline__ int dw2_tiles(const FusedBwdArgs &a) {
-    return a.dw2.num_experts * a.dw2.m_blocks * a.dw2.n_blocks;
-}
+/* dgrad1's column blocks (the wgrads' tiles: wgrad_tiles). Sizes are read from the
+ * kernel's parameters at each use (the fused forward's scheduler spilled when it kept
+ * them in registers). */
 __device__ __forceinline__ int dgrad1_n_blocks(const FusedBwdArgs &a) {
     return a.d1.hidden / WgradCfg::BN;
 }
@@ -108,7 +106,7 @@ struct FusedBwdScheduler {
         return wgrad_k_blocks(w.expert_offsets, w.m_blocks, m_block);
     }
     __device__ __forceinline__ void decode(int t, int &m_block, int &n_block) const {
-        const int first_d1 = dw2_tiles(args), nd = dgrad1_n_blocks(args);
+        const int first_d1 = wgrad_tiles(args.dw2), nd = dgrad1_n_blocks(args);
         const int first_dw13 = first_d1 + row_blocks * nd;
         if (t < first_d1) {
             wgrad_tile(args.dw2.expert_order, args.dw2.m_blocks, args.dw2.n_blocks, t, m_block,
@@ -124,8 +122,8 @@ struct FusedBwdScheduler {
     }
     __device__ __forceinline__ bool next_tile(int &m_block, int &n_block) {
         const int t = cursor.next(args.tile_counter, [&] {
-            const int total = dw2_tiles(args) + row_blocks * dgrad1_n_blocks(args) +
-                              args.dw13.num_experts * args.dw13.m_blocks * args.dw13.n_blocks;
+            const int total = wgrad_tiles(args.dw2) + row_blocks * dgrad1_n_blocks(args) +
+                              wgrad_tiles(args.dw13);
             const int i = cursor.draw(args.tile_counter);
             return i < total ? i : -1;
         });
@@ -173,9 +171,8 @@ struct FusedBwdEpilogue {
 
     __device__ __forceinline__ FusedBwdEpilogue(const FusedBwdArgs &a, uint8_t *smem_raw)
         : args(a),
-          dw2(a.dw2, ring_from_smem<WgradCfg>(smem_raw), dw2_tiles(a)),
-          dw13(a.dw13, ring_from_smem<WgradCfg>(smem_raw),
-               a.dw13.num_experts * a.dw13.m_blocks * a.dw13.n_blocks),
+          dw2(a.dw2, ring_from_smem<WgradCfg>(smem_raw), wgrad_tiles(a.dw2)),
+          dw13(a.dw13, ring_from_smem<WgradCfg>(smem_raw), wgrad_tiles(a.dw13)),
           d1{a.d1.to, ring_from_smem<DgradCfg>(smem_raw), {}, {0.f, 0.f}},
           ring(ring_from_smem<WgradCfg>(smem_raw)),
           handoff{},
@@ -218,7 +215,7 @@ struct FusedBwdEpilogue {
             return;
         }
         if (!dw2_read) {
-            const uint32_t want = dw2_tiles(args);
+            const uint32_t want = wgrad_tiles(args.dw2);
             while (ptx::ld_acquire_gpu(args.dw2_reads_done) < want) __nanosleep(64);
             dw2_read = true;
         }
