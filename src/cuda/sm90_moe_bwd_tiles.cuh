@@ -78,6 +78,17 @@ __device__ __forceinline__ int wgrad_tiles(const WgradArgs &a) {
     return a.num_experts * a.m_blocks * a.n_blocks;
 }
 
+/* The tiles at the head of a wgrad's order that run the GEMM. With skip_empty (bf16 out,
+ * which the store warps write) and an order: those of the experts with rows, which the
+ * order puts first and counts in expert_order[E] (expert_order.cu); the others' tiles
+ * are zeros, written by the store warps between drains (WgradEpilogue::idle_work).
+ * Else every tile: an expert without rows runs a K loop of length 0. */
+__device__ __forceinline__ int wgrad_gemm_tiles(const WgradArgs &a, bool skip_empty) {
+    const int experts =
+        skip_empty && a.expert_order ? __ldg(a.expert_order + a.num_experts) : a.num_experts;
+    return experts * a.m_blocks * a.n_blocks;
+}
+
 /* K blocks of a wgrad tile: the expert's rows (a multiple of 128, maybe 0) in 64-row
  * blocks; m_block is the combined index e * m_blocks + m block. */
 __device__ __forceinline__ int wgrad_k_blocks(const int32_t *offsets, int m_blocks, int m_block) {

@@ -11,9 +11,16 @@
  *  - Ring: 3 stages of 48 KB, A 16 KB and B 32 KB in either layout (the TMA boxes
  *    differ, the bytes do not), the two 33 KB store buffers, the tile queue in the 1 KB
  *    extra region. The consumers pick the wgmma form per tile (consumer_role_two_layouts).
- *  - Order: every dW2 tile (experts heavy first, as the wgrad kernel), then dgrad1's (row
- *    blocks in order), then dW13's (heavy first), taken in order (sm90_tile_queue.cuh).
- *    Experts without rows run K loops of length 0 (zeros, or nothing in accumulate mode).
+ *  - Order: every dW2 tile (experts heavy first, as the wgrad kernel), then dW13's (heavy
+ *    first), then dgrad1's (row blocks in order), taken in order (sm90_tile_queue.cuh).
+ *    Experts without rows: with bf16 out their tiles are not in the order, and the store
+ *    warps write their zeros between drains (as the wgrad kernel does); with fp32 out
+ *    they run K loops of length 0 (zeros, or nothing in accumulate mode). Run as tiles of
+ *    the order, a collapsed routing's ~17000 empty tiles made this kernel 15-20% slower
+ *    than the three kernels (bench/NOTES.md v17).
+ *    dgrad1 comes last for two reasons: its tiles are all of one length, so they even out
+ *    the end of the kernel where the wgrads' tiles (as long as an expert's rows) would
+ *    leave SMs idle; and its wait below is then long satisfied.
  *  - Wait: dys lives in the combine buffer that dgrad1 stores its dx slot rows into, and
  *    dW2 reads dys. When a dW2 tile's K loop is over, its operands are all in shared
  *    memory: consumer thread 0 adds 1 to dw2_reads_done (relaxed: the reads were TMA's,
@@ -24,17 +31,20 @@
  * order, so each CTA runs all its dW2 tiles before its first dgrad1 tile; a dW2 tile
  * waits for nothing but the ring and its CTA's store buffers, which only earlier tiles
  * (dW2 tiles, which do not wait) hold. So every dW2 K loop ends, and then every wait ends.
+ * (dW13 tiles wait for nothing either; they only sit between the two.)
  *
  * FLOPs: those of the three kernels, 2 * rows * (H I + 2I H + 2I H) = 10 rows H I
  * (qwen3-30b-a3b at 131072 rows: 2062 GFLOP, 2.6 ms at 790 TFLOP/s). What fusing can
  * save: the tail of each kernel's last wave and the next one's ramp, twice.
- * NOTE: measured on an H200 (bench/NOTES.md v16), it does not save them yet: with the
- * staged forward, a qwen3-30b-a3b fwd+bwd at 16384 tokens took 0.15-0.21 ms longer than
- * with the three kernels (7.30-7.42 -> 7.45-7.60 ms, three A/B calls), as the fused
- * forward loses 1-3% to its two kernels. Neither the index atomic between tiles nor the
- * queue's 352 arrivals per tile was the cause (both removed, no change). So the pipeline
- * stays staged by default; what this kernel is for: issue 5's combine and the weight
- * gradients filling the SMs while other ranks' rows arrive. */
+ * NOTE: measured on an H200 (bench/NOTES.md v16, v17), it does not save them yet: with
+ * the staged forward, a qwen3-30b-a3b fwd+bwd at 16384 tokens takes 0.15-0.21 ms longer
+ * than with the three kernels (v17: 7.372-7.396 -> 7.553-7.588 ms), as the fused forward
+ * loses 1-3% to its two kernels. Timed alone (test_gemm_sm90_bwd time_qwen3) it takes
+ * 99-105% of the three's time, and under ncu's fixed clocks 100.5%. Neither the index
+ * atomic between tiles nor the queue's 352 arrivals per tile was the cause (both
+ * removed, no change). So the pipeline stays staged by default; what this kernel is for:
+ * issue 5's combine and the weight gradients filling the SMs while other ranks' rows
+ * arrive. */
 #include "ptx/flags.cuh"
 #include "sm90_moe_bwd_tiles.cuh"
 #include "sm90_tile_queue.cuh"
@@ -88,13 +98,22 @@ __device__ __forceinline__ int own_n_block(const FusedBwdArgs &a, int kind, int 
                         : n_block - a.dw2.n_blocks - (kind == kDw13 ? dgrad1_n_blocks(a) : 0);
 }
 
+/* A wgrad's tiles in the order: with bf16 out (the store warps' drain), those of the
+ * experts with rows, the zero tiles of the others being the store warps' idle work, as
+ * in the wgrad kernel; with fp32 out every tile (the consumers store, zeros included). */
+__device__ __forceinline__ int ordered_wgrad_tiles(const WgradArgs &w) {
+    return wgrad_gemm_tiles(w, w.dw_bf16 != nullptr);
+}
+
 struct FusedBwdScheduler {
     const FusedBwdArgs &args;
     TileQueueCursor cursor;
     int row_blocks;   /* dgrad1's 128-row blocks (the rows come from the device) */
+    int dw2_tiles, dw13_tiles;   /* ordered_wgrad_tiles (the order's experts from the device) */
 
     __device__ __forceinline__ FusedBwdScheduler(const FusedBwdArgs &a, TileQueue *q)
-        : args(a), cursor(q) {
+        : args(a), cursor(q), dw2_tiles(ordered_wgrad_tiles(a.dw2)),
+          dw13_tiles(ordered_wgrad_tiles(a.dw13)) {
         int rows = *a.d1.num_rows;
         rows = rows < 0 ? 0 : (rows > a.d1.rows_cap ? a.d1.rows_cap : rows);
         row_blocks = rows / kBlockM;
@@ -106,24 +125,23 @@ struct FusedBwdScheduler {
         return wgrad_k_blocks(w.expert_offsets, w.m_blocks, m_block);
     }
     __device__ __forceinline__ void decode(int t, int &m_block, int &n_block) const {
-        const int first_d1 = wgrad_tiles(args.dw2), nd = dgrad1_n_blocks(args);
-        const int first_dw13 = first_d1 + row_blocks * nd;
-        if (t < first_d1) {
+        const int first_dw13 = dw2_tiles, nd = dgrad1_n_blocks(args);
+        const int first_d1 = first_dw13 + dw13_tiles;
+        if (t < first_dw13) {
             wgrad_tile(args.dw2.expert_order, args.dw2.m_blocks, args.dw2.n_blocks, t, m_block,
                        n_block);
-        } else if (t < first_dw13) {
-            m_block = (t - first_d1) / nd;
-            n_block = args.dw2.n_blocks + (t - first_d1) % nd;
-        } else {
+        } else if (t < first_d1) {
             wgrad_tile(args.dw13.expert_order, args.dw13.m_blocks, args.dw13.n_blocks,
                        t - first_dw13, m_block, n_block);
             n_block += args.dw2.n_blocks + nd;
+        } else {
+            m_block = (t - first_d1) / nd;
+            n_block = args.dw2.n_blocks + (t - first_d1) % nd;
         }
     }
     __device__ __forceinline__ bool next_tile(int &m_block, int &n_block) {
         const int t = cursor.next(args.tile_counter, [&] {
-            const int total = wgrad_tiles(args.dw2) + row_blocks * dgrad1_n_blocks(args) +
-                              wgrad_tiles(args.dw13);
+            const int total = dw2_tiles + dw13_tiles + row_blocks * dgrad1_n_blocks(args);
             const int i = cursor.draw(args.tile_counter);
             return i < total ? i : -1;
         });
@@ -171,8 +189,8 @@ struct FusedBwdEpilogue {
 
     __device__ __forceinline__ FusedBwdEpilogue(const FusedBwdArgs &a, uint8_t *smem_raw)
         : args(a),
-          dw2(a.dw2, ring_from_smem<WgradCfg>(smem_raw), wgrad_tiles(a.dw2)),
-          dw13(a.dw13, ring_from_smem<WgradCfg>(smem_raw), wgrad_tiles(a.dw13)),
+          dw2(a.dw2, ring_from_smem<WgradCfg>(smem_raw), ordered_wgrad_tiles(a.dw2)),
+          dw13(a.dw13, ring_from_smem<WgradCfg>(smem_raw), ordered_wgrad_tiles(a.dw13)),
           d1{a.d1.to, ring_from_smem<DgradCfg>(smem_raw), {}, {0.f, 0.f}},
           ring(ring_from_smem<WgradCfg>(smem_raw)),
           handoff{},
@@ -181,6 +199,9 @@ struct FusedBwdEpilogue {
     __device__ __forceinline__ WgradEpilogue<WgradCfg> &wgrad(int kind) {
         return kind == kDw2 ? dw2 : dw13;
     }
+    /* Store warps, between drains and after the last tile: a piece of a zero tile of an
+     * expert without rows (bf16 out; none with fp32). */
+    __device__ __forceinline__ bool idle_work() { return dw2.idle_work() || dw13.idle_work(); }
     __device__ __forceinline__ bool drains(int, int n_block) {
         const int kind = tile_kind(args, n_block);
         return kind == kDgrad1 || wgrad(kind).args.dw_bf16 != nullptr;
@@ -215,7 +236,7 @@ struct FusedBwdEpilogue {
             return;
         }
         if (!dw2_read) {
-            const uint32_t want = wgrad_tiles(args.dw2);
+            const uint32_t want = ordered_wgrad_tiles(args.dw2);
             while (ptx::ld_acquire_gpu(args.dw2_reads_done) < want) __nanosleep(64);
             dw2_read = true;
         }

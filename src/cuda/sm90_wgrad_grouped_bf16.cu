@@ -51,12 +51,7 @@ struct WgradScheduler {
     __device__ __forceinline__ WgradScheduler(const WgradArgs &a, bool store_warps_zero_empty)
         : offsets(a.expert_offsets), order(a.expert_order), m_blocks(a.m_blocks),
           n_blocks(a.n_blocks), tiles_per_expert(a.m_blocks * a.n_blocks),
-          total(gemm_experts(a, store_warps_zero_empty) * a.m_blocks * a.n_blocks), wave(0) {}
-    /* The experts whose tiles run the GEMM: those with rows come first in the order. */
-    static __device__ __forceinline__ int gemm_experts(const WgradArgs &a, bool skip_empty) {
-        return skip_empty && a.expert_order ? __ldg(a.expert_order + a.num_experts)
-                                            : a.num_experts;
-    }
+          total(wgrad_gemm_tiles(a, store_warps_zero_empty)), wave(0) {}
     __device__ __forceinline__ bool next_tile(int &m_block, int &n_block) {
         const int cta = (wave & 1) ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
         const int i = wave * (int)gridDim.x + cta;
