@@ -102,8 +102,9 @@ typedef enum moefuse_saved_mode {
 /* How the CUDA forward and backward run their expert GEMMs (the CPU backend ignores it).
  * Both give the same bits. */
 typedef enum moefuse_pipeline {
-    /* one kernel per stage (the default: on an H200 it is 1-3% faster than the fused
-     * kernel so far, bench/NOTES.md v9) */
+    /* one kernel per stage (the default: on an H200 it is faster than the fused kernels
+     * so far, by 1-3% in the forward and about 4% in the backward, bench/NOTES.md v9 and
+     * v17) */
     MOEFUSE_PIPELINE_STAGED = 0,
     /* forward: gemm1 and gemm2 in one persistent kernel, a gemm2 tile starting as soon as
      * the gemm1 tiles of its rows are done (with expert parallelism, once their rows have

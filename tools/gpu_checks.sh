@@ -40,6 +40,7 @@ step test_cuda_backward_fused test_cuda_backward_fused.log \
     env MOEFUSE_TEST_PIPELINE=fused build/tests/gpu/test_cuda_backward
 step test_cuda_ep test_cuda_ep.log build/tests/gpu/test_cuda_ep
 step moefuse_step moefuse_step.log build/moefuse_step
+step moefuse_step_fused moefuse_step_fused.log build/moefuse_step --pipeline fused
 step bench bench.log tools/run_bench.sh
 if [ "${1:-}" != quick ]; then
     step python_tests python_tests.log python3 -m pytest -q -rs python/tests

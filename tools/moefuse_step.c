@@ -2,9 +2,13 @@
  * experts for a named model shape, checked against the fp64 reference, timed.
  *
  *   moefuse_step [--model qwen3-30b-a3b|qwen3-235b-a22b] [--tokens T]
- *                [--backend cpu|cuda] [--iters N] [--seed S] [--no-check]
+ *                [--backend cpu|cuda] [--pipeline staged|fused] [--iters N] [--seed S]
+ *                [--no-check]
  *
- * The backend defaults to CUDA when an sm_90 GPU is present, else the CPU.
+ * The backend defaults to CUDA when an sm_90 GPU is present, else the CPU. --pipeline
+ * sets config.pipeline (staged by default; the CPU backend ignores it): with fused, the
+ * CUDA step runs the fused forward and backward kernels, checked the same way, and their
+ * launches are this step's own to profile (ncu -k regex:moe_fused).
  *
  * Routing comes from the library's Qwen3 routing helper on random logits, so the
  * expert loads look like a real router's. Exit status 0 only when every checked
@@ -341,7 +345,8 @@ static moefuse_backend default_backend(void) { return MOEFUSE_BACKEND_CPU; }
 
 static void usage(void) {
     fprintf(stderr, "usage: moefuse_step [--model qwen3-30b-a3b|qwen3-235b-a22b] [--tokens T]\n"
-                    "                    [--backend cpu|cuda] [--iters N] [--seed S] [--no-check]\n");
+                    "                    [--backend cpu|cuda] [--pipeline staged|fused] [--iters N]\n"
+                    "                    [--seed S] [--no-check]\n");
     exit(2);
 }
 
@@ -349,6 +354,7 @@ int main(int argc, char **argv) {
     const model_shape *m = &MODELS[0];
     int T = -1, iters = 3, check = 1;
     moefuse_backend backend = default_backend();
+    moefuse_pipeline pipeline = MOEFUSE_PIPELINE_STAGED;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--no-check")) { check = 0; continue; }
@@ -366,6 +372,10 @@ int main(int argc, char **argv) {
             if (!strcmp(v, "cpu")) backend = MOEFUSE_BACKEND_CPU;
             else if (!strcmp(v, "cuda")) backend = MOEFUSE_BACKEND_CUDA;
             else usage();
+        } else if (!strcmp(a, "--pipeline")) {
+            if (!strcmp(v, "staged")) pipeline = MOEFUSE_PIPELINE_STAGED;
+            else if (!strcmp(v, "fused")) pipeline = MOEFUSE_PIPELINE_FUSED;
+            else usage();
         } else usage();
     }
     /* CPU: a step of a few seconds, reference included. CUDA: a training-sized batch. */
@@ -379,6 +389,7 @@ int main(int argc, char **argv) {
     moefuse_config cfg;
     moefuse_config_init(&cfg, d.H, d.I, d.E, d.K, T);
     cfg.backend = backend;
+    cfg.pipeline = pipeline;
     moefuse_layer *layer;
     TRY(moefuse_layer_create(&cfg, NULL, &layer));
     size_t saved_bytes;
@@ -414,8 +425,12 @@ int main(int argc, char **argv) {
         empty += d.counts[e] == 0;
     }
     double flop_fwd = 6.0 * T * d.K * (double)d.H * d.I;
-    printf("moefuse %s step: model %s T=%d K=%d (busiest expert %d slots, %d empty)\n",
-           backend == MOEFUSE_BACKEND_CPU ? "cpu" : "cuda", m->name, T, d.K, busiest, empty);
+    printf("moefuse %s step%s: model %s T=%d K=%d (busiest expert %d slots, %d empty)\n",
+           backend == MOEFUSE_BACKEND_CPU ? "cpu" : "cuda",
+           backend == MOEFUSE_BACKEND_CPU          ? ""
+           : pipeline == MOEFUSE_PIPELINE_FUSED ? " (fused pipeline)"
+                                                : " (staged pipeline)",
+           m->name, T, d.K, busiest, empty);
     printf("  forward  %9.2f ms  %7.1f GFLOP/s\n", fwd_best, flop_fwd / fwd_best * 1e-6);
     printf("  backward %9.2f ms  %7.1f GFLOP/s\n", bwd_best, 2 * flop_fwd / bwd_best * 1e-6);
     printf("  step     %9.2f ms  %7.1f GFLOP/s  (best of %d%s)\n", fwd_best + bwd_best,
