@@ -176,8 +176,9 @@ cudaError_t mf_sm90_wgrad_grouped_bf16(const mf_wgrad_params *p, cudaStream_t st
  * empty experts' zero tiles are the store warps' work beside them, as in the wgrad
  * kernel). dgrad1 writes its dx slot rows over dys (dW2's lhs, in the same combine
  * buffer): its store warps wait until every dW2 tile has read its operands (a count,
- * relaxed add / acquire); its K loops and dW13's tiles wait for nothing. Takes H % 256 == 0 and I % 256 == 0 (one 128 x 256 tile
- * shape for all three; mf_sm90_moe_fused_bwd_takes); the params must describe one layer:
+ * relaxed add / acquire); its K loops and dW13's tiles wait for nothing. Takes
+ * H % 256 == 0 and I % 256 == 0 (one 128 x 256 tile shape for all three;
+ * mf_sm90_moe_fused_bwd_takes); the params must describe one layer:
  * dW2 M = H, N = I; dW13 M = 2I, N = H; rows_cap, num_local_experts, num_sms equal. */
 typedef struct mf_moe_fused_bwd_params {
     mf_wgrad_params dw2;
