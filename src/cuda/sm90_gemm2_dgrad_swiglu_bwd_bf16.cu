@@ -160,8 +160,18 @@ struct Dgrad2Epilogue {
                   "the gate_up tile's layout is kTileN columns of g and of u; act_p is stored "
                   "from the registers, dg and du by the store warps");
 
-    /* The routing weights of this lane's rows, for the tile after the one in its epilogue. */
+    /* The routing weights of this lane's rows, for the tile after the one in its epilogue.
+     * With arrivals, row_weight (and with expert parallelism row_slot) come with the rows,
+     * from the copy beside this kernel. The overlapped consumer role calls this after the
+     * tile's first stages landed, which the producer loaded after its wait for the block;
+     * the plain one calls it before the K loop, so it waits for the block itself (once the
+     * call failed, no more). */
     __device__ __forceinline__ void prepare(int m_block, int) {
+        if constexpr (!kOverlap) {
+            if (args.rows_in.arrivals &&
+                !*reinterpret_cast<volatile int32_t *>(&args.rows_in.state->call_failed))
+                ep::wait_block_rows(args.rows_in, m_block);
+        }
         const int t = threadIdx.x % 128;
         const int64_t row0 = (int64_t)m_block * kBlockM + (threadIdx.x / 128) * 64;
 #pragma unroll

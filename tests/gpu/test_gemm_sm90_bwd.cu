@@ -212,7 +212,7 @@ static void check_dgrad(int H, int I, const std::vector<int> &counts) {
     float *d_rw = dev_upload(rw);
     uint32_t *d_arr = dev_upload(arrivals), *d_tgt = dev_upload(targets);
     mf_plan_state *d_state = dev_upload(std::vector<mf_plan_state>{state0});
-    auto run_ep = [&](int64_t timeout_ns) -> cudaError_t {
+    auto run_ep = [&](int64_t timeout_ns, cudaStream_t stream = 0) -> cudaError_t {
         mf_dgrad2_params p2 = {d_dys, d_w2, d_gu, d_rbe, d_nr, d_slot, nullptr, d_dh, d_actp, d_dp,
                                R, H, I, E, num_sms()};
         p2.row_weight = d_rw;
@@ -221,7 +221,7 @@ static void check_dgrad(int H, int I, const std::vector<int> &counts) {
         p2.state = d_state;
         p2.timeout_ns = timeout_ns;
         p2.arrival_stage = MF_EP_STAGE_BWD_ROWS;
-        return mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&p2, 0);
+        return mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&p2, stream);
     };
     poison();
     CUDA_OK(run_ep(1000000000));
@@ -232,6 +232,38 @@ static void check_dgrad(int H, int I, const std::vector<int> &counts) {
     CHECK(memcmp(dp2.data(), dp.data(), dp.size() * 4) == 0,
           "dp_partial with row weights and block waits differs");
     CHECK(dev_download(d_state, 1)[0].call_failed == 0, "the satisfied waits failed the call");
+    /* The rows and their weights arriving while the kernel runs: every block's count one
+     * short, row_weight stale (zeros) until, 20 ms into the run, another stream copies
+     * the weights in and then the counts. The consumers read row_weight only after their
+     * block is in (H < 512: the plain consumer role, which waits for it itself), so
+     * bitwise the run above. */
+    if (L.num_rows >= MF_SM90_BLOCK_M) {
+        cudaStream_t late;
+        CUDA_OK(cudaStreamCreateWithFlags(&late, cudaStreamNonBlocking));
+        const std::vector<uint32_t> short_of(blocks, 0xffffffbfu);   /* target - 1 */
+        CUDA_OK(cudaMemcpy(d_arr, short_of.data(), (size_t)blocks * 4, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemset(d_rw, 0, (size_t)R * 4));
+        poison();
+        CUDA_OK(cudaDeviceSynchronize());
+        CUDA_OK(run_ep(2000000000, late));
+        const auto t_start = std::chrono::steady_clock::now();
+        while (std::chrono::steady_clock::now() - t_start < std::chrono::milliseconds(20)) {}
+        CHECK(cudaStreamQuery(late) == cudaErrorNotReady, "dgrad2 did not wait for the rows");
+        cudaStream_t writer;
+        CUDA_OK(cudaStreamCreateWithFlags(&writer, cudaStreamNonBlocking));
+        CUDA_OK(cudaMemcpyAsync(d_rw, rw.data(), (size_t)R * 4, cudaMemcpyHostToDevice, writer));
+        CUDA_OK(cudaMemcpyAsync(d_arr, arrivals.data(), (size_t)blocks * 4, cudaMemcpyHostToDevice,
+                                writer));
+        CUDA_OK(cudaDeviceSynchronize());
+        CHECK(dev_download(d_dh, ngu) == dh, "dh with rows arriving late differs");
+        CHECK(dev_download(d_actp, (size_t)R * I) == actp, "act_p with rows arriving late differs");
+        dp2 = dev_download(d_dp, (size_t)R * parts);
+        CHECK(memcmp(dp2.data(), dp.data(), dp.size() * 4) == 0,
+              "dp_partial with rows arriving late differs");
+        CHECK(dev_download(d_state, 1)[0].call_failed == 0, "the late rows failed the call");
+        CUDA_OK(cudaStreamDestroy(writer));
+        CUDA_OK(cudaStreamDestroy(late));
+    }
     if (L.num_rows >= MF_SM90_BLOCK_M) {
         const int b = th_rand_int(0, L.num_rows / MF_SM90_BLOCK_M - 1);
         const uint32_t ahead = arrivals[b] + MF_SM90_BLOCK_M;
