@@ -45,25 +45,24 @@ typedef struct mf_gemm1_params {
 cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p, cudaStream_t stream);
 
 /* gemm2: combine[row_slot[r]] = bf16(p_r * (act_r W2_e^T)) for every row r < *num_rows
- * with row_slot[r] >= 0, p_r = row_weight[r], else slot_weight[row_slot[r]]. */
+ * with row_slot[r] >= 0, p_r = row_weight[r]. */
 typedef struct mf_gemm2_params {
     const uint16_t *act;              /* [rows_cap, I] bf16 */
     const uint16_t *w2;               /* [E_local, H, I] bf16 */
     const int32_t *row_block_expert;  /* [rows_cap / 128] */
     const int32_t *num_rows;          /* device scalar */
     const int32_t *row_slot;          /* [rows_cap] slot (t*K + k) of each row, -1 padding */
-    const float *slot_weight;         /* [T*K] routing weight p of each slot; only the
-                                       * tests pass it now (the backends pass row_weight,
-                                       * one load per row instead of two dependent ones) */
+    const float *row_weight;          /* [rows_cap] routing weight p of each row (one
+                                       * rank: written by the dispatch; EP: pushed with
+                                       * the rows). NOTE: one load per row before a tile's
+                                       * K loop; weights[row_slot[r]] there, two dependent
+                                       * loads, made gemm2 5-8% slower (bench/NOTES.md v15) */
     uint16_t *combine;                /* out [T*K, H] bf16, one row per slot */
     int rows_cap;
     int hidden;                       /* H */
     int intermediate;                 /* I */
     int num_local_experts;
     int num_sms;
-    const float *row_weight;          /* [rows_cap] p of each row (one rank: written by the
-                                       * dispatch; EP: pushed with the rows); replaces
-                                       * slot_weight when set */
     /* Expert parallelism (NULL / 0 for one rank): row_slot[r] = slot * R + source rank;
      * row r goes to combine_peers[source] (device table [R]). */
     uint16_t *const *combine_peers;   /* [R] replaces combine when set */
@@ -101,7 +100,7 @@ cudaError_t mf_sm90_moe_fused_fwd_bf16(const mf_moe_fused_fwd_params *p, cudaStr
  *   da'[r]  = dys[r] W2_e                       fp32, [I]   (W2_e is [H, I]: B is MN-major)
  *   g, u    = gate_up[r];  a = bf16(silu(g) * u)            (exactly the forward's a)
  *   dp_partial[r, nb] = sum over this tile's columns j of da'[j] * a[j]   (fp32)
- *   da      = p_r * da'     (p_r = row_weight[r], else slot_weight[row_slot[r]])
+ *   da      = p_r * da'     (p_r = row_weight[r])
  *   dh[r]   = bf16([da * u * silu'(g) ; da * silu(g)])      ([dg | du], like gate_up)
  *   act_p[r] = bf16(p * a)                                  (the A operand of dW2)
  * Rows with row_slot -1 (padding) get dh = 0, act_p = 0, dp_partial = 0. */
@@ -112,13 +111,11 @@ typedef struct mf_dgrad2_params {
     const int32_t *row_block_expert;  /* [rows_cap / 128] */
     const int32_t *num_rows;          /* device scalar */
     const int32_t *row_slot;          /* [rows_cap] */
-    const float *slot_weight;         /* [T*K] p; only the tests pass it now */
+    const float *row_weight;          /* [rows_cap] p of each row (as gemm2's) */
     uint16_t *dh;                     /* out [rows_cap, 2I] bf16 */
     uint16_t *act_p;                  /* out [rows_cap, I] bf16 */
     float *dp_partial;                /* out [rows_cap, mf_dgrad2_dp_parts(I)] fp32 */
     int rows_cap, hidden, intermediate, num_local_experts, num_sms;
-    const float *row_weight;          /* [rows_cap] p of each row (as gemm2's); replaces
-                                       * slot_weight when set */
     /* Expert parallelism (NULL: the rows are all there): the producer waits for each
      * block's dys rows (and their row_slot and row_weight) as in mf_gemm1_params. */
     const uint32_t *arrivals;

@@ -1,9 +1,9 @@
 /* gemm2 of the routed experts with the weighted combine in the epilogue (sm_90a, bf16).
  *
  *   o_r = act_r W2_e^T                        act [rows, I], W2_e [H, I] (I contiguous)
- *   combine[row_slot[r], :] = bf16(p[row_slot[r]] * o_r)    rows with row_slot -1 skipped
- *   (expert parallelism: the row goes to its source rank's combine, p = row_weight[r];
- *   see ScatterTarget in sm90_grouped_gemm.cuh)
+ *   combine[row_slot[r], :] = bf16(row_weight[r] * o_r)    rows with row_slot -1 skipped
+ *   (expert parallelism: the row goes to its source rank's combine; see ScatterTarget in
+ *   sm90_grouped_gemm.cuh)
  *
  * Both operands are K-major (K = I). Each output row goes to its slot's row of the
  * combine buffer, so the epilogue scatters whole rows; the reduce over a token's K slots

@@ -3,7 +3,7 @@
  *   da'_r = dys_r W2_e                dys [rows, H], W2_e [H, I] (I contiguous), fp32
  *   a     = bf16(silu(g) * u)         g, u from the saved gate_up [rows, 2I]
  *   dp_partial[r, n block] = sum over the tile's columns of da' * a       (fp32)
- *   da    = p * da'                   p = slot_weight[row_slot[r]], or row_weight[r]
+ *   da    = p * da'                   p = row_weight[r]
  *   dh_r  = bf16([da * u * silu'(g) | da * silu(g)])      [rows, 2I], like gate_up
  *   act_p_r = bf16(p * a)             [rows, I], the A operand of dW2
  * Padding rows (row_slot -1) get zeros in all three outputs.
@@ -47,7 +47,6 @@ struct Dgrad2Args {
     const int32_t *row_block_expert;
     const int32_t *num_rows;
     const int32_t *row_slot;
-    const float *slot_weight;
     const float *row_weight;
     uint16_t *dh;
     uint16_t *act_p;
@@ -179,7 +178,7 @@ struct Dgrad2Epilogue {
             const int64_t r = row0 + (t / 32) * 16 + (t % 32) / 4 + 8 * h;
             const int slot = args.row_slot[r];
             valid[h] = slot >= 0;
-            w[h] = !valid[h] ? 0.f : args.row_weight ? args.row_weight[r] : args.slot_weight[slot];
+            w[h] = valid[h] ? args.row_weight[r] : 0.f;
         }
     }
 
@@ -299,7 +298,6 @@ cudaError_t launch(const mf_dgrad2_params *p, cudaStream_t stream) {
     args.row_block_expert = p->row_block_expert;
     args.num_rows = p->num_rows;
     args.row_slot = p->row_slot;
-    args.slot_weight = p->slot_weight;
     args.row_weight = p->row_weight;
     args.dh = p->dh;
     args.act_p = p->act_p;
@@ -327,7 +325,7 @@ extern "C" int mf_dgrad2_dp_parts(int intermediate) {
 extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(const mf_dgrad2_params *p,
                                                            cudaStream_t stream) {
     if (!p || !p->dys || !p->w2 || !p->gate_up || !p->row_block_expert || !p->num_rows ||
-        !p->row_slot || (!p->slot_weight && !p->row_weight) || !p->dh || !p->act_p || !p->dp_partial ||
+        !p->row_slot || !p->row_weight || !p->dh || !p->act_p || !p->dp_partial ||
         (p->arrivals && (!p->arrival_target || !p->state)))
         return cudaErrorInvalidValue;
     if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % kBlockK ||

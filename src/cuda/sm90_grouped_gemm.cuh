@@ -663,7 +663,7 @@ __device__ __forceinline__ void run_grouped_gemm(uint8_t *smem_raw, const CUtens
  *   dst = combine + slot * ld                      (one rank: row_slot[r] = slot)
  *   dst = combine_peers[v % R] + (v / R) * ld      (expert parallelism, v = row_slot[r]
  *                                                  = slot * R + source rank)
- *   w   = row_weight[r], else slot_weight[slot], else 1 (dgrad1)
+ *   w   = row_weight[r], or 1 without row weights (dgrad1)
  * Rows with row_slot -1 are not written. Chunks of 128 columns. */
 __device__ __forceinline__ uint32_t pack_bf16x2_rn(float lo, float hi) {
     uint32_t v;
@@ -682,18 +682,14 @@ __device__ __forceinline__ void epi_write_acc_bf16(uint8_t *buf, float (&acc)[Cf
 
 struct ScatterTarget {
     const int32_t *row_slot;       /* [rows_cap] */
-    const float *slot_weight;      /* [T*K] or null */
-    const float *row_weight;       /* [rows_cap] or null (takes precedence) */
+    const float *row_weight;       /* [rows_cap] or null (weight 1) */
     uint16_t *combine;             /* one rank */
     uint16_t *const *combine_peers;/* [R] or null (takes precedence) */
     int num_ranks;
     int ld;
 
     __device__ __forceinline__ float weight(int64_t r) const {
-        if (row_weight) return row_weight[r];
-        if (!slot_weight) return 1.f;
-        const int v = row_slot[r];
-        return v >= 0 ? slot_weight[v] : 0.f;
+        return row_weight ? row_weight[r] : 1.f;
     }
     __device__ __forceinline__ uint16_t *row_ptr(int64_t r) const {
         const int v = row_slot[r];

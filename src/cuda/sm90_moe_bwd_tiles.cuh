@@ -274,7 +274,7 @@ cudaError_t dgrad1_args_from(const mf_dgrad1_params *p, Dgrad1Args *args) {
         return err;
     args->row_block_expert = p->row_block_expert;
     args->num_rows = p->num_rows;
-    args->to = ScatterTarget{p->row_slot, nullptr, nullptr, p->combine, p->combine_peers,
+    args->to = ScatterTarget{p->row_slot, nullptr, p->combine, p->combine_peers,
                              p->num_ranks, p->hidden};
     args->rows_cap = p->rows_cap;
     args->hidden = p->hidden;

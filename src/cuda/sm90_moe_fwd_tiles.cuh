@@ -174,7 +174,7 @@ struct Gemm2Args {
 /* What the gemm2 kernels take of any shape (the tile width is picked after this). */
 inline bool gemm2_params_ok(const mf_gemm2_params *p) {
     if (!p || !p->act || !p->w2 || !p->row_block_expert || !p->num_rows || !p->row_slot ||
-        (!p->slot_weight && !p->row_weight) || (!p->combine && !p->combine_peers) ||
+        !p->row_weight || (!p->combine && !p->combine_peers) ||
         (p->combine_peers && p->num_ranks < 1))
         return false;
     if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % 128 ||
@@ -199,7 +199,7 @@ cudaError_t gemm2_args_from(const mf_gemm2_params *p, Gemm2Args *args) {
         return err;
     args->row_block_expert = p->row_block_expert;
     args->num_rows = p->num_rows;
-    args->to = ScatterTarget{p->row_slot, p->slot_weight, p->row_weight, p->combine,
+    args->to = ScatterTarget{p->row_slot, p->row_weight, p->combine,
                              p->combine_peers, p->num_ranks, p->hidden};
     args->rows_cap = p->rows_cap;
     args->hidden = p->hidden;

@@ -90,6 +90,13 @@ static std::vector<int> counts_by_weight(const std::vector<double> &wt, int tota
     return counts;
 }
 
+std::vector<float> row_weights(const Layout &L, const std::vector<float> &slot_weight) {
+    std::vector<float> rw(L.rows_cap, 0.f);
+    for (int r = 0; r < L.num_rows; ++r)
+        if (L.row_slot[r] >= 0) rw[r] = slot_weight[L.row_slot[r]];
+    return rw;
+}
+
 std::vector<int> skewed_counts(int E, int total) {
     std::vector<double> wt(E);
     for (auto &w : wt) { const double u = th_uniform(); w = 0.25 + 3 * u * u; }

@@ -43,6 +43,10 @@ struct Layout {
 /* Slots are a random permutation; `dropped` more slots are routed to no row here. */
 Layout make_layout(const std::vector<int> &counts, int extra_rows, int dropped);
 
+/* Each row's routing weight as the dispatch writes it: slot_weight[row_slot[r]], 0 for
+ * padding rows and rows past num_rows ([rows_cap]). */
+std::vector<float> row_weights(const Layout &L, const std::vector<float> &slot_weight);
+
 /* E per-expert row counts summing to total, spread unevenly: weight ~ 0.25 + U(0,1)^2 * 3,
  * the rounding remainder on one random expert. */
 std::vector<int> skewed_counts(int E, int total);

@@ -27,12 +27,12 @@ struct Dev {
     uint16_t *xs = nullptr, *w13 = nullptr, *w2 = nullptr, *act = nullptr, *gate_up = nullptr,
              *combine = nullptr;
     int32_t *rbe = nullptr, *num_rows = nullptr, *row_slot = nullptr;
-    float *slot_weight = nullptr;
+    float *row_weight = nullptr;
     uint32_t *act_ready = nullptr;   /* the fused kernel's counters */
     ~Dev() {
         cudaFree(xs); cudaFree(w13); cudaFree(w2); cudaFree(act); cudaFree(gate_up);
         cudaFree(combine); cudaFree(rbe); cudaFree(num_rows); cudaFree(row_slot);
-        cudaFree(slot_weight); cudaFree(act_ready);
+        cudaFree(row_weight); cudaFree(act_ready);
     }
 };
 
@@ -48,7 +48,7 @@ static cudaError_t dev_alloc(Dev &d, const Layout &L, int H, int I) {
     ALLOC(d.rbe, L.row_block_expert.size() * 4);
     ALLOC(d.num_rows, 4);
     ALLOC(d.row_slot, (size_t)L.rows_cap * 4);
-    ALLOC(d.slot_weight, (size_t)L.num_slots * 4);
+    ALLOC(d.row_weight, (size_t)L.rows_cap * 4);
     ALLOC(d.act_ready, (size_t)(L.rows_cap / 128 + 1) * 4);
 #undef ALLOC
     if ((e = cudaMemcpy(d.rbe, L.row_block_expert.data(), L.row_block_expert.size() * 4,
@@ -73,7 +73,7 @@ static mf_moe_fused_fwd_params fwd_params(Dev &d, const Layout &L, int H, int I,
     mf_moe_fused_fwd_params p = {};
     p.gemm1 = {d.xs, d.w13, d.rbe, d.num_rows, d.act, gate_up ? d.gate_up : nullptr,
                L.rows_cap, H, I, L.E, sms};
-    p.gemm2 = {d.act, d.w2, d.rbe, d.num_rows, d.row_slot, d.slot_weight,
+    p.gemm2 = {d.act, d.w2, d.rbe, d.num_rows, d.row_slot, d.row_weight,
                d.combine, L.rows_cap, H, I, L.E, sms};
     p.act_ready = d.act_ready;
     return p;
@@ -138,8 +138,8 @@ static void check_act_matches_dgrad2(Dev &d, const Layout &L, int H, int I,
     CUDA_OK(cudaMemset(act_p, 0xFF, (size_t)L.rows_cap * I * 2));
     const std::vector<float> one(L.rows_cap, 1.f);
     CUDA_OK(cudaMemcpy(ones, one.data(), one.size() * 4, cudaMemcpyHostToDevice));
-    mf_dgrad2_params p2 = {dys, d.w2, d.gate_up, d.rbe, d.num_rows, d.row_slot, d.slot_weight,
-                           dh, act_p, dp, L.rows_cap, H, I, L.E, num_sms(), ones};
+    mf_dgrad2_params p2 = {dys, d.w2, d.gate_up, d.rbe, d.num_rows, d.row_slot, ones,
+                           dh, act_p, dp, L.rows_cap, H, I, L.E, num_sms()};
     CUDA_OK(mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&p2, 0));
     CUDA_OK(cudaDeviceSynchronize());
     std::vector<uint16_t> ap((size_t)L.rows_cap * I);
@@ -176,7 +176,8 @@ static void check_shape(int H, int I, const std::vector<int> &counts) {
     CUDA_OK(cudaMemcpy(d.xs, xs.data(), nx * 2, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d.w13, w13.data(), n13 * 2, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d.w2, w2.data(), n2 * 2, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(d.slot_weight, sw.data(), sw.size() * 4, cudaMemcpyHostToDevice));
+    const std::vector<float> rw = row_weights(L, sw);
+    CUDA_OK(cudaMemcpy(d.row_weight, rw.data(), rw.size() * 4, cudaMemcpyHostToDevice));
     CUDA_OK(poison_outputs(d, L, H, I));
     CUDA_OK(run_both(d, L, H, I, num_sms(), true));
     CUDA_OK(cudaDeviceSynchronize());
@@ -282,7 +283,7 @@ static void test_no_rows(void) {
     Dev d;
     CUDA_OK(dev_alloc(d, L, H, I));
     CUDA_OK(cudaMemset(d.xs, 0, (size_t)L.rows_cap * H * 2));
-    CUDA_OK(cudaMemset(d.slot_weight, 0, (size_t)L.num_slots * 4));
+    CUDA_OK(cudaMemset(d.row_weight, 0, (size_t)L.rows_cap * 4));
     CUDA_OK(poison_outputs(d, L, H, I));
     CUDA_OK(run_both(d, L, H, I, num_sms(), true));
     CUDA_OK(cudaDeviceSynchronize());
@@ -327,7 +328,8 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
     fill_hash_bf16<<<1024, 256>>>((__nv_bfloat16 *)d.w2, (size_t)E * H * I, seed + 2, s2);
     std::vector<float> sw(L.num_slots);
     for (auto &w : sw) w = (float)(0.05 + th_uniform());
-    CUDA_OK(cudaMemcpy(d.slot_weight, sw.data(), sw.size() * 4, cudaMemcpyHostToDevice));
+    const std::vector<float> rw = row_weights(L, sw);
+    CUDA_OK(cudaMemcpy(d.row_weight, rw.data(), rw.size() * 4, cudaMemcpyHostToDevice));
     CUDA_OK(poison_outputs(d, L, H, I));
     const int sms = num_sms();
     CUDA_OK(run_both(d, L, H, I, sms, true));
@@ -378,28 +380,15 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
                           L.rows_cap, H, I, E, sms};
     mf_gemm1_params p1n = p1;
     p1n.gate_up = nullptr;
-    mf_gemm2_params p2 = {d.act, d.w2, d.rbe, d.num_rows, d.row_slot, d.slot_weight,
+    mf_gemm2_params p2 = {d.act, d.w2, d.rbe, d.num_rows, d.row_slot, d.row_weight,
                           d.combine, L.rows_cap, H, I, E, sms};
-    /* gemm2's routing weight two ways: slot_weight[row_slot[r]] (two dependent loads per
-     * row before each tile's K loop) and row_weight[r] (one load; what the pipelines pass
-     * since bench/NOTES.md v15, the dispatch or the EP push writing it). The other gemm2
-     * timings here (staged, fused) keep slot_weight, so they stay comparable with each
-     * other and with the notes before v15. */
-    std::vector<float> rw(L.rows_cap, 0.f);
-    for (int r = 0; r < L.num_rows; ++r)
-        if (L.row_slot[r] >= 0) rw[r] = sw[L.row_slot[r]];
-    float *d_rw = nullptr;
-    CUDA_OK(cudaMalloc(&d_rw, rw.size() * 4));
-    CUDA_OK(cudaMemcpy(d_rw, rw.data(), rw.size() * 4, cudaMemcpyHostToDevice));
-    mf_gemm2_params p2r = p2;
-    p2r.row_weight = d_rw;
     const mf_moe_fused_fwd_params pf = fwd_params(d, L, H, I, sms, true);
     cudaEvent_t t0, t1;
     CUDA_OK(cudaEventCreate(&t0));
     CUDA_OK(cudaEventCreate(&t1));
-    std::vector<float> ms1, ms1n, ms2, ms2r, msf, msb;
+    std::vector<float> ms1, ms1n, ms2, msf, msb;
     for (int it = 0; it < 23; ++it) {
-        float a, b, c, cr, f, both;
+        float a, b, c, f, both;
         /* gemm1 (+gate_up) and gemm2 back to back, then the fused kernel, then each alone */
         CUDA_OK(time_ms(t0, t1, [&] {
             const cudaError_t e = mf_sm90_gemm1_swiglu_fwd_bf16(&p1, 0);
@@ -409,16 +398,13 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
         CUDA_OK(time_ms(t0, t1, [&] { return mf_sm90_gemm1_swiglu_fwd_bf16(&p1, 0); }, &a));
         CUDA_OK(time_ms(t0, t1, [&] { return mf_sm90_gemm1_swiglu_fwd_bf16(&p1n, 0); }, &b));
         CUDA_OK(time_ms(t0, t1, [&] { return mf_sm90_gemm2_combine_fwd_bf16(&p2, 0); }, &c));
-        CUDA_OK(time_ms(t0, t1, [&] { return mf_sm90_gemm2_combine_fwd_bf16(&p2r, 0); }, &cr));
         if (it >= 3) {
             ms1.push_back(a); ms1n.push_back(b); ms2.push_back(c);
-            ms2r.push_back(cr);
             msf.push_back(f); msb.push_back(both);
         }
     }
     cudaEventDestroy(t0);
     cudaEventDestroy(t1);
-    cudaFree(d_rw);
     {   /* the fused kernel's combine and act, bitwise the staged ones at this shape */
         std::vector<uint16_t> c1((size_t)L.num_slots * H), c2(c1.size());
         std::vector<uint16_t> a1((size_t)L.num_rows * I), a2(a1.size());
@@ -440,11 +426,8 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
            H, I, sms);
     printf("  %-16s gemm1+swiglu (+gate_up) %8.3f ms %6.1f TFLOP/s\n", name, m1, f1 / m1 * 1e-9);
     printf("  %-16s gemm1+swiglu (act only) %8.3f ms %6.1f TFLOP/s\n", name, m1n, f1 / m1n * 1e-9);
-    printf("  %-16s gemm2+combine           %8.3f ms %6.1f TFLOP/s (slot_weight)\n", name, m2,
+    printf("  %-16s gemm2+combine           %8.3f ms %6.1f TFLOP/s\n", name, m2,
            f2 / m2 * 1e-9);
-    const double m2r = median(ms2r);
-    printf("  %-16s gemm2 (row_weight)      %8.3f ms %6.1f TFLOP/s (as the pipelines run it)\n",
-           name, m2r, f2 / m2r * 1e-9);
     const double mb = median(msb), mf = median(msf);
     printf("  %-16s gemm1 then gemm2        %8.3f ms %6.1f TFLOP/s\n", name, mb,
            (f1 + f2) / mb * 1e-9);

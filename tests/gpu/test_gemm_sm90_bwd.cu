@@ -4,9 +4,9 @@
  * 128 with zero padding rows; outputs poisoned first. Padding rows must come out zero,
  * rows past num_rows and unrouted combine rows untouched, runs with different grid sizes
  * bitwise equal, and wgrad's accumulate mode exactly write + old. dgrad2 also runs as the
- * pipelines call it, with per-row weights and expert parallelism's block waits: bitwise
- * the plain run when every block's rows are in, and a block that never completes ends in
- * the timeout record, not a hang. Then times each kernel at the Qwen3 shapes and prints
+ * pipelines call it, with expert parallelism's block waits: bitwise the plain run when
+ * every block's rows are in, and when the rows and their weights are copied in while it
+ * runs; a block that never completes ends in the timeout record, not a hang. Then times each kernel at the Qwen3 shapes and prints
  * TFLOP/s, and the fused backward's kernel (dW2 + dgrad1 + dW13) against the three.
  *
  * Tolerances (th_bf16_tolerance(n), n = bf16 roundings on the path, inputs exact bf16):
@@ -77,7 +77,8 @@ static void check_dgrad(int H, int I, const std::vector<int> &counts) {
     int32_t *d_nr = dev_upload(std::vector<int32_t>{L.num_rows});
     uint16_t *d_dys = dev_upload(dys), *d_gu = dev_upload(gu), *d_w2 = dev_upload(w2),
              *d_w13 = dev_upload(w13);
-    float *d_sw = dev_upload(sw);
+    const std::vector<float> rw = row_weights(L, sw);   /* as the dispatch writes them */
+    float *d_rw = dev_upload(rw);
     uint16_t *d_dh = nullptr, *d_actp = nullptr, *d_comb = nullptr;
     float *d_dp = nullptr;
     CUDA_OK(cudaMalloc(&d_dh, ngu * 2));
@@ -91,7 +92,7 @@ static void check_dgrad(int H, int I, const std::vector<int> &counts) {
         cudaMemset(d_dp, 0xFF, (size_t)R * parts * 4);
     };
     auto run = [&](int sms) -> cudaError_t {
-        mf_dgrad2_params p2 = {d_dys, d_w2, d_gu, d_rbe, d_nr, d_slot, d_sw, d_dh, d_actp, d_dp,
+        mf_dgrad2_params p2 = {d_dys, d_w2, d_gu, d_rbe, d_nr, d_slot, d_rw, d_dh, d_actp, d_dp,
                                R, H, I, E, sms};
         cudaError_t e = mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&p2, 0);
         if (e != cudaSuccess) return e;
@@ -197,25 +198,18 @@ static void check_dgrad(int H, int I, const std::vector<int> &counts) {
     std::vector<float> dp2 = dev_download(d_dp, (size_t)R * parts);
     CHECK(memcmp(dp2.data(), dp.data(), dp.size() * 4) == 0, "dp_partial differs between runs");
 
-    /* dgrad2 as the pipelines call it: the weights per row (row_weight[r] = p[row_slot[r]],
-     * as the dispatch writes them), and with expert parallelism's wait for each block's
-     * rows. Every block's count past its target across the 32-bit wrap (0x40 against
+    /* dgrad2 with expert parallelism's wait for each block's rows. Every block's count past its target across the 32-bit wrap (0x40 against
      * 0xffffffc0): bitwise the run above. One block's target 128 rows ahead: the wait runs
      * out after timeout_ns, the record names the block and the stage, the call is failed,
      * and the kernel ends. */
     const int blocks = R / MF_SM90_BLOCK_M;
-    std::vector<float> rw(R, 0.f);
-    for (int r = 0; r < L.num_rows; ++r)
-        if (L.row_slot[r] >= 0) rw[r] = sw[L.row_slot[r]];
     std::vector<uint32_t> arrivals(blocks, 0x40u), targets(blocks, 0xffffffc0u);
     const mf_plan_state state0 = MF_PLAN_STATE_INIT;
-    float *d_rw = dev_upload(rw);
     uint32_t *d_arr = dev_upload(arrivals), *d_tgt = dev_upload(targets);
     mf_plan_state *d_state = dev_upload(std::vector<mf_plan_state>{state0});
     auto run_ep = [&](int64_t timeout_ns, cudaStream_t stream = 0) -> cudaError_t {
-        mf_dgrad2_params p2 = {d_dys, d_w2, d_gu, d_rbe, d_nr, d_slot, nullptr, d_dh, d_actp, d_dp,
+        mf_dgrad2_params p2 = {d_dys, d_w2, d_gu, d_rbe, d_nr, d_slot, d_rw, d_dh, d_actp, d_dp,
                                R, H, I, E, num_sms()};
-        p2.row_weight = d_rw;
         p2.arrivals = d_arr;
         p2.arrival_target = d_tgt;
         p2.state = d_state;
@@ -287,10 +281,10 @@ static void check_dgrad(int H, int I, const std::vector<int> &counts) {
         printf("  block %d never complete: the kernel ended after %.1f ms (bound 20 ms)\n", b,
                1e3 * waited);
     }
-    cudaFree(d_rw); cudaFree(d_arr); cudaFree(d_tgt); cudaFree(d_state);
+    cudaFree(d_arr); cudaFree(d_tgt); cudaFree(d_state);
 
     cudaFree(d_rbe); cudaFree(d_slot); cudaFree(d_nr); cudaFree(d_dys); cudaFree(d_gu);
-    cudaFree(d_w2); cudaFree(d_w13); cudaFree(d_sw); cudaFree(d_dh); cudaFree(d_actp);
+    cudaFree(d_w2); cudaFree(d_w13); cudaFree(d_rw); cudaFree(d_dh); cudaFree(d_actp);
     cudaFree(d_comb); cudaFree(d_dp);
 }
 
@@ -518,7 +512,7 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
 
     /* Padding rows hold hash values here too; timing does not depend on them. */
     uint16_t *dys, *gu, *w2, *w13, *dh, *actp, *comb, *xs;
-    float *sw, *dp, *dw2, *dw13;
+    float *dp, *dw2, *dw13;
     uint16_t *dw2b, *dw13b;
     CUDA_OK(cudaMalloc(&dys, (size_t)R * H * 2));
     CUDA_OK(cudaMalloc(&xs, (size_t)R * H * 2));
@@ -528,7 +522,6 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
     CUDA_OK(cudaMalloc(&w2, (size_t)E * H * I * 2));
     CUDA_OK(cudaMalloc(&w13, (size_t)E * 2 * I * H * 2));
     CUDA_OK(cudaMalloc(&comb, (size_t)L.num_slots * H * 2));
-    CUDA_OK(cudaMalloc(&sw, (size_t)L.num_slots * 4));
     CUDA_OK(cudaMalloc(&dp, (size_t)R * parts * 4));
     CUDA_OK(cudaMalloc(&dw2, (size_t)E * H * I * 4));
     CUDA_OK(cudaMalloc(&dw13, (size_t)E * 2 * I * H * 4));
@@ -542,12 +535,12 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
     fill_hash_bf16<<<1024, 256>>>((__nv_bfloat16 *)w13, (size_t)E * 2 * I * H, seed + 4, 1.f / 32);
     std::vector<float> swh(L.num_slots);
     for (auto &w : swh) w = (float)(0.05 + th_uniform());
-    CUDA_OK(cudaMemcpy(sw, swh.data(), swh.size() * 4, cudaMemcpyHostToDevice));
+    float *rw = dev_upload(row_weights(L, swh));
     int32_t *rbe = dev_upload(L.row_block_expert), *slot = dev_upload(L.row_slot),
             *nr = dev_upload(std::vector<int32_t>{L.num_rows}), *off = dev_upload(L.offsets);
     CUDA_OK(cudaDeviceSynchronize());
 
-    mf_dgrad2_params p2 = {dys, w2, gu, rbe, nr, slot, sw, dh, actp, dp, R, H, I, E, sms};
+    mf_dgrad2_params p2 = {dys, w2, gu, rbe, nr, slot, rw, dh, actp, dp, R, H, I, E, sms};
     mf_dgrad1_params p1 = {dh, w13, rbe, nr, slot, comb, R, H, I, E, sms};
     mf_wgrad_params pw2 = {dys, actp, off, dw2, R, H, I, E, 0, sms};
     mf_wgrad_params pw13 = {dh, xs, off, dw13, R, 2 * I, H, E, 0, sms};
@@ -620,7 +613,7 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
               mw2o > 0 && mw13o > 0 && (!fused || (fs[0] > 0 && fs[1] > 0)),
           "a timed launch failed");
     cudaFree(dys); cudaFree(xs); cudaFree(gu); cudaFree(dh); cudaFree(actp); cudaFree(w2);
-    cudaFree(w13); cudaFree(comb); cudaFree(sw); cudaFree(dp); cudaFree(dw2); cudaFree(dw13);
+    cudaFree(w13); cudaFree(comb); cudaFree(rw); cudaFree(dp); cudaFree(dw2); cudaFree(dw13);
     cudaFree(dw2b); cudaFree(dw13b);
     cudaFree(rbe); cudaFree(slot); cudaFree(nr); cudaFree(off); cudaFree(order);
     cudaFree(scratch);
