@@ -109,8 +109,9 @@ typedef enum moefuse_pipeline {
     /* forward: gemm1 and gemm2 in one persistent kernel, a gemm2 tile starting as soon as
      * the gemm1 tiles of its rows are done (with expert parallelism, once their rows have
      * arrived); shapes it does not take (H a multiple of 128 but not 256) run staged.
-     * backward (one rank): dW2, dgrad1 and dW13 in one persistent kernel after dgrad2
-     * (H and I multiples of 256; other shapes, and expert parallelism, run staged) */
+     * backward: dW2, dgrad1 and dW13 in one persistent kernel after dgrad2 (with expert
+     * parallelism its dgrad1 tiles store into the source ranks' combine rows); H and I
+     * multiples of 256, other shapes run staged */
     MOEFUSE_PIPELINE_FUSED = 1,
 } moefuse_pipeline;
 

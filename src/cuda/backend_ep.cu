@@ -23,7 +23,9 @@
  * exchange), each row counted in on its receive block; beside it dgrad2 (and the
  * recomputed gemm1) on the rest of the SMs, each block once its rows are in; wait ROWS
  * (every rank's push done); dW2, dgrad1 into the source ranks' combine slot rows, d p to
- * the source ranks, raise DONE, dW13, wait DONE, reduce dx and copy d p.
+ * the source ranks, raise DONE, dW13, wait DONE, reduce dx and copy d p. With
+ * MOEFUSE_PIPELINE_FUSED, dW2, dgrad1 and dW13 are one kernel (sm90_moe_fused_bwd_bf16.cu)
+ * before d p and DONE.
  *
  * Windows (MF_WIN_*, written by peers): xs, dys, row_slot, row_weight, combine, dp,
  * sync. Each receiver sizes its row buffers for R * max_tokens * K rows plus padding
@@ -415,13 +417,23 @@ moefuse_status ep_backward(moefuse_layer *layer, const moefuse_bwd_args *a, cuda
     const moefuse_status ordered = order_experts(layer, stream);
     if (ordered != MOEFUSE_OK) return ordered;
     const mf_wgrad_params dw2 = dw2_params(layer, a, lay.rows_cap, s->dys);
-    MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw2, stream));
-
-    // ---- 5. dgrad1 into the source ranks' combine slot rows; d p to the sources ----
     mf_dgrad1_params d1 = dgrad1_params(layer, a->w13, rbe, s->row_slot, lay.rows_cap);
     d1.combine_peers = combine_peers(s);
     d1.num_ranks = R;
-    MF_CUDA_TRY(mf_sm90_gemm1_dgrad_bwd_bf16(&d1, stream));
+    const mf_wgrad_params dw13 = dw13_params(layer, a, lay.rows_cap, s->xs);
+    // MOEFUSE_PIPELINE_FUSED: 4, 5 and dW13 in one kernel (its dgrad1 tiles store into the
+    // source ranks' combine slot rows; dW13's tiles fill the SMs around them), so DONE
+    // comes after dW13 here
+    const bool fused = s->act_ready && mf_sm90_moe_fused_bwd_takes(c->hidden, c->intermediate);
+    if (fused) {
+        const mf_moe_fused_bwd_params fb = {dw2, d1, dw13, s->act_ready};
+        MF_CUDA_TRY(mf_sm90_moe_fused_bwd_bf16(&fb, stream));
+    } else {
+        MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw2, stream));
+    }
+
+    // ---- 5. dgrad1 into the source ranks' combine slot rows; d p to the sources ----
+    if (!fused) MF_CUDA_TRY(mf_sm90_gemm1_dgrad_bwd_bf16(&d1, stream));
     mf_ep_push_dp_params pd = {};
     pd.dp_partial = s->dp_partial;
     pd.parts = s->dp_parts;
@@ -433,12 +445,12 @@ moefuse_status ep_backward(moefuse_layer *layer, const moefuse_bwd_args *a, cuda
     pd.num_sms = s->num_sms;
     MF_CUDA_TRY(mf_ep_push_dp(&pd, stream));
 
-    // ---- 6. DONE raised; dW13 while the other ranks finish; wait for their DONE ----
+    // ---- 6. DONE raised; dW13 (staged) while the other ranks finish; wait for their
+    //      DONE ----
     sp = signal_params(layer, MF_EP_FLAG_DONE, MF_EP_STAGE_BWD_COMBINE);
     sp.signal = 1;
     MF_CUDA_TRY(mf_ep_signal_wait(&sp, stream));
-    const mf_wgrad_params dw13 = dw13_params(layer, a, lay.rows_cap, s->xs);
-    MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw13, stream));
+    if (!fused) MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw13, stream));
     sp.signal = 0;
     sp.wait = 1;
     MF_CUDA_TRY(mf_ep_signal_wait(&sp, stream));

@@ -14,8 +14,10 @@
  *   - skew: every slot of every rank on the experts of one rank (R = 4 and 8, up to
  *     R * max_tokens * K received rows), also onto the rank with T = 0;
  *   - MOEFUSE_RECOMPUTE (every other case saves activations);
- *   - MOEFUSE_PIPELINE_FUSED on the ranks (gemm1 and gemm2 in one kernel beside the push)
- *     against the staged R = 1 run: R = 4 with uneven T and a T = 0 rank, R = 8 skew.
+ *   - MOEFUSE_PIPELINE_FUSED on the ranks (forward: gemm1 and gemm2 in one kernel beside
+ *     the push; backward: dW2, dgrad1 into the source ranks' combine rows and dW13 in one
+ *     kernel) against the staged R = 1 run: R = 4 with uneven T and a T = 0 rank, R = 8
+ *     skew.
  *     The R = 1 reference runs staged, so the first fused case also launches the fused
  *     kernel for the first time inside an EP call: before the backend loaded every kernel
  *     at create, CUDA's lazy loading hung it there (bench/NOTES.md v10);
@@ -1167,8 +1169,8 @@ int main(int argc, char **argv) {
              filter);
     run_case(case_skew_r8, "R=8 skew: every slot on rank 0's experts", filter);
     run_case(case_recompute_r4, "R=4 T={512,0,37,300} recompute", filter);
-    run_case(case_fused_r4, "R=4 T={512,0,37,300} fused forward", filter);
-    run_case(case_fused_skew_r8, "R=8 skew onto rank 0, fused forward", filter);
+    run_case(case_fused_r4, "R=4 T={512,0,37,300} fused forward and backward", filter);
+    run_case(case_fused_skew_r8, "R=8 skew onto rank 0, fused forward and backward", filter);
     run_case(case_timeout, "timeout: rank 3 of 4 never calls", filter);
     run_case(case_bwd_rejected_saved, "backward: rank 2 of 4 passes a rejected saved buffer",
              filter);
