@@ -160,8 +160,8 @@ struct Dgrad2Epilogue {
                   "from the registers, dg and du by the store warps");
 
     /* The routing weights of this lane's rows, for the tile after the one in its epilogue.
-     * With arrivals, row_weight (and with expert parallelism row_slot) come with the rows,
-     * from the copy beside this kernel. The overlapped consumer role calls this after the
+     * With arrivals (expert parallelism), row_weight and row_slot come with the rows, from
+     * the push beside this kernel. The overlapped consumer role calls this after the
      * tile's first stages landed, which the producer loaded after its wait for the block;
      * the plain one calls it before the K loop, so it waits for the block itself (once the
      * call failed, no more). */
