@@ -266,6 +266,21 @@ moefuse_status order_experts(moefuse_layer *layer, cudaStream_t stream) {
     return MOEFUSE_OK;
 }
 
+moefuse_status backward_gemms(const moefuse_layer *layer, const mf_wgrad_params &dw2,
+                              const mf_dgrad1_params &d1, const mf_wgrad_params &dw13,
+                              cudaStream_t stream, bool *fused) {
+    const cuda_state *s = state_of(layer);
+    *fused = s->act_ready && mf_sm90_moe_fused_bwd_takes(layer->cfg.hidden, layer->cfg.intermediate);
+    if (*fused) {
+        const mf_moe_fused_bwd_params fb = {dw2, d1, dw13, s->act_ready};
+        MF_CUDA_TRY(mf_sm90_moe_fused_bwd_bf16(&fb, stream));
+        return MOEFUSE_OK;
+    }
+    MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw2, stream));
+    MF_CUDA_TRY(mf_sm90_gemm1_dgrad_bwd_bf16(&d1, stream));
+    return MOEFUSE_OK;
+}
+
 mf_reduce_params reduce_params(const moefuse_layer *layer, const int32_t *ids, int num_tokens,
                                uint16_t *out, int64_t out_stride) {
     const cuda_state *s = state_of(layer);
@@ -798,14 +813,9 @@ moefuse_status cuda_backward(moefuse_layer *layer, const moefuse_bwd_args *a, vo
     mf_dgrad1_params d1 = dgrad1_params(layer, a->w13, rbe, row_slot, lay.rows_cap);
     d1.combine = s->combine;
     const mf_wgrad_params dw13 = dw13_params(layer, a, lay.rows_cap, xs);
-    const bool fused = s->act_ready && mf_sm90_moe_fused_bwd_takes(H, c->intermediate);
-    if (fused) {
-        const mf_moe_fused_bwd_params fb = {dw2, d1, dw13, s->act_ready};
-        MF_CUDA_TRY(mf_sm90_moe_fused_bwd_bf16(&fb, stream));
-    } else {
-        MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw2, stream));
-        MF_CUDA_TRY(mf_sm90_gemm1_dgrad_bwd_bf16(&d1, stream));
-    }
+    bool fused;
+    const moefuse_status launched = backward_gemms(layer, dw2, d1, dw13, stream, &fused);
+    if (launched != MOEFUSE_OK) return launched;
 
     // ---- 6. reduce: dx[t] = sum of its K slot rows, fp32, k order; and d p ----
     const mf_reduce_params rp = reduce_params(layer, a->ids, T, a->dx, a->dx_stride);

@@ -137,6 +137,13 @@ mf_reduce_params reduce_params(const moefuse_layer *layer, const int32_t *ids, i
  * bwd_offsets, heavy ones first (expert_order.cu); after check_saved, before dW2. */
 moefuse_status order_experts(moefuse_layer *layer, cudaStream_t stream);
 
+/* The backward's GEMMs after dgrad2: with the fused pipeline (act_ready set, a shape it
+ * takes) dW2, dgrad1 and dW13 in one kernel (*fused true); else dW2 then dgrad1, and the
+ * caller launches dW13 where its pipeline wants it (*fused false). */
+moefuse_status backward_gemms(const moefuse_layer *layer, const mf_wgrad_params &dw2,
+                              const mf_dgrad1_params &d1, const mf_wgrad_params &dw13,
+                              cudaStream_t stream, bool *fused);
+
 /* The backward's device check of the saved buffer (backend.cu): fails the call
  * (call_failed, gemm_num_rows 0, bwd_offsets 0) and records MOEFUSE_ERR_SAVED_STATE
  * when the buffer does not match a forward of this layer with these T and ids. */

@@ -404,7 +404,8 @@ moefuse_status ep_backward(moefuse_layer *layer, const moefuse_bwd_args *a, cuda
     }
 
     // ---- 3. dgrad2 + SwiGLU backward; then every rank's push done (a failed wait fails
-    //      the call: no dx rows, d p or reduce after it); 4. dW2 ----
+    //      the call: no dx rows, d p or reduce after it); 4. dW2; 5. dgrad1 into the
+    //      source ranks' combine slot rows ----
     mf_dgrad2_params d2 = dgrad2_params(layer, s->dys, a->w2, gate_up, rbe, s->row_slot,
                                         lay.rows_cap);
     d2.row_weight = s->row_weight;
@@ -421,19 +422,13 @@ moefuse_status ep_backward(moefuse_layer *layer, const moefuse_bwd_args *a, cuda
     d1.combine_peers = combine_peers(s);
     d1.num_ranks = R;
     const mf_wgrad_params dw13 = dw13_params(layer, a, lay.rows_cap, s->xs);
-    // MOEFUSE_PIPELINE_FUSED: 4, 5 and dW13 in one kernel (its dgrad1 tiles store into the
-    // source ranks' combine slot rows; dW13's tiles fill the SMs around them), so DONE
-    // comes after dW13 here
-    const bool fused = s->act_ready && mf_sm90_moe_fused_bwd_takes(c->hidden, c->intermediate);
-    if (fused) {
-        const mf_moe_fused_bwd_params fb = {dw2, d1, dw13, s->act_ready};
-        MF_CUDA_TRY(mf_sm90_moe_fused_bwd_bf16(&fb, stream));
-    } else {
-        MF_CUDA_TRY(mf_sm90_wgrad_grouped_bf16(&dw2, stream));
-    }
+    // MOEFUSE_PIPELINE_FUSED: 4, 5 and dW13 in one kernel (dW13's tiles fill the SMs
+    // around dgrad1's), so DONE comes after dW13 here
+    bool fused;
+    const moefuse_status launched = backward_gemms(layer, dw2, d1, dw13, stream, &fused);
+    if (launched != MOEFUSE_OK) return launched;
 
-    // ---- 5. dgrad1 into the source ranks' combine slot rows; d p to the sources ----
-    if (!fused) MF_CUDA_TRY(mf_sm90_gemm1_dgrad_bwd_bf16(&d1, stream));
+    // ---- d p to the source ranks ----
     mf_ep_push_dp_params pd = {};
     pd.dp_partial = s->dp_partial;
     pd.parts = s->dp_parts;
