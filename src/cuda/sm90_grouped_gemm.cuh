@@ -359,8 +359,23 @@ __device__ __forceinline__ void end_k_loop(const Ring<Cfg> &ring, float (&acc)[C
     }
 }
 
-template <class Cfg, class Sched, class Epi>
-__device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched, Epi &epi) {
+/* A tile's whole K loop from ring position pos (advanced past it) into acc. */
+template <class Cfg>
+__device__ __forceinline__ void k_loop(const Ring<Cfg> &ring, RingPos<Cfg> &pos,
+                                       float (&acc)[Cfg::kAccRegs], int num_k_blocks) {
+    int prev_stage = 0;
+    for (int kb = 0; kb < num_k_blocks; ++kb) {
+        issue_k_block<Cfg>(ring, pos, acc, kb);
+        retire_k_block<Cfg>(ring, pos, acc, kb, prev_stage);
+    }
+    end_k_loop<Cfg>(ring, acc, num_k_blocks, prev_stage);
+}
+
+/* tile_k_loop(n_block, pos, acc, num_k_blocks) runs each tile's K loop: k_loop on this
+ * ring, or (the fused backward) one of two operand layouts chosen per tile. */
+template <class Cfg, class Sched, class Epi, class TileKLoop>
+__device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched, Epi &epi,
+                                              TileKLoop &&tile_k_loop) {
     const int wg = threadIdx.x / 128;
     float acc[Cfg::kAccRegs];
 #pragma unroll
@@ -371,14 +386,17 @@ __device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched
     while (sched.next_tile(m_block, n_block)) {
         const int num_k_blocks = sched.num_k_blocks(m_block, n_block);
         if constexpr (HasPrepare<Epi>::value) epi.prepare(m_block, n_block);
-        int prev_stage = 0;
-        for (int kb = 0; kb < num_k_blocks; ++kb) {
-            issue_k_block<Cfg>(ring, pos, acc, kb);
-            retire_k_block<Cfg>(ring, pos, acc, kb, prev_stage);
-        }
-        end_k_loop<Cfg>(ring, acc, num_k_blocks, prev_stage);
+        tile_k_loop(n_block, pos, acc, num_k_blocks);
         epi(m_block, n_block, acc, ring.epi_buf(wg));
     }
+}
+
+template <class Cfg, class Sched, class Epi>
+__device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched, Epi &epi) {
+    consumer_role<Cfg>(ring, sched, epi,
+                       [&](int, RingPos<Cfg> &pos, float (&acc)[Cfg::kAccRegs], int k_blocks) {
+                           k_loop<Cfg>(ring, pos, acc, k_blocks);
+                       });
 }
 
 /* ---- consumer role with the epilogue under the next tile's K loop ---------------------

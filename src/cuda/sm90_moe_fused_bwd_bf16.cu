@@ -10,7 +10,7 @@
  * bit; what is new is one ring for two operand layouts, the order and one wait:
  *  - Ring: 3 stages of 48 KB, A 16 KB and B 32 KB in either layout (the TMA boxes
  *    differ, the bytes do not), the two 33 KB store buffers, the tile queue in the 1 KB
- *    extra region. The consumers pick the wgmma form per tile (consumer_role_two_layouts).
+ *    extra region. The consumers pick the wgmma form per tile (k_loop_in_layout).
  *  - Order: every dW2 tile (experts heavy first, as the wgrad kernel), then dW13's (heavy
  *    first), then dgrad1's (row blocks in order), taken in order (sm90_tile_queue.cuh).
  *    Experts without rows: with bf16 out their tiles are not in the order, and the store
@@ -244,49 +244,19 @@ struct FusedBwdEpilogue {
     }
 };
 
-/* Consumers: the K loop in the tile's operand layout, from one ring position. The layout
+/* Consumers: consumer_role, each tile's K loop in the tile's operand layout from one ring
+ * position (the two Ring types differ only in how a stage's bytes are read). The layout
  * is made warp-uniform (a shuffle from lane 0) so that ptxas can keep the wgmmas of both
- * branches asynchronous (no C7518; bench/experiments/fused_bwd_two_layouts_probe.cu).
- * NOTE: this loop has consumer_role's shape (sm90_grouped_gemm.cuh). Folding it in, with
- * the K loop passed to consumer_role as a callable, compiled to the same instructions up
- * to register allocation (cuobjdump, 2026-12-03) but was not run on a GPU before the
- * session's device time ran out, so it waits (bench/NOTES.md v16). */
+ * branches asynchronous (no C7518; bench/experiments/fused_bwd_two_layouts_probe.cu). */
 template <class Cfg>
-__device__ __forceinline__ void k_loop(uint8_t *smem_raw, RingPos<WgradCfg> &pos,
-                                       float (&acc)[Cfg::kAccRegs], int num_k_blocks) {
-    const Ring<Cfg> ring = ring_from_smem<Cfg>(smem_raw);
+__device__ __forceinline__ void k_loop_in_layout(uint8_t *smem_raw, RingPos<WgradCfg> &pos,
+                                                 float (&acc)[Cfg::kAccRegs], int num_k_blocks) {
     RingPos<Cfg> p;
     p.stage = pos.stage;
     p.phase = pos.phase;
-    int prev_stage = 0;
-    for (int kb = 0; kb < num_k_blocks; ++kb) {
-        issue_k_block<Cfg>(ring, p, acc, kb);
-        retire_k_block<Cfg>(ring, p, acc, kb, prev_stage);
-    }
-    end_k_loop<Cfg>(ring, acc, num_k_blocks, prev_stage);
+    k_loop<Cfg>(ring_from_smem<Cfg>(smem_raw), p, acc, num_k_blocks);
     pos.stage = p.stage;
     pos.phase = p.phase;
-}
-
-__device__ __forceinline__ void consumer_role_two_layouts(const Ring<WgradCfg> &ring,
-                                                          FusedBwdScheduler sched,
-                                                          FusedBwdEpilogue &epi) {
-    const int wg = threadIdx.x / 128;
-    float acc[WgradCfg::kAccRegs];
-#pragma unroll
-    for (int i = 0; i < WgradCfg::kAccRegs; ++i) acc[i] = 0.f;
-    RingPos<WgradCfg> pos;
-    int m_block, n_block;
-    while (sched.next_tile(m_block, n_block)) {
-        const int num_k_blocks = sched.num_k_blocks(m_block, n_block);
-        const int dgrad = __shfl_sync(0xffffffffu, tile_kind(epi.args, n_block) == kDgrad1, 0);
-        epi.prepare(m_block, n_block);
-        if (dgrad)
-            k_loop<DgradCfg>(ring.base, pos, acc, num_k_blocks);
-        else
-            k_loop<WgradCfg>(ring.base, pos, acc, num_k_blocks);
-        epi(m_block, n_block, acc, ring.epi_buf(wg));
-    }
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -301,7 +271,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     run_grouped_gemm_roles<WgradCfg>(
         smem_raw, &args.d1.map_dh, &args.dw13.map_rhs, sched, load, epi,
         [](const Ring<WgradCfg> &ring, const FusedBwdScheduler &s, FusedBwdEpilogue &e) {
-            consumer_role_two_layouts(ring, s, e);
+            consumer_role<WgradCfg>(
+                ring, s, e,
+                [&](int n_block, RingPos<WgradCfg> &pos, float (&acc)[WgradCfg::kAccRegs],
+                    int k_blocks) {
+                    const int dgrad =
+                        __shfl_sync(0xffffffffu, tile_kind(e.args, n_block) == kDgrad1, 0);
+                    if (dgrad)
+                        k_loop_in_layout<DgradCfg>(ring.base, pos, acc, k_blocks);
+                    else
+                        k_loop_in_layout<WgradCfg>(ring.base, pos, acc, k_blocks);
+                });
         });
 }
 
