@@ -22,8 +22,9 @@
  * read each token K times, more than L2 holds: 2.1 GB at qwen3-235b-a22b, T = 16384,
  * 0.55 ms measured; token-major moves 1.2 GB. Folding the copy into gemm1's producer
  * (DESIGN 3) was tried with cp.async (sm_90 TMA has no row gather): bitwise right, but
- * gemm1 slowed by more than this kernel costs (bench/NOTES.md v5, the patch in
- * bench/experiments/). */
+ * gemm1 slowed by more than this kernel costs (bench/NOTES.md v5), and so did the weight
+ * gradient's (v19: 1.7-5x slower by cp.async, 8-10x by one TMA box per row); both
+ * patches are in bench/experiments/. */
 #include <cuda_runtime.h>
 #include <stdint.h>
 
