@@ -6,8 +6,9 @@
  * bitwise equal, and wgrad's accumulate mode exactly write + old. dgrad2 also runs as the
  * pipelines call it, with expert parallelism's block waits: bitwise the plain run when
  * every block's rows are in, and when the rows and their weights are copied in while it
- * runs; a block that never completes ends in the timeout record, not a hang. Then times each kernel at the Qwen3 shapes and prints
- * TFLOP/s, and the fused backward's kernel (dW2 + dgrad1 + dW13) against the three.
+ * runs; a block that never completes ends in the timeout record, not a hang. Then times
+ * each kernel at the Qwen3 shapes and prints TFLOP/s, and the fused backward's kernel
+ * (dW2 + dgrad1 + dW13) against the three.
  *
  * Tolerances (th_bf16_tolerance(n), n = bf16 roundings on the path, inputs exact bf16):
  *   dh, act_p, combine: one rounding of an fp32 result -> n = 1.
@@ -198,8 +199,9 @@ static void check_dgrad(int H, int I, const std::vector<int> &counts) {
     std::vector<float> dp2 = dev_download(d_dp, (size_t)R * parts);
     CHECK(memcmp(dp2.data(), dp.data(), dp.size() * 4) == 0, "dp_partial differs between runs");
 
-    /* dgrad2 with expert parallelism's wait for each block's rows. Every block's count past its target across the 32-bit wrap (0x40 against
-     * 0xffffffc0): bitwise the run above. One block's target 128 rows ahead: the wait runs
+    /* dgrad2 with expert parallelism's wait for each block's rows. Every block's count
+     * past its target across the 32-bit wrap (0x40 against 0xffffffc0): bitwise the run
+     * above. One block's target 128 rows ahead: the wait runs
      * out after timeout_ns, the record names the block and the stage, the call is failed,
      * and the kernel ends. */
     const int blocks = R / MF_SM90_BLOCK_M;
