@@ -208,18 +208,22 @@ __device__ __forceinline__ void ring_init(const Ring<Cfg> &r) {
     ptx::mbar_fence_init();
 }
 
-/* Position in the ring, advanced identically by producer and consumers. */
-template <class Cfg>
-struct RingPos {
+/* Position in a ring of kStages stages, advanced identically by producer and consumers.
+ * It depends on the stage count alone, so configurations with as many stages (the fused
+ * backward's two operand layouts in one ring) share one position. */
+template <int kStages>
+struct RingPosition {
     int stage = 0;
     uint32_t phase = 0;
     __device__ __forceinline__ void advance() {
-        if (++stage == Cfg::kStages) {
+        if (++stage == kStages) {
             stage = 0;
             phase ^= 1u;
         }
     }
 };
+template <class Cfg>
+using RingPos = RingPosition<Cfg::kStages>;
 
 /* ---- persistent tile scheduler ------------------------------------------------------
  * Tiles are (128-row block, n block), n fastest: the CTAs running at the same time cover

@@ -111,9 +111,9 @@ struct FusedBwdScheduler {
     int row_blocks;   /* dgrad1's 128-row blocks (the rows come from the device) */
     int dw2_tiles, dw13_tiles;   /* ordered_wgrad_tiles (the order's experts from the device) */
 
-    __device__ __forceinline__ FusedBwdScheduler(const FusedBwdArgs &a, TileQueue *q)
-        : args(a), cursor(q), dw2_tiles(ordered_wgrad_tiles(a.dw2)),
-          dw13_tiles(ordered_wgrad_tiles(a.dw13)) {
+    __device__ __forceinline__ FusedBwdScheduler(const FusedBwdArgs &a, TileQueue *q,
+                                                 int dw2_tiles_, int dw13_tiles_)
+        : args(a), cursor(q), dw2_tiles(dw2_tiles_), dw13_tiles(dw13_tiles_) {
         int rows = *a.d1.num_rows;
         rows = rows < 0 ? 0 : (rows > a.d1.rows_cap ? a.d1.rows_cap : rows);
         row_blocks = rows / kBlockM;
@@ -185,15 +185,18 @@ struct FusedBwdEpilogue {
     ScatterRowsEpilogue<DgradCfg> d1;
     Ring<WgradCfg> ring;
     StoreHandoff handoff;
-    bool dw2_read;   /* store warps: every dW2 tile's operands have been read */
+    uint32_t dw2_tiles;   /* ordered_wgrad_tiles(dW2) */
+    bool dw2_read;        /* store warps: every dW2 tile's operands have been read */
 
-    __device__ __forceinline__ FusedBwdEpilogue(const FusedBwdArgs &a, uint8_t *smem_raw)
+    __device__ __forceinline__ FusedBwdEpilogue(const FusedBwdArgs &a, uint8_t *smem_raw,
+                                                int dw2_tiles_, int dw13_tiles)
         : args(a),
-          dw2(a.dw2, ring_from_smem<WgradCfg>(smem_raw), ordered_wgrad_tiles(a.dw2)),
-          dw13(a.dw13, ring_from_smem<WgradCfg>(smem_raw), ordered_wgrad_tiles(a.dw13)),
+          dw2(a.dw2, ring_from_smem<WgradCfg>(smem_raw), dw2_tiles_),
+          dw13(a.dw13, ring_from_smem<WgradCfg>(smem_raw), dw13_tiles),
           d1{a.d1.to, ring_from_smem<DgradCfg>(smem_raw), {}, {0.f, 0.f}},
           ring(ring_from_smem<WgradCfg>(smem_raw)),
           handoff{},
+          dw2_tiles((uint32_t)dw2_tiles_),
           dw2_read(false) {}
 
     __device__ __forceinline__ WgradEpilogue<WgradCfg> &wgrad(int kind) {
@@ -236,8 +239,7 @@ struct FusedBwdEpilogue {
             return;
         }
         if (!dw2_read) {
-            const uint32_t want = ordered_wgrad_tiles(args.dw2);
-            while (ptx::ld_acquire_gpu(args.dw2_reads_done) < want) __nanosleep(64);
+            while (ptx::ld_acquire_gpu(args.dw2_reads_done) < dw2_tiles) __nanosleep(64);
             dw2_read = true;
         }
         d1.drain(m_block, n, wg, buf);
@@ -251,23 +253,22 @@ struct FusedBwdEpilogue {
 template <class Cfg>
 __device__ __forceinline__ void k_loop_in_layout(uint8_t *smem_raw, RingPos<WgradCfg> &pos,
                                                  float (&acc)[Cfg::kAccRegs], int num_k_blocks) {
-    RingPos<Cfg> p;
-    p.stage = pos.stage;
-    p.phase = pos.phase;
-    k_loop<Cfg>(ring_from_smem<Cfg>(smem_raw), p, acc, num_k_blocks);
-    pos.stage = p.stage;
-    pos.phase = p.phase;
+    static_assert(Cfg::kStages == WgradCfg::kStages, "one ring position for both layouts");
+    k_loop<Cfg>(ring_from_smem<Cfg>(smem_raw), pos, acc, num_k_blocks);
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_moe_fused_bwd_bf16_kernel(const __grid_constant__ FusedBwdArgs args) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     FusedBwdLoad load{args, {args.dw2, 0, 0, 0}, {args.dw13, 0, 0, 0}, {args.d1, 0, 0, 0}, 0};
-    FusedBwdEpilogue epi(args, smem_raw);
+    /* the tiles of each wgrad in the order: the scheduler's ranges, the store warps' zero
+     * tiles and dgrad1's wait */
+    const int dw2_tiles = ordered_wgrad_tiles(args.dw2), dw13_tiles = ordered_wgrad_tiles(args.dw13);
+    FusedBwdEpilogue epi(args, smem_raw, dw2_tiles, dw13_tiles);
     TileQueue *queue = reinterpret_cast<TileQueue *>(epi.ring.extra);
     static_assert(sizeof(TileQueue) <= WgradCfg::kExtraBytes, "the tile queue fits the extra region");
     if (threadIdx.x == kQueueWriter) tile_queue_init(queue);
-    const FusedBwdScheduler sched(args, queue);
+    const FusedBwdScheduler sched(args, queue, dw2_tiles, dw13_tiles);
     run_grouped_gemm_roles<WgradCfg>(
         smem_raw, &args.d1.map_dh, &args.dw13.map_rhs, sched, load, epi,
         [](const Ring<WgradCfg> &ring, const FusedBwdScheduler &s, FusedBwdEpilogue &e) {
