@@ -1,0 +1,103 @@
+"""Per-kernel GPU time of moefuse's forward + backward, cool and at the power limit.
+
+One Qwen3 MoE layer (bench/torch_moe_baseline.py's shapes and random inputs, four input
+sets in turn), the training call of the Python op: moefuse.experts(x, ids, p, w13, w2) and
+torch.autograd.grad over x, p, w13 and w2. torch.profiler records the CUDA kernels of
+--calls calls twice:
+  cool       after 2 s idle (the SM clock at its maximum);
+  sustained  after --sustain-s seconds of back-to-back calls (the clock lowered by the
+             power limit, as in bench_forward.py --sustained).
+Each prints the time per call between two CUDA events around the calls, the kernels' sum,
+and each kernel's time per call, largest first. Watch the clocks beside it with
+`nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader -lms 200`.
+bench/NOTES.md v20 has its first table.
+
+    python bench/profile_step.py [--model qwen3-30b-a3b] [--tokens 16384] [--calls 12]
+                                 [--sustain-s 4]
+
+Runs only on a CUDA device; without one it prints SKIP and the reason and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import pathlib
+import sys
+import time
+
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "python"))  # the checkout's package, when not installed
+
+import torch_moe_baseline as baseline  # noqa: E402
+
+NUM_INPUT_SETS = 4
+
+
+def profile_calls(fwd_bwd, label: str, calls: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for i in range(calls):
+            fwd_bwd(i)
+        end.record()
+        torch.cuda.synchronize()
+    per_kernel = collections.defaultdict(float)   # µs over all calls
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[ev.name[:60]] += ev.device_time_total
+    total_ms = sum(per_kernel.values()) / calls / 1000
+    print(f"== {label}: {start.elapsed_time(end) / calls:.3f} ms per fwd+bwd (events), "
+          f"kernels sum {total_ms:.3f} ms")
+    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
+        print(f"  {us / calls:9.1f} us  {name}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(baseline.MODELS))
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--calls", type=int, default=12)
+    parser.add_argument("--sustain-s", type=float, default=4.0)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("SKIP profile_step: no CUDA device (torch.cuda.is_available() is False)")
+        return
+
+    import moefuse
+
+    shape = baseline.MODELS[args.model]
+    sets = [baseline.make_problem(args.tokens, **shape, device=torch.device("cuda"), seed=s)
+            for s in range(NUM_INPUT_SETS)]
+    w13, w2 = sets[0][3], sets[0][4]   # one copy of the weights; per-set tokens
+    inputs = [(x, ids, p, dy) for x, ids, p, _, _, dy in sets]
+    del sets
+
+    def fwd_bwd(i: int) -> None:
+        x, ids, p, dy = inputs[i % NUM_INPUT_SETS]
+        y = moefuse.experts(x, ids, p, w13, w2)
+        torch.autograd.grad(y, (x, p, w13, w2), dy)
+
+    for i in range(8):   # warm-up: loading, allocation
+        fwd_bwd(i)
+    torch.cuda.synchronize()
+    print(f"# {torch.cuda.get_device_name()}; {args.model}, T = {args.tokens}, "
+          f"{args.calls} calls per profile")
+    time.sleep(2.0)
+    profile_calls(fwd_bwd, "cool (after 2 s idle)", args.calls)
+    t0, i = time.monotonic(), 0
+    while time.monotonic() - t0 < args.sustain_s:
+        fwd_bwd(i)
+        i += 1
+        if i % 8 == 0:
+            torch.cuda.synchronize()   # bounds the host's lead over the GPU
+    profile_calls(fwd_bwd, f"sustained (after {args.sustain_s:g} s)", args.calls)
+
+
+if __name__ == "__main__":
+    main()
