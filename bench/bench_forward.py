@@ -155,12 +155,7 @@ def run_case(moefuse, model: str, T: int, cold_peak: float, peak_matmul: PeakMat
     """Times one (model, T) case; returns its line."""
     shape = baseline.MODELS[model]
     device = torch.device("cuda")
-    sets = [baseline.make_problem(T, **shape, device=device, seed=s)
-            for s in range(NUM_INPUT_SETS)]
-    # One copy of the weights (GBs; already far larger than L2); per-set tokens.
-    w13, w2 = sets[0][3], sets[0][4]
-    inputs = [(x, ids, p, dy) for x, ids, p, _, _, dy in sets]
-    del sets
+    inputs, w13, w2 = baseline.make_problem_sets(T, shape, device, NUM_INPUT_SETS)
     flops = 6 * T * shape["top_k"] * shape["hidden"] * shape["intermediate"]
 
     def moefuse_fwd(i):

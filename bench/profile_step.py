@@ -72,11 +72,8 @@ def main() -> None:
     import moefuse
 
     shape = baseline.MODELS[args.model]
-    sets = [baseline.make_problem(args.tokens, **shape, device=torch.device("cuda"), seed=s)
-            for s in range(NUM_INPUT_SETS)]
-    w13, w2 = sets[0][3], sets[0][4]   # one copy of the weights; per-set tokens
-    inputs = [(x, ids, p, dy) for x, ids, p, _, _, dy in sets]
-    del sets
+    inputs, w13, w2 = baseline.make_problem_sets(args.tokens, shape, torch.device("cuda"),
+                                                 NUM_INPUT_SETS)
 
     def fwd_bwd(i: int) -> None:
         x, ids, p, dy = inputs[i % NUM_INPUT_SETS]

@@ -200,6 +200,15 @@ def make_problem(num_tokens: int, hidden: int, intermediate: int, num_experts: i
     return x, ids, p, w13, w2, dy
 
 
+def make_problem_sets(num_tokens: int, shape: dict, device, num_sets: int):
+    """num_sets problems (make_problem with seeds 0 .. num_sets - 1) that share one copy of
+    the weights, the first set's (GBs at the Qwen3 shapes, far larger than L2 already):
+    ([(x, ids, p, dy) per set], w13, w2)."""
+    sets = [make_problem(num_tokens, **shape, device=device, seed=s) for s in range(num_sets)]
+    w13, w2 = sets[0][3], sets[0][4]
+    return [(x, ids, p, dy) for x, ids, p, _, _, dy in sets], w13, w2
+
+
 def _time_ms(fn, device: torch.device, warmup: int = 3, reps: int = 20) -> float:
     """Median milliseconds of fn() (CUDA events on CUDA, perf_counter elsewhere)."""
     for _ in range(warmup):

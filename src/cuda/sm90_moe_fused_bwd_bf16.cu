@@ -189,10 +189,10 @@ struct FusedBwdEpilogue {
     bool dw2_read;        /* store warps: every dW2 tile's operands have been read */
 
     __device__ __forceinline__ FusedBwdEpilogue(const FusedBwdArgs &a, uint8_t *smem_raw,
-                                                int dw2_tiles_, int dw13_tiles)
+                                                int dw2_tiles_, int dw13_tiles_)
         : args(a),
           dw2(a.dw2, ring_from_smem<WgradCfg>(smem_raw), dw2_tiles_),
-          dw13(a.dw13, ring_from_smem<WgradCfg>(smem_raw), dw13_tiles),
+          dw13(a.dw13, ring_from_smem<WgradCfg>(smem_raw), dw13_tiles_),
           d1{a.d1.to, ring_from_smem<DgradCfg>(smem_raw), {}, {0.f, 0.f}},
           ring(ring_from_smem<WgradCfg>(smem_raw)),
           handoff{},
