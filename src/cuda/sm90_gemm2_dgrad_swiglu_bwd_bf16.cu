@@ -155,7 +155,9 @@ struct Dgrad2Epilogue {
      * so spreading costs no reload slack) it was still slower: qwen3-30b-a3b 0.823 ms
      * here, 0.86 at 4 and 2 per block, 1.02 at 1 (bench/NOTES.md v13). A ping-pong
      * kernel (each warpgroup whole tiles, its epilogue under the other's K loop) was
-     * no faster either: 0.871 ms (v14). */
+     * no faster either: 0.871 ms (v14). Denser, 8 per K block (over the first 4), was
+     * slower: qwen3-30b-a3b 0.837-0.847 -> 0.857-0.866 ms, qwen3-235b-a22b 2.83-2.88 ->
+     * 2.89-2.95 ms (v21). */
     static constexpr int kPiecesPerKBlock = 4;
     static_assert(kPieces % kPiecesPerKBlock == 0, "whole K blocks of pieces");
     const Dgrad2Args &args;
