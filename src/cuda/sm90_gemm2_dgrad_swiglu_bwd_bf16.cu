@@ -95,11 +95,8 @@ struct Dgrad2Load {
          * moderate, heavy and nearly collapsed routing and qwen3-235b-a22b unchanged
          * within 2%. */
         ptx::tma_load_2d(a, &args.map_dys, bar, k, m_row);
-        const uint64_t keep = ptx::l2_policy_evict_last();
-#pragma unroll
-        for (int j = 0; j < Cfg::BN / 64; ++j)
-            ptx::tma_load_2d_hint(b + j * Cfg::kMnBoxBytes, &args.map_w2, bar, n_col + 64 * j,
-                                  w_row + k, keep);
+        tma_load_mn_boxes_hint<Cfg, Cfg::BN / 64>(b, &args.map_w2, bar, n_col, w_row + k,
+                                                  ptx::l2_policy_evict_last());
         if (k + kBlockK < args.hidden) return;
         const uint64_t once = ptx::l2_policy_evict_first();
         ptx::mbar_wait(ring.extra_empty, gu_phase ^ 1u);

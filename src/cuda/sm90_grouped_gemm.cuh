@@ -267,6 +267,16 @@ __device__ __forceinline__ void tma_load_mn_boxes(uint8_t *dst, const CUtensorMa
         ptx::tma_load_2d(dst + j * Cfg::kMnBoxBytes, map, bar, col + 64 * j, row);
 }
 
+/* Same, each box with an L2 eviction-priority hint (ptx::l2_policy_*). */
+template <class Cfg, int kBoxes>
+__device__ __forceinline__ void tma_load_mn_boxes_hint(uint8_t *dst, const CUtensorMap *map,
+                                                       uint64_t *bar, int col, int row,
+                                                       uint64_t policy) {
+#pragma unroll
+    for (int j = 0; j < kBoxes; ++j)
+        ptx::tma_load_2d_hint(dst + j * Cfg::kMnBoxBytes, map, bar, col + 64 * j, row, policy);
+}
+
 /* ---- producer role ------------------------------------------------------------------
  * One thread. load(m_block, n_block, k_block, smem_a, smem_b, full_bar) issues the TMA
  * copies of one stage, kStageBytes in total; load_tile_begin(m_block) runs once per tile
