@@ -7,11 +7,11 @@
  * Tolerances: th_bf16_tolerance(n), n = the bf16 roundings on a value's path (x, dy,
  * the weights and p are inputs, exact in both computations):
  *   y    n = 4: g and u stored as bf16 (both enter a), a stored as bf16, y rounded.
- *   dx   n = 4: g and u as bf16 (they enter dg = da u silu'(g), du = da silu(g)),
- *              [dg;du] rounded to bf16 before its GEMM, dx rounded.
- *   dp   n = 3: g, u, a (dp = <da', a>; da' and dp stay fp32).
+ *   dx   n = 5: g and u as bf16 (they enter dg = da u silu'(g), du = da silu(g)), da' =
+ *              dy W2_e rounded to bf16, [dg;du] rounded to bf16 before its GEMM, dx rounded.
+ *   dp   n = 4: g, u, a, da' (dp = <da', a> in fp32).
  *   dW2  n = 3: g, u, a (dW2 = (p dy)^T a in fp32).
- *   dW13 n = 3: g, u, [dg;du] (dW13 = [dg;du]^T x in fp32). */
+ *   dW13 n = 4: g, u, da', [dg;du] (dW13 = [dg;du]^T x in fp32). */
 #include "harness.h"
 #include "moefuse.h"
 #include "reference.h"
@@ -22,7 +22,7 @@
 #include <string.h>
 #include <unistd.h>
 
-enum { N_Y = 4, N_DX = 4, N_DP = 3, N_DW2 = 3, N_DW13 = 3 };
+enum { N_Y = 4, N_DX = 5, N_DP = 4, N_DW2 = 3, N_DW13 = 4 };
 
 typedef struct shape {
     const char *name;

@@ -576,6 +576,8 @@ static void bwd_task(const bwd_ctx *c, const row_task *task, thread_scratch *ts)
         for (int i = 0; i < m; i++) round_row(gu + i * 2 * I, ts->row16, 2 * I);
     }
     gemm_a_w(m, (int)I, (int)H, dys, H, w2, act, I, ts->wblock, st->wblock_elems);
+    /* da' to bf16, as the CUDA backend's dgrad2 hands it to its store warps. */
+    for (int i = 0; i < m; i++) round_row(act + i * I, ts->row16, I);
 
     for (int i = 0; i < m; i++) {
         int32_t slot = c->pv.row_slot[r0 + i];

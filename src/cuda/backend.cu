@@ -39,11 +39,11 @@
  *   gate_up   [rows_cap, 2I] bf16   bwd, MOEFUSE_RECOMPUTE only: [g | u] recomputed
  *   slot_rank [T*K] int32, chunk_base, plan_ws (a plan when saved = NULL): small
  * per token: 2KH (xs) + 2KI (act) + 2KH (combine) + 4KI (dh) + 4KP (dp_partial) + 4K (slot_rank) [+ 4KI gate_up when recomputing]:
- *   qwen3-30b-a3b   (P = 6):  32768 + 12288 + 32768 + 24576 + 192 + 32 = 102,624 B
+ *   qwen3-30b-a3b   (P = 3):  32768 + 12288 + 32768 + 24576 + 96 + 32 = 102,528 B
  *                             (+24,576 recompute), 420 MB at max_tokens = 4096;
- *   qwen3-235b-a22b (P = 12): 65536 + 24576 + 65536 + 49152 + 384 + 32 = 205,216 B
+ *   qwen3-235b-a22b (P = 6):  65536 + 24576 + 65536 + 49152 + 192 + 32 = 205,024 B
  *                             (+49,152 recompute).
- * (P assumes 128-column tiles in dgrad2; the real P comes from the kernel.) The
+ * (P: dgrad2's 256-column tiles; the real P comes from the kernel.) The
  * backward's dys shares combine: dW2 consumes dys before dgrad1 writes dx slot rows
  * there, which is why combine has rows_cap rows, not T*K (+~50% of one [T*K, H] at
  * T = 4096, E = 128, instead of a separate dys of rows_cap rows). */

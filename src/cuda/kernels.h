@@ -97,7 +97,7 @@ cudaError_t mf_sm90_moe_fused_fwd_bf16(const mf_moe_fused_fwd_params *p, cudaStr
  * rows contribute nothing to the weight gradients. */
 
 /* dgrad of gemm2 with the SwiGLU backward in the epilogue, per 128-row block of e:
- *   da'[r]  = dys[r] W2_e                       fp32, [I]   (W2_e is [H, I]: B is MN-major)
+ *   da'[r]  = bf16(dys[r] W2_e)     fp32 sums, rounded, [I]   (W2_e is [H, I]: B is MN-major)
  *   g, u    = gate_up[r];  a = bf16(silu(g) * u)            (exactly the forward's a)
  *   dp_partial[r, nb] = sum over this tile's columns j of da'[j] * a[j]   (fp32)
  *   da      = p_r * da'     (p_r = row_weight[r])

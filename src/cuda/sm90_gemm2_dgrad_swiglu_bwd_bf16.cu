@@ -1,6 +1,6 @@
 /* dgrad of gemm2 with dp and the SwiGLU backward in the epilogue (sm_90a, bf16).
  *
- *   da'_r = dys_r W2_e                dys [rows, H], W2_e [H, I] (I contiguous), fp32
+ *   da'_r = bf16(dys_r W2_e)          dys [rows, H], W2_e [H, I] (I contiguous)
  *   a     = bf16(silu(g) * u)         g, u from the saved gate_up [rows, 2I]
  *   dp_partial[r, n block] = sum over the tile's columns of da' * a       (fp32)
  *   da    = p * da'                   p = row_weight[r]
@@ -9,28 +9,37 @@
  * Padding rows (row_slot -1) get zeros in all three outputs.
  * Expert parallelism: the dys rows (with their row_slot and row_weight) may still be
  * arriving from the other ranks; the producer waits for each block's rows before its
- * first load (ep_wait.cuh), so the kernel runs beside the backward's push.
+ * first load and the store warps before they read the block's weights (ep_wait.cuh), so
+ * the kernel runs beside the backward's push.
  *
  * A = dys is K-major (K = H). B = W2_e is MN-major: the reduction runs over its rows,
  * its N = I index is contiguous, so each stage loads BN/64 boxes of 64 I columns x 64 W2
  * rows and the wgmma reads B transposed.
  *
- * The gate_up tile (g: 128 rows x BN columns, u: the same I columns on) comes into
- * shared memory by TMA, issued by the producer after the tile's last K stage, so it lands
- * while the K loop runs; the epilogue reads it from there (conflict-free: the 128-byte
- * swizzle puts the 8 rows of a warp's read in distinct banks) and writes dg and du back
- * in place of g and u.
- * NOTE: measured on an H200 (qwen3-30b-a3b, 131072 rows): reading g/u straight from
- * global memory in three passes (act_p, dg, du; 4-byte loads) ran at 178 TFLOP/s,
- * 2.32 ms; the smem tile with the same three passes 1.54 ms.
+ * The work is split as in the other row-block GEMMs: the consumers run the K loop and
+ * round da' to bf16 into their store buffers (as dgrad1 and gemm2 round their rows), and
+ * go on to the next tile; the store warps, with registers for it (ProducerRegs), run
+ * the whole SwiGLU backward from that buffer while the next K loop runs. Each store warp
+ * takes whole rows: 8 columns per lane, g and u copied into a small shared-memory ring by
+ * cp.async two rows ahead, dh and act_p stored 16 bytes per lane (evict-first), the row's
+ * dp partial a warp sum.
+ * NOTE: da' is rounded to bf16 before the SwiGLU backward (one more rounding on dh's
+ * path than the fp32 da' of the consumer-side epilogue this replaced; the same rounding
+ * torch._grouped_mm's bf16 output has in an autograd MoE). The CPU backend rounds it too.
+ * NOTE: measured on an H200 (131072 rows, bench/NOTES.md v22) against the consumer-side
+ * epilogue it replaced (BN = 128, two accumulator sets, the math in 32 pieces under the
+ * next tile's first K blocks): qwen3-30b-a3b 0.852 -> 0.812 ms (mean of four routings,
+ * two rounds), qwen3-235b-a22b 2.80 -> 2.46 ms. The GEMM alone (store warps idle) takes
+ * 0.54-0.59 and 2.26 ms: on 30b the three store warps (IPC ~0.3 each, ncu) still bound it. 
  *
  * FLOPs: 2 * rows * H * I. qwen3-30b-a3b at 131072 rows: 412 GFLOP, about 0.52 ms at
  * 790 TFLOP/s; outputs dh + act_p are 3 * rows * I * 2 bytes (0.6 GB) and the gate_up
- * read 0.4 GB: the epilogue's share is large. */
+ * read 0.4 GB: ~0.3 ms of HBM traffic, under the K loops. */
 #include <cuda_bf16.h>
 
 #include "ep_wait.cuh"
 #include "kernels.h"
+#include "ptx/cp_async.cuh"
 #include "sm90_grouped_gemm.cuh"
 #include "swiglu.cuh"
 #include "tensor_map.h"
@@ -43,7 +52,7 @@ using namespace mf::sm90;
 struct Dgrad2Args {
     CUtensorMap map_dys;   /* [rows_cap, H], box 128 x 64 (K-major) */
     CUtensorMap map_w2;    /* [E * H, I], box 64 rows x 64 columns (MN-major B) */
-    CUtensorMap map_gu;    /* [rows_cap, 2I], box 128 rows x 64 columns */
+    const uint16_t *gate_up;
     const int32_t *row_block_expert;
     const int32_t *num_rows;
     const int32_t *row_slot;
@@ -55,27 +64,25 @@ struct Dgrad2Args {
     int rows_cap, hidden, intermediate, dp_parts;
 };
 
-/* The gate_up tile in shared memory: g then u, each BN/64 boxes of 128 rows x 64 columns
- * (16 KB, 128-byte swizzle). */
-constexpr int kGuBoxBytes = kBlockM * 64 * 2;
-constexpr int kTileN = 128;                           /* BN */
-constexpr int kGuBytes = 2 * (kTileN / 64) * kGuBoxBytes;
-/* 5 stages of 32 KB beside the 64 KB gate_up tile: act_p goes from the consumers'
- * registers straight to global memory, so no store buffers; the store warps copy dg and du
- * out of the gate_up tile.
- * NOTE: measured on an H200 (ncu stall sampling, bench/NOTES.md v10): with 4 stages and
- * act_p staged through 34 KB of buffers, the consumers waited for their operands about
- * 30% of the time (a stage feeds 0.28 us of wgmma at BN = 128). */
-using Dgrad2Cfg = TileConfig<kTileN, 5, false, true, kGuBytes, 0, true>;
+/* The store warps' g and u staging: per store warp kGuSlots slots of one warp step's g
+ * and u pieces (16 bytes per lane each), filled by cp.async kGuSlots - kPair steps ahead. */
+constexpr int kGuSlots = 4;
+constexpr int kGuSlotBytes = 32 * 16 * 2;
+constexpr int kGuRingBytes = kStoreWarps * kGuSlots * kGuSlotBytes;   /* 12 KB */
 
-/* ---- producer: A rows of the block, then BN/64 boxes of W2_e rows k.. k+63; after the
- * last K stage, the tile's gate_up (once the epilogue of the tile before let go of it). */
+/* The two tile choices (the launcher picks one by I), as dgrad1's: BN = 256 with 3 stages
+ * of 48 KB beside the 66 KB of store buffers and the 12 KB g/u ring, else BN = 128 with 5
+ * stages of 32 KB. The store warps carry the SwiGLU backward, so the producer warpgroup
+ * gets 104 registers (the consumers 200). */
+constexpr int kStoreWarpRegs = 104;
+using WideCfg = ProducerRegs<TileConfig<256, 3, false, true, kGuRingBytes, 512>, kStoreWarpRegs>;
+using NarrowCfg = ProducerRegs<TileConfig<128, 5, false, true, kGuRingBytes, 256>, kStoreWarpRegs>;
+
+/* ---- producer: A rows of the block, then BN/64 boxes of W2_e rows k.. k+63. */
 template <class Cfg>
 struct Dgrad2Load {
     const Dgrad2Args &args;
-    Ring<Cfg> ring;
     int m_row, w_row, n_col;
-    uint32_t gu_phase;
     bool gave_up;   /* EP: a wait for a block's rows ran out (the call failed): no more */
 
     __device__ __forceinline__ void tile_begin(int m_block, int n_block) {
@@ -87,211 +94,211 @@ struct Dgrad2Load {
     }
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
         const int k = kb * kBlockK;
-        /* L2 priorities: W2_e, read again by every row block of the expert, is kept
-         * before the streams touched once (the tile's gate_up, and the dh and act_p
-         * stores, which the weight gradients read only after the whole kernel).
-         * NOTE: measured on an H200 (qwen3-30b-a3b, 131072 rows, five rounds against the
-         * tree without hints, bench/NOTES.md v21): collapsed routing 0.891 -> 0.841 ms;
-         * moderate, heavy and nearly collapsed routing and qwen3-235b-a22b unchanged
-         * within 2%. */
+        /* W2_e is read again by every row block of the expert: kept in L2 before the
+         * streams touched once (gate_up, dh and act_p, which the store warps load and
+         * store evict-first).
+         * NOTE: measured on an H200 with the consumer-side epilogue (qwen3-30b-a3b, 131072
+         * rows, bench/NOTES.md v21): collapsed routing 0.891 -> 0.841 ms, the other
+         * routings and qwen3-235b-a22b unchanged within 2%. */
         ptx::tma_load_2d(a, &args.map_dys, bar, k, m_row);
         tma_load_mn_boxes_hint<Cfg, Cfg::BN / 64>(b, &args.map_w2, bar, n_col, w_row + k,
                                                   ptx::l2_policy_evict_last());
-        if (k + kBlockK < args.hidden) return;
-        const uint64_t once = ptx::l2_policy_evict_first();
-        ptx::mbar_wait(ring.extra_empty, gu_phase ^ 1u);
-        ptx::mbar_arrive_expect_tx(ring.extra_full, Cfg::kExtraBytes);
-#pragma unroll
-        for (int j = 0; j < Cfg::BN / 64; ++j) {
-            ptx::tma_load_2d_hint(ring.extra + j * kGuBoxBytes, &args.map_gu, ring.extra_full,
-                                  n_col + 64 * j, m_row, once);
-            ptx::tma_load_2d_hint(ring.extra + (Cfg::BN / 64 + j) * kGuBoxBytes, &args.map_gu,
-                                  ring.extra_full, args.intermediate + n_col + 64 * j, m_row,
-                                  once);
-        }
-        gu_phase ^= 1u;
     }
 };
 
-
-/* ---- epilogue ----------------------------------------------------------------------------
- * One pass over the accumulators: each element's exp, silu and sigmoid are computed once.
- * act_p goes from the registers to global memory (4-byte stores: a warp's store is 8
- * rows x 16 bytes, which L2 merges with the neighbouring pieces); dg and du overwrite the
- * g and u words they were computed from in the gate_up tile (each word is read and
- * written by one thread only), and the store warps copy them out as whole rows
- * (sm90_grouped_gemm.cuh, "store warps"). The math itself runs in 32 pieces between the
- * wgmma issues of the next tile's first 8 K blocks, four per block
- * (consumer_role_overlapped), on the second accumulator set.
- * Accumulator layout of m64nN (per warpgroup): register 4c + 2h + {0,1} of lane l in warp
- * w holds row 16w + l/4 + 8h, columns 8c + 2(l%4) + {0,1}. Those two g (or u) values are
- * one 4-byte word of the swizzled gate_up tile: box c/8, row R, 16-byte piece
- * (c%8) ^ (R%8), word l%4; R%8 = l/4 for every row this lane holds. */
-struct SwigluBwd {
-    float act, dg, du;   /* bf16-rounded a, and p da' u silu'(g), p da' silu(g) */
+/* ---- epilogue ------------------------------------------------------------------------ */
+/* The SwiGLU backward of two adjacent columns (one bf16 pair of g, u and da' each) of a row
+ * with routing weight p:
+ *   a = bf16(silu(g) u)   exactly as the forward's store warps round it (swiglu.cuh),
+ *   dg = p da' u silu'(g),  silu'(g) = s (1 + g (1 - s)) = s + silu (1 - s),
+ *   du = p da' silu(g),     act_p = bf16(p a),  and d p's terms da' a. */
+struct SwigluBwdPair {
+    uint32_t dg, du, act_p;   /* bf16 pairs */
+    float dp;                 /* da'_lo a_lo + da'_hi a_hi */
 };
 
-/* silu'(g) = s (1 + g (1 - s)); a as the forward's store warps compute it (swiglu.cuh). */
-__device__ __forceinline__ SwigluBwd swiglu_bwd(float g, float u, float da) {
-    const Swiglu f = swiglu(g, u);
-    return {__bfloat162float(__float2bfloat16_rn(f.a)), da * u * (f.s * (1.f + g * (1.f - f.s))),
-            da * f.silu};
+__device__ __forceinline__ SwigluBwdPair swiglu_bwd_pair(uint32_t g2, uint32_t u2, uint32_t d2,
+                                                         float p) {
+    const float g0 = bf16_lo(g2), g1 = bf16_hi(g2), u0 = bf16_lo(u2), u1 = bf16_hi(u2);
+    const float d0 = bf16_lo(d2), d1 = bf16_hi(d2);
+    const Swiglu f0 = swiglu(g0, u0), f1 = swiglu(g1, u1);
+    const uint32_t a2 = pack_bf16x2_rn(f0.a, f1.a);
+    const float a0 = bf16_lo(a2), a1 = bf16_hi(a2);
+    const float da0 = p * d0, da1 = p * d1;
+    const float ds0 = fmaf(f0.silu, 1.f - f0.s, f0.s), ds1 = fmaf(f1.silu, 1.f - f1.s, f1.s);
+    return {pack_bf16x2_rn(da0 * u0 * ds0, da1 * u1 * ds1),
+            pack_bf16x2_rn(da0 * f0.silu, da1 * f1.silu), pack_bf16x2_rn(p * a0, p * a1),
+            fmaf(d1, a1, d0 * a0)};
 }
 
-template <class Cfg, bool kOverlap>
+template <class Cfg>
 struct Dgrad2Epilogue {
-    /* Pieces: one per (column group c, row half h) of the accumulator layout, run under
-     * the next tile's first 8 K blocks (sm90_grouped_gemm.cuh, consumer_role_overlapped)
-     * when H has that many, else after the tile's K loop (operator()). */
-    static constexpr bool kOverlapNextTile = kOverlap;
-    static constexpr int kPieces = 2 * (Cfg::BN / 8);
-    /* NOTE: measured on an H200 (131072 rows), 4 per K block against 2 (over 16 blocks):
-     * qwen3-30b-a3b 0.908 -> 0.854 ms, qwen3-235b-a22b 2.906 -> 2.94 ms. Finishing early
-     * leaves the store warps' drain and the next gate_up load more of the K loop.
-     * With the gate_up tile in two halves (each reloaded as soon as its pieces are done,
-     * so spreading costs no reload slack) it was still slower: qwen3-30b-a3b 0.823 ms
-     * here, 0.86 at 4 and 2 per block, 1.02 at 1 (bench/NOTES.md v13). A ping-pong
-     * kernel (each warpgroup whole tiles, its epilogue under the other's K loop) was
-     * no faster either: 0.871 ms (v14). Denser, 8 per K block (over the first 4), was
-     * slower: qwen3-30b-a3b 0.837-0.847 -> 0.857-0.866 ms, qwen3-235b-a22b 2.83-2.88 ->
-     * 2.89-2.95 ms (v21). */
-    static constexpr int kPiecesPerKBlock = 4;
-    static_assert(kPieces % kPiecesPerKBlock == 0, "whole K blocks of pieces");
+    /* A row's BN columns are kLanesPerRow lanes of 8; a warp step covers kRowsPerStep rows,
+     * and each warp takes every kStoreWarps-th step: kSteps of them. The first kFullSteps
+     * have all their rows in every warp and run kPair at a time with no branch in the
+     * math, so that the steps' chains interleave; the rest (the last one or two, whose
+     * rows may run past 64) run one at a time, masked. */
+    static constexpr int kLanesPerRow = Cfg::BN / 8;
+    static constexpr int kRowsPerStep = 32 / kLanesPerRow;
+    static constexpr int kRowStride = kStoreWarps * kRowsPerStep;   /* rows between a warp's steps */
+    static constexpr int kSteps = (64 + kRowStride - 1) / kRowStride;
+    static constexpr int kFullSteps = 64 / kRowStride;
+    static constexpr int kPair = 2;
+    static constexpr int kPairedSteps = kFullSteps / kPair * kPair;
+    static constexpr int kLead = kGuSlots - kPair;   /* steps loaded ahead of a pair */
+    static_assert(kLead >= 1 && Cfg::kExtraBytes == kGuRingBytes, "the g/u ring");
+    static_assert(kPairedSteps + kLead >= kSteps,
+                  "the pairs' loads reach every step, so the tail only waits");
+    static_assert(Cfg::kStoreRowBytes == Cfg::BN * 2 && Cfg::kStoreWarps,
+                  "the consumers hand da' over as bf16 rows of the tile's width");
     const Dgrad2Args &args;
     Ring<Cfg> ring;
-    uint32_t gu_phase;
     StoreHandoff handoff;
-    float w[2];          /* this lane's two rows' p, or 0 for a padding row */
-    bool valid[2];
-    float dp[2];         /* their partial d p */
-    uint32_t *act_p_row; /* this lane's first row of act_p, at its first column of the tile */
 
-    static_assert(Cfg::BN == kTileN && Cfg::kExtraBytes == kGuBytes && Cfg::kStoreWarps &&
-                      Cfg::kStoreRowBytes == 0,
-                  "the gate_up tile's layout is kTileN columns of g and of u; act_p is stored "
-                  "from the registers, dg and du by the store warps");
-
-    /* The routing weights of this lane's rows, for the tile after the one in its epilogue.
-     * With arrivals (expert parallelism), row_weight and row_slot come with the rows, from
-     * the push beside this kernel. The overlapped consumer role calls this after the
-     * tile's first stages landed, which the producer loaded after its wait for the block;
-     * the plain one calls it before the K loop, so it waits for the block itself (once the
-     * call failed, no more). */
-    __device__ __forceinline__ void prepare(int m_block, int) {
-        if constexpr (!kOverlap) {
-            if (args.rows_in.arrivals &&
-                !*reinterpret_cast<volatile int32_t *>(&args.rows_in.state->call_failed))
-                ep::wait_block_rows(args.rows_in, m_block);
-        }
-        const int t = threadIdx.x % 128;
-        const int64_t row0 = (int64_t)m_block * kBlockM + (threadIdx.x / 128) * 64;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int64_t r = row0 + (t / 32) * 16 + (t % 32) / 4 + 8 * h;
-            const int slot = args.row_slot[r];
-            valid[h] = slot >= 0;
-            w[h] = valid[h] ? args.row_weight[r] : 0.f;
-        }
+    /* Consumers: da' rounded to bf16 into the warpgroup's buffer. */
+    __device__ __forceinline__ void operator()(int, int, float (&acc)[Cfg::kAccRegs],
+                                               uint8_t *buf) {
+        handoff.stage(ring, buf, [&](uint8_t *b) { epi_write_acc_bf16<Cfg>(b, acc); });
     }
 
-    /* The tile's gate_up has landed (so the store warps are done with the tile before). */
-    __device__ __forceinline__ void begin(int m_block, int n_block) {
-        ptx::mbar_wait(ring.extra_full, gu_phase);
-        gu_phase ^= 1u;
-        handoff.acquire(ring, threadIdx.x / 128);
-        dp[0] = dp[1] = 0.f;
-        const int t = threadIdx.x % 128;
-        const int64_t r = (int64_t)m_block * kBlockM + (threadIdx.x / 128) * 64 + (t / 32) * 16 +
-                          (t % 32) / 4;
-        act_p_row = reinterpret_cast<uint32_t *>(args.act_p + r * args.intermediate +
-                                                 n_block * Cfg::BN + 2 * (t % 4));
-    }
-
-    /* Column group c = q / 2, row half h = q % 2: two elements of one row. dg and du
-     * overwrite the g and u words they come from; act_p goes to global memory. */
-    __device__ __forceinline__ void piece(int q, float (&acc)[Cfg::kAccRegs]) {
-        const int c = q / 2, h = q % 2;
-        const int t = threadIdx.x % 128, wg = threadIdx.x / 128;
-        const int lane = t % 32, warp = t / 32;
-        const int off = (c / 8) * kGuBoxBytes + (warp * 16 + lane / 4 + 8 * h) * 128 +
-                        (((c % 8) ^ (lane / 4)) << 4) + 4 * (lane % 4);
-        uint8_t *const g_tile = ring.extra + wg * 64 * 128;   /* this warpgroup's rows */
-        uint32_t *g2 = reinterpret_cast<uint32_t *>(g_tile + off);
-        uint32_t *u2 = reinterpret_cast<uint32_t *>(g_tile + kGuBytes / 2 + off);
-        const float d0 = acc[4 * c + 2 * h], d1 = acc[4 * c + 2 * h + 1];
-        const float p = w[h];
-        const bool ok = valid[h];
-        const SwigluBwd lo = swiglu_bwd(bf16_lo(*g2), bf16_lo(*u2), p * d0);
-        const SwigluBwd hi = swiglu_bwd(bf16_hi(*g2), bf16_hi(*u2), p * d1);
-        dp[h] = fmaf(d0, lo.act, dp[h]);
-        dp[h] = fmaf(d1, hi.act, dp[h]);
-        *g2 = ok ? pack_bf16x2_rn(lo.dg, hi.dg) : 0u;
-        *u2 = ok ? pack_bf16x2_rn(lo.du, hi.du) : 0u;
-        __stcs(&act_p_row[(8 * h * args.intermediate + 8 * c) / 2],
-               ok ? pack_bf16x2_rn(p * lo.act, p * hi.act) : 0u);
-    }
-
-    /* Hand dg and du to the store warps, then the row sums of d p. */
-    __device__ __forceinline__ void finish(int m_block, int n_block) {
-        const int t = threadIdx.x % 128, wg = threadIdx.x / 128;
-        const int lane = t % 32, warp = t / 32;
-        /* The gate_up region is next written by TMA (async proxy): order these generic
-         * writes before it; the store warps release it after reading dg and du out. */
-        ptx::fence_proxy_async_smem();
-        handoff.release(ring, wg);
+    /* Store warps: the SwiGLU backward of warpgroup wg's 64 rows. */
+    __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf) {
+        /* EP: this block's row_slot and row_weight come with its rows (once the call
+         * failed, no more waits). */
+        if (args.rows_in.arrivals &&
+            !*reinterpret_cast<volatile int32_t *>(&args.rows_in.state->call_failed))
+            ep::wait_block_rows(args.rows_in, m_block);
+        const int I = args.intermediate;
         const int64_t row0 = (int64_t)m_block * kBlockM + wg * 64;
+        const int lane = threadIdx.x % 32, sw = threadIdx.x / 32 - kFirstStoreWarp;
+        const int col = n_block * Cfg::BN + 8 * (lane % kLanesPerRow);
+        /* Rows lane and lane + 32: slot (padding: -1) and weight, passed by shuffles. */
+        const int slot_a = args.row_slot[row0 + lane], slot_b = args.row_slot[row0 + lane + 32];
+        const float w_a = args.row_weight[row0 + lane], w_b = args.row_weight[row0 + lane + 32];
+        /* This lane's row of step s: first + s kRowStride; the pointers of its row 0, to
+         * which a row adds 32-bit offsets. */
+        const int first = sw * kRowsPerStep + lane / kLanesPerRow;
+        const uint16_t *const gu_base = args.gate_up + row0 * 2 * I + col;
+        uint16_t *const dh_base = args.dh + row0 * 2 * I + col;
+        uint16_t *const ap_base = args.act_p + row0 * I + col;
+        float *const dp_base = args.dp_partial + row0 * args.dp_parts + n_block;
+        const uint8_t *const d_base = buf + 16 * (lane % kLanesPerRow);
+        const bool dp_lane = lane % kLanesPerRow == 0;
+
+        /* Step s's g and u pieces into slot s % kGuSlots; one cp.async group per step (an
+         * empty one past the last). Each lane reads back only its own pieces. A row past
+         * 64 loads row 63's (never stored). */
+        uint8_t *const gu_ring = ring.extra + sw * kGuSlots * kGuSlotBytes + 16 * lane;
+        auto load_step = [&](int s) {
+            if (s < kSteps) {
+                const int r = min(first + s * kRowStride, 63);
+                const uint16_t *g = gu_base + r * 2 * I;
+                uint8_t *slot = gu_ring + (s % kGuSlots) * kGuSlotBytes;
+                ptx::cp_async_16(slot, g);
+                ptx::cp_async_16(slot + kGuSlotBytes / 2, g + I);
+            }
+            ptx::cp_async_commit();
+        };
+        /* Row r's weight and padding flag (r < 64; the rows of a step are all below 32 or
+         * all not). */
+        auto weight_of = [&](unsigned r, bool &ok, float &p) {
+            const bool hi_half = r >= 32;
+            ok = __shfl_sync(0xffffffffu, hi_half ? slot_b : slot_a, r % 32) >= 0;
+            p = __shfl_sync(0xffffffffu, hi_half ? w_b : w_a, r % 32);
+        };
+        struct RowOut {
+            uint4 dg, du, ap;
+            float dp;
+        };
+        /* Step s's 8 columns of row r (r < 64) from the ring slot and the da' buffer. */
+        auto row_math = [&](int s, int r, float p) {
+            const uint8_t *slot = gu_ring + (s % kGuSlots) * kGuSlotBytes;
+            const uint4 g = *reinterpret_cast<const uint4 *>(slot);
+            const uint4 u = *reinterpret_cast<const uint4 *>(slot + kGuSlotBytes / 2);
+            const uint4 d = *reinterpret_cast<const uint4 *>(d_base + r * Cfg::kEpiRowBytes);
+            const SwigluBwdPair x = swiglu_bwd_pair(g.x, u.x, d.x, p);
+            const SwigluBwdPair y = swiglu_bwd_pair(g.y, u.y, d.y, p);
+            const SwigluBwdPair z = swiglu_bwd_pair(g.z, u.z, d.z, p);
+            const SwigluBwdPair w = swiglu_bwd_pair(g.w, u.w, d.w, p);
+            return RowOut{make_uint4(x.dg, y.dg, z.dg, w.dg), make_uint4(x.du, y.du, z.du, w.du),
+                          make_uint4(x.act_p, y.act_p, z.act_p, w.act_p),
+                          (x.dp + y.dp) + (z.dp + w.dp)};
+        };
+        /* Row r's outputs (zeros for a padding row), before its dp sum. */
+        auto store_row = [&](int r, bool ok, const RowOut &o) {
+            uint16_t *dh = dh_base + r * 2 * I;
+            uint4 *ap = reinterpret_cast<uint4 *>(ap_base + r * I);
+            if (ok) {
+                __stcs(reinterpret_cast<uint4 *>(dh), o.dg);
+                __stcs(reinterpret_cast<uint4 *>(dh + I), o.du);
+                __stcs(ap, o.ap);
+            } else {
+                const uint4 zero = make_uint4(0, 0, 0, 0);
+                __stcs(reinterpret_cast<uint4 *>(dh), zero);
+                __stcs(reinterpret_cast<uint4 *>(dh + I), zero);
+                __stcs(ap, zero);
+            }
+        };
+        auto store_dp = [&](int r, bool ok, float dp) {
+            if (dp_lane) dp_base[r * args.dp_parts] = ok ? dp : 0.f;
+        };
+        auto row_sum = [&](float v) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float sum = dp[h];
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            if (lane % 4 == 0) {
-                const int64_t r = row0 + warp * 16 + lane / 4 + 8 * h;
-                args.dp_partial[r * args.dp_parts + n_block] = valid[h] ? sum : 0.f;
+            for (int o = kLanesPerRow / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+            return v;
+        };
+
+#pragma unroll
+        for (int s = 0; s < kLead; ++s) load_step(s);
+#pragma unroll 1
+        for (int s0 = 0; s0 < kPairedSteps; s0 += kPair) {
+            /* The slots of the pair before are read: refill them kLead steps ahead, then
+             * wait for this pair's. */
+#pragma unroll
+            for (int k = 0; k < kPair; ++k) load_step(s0 + kLead + k);
+            ptx::cp_async_wait<kLead>();
+            bool ok[kPair];
+            float p[kPair];
+            RowOut out[kPair];
+#pragma unroll
+            for (int k = 0; k < kPair; ++k) weight_of(first + (s0 + k) * kRowStride, ok[k], p[k]);
+#pragma unroll
+            for (int k = 0; k < kPair; ++k) out[k] = row_math(s0 + k, first + (s0 + k) * kRowStride, p[k]);
+#pragma unroll
+            for (int k = 0; k < kPair; ++k) store_row(first + (s0 + k) * kRowStride, ok[k], out[k]);
+#pragma unroll
+            for (int k = 0; k < kPair; ++k)
+                store_dp(first + (s0 + k) * kRowStride, ok[k], row_sum(out[k].dp));
+        }
+        /* The tail: every step is loaded already. */
+        ptx::cp_async_wait<0>();
+#pragma unroll
+        for (int s = kPairedSteps; s < kSteps; ++s) {
+            const int r = first + s * kRowStride;
+            bool ok;
+            float p;
+            weight_of(min(r, 63), ok, p);
+            const RowOut out = row_math(s, min(r, 63), p);
+            const float dp = row_sum(out.dp);
+            if (r < 64) {
+                store_row(r, ok, out);
+                store_dp(r, ok, dp);
             }
         }
     }
-
-    /* Without the overlap: the whole epilogue after the tile's K loop. */
-    __device__ __forceinline__ void operator()(int m_block, int n_block,
-                                               float (&acc)[Cfg::kAccRegs], uint8_t *) {
-        begin(m_block, n_block);
-#pragma unroll
-        for (int q = 0; q < kPieces; ++q) piece(q, acc);
-        finish(m_block, n_block);
-    }
-
-    /* Store warps: dg and du rows from the gate_up tile (one row per warp step: lanes 0-15
-     * its 16 pieces of dg, lanes 16-31 those of du). After the last warpgroup's rows the
-     * tile goes back to the producer. */
-    __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *) {
-        const int I = args.intermediate;
-        const int64_t row0 = (int64_t)m_block * kBlockM + wg * 64;
-        const int col0 = n_block * Cfg::BN;
-        const int sw = threadIdx.x / 32 - kFirstStoreWarp, lane = threadIdx.x % 32;
-        const int v = lane % 16, half = lane / 16;
-        const uint8_t *tile = ring.extra + half * (kGuBytes / 2) + wg * 64 * 128;
-        for (int r = sw; r < 64; r += kStoreWarps) {
-            const int off = (v / 8) * kGuBoxBytes + r * 128 + (((v % 8) ^ (r % 8)) << 4);
-            uint4 *dst = reinterpret_cast<uint4 *>(args.dh + (row0 + r) * 2 * I + half * I + col0);
-            __stcs(&dst[v], *reinterpret_cast<const uint4 *>(tile + off));
-        }
-        if (wg == kConsumerWarpgroups - 1) ptx::mbar_arrive(ring.extra_empty);
-    }
 };
 
-template <class Cfg, bool kOverlap>
+template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel(const __grid_constant__ Dgrad2Args args) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
-    const Ring<Cfg> ring = ring_from_smem<Cfg>(smem_raw);
-    Dgrad2Load<Cfg> load{args, ring, 0, 0, 0, 0u, false};
-    Dgrad2Epilogue<Cfg, kOverlap> epi{args, ring, 0u, {}, {}, {}, {}};
+    Dgrad2Load<Cfg> load{args, 0, 0, 0, false};
+    Dgrad2Epilogue<Cfg> epi{args, ring_from_smem<Cfg>(smem_raw), {}};
     run_grouped_gemm<Cfg>(smem_raw, &args.map_dys, &args.map_w2, args.num_rows, args.rows_cap,
                           args.intermediate / Cfg::BN, args.hidden / kBlockK, load, epi);
 }
 
-template <class Cfg, bool kOverlap>
+template <class Cfg>
 cudaError_t launch(const mf_dgrad2_params *p, cudaStream_t stream) {
     Dgrad2Args args;
     cudaError_t err;
@@ -303,10 +310,7 @@ cudaError_t launch(const mf_dgrad2_params *p, cudaStream_t stream) {
                                      p->intermediate, p->intermediate, kBlockK, 64)) !=
         cudaSuccess)
         return err;
-    if ((err = mf_tensor_map_bf16_2d(&args.map_gu, p->gate_up, (uint64_t)p->rows_cap,
-                                     2 * (uint64_t)p->intermediate, 2 * (uint64_t)p->intermediate,
-                                     kBlockM, 64)) != cudaSuccess)
-        return err;
+    args.gate_up = p->gate_up;
     args.row_block_expert = p->row_block_expert;
     args.num_rows = p->num_rows;
     args.row_slot = p->row_slot;
@@ -320,18 +324,18 @@ cudaError_t launch(const mf_dgrad2_params *p, cudaStream_t stream) {
     args.intermediate = p->intermediate;
     args.dp_parts = p->intermediate / Cfg::BN;   /* = mf_dgrad2_dp_parts */
 
-    return launch_persistent(sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel<Cfg, kOverlap>,
-                             Cfg::kSmemBytes, p->num_sms, args, stream);
+    return launch_persistent(sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel<Cfg>, Cfg::kSmemBytes,
+                             p->num_sms, args, stream);
 }
 
 }  // namespace
 
-/* Tile choice (and so the dp partials per row): BN = 128, 5 stages of 32 KB and the 64 KB
- * gate_up tile. 0 when I is not supported.
- * NOTE: BN = 256 would need a 128 KB gate_up tile beside the ring: it does not fit. */
+/* Tile choice, and so the dp partials per row: BN = 256 when I allows it, else 128.
+ * 0 when I is not supported. */
 extern "C" int mf_dgrad2_dp_parts(int intermediate) {
-    if (intermediate <= 0 || intermediate % kTileN) return 0;
-    return intermediate / kTileN;
+    if (intermediate <= 0 || intermediate % NarrowCfg::BN) return 0;
+    if (intermediate % WideCfg::BN == 0) return intermediate / WideCfg::BN;
+    return intermediate / NarrowCfg::BN;
 }
 
 extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(const mf_dgrad2_params *p,
@@ -341,22 +345,19 @@ extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(const mf_dgrad2_param
         (p->arrivals && (!p->arrival_target || !p->state)))
         return cudaErrorInvalidValue;
     if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % kBlockK ||
-        p->intermediate <= 0 || p->intermediate % kTileN || p->num_local_experts <= 0 ||
+        mf_dgrad2_dp_parts(p->intermediate) == 0 || p->num_local_experts <= 0 ||
         p->num_sms <= 0)
         return cudaErrorInvalidValue;
-    /* TMA sources and the 16-byte epilogue stores. */
+    /* TMA sources and the 16-byte loads and stores of the store warps. */
     if (misaligned16(p->dys, p->w2, p->gate_up, p->dh, p->act_p) ||
         (reinterpret_cast<uintptr_t>(p->dp_partial) & 3u))
         return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
-    /* The epilogue under the next tile's K loop needs 8 K blocks (H >= 512). */
-    using Overlapped = Dgrad2Epilogue<Dgrad2Cfg, true>;
-    if (p->hidden / kBlockK >= Overlapped::kPieces / Overlapped::kPiecesPerKBlock)
-        return launch<Dgrad2Cfg, true>(p, stream);
-    return launch<Dgrad2Cfg, false>(p, stream);
+    if (p->intermediate % WideCfg::BN == 0) return launch<WideCfg>(p, stream);
+    return launch<NarrowCfg>(p, stream);
 }
 
 extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_load(void) {
-    return mf_load_kernels(sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel<Dgrad2Cfg, true>,
-                           sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel<Dgrad2Cfg, false>);
+    return mf_load_kernels(sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel<WideCfg>,
+                           sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel<NarrowCfg>);
 }

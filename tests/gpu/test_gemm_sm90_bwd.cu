@@ -11,10 +11,10 @@
  * (dW2 + dgrad1 + dW13) against the three.
  *
  * Tolerances (th_bf16_tolerance(n), n = bf16 roundings on the path, inputs exact bf16):
- *   dh, act_p, combine: one rounding of an fp32 result -> n = 1.
- *   dp: fp32 sum of da' * a with no bf16 rounding of its own; a = bf16(silu(g) u) is
- *       computed on both sides but the device's __expf may land a different rounding
- *       of a now and then, so n = 1 to be safe.
+ *   act_p, combine: one rounding of an fp32 result -> n = 1.
+ *   dh: da' = W2^T dy rounded to bf16 (the store warps' input), then dg, du -> n = 2.
+ *   dp: fp32 sum of bf16 da' * a; a = bf16(silu(g) u) is computed on both sides but the
+ *       device's exp may land a different rounding of a now and then: n = 2.
  *   dW: fp32 accumulation only (n = 0): the norm-wise error of a K-term fp32 sum is
  *       about sqrt(K) * 2^-24 (K <= 1152 here: ~2e-6), inside the rule's 1e-5 floor. */
 #include <cuda_bf16.h>
@@ -151,16 +151,17 @@ static void check_dgrad(int H, int I, const std::vector<int> &counts) {
             got_c[(size_t)v * H + n] = bf2d(comb[(size_t)slot * H + n]);
         }
     }
-    const double tol = th_bf16_tolerance(1);
+    const double tol = th_bf16_tolerance(1), tol_da = th_bf16_tolerance(2);
     const double e_dh = th_rel_l2(got_dh.data(), ref_dh.data(), (int64_t)got_dh.size());
     const double e_ap = th_rel_l2(got_ap.data(), ref_ap.data(), (int64_t)got_ap.size());
     const double e_dp = th_rel_l2(got_dp.data(), ref_dp.data(), (int64_t)got_dp.size());
     const double e_c = th_rel_l2(got_c.data(), ref_c.data(), (int64_t)got_c.size());
     printf("  H=%d I=%d E=%d rows=%d (valid %d): rel err dh %.2e act_p %.2e dp %.2e "
-           "combine %.2e (tol %.2e)\n", H, I, E, L.num_rows, nv, e_dh, e_ap, e_dp, e_c, tol);
-    CHECK(e_dh <= tol, "dgrad2 dh rel error %.3e > %.3e", e_dh, tol);
+           "combine %.2e (tol %.2e, dh and dp %.2e)\n", H, I, E, L.num_rows, nv, e_dh, e_ap,
+           e_dp, e_c, tol, tol_da);
+    CHECK(e_dh <= tol_da, "dgrad2 dh rel error %.3e > %.3e", e_dh, tol_da);
     CHECK(e_ap <= tol, "dgrad2 act_p rel error %.3e > %.3e", e_ap, tol);
-    CHECK(e_dp <= tol, "dgrad2 dp rel error %.3e > %.3e", e_dp, tol);
+    CHECK(e_dp <= tol_da, "dgrad2 dp rel error %.3e > %.3e", e_dp, tol_da);
     CHECK(e_c <= tol, "dgrad1 combine rel error %.3e > %.3e", e_c, tol);
 
     /* Padding rows inside blocks: exact zeros; rows past num_rows: untouched. */
@@ -416,9 +417,9 @@ static void check_wgrad(int M, int N, const std::vector<int> &counts) {
 
 static void test_dgrad_bn256(void) { check_dgrad(512, 256, {0, 1, 1037, 37, 0, 200, 128, 5}); }
 static void test_dgrad_bn128(void) { check_dgrad(384, 384, {3, 0, 0, 256, 1, 1100}); }
-/* H >= 512: dgrad2's epilogue runs under the next tile's K loop (20 K blocks: 8 with
- * epilogue pieces, 4 without); the 7-CTA rerun gives each CTA several tiles. */
-static void test_dgrad_bn256_overlap(void) { check_dgrad(1280, 256, {0, 1, 1037, 37, 0, 200, 128, 5}); }
+/* A longer K loop (20 K blocks) than the store warps' SwiGLU backward of a tile; the 7-CTA
+ * rerun gives each CTA several tiles, so the store buffers wrap. */
+static void test_dgrad_bn256_long_k(void) { check_dgrad(1280, 256, {0, 1, 1037, 37, 0, 200, 128, 5}); }
 static void test_wgrad_bn256(void) { check_wgrad(384, 512, {0, 1, 1037, 37, 0, 200, 128, 5}); }
 static void test_wgrad_bn128(void) { check_wgrad(256, 384, {3, 0, 0, 256, 1, 1100}); }
 
@@ -659,7 +660,7 @@ int main(int argc, char **argv) {
     static const struct { const char *name; void (*fn)(void); } cases[] = {
         {"gemm_sm90_bwd_dgrad_bn256", test_dgrad_bn256},
         {"gemm_sm90_bwd_dgrad_bn128", test_dgrad_bn128},
-        {"gemm_sm90_bwd_dgrad_bn256_overlap", test_dgrad_bn256_overlap},
+        {"gemm_sm90_bwd_dgrad_bn256_long_k", test_dgrad_bn256_long_k},
         {"gemm_sm90_bwd_wgrad_bn256", test_wgrad_bn256},
         {"gemm_sm90_bwd_wgrad_bn128", test_wgrad_bn128},
         {"gemm_sm90_bwd_expert_order", test_expert_order},
