@@ -25,18 +25,16 @@
  * failure" on an H200: bench/NOTES.md v9.) A TileConfig may pick another split
  * (ProducerRegs).
  * NOTE: ptxas (CUDA 13) allocates the code after setmaxnreg.inc within the new count:
- * the BN = 256 gemm2 and dgrad1 consumers use registers up to R211 and dgrad2's up to
- * R193 (cuobjdump -sass, 2026-12-03; an earlier note here said nothing passed R165).
- * The producer's 40 binds the store warps.
+ * the BN = 256 gemm2 and dgrad1 consumers use registers up to R211 (cuobjdump -sass,
+ * 2026-12-03; an earlier note here said nothing passed R165). The producer's 40 binds
+ * the store warps; dgrad2's, which run its SwiGLU backward, take 104 (ProducerRegs).
  *
  * Epilogue: by the store warps (TileConfig's STORE_ROW_BYTES > 0): each consumer
  * warpgroup writes its 64 output rows into its own shared-memory buffer and hands it over;
  * the producer warpgroup's three other warps read the rows back and store them with
  * whole 16-byte (or 8-byte) row pieces to where they go (rows can be scattered, as the
  * combine needs) while the consumers run the next tile's K loop (see "store warps").
- * Without store warps (fp32 wgrad) the consumers store from their registers. dgrad2 has
- * store warps but no buffers (STORE_WARPS without STORE_ROW_BYTES): its store warps copy
- * dg and du out of its extra region, and act_p goes from the registers.
+ * Without store warps (fp32 wgrad) the consumers store from their registers.
  * NOTE: measured on an H200, staging in shared memory (then by the consumers themselves)
  * against storing straight from the accumulator registers (4-byte stores, 16-byte
  * pieces of 8 rows per warp instruction): qwen3-30b-a3b gemm2
@@ -76,24 +74,19 @@ static_assert(kConsumerWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
 
 /* ---- tile configuration ------------------------------------------------------------ */
 /* EXTRA_BYTES: shared memory of the kernel's own (a multiple of 1024, so a swizzled TMA
- * box can land there), with one full/empty barrier pair: a per-tile operand of the
- * epilogue that the producer loads once per tile (dgrad2's gate_up tile).
- * NOTE: the producer issues that load from the tile's last K stage, so a kernel with an
- * extra region needs at least one K block per tile (dgrad2: K = H >= 64). */
+ * box can land there), with one full/empty barrier pair: the fused kernels' tile queue,
+ * dgrad2's g/u staging. */
 /* STORE_ROW_BYTES: 0, the consumers store their rows themselves from the registers (no
  * buffers); else the store warps do, from a buffer per consumer warpgroup of 64 rows of
- * that many bytes (+16).
- * STORE_WARPS: the producer warpgroup's other three warps run the epilogue's drain (the
- * handoff barriers) even with no buffers: dgrad2's store warps copy dg and du out of its
- * extra region. */
+ * that many bytes (+16). */
 template <int BN_, int STAGES_, bool A_MN_MAJOR = false, bool B_MN_MAJOR = false,
-          int EXTRA_BYTES = 0, int STORE_ROW_BYTES = 0, bool STORE_WARPS = (STORE_ROW_BYTES > 0)>
+          int EXTRA_BYTES = 0, int STORE_ROW_BYTES = 0>
 struct TileConfig {
     static constexpr int BN = BN_;
     static constexpr int kStages = STAGES_;
     static constexpr int kExtraBytes = EXTRA_BYTES;
     static constexpr int kStoreRowBytes = STORE_ROW_BYTES;
-    static constexpr bool kStoreWarps = STORE_WARPS;
+    static constexpr bool kStoreWarps = STORE_ROW_BYTES > 0;
     static constexpr int kProducerRegs = sm90::kProducerRegs;   /* setmaxnreg of the roles */
     static constexpr int kConsumerRegs = sm90::kConsumerRegs;
     /* +16 bytes per row: rows 4 banks apart, so the 4-byte stores of the accumulator
@@ -123,7 +116,6 @@ struct TileConfig {
                   "MN-major tiles are whole 64-element boxes of whole swizzle atoms");
     static_assert(STORE_ROW_BYTES % 128 == 0 && STORE_ROW_BYTES <= 512,
                   "store warps move rows of 8 to 32 pieces of 16 bytes");
-    static_assert(STORE_WARPS || STORE_ROW_BYTES == 0, "store buffers need store warps");
 };
 
 /* A tile configuration whose producer warpgroup (the TMA thread and the store warps) gets
@@ -413,93 +405,6 @@ __device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched
                        });
 }
 
-/* ---- consumer role with the epilogue under the next tile's K loop ---------------------
- * For an epilogue that is mostly math in the consumers (dgrad2's SwiGLU backward). Two
- * accumulator sets (kAccRegs <= 64 each) alternate between tiles; tile i's epilogue runs
- * in pieces between the wgmma issues and waits of tile i+1's first K blocks, on the other
- * set, so the tensor cores keep working through it. The last tile's epilogue runs after
- * its K loop. The epilogue opts in with kOverlapNextTile = true, kPieces,
- * kPiecesPerKBlock (how many run after each wgmma issue) and
- *   begin(m, n)          before the first piece of tile (m, n), after the first issue
- *   piece(q, acc)        q = 0 .. kPieces - 1, each a constant after unrolling
- *   finish(m, n)         after the last piece
- *   prepare(m, n)        the next tile's global loads (routing weights), issued once the
- *                        tile before is done with its own
- *   operator()           the whole epilogue of the last tile (begin, every piece, finish),
- *                        as the plain consumer_role calls it.
- * Every tile's K loop must be at least kPieces / kPiecesPerKBlock blocks long (the
- * launcher checks; the kernel traps otherwise rather than wait for stages that never
- * come).
- * NOTE: the two 64-register sets fit setmaxnreg's 232 (dgrad2's consumers use up to
- * R186 here), and the loop has no branch on whether an epilogue is pending (a first tile
- * is peeled off), since a wgmma in a path ptxas cannot prove uniform makes it serialize
- * every wgmma (C7518). */
-template <class E, class = void>
-struct OverlapsNextTile {
-    static constexpr bool value = false;
-};
-template <class E>
-struct OverlapsNextTile<E, decltype(void(E::kOverlapNextTile))> {
-    static constexpr bool value = E::kOverlapNextTile;
-};
-
-template <class Cfg, class Sched, class Epi>
-__device__ __forceinline__ void consumer_role_overlapped(const Ring<Cfg> &ring, Sched sched,
-                                                         Epi &epi) {
-    static_assert(Cfg::kAccRegs <= 64, "two accumulator sets beside the epilogue's registers");
-    constexpr int kPerBlock = Epi::kPiecesPerKBlock;
-    static_assert(Epi::kPieces % kPerBlock == 0, "whole K blocks of pieces");
-    constexpr int kSpreadBlocks = Epi::kPieces / kPerBlock;
-    float acc0[Cfg::kAccRegs], acc1[Cfg::kAccRegs];
-    RingPos<Cfg> pos;
-    int m_prev = 0, n_prev = 0;
-
-    /* The tile's K loop into `acc`; with `other`, the tile before's epilogue runs in
-     * pieces under its first kSpreadBlocks K blocks. */
-    auto run_tile = [&](float(&acc)[Cfg::kAccRegs], float(&other)[Cfg::kAccRegs],
-                        auto with_epilogue) -> bool {
-        constexpr bool kEpilogue = decltype(with_epilogue)::value;
-        int m_block, n_block;
-        if (!sched.next_tile(m_block, n_block)) return false;
-        const int num_k_blocks = sched.num_k_blocks(m_block, n_block);
-        if (num_k_blocks < kSpreadBlocks) __trap();
-        int prev_stage = 0;
-#pragma unroll
-        for (int kb = 0; kb < kSpreadBlocks; ++kb) {
-            issue_k_block<Cfg>(ring, pos, acc, kb);
-            if constexpr (kEpilogue) {
-                if (kb == 0) epi.begin(m_prev, n_prev);   /* the first wgmmas run meanwhile */
-#pragma unroll
-                for (int j = 0; j < kPerBlock; ++j) epi.piece(kPerBlock * kb + j, other);
-                if (kb == kSpreadBlocks - 1) epi.finish(m_prev, n_prev);
-            }
-            if (kb == kSpreadBlocks - 1) epi.prepare(m_block, n_block);
-            retire_k_block<Cfg>(ring, pos, acc, kb, prev_stage);
-        }
-        for (int kb = kSpreadBlocks; kb < num_k_blocks; ++kb) {
-            issue_k_block<Cfg>(ring, pos, acc, kb);
-            retire_k_block<Cfg>(ring, pos, acc, kb, prev_stage);
-        }
-        end_k_loop<Cfg>(ring, acc, num_k_blocks, prev_stage);
-        m_prev = m_block;
-        n_prev = n_block;
-        return true;
-    };
-    /* The last tile's epilogue, with nothing to overlap: the plain path's whole call. */
-    uint8_t *const buf = ring.epi_buf(threadIdx.x / 128);
-    if (!run_tile(acc0, acc1, std::false_type{})) return;
-    for (;;) {
-        if (!run_tile(acc1, acc0, std::true_type{})) {
-            epi(m_prev, n_prev, acc0, buf);
-            break;
-        }
-        if (!run_tile(acc0, acc1, std::true_type{})) {
-            epi(m_prev, n_prev, acc1, buf);
-            break;
-        }
-    }
-}
-
 /* ---- store warps ---------------------------------------------------------------------
  * The epilogue split in two so that its global stores overlap the next tile's K loop:
  *  - a consumer warpgroup waits until its buffer is empty (StoreHandoff::acquire), writes
@@ -512,9 +417,8 @@ __device__ __forceinline__ void consumer_role_overlapped(const Ring<Cfg> &ring, 
  * any epilogue gemm2 ran in 0.58 ms instead of 0.95 and dgrad2 in 0.66 ms instead of
  * 1.26; most of the difference was the stores and the routing-weight loads, which the
  * consumers waited for before starting the next tile. With store warps: gemm2 0.69 ms,
- * dgrad1 1.35 -> 1.17 ms, dgrad2 1.13 ms (its SwiGLU math stays in the consumers: moved
- * into the store warps it ran 60% slower, bench/NOTES.md v7; it now runs under the next
- * tile's K loop instead, consumer_role_overlapped, v8). */
+ * dgrad1 1.35 -> 1.17 ms, dgrad2 1.13 ms. dgrad2's store warps run its whole SwiGLU
+ * backward (bench/NOTES.md v22; v7 tried it with 3x the instructions per element). */
 struct StoreHandoff {
     uint32_t phase = 0;
 
@@ -661,8 +565,7 @@ __device__ __forceinline__ void run_grouped_gemm_roles(uint8_t *smem_raw,
     }
 }
 
-/* The kernels with one operand layout: consumer_role, or consumer_role_overlapped for an
- * epilogue that asks for it. */
+/* The kernels with one operand layout. */
 template <class Cfg, class Sched, class Load, class Epi>
 __device__ __forceinline__ void run_grouped_gemm_sched(uint8_t *smem_raw,
                                                        const CUtensorMap *map_a,
@@ -671,10 +574,7 @@ __device__ __forceinline__ void run_grouped_gemm_sched(uint8_t *smem_raw,
                                                        Epi &epi) {
     run_grouped_gemm_roles<Cfg>(smem_raw, map_a, map_b, sched, load, epi,
                                 [](const Ring<Cfg> &ring, const Sched &s, Epi &e) {
-                                    if constexpr (OverlapsNextTile<Epi>::value)
-                                        consumer_role_overlapped<Cfg>(ring, s, e);
-                                    else
-                                        consumer_role<Cfg>(ring, s, e);
+                                    consumer_role<Cfg>(ring, s, e);
                                 });
 }
 
