@@ -74,8 +74,9 @@ static_assert(kConsumerWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
 
 /* ---- tile configuration ------------------------------------------------------------ */
 /* EXTRA_BYTES: shared memory of the kernel's own (a multiple of 1024, so a swizzled TMA
- * box can land there), with one full/empty barrier pair: the fused kernels' tile queue,
- * dgrad2's g/u staging. */
+ * box can land there): the fused kernels' tile queue, dgrad2's g/u staging. Its
+ * full/empty barrier pair (Ring::extra_full, extra_empty) is initialised but no kernel
+ * waits on it since dgrad2 stopped loading its gate_up tile by TMA. */
 /* STORE_ROW_BYTES: 0, the consumers store their rows themselves from the registers (no
  * buffers); else the store warps do, from a buffer per consumer warpgroup of 64 rows of
  * that many bytes (+16). */

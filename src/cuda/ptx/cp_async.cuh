@@ -1,5 +1,5 @@
 /* cp.async (LDGSTS): 16-byte copies from global to shared memory that complete in this
- * thread's cp.async groups, and the L2 prefetch of a line. Inline device helpers only. */
+ * thread's cp.async groups. Inline device helpers only. */
 #pragma once
 
 #include <stdint.h>
@@ -25,12 +25,6 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-}
-
-/* Pulls the cache line holding src into L2 (a load-path prefetch: no register, nothing
- * to wait for). */
-__device__ __forceinline__ void prefetch_l2(const void *src) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(src));
 }
 
 }  // namespace ptx
