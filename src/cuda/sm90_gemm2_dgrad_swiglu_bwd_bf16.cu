@@ -20,9 +20,9 @@
  * round da' to bf16 into their store buffers (as dgrad1 and gemm2 round their rows), and
  * go on to the next tile; the store warps, with registers for it (ProducerRegs), run
  * the whole SwiGLU backward from that buffer while the next K loop runs. Each store warp
- * takes whole rows: 8 columns per lane, g and u copied into a small shared-memory ring by
- * cp.async two rows ahead, dh and act_p stored 16 bytes per lane (evict-first), the row's
- * dp partial a warp sum.
+ * takes whole rows, two 16-byte pieces (16 columns) per lane and two rows' steps at a
+ * time, g and u loaded into registers two steps ahead, dh and act_p stored 16 bytes per
+ * lane (evict-first), the rows' dp partials sums over the row's lanes.
  * NOTE: da' is rounded to bf16 before the SwiGLU backward (one more rounding on dh's
  * path than the fp32 da' of the consumer-side epilogue this replaced; the same rounding
  * torch._grouped_mm's bf16 output has in an autograd MoE). The CPU backend rounds it too.
@@ -30,16 +30,20 @@
  * epilogue it replaced (BN = 128, two accumulator sets, the math in 32 pieces under the
  * next tile's first K blocks): qwen3-30b-a3b 0.852 -> 0.812 ms (mean of four routings,
  * two rounds), qwen3-235b-a22b 2.80 -> 2.46 ms. The GEMM alone (store warps idle) takes
- * 0.54-0.59 and 2.26 ms: on 30b the three store warps (IPC ~0.3 each, ncu) still bound it. 
+ * 0.54-0.59 and 2.26 ms: on 30b the three store warps (IPC ~0.3 each, ncu) bound it.
+ * NOTE: measured on an H200 (bench/NOTES.md v23): two pieces per lane and two steps'
+ * math at a time (25 instructions per element instead of 32, SASS), qwen3-30b-a3b
+ * 0.825 -> 0.746 ms (mean of four routings, two rounds), qwen3-235b-a22b unchanged.
  *
  * FLOPs: 2 * rows * H * I. qwen3-30b-a3b at 131072 rows: 412 GFLOP, about 0.52 ms at
  * 790 TFLOP/s; outputs dh + act_p are 3 * rows * I * 2 bytes (0.6 GB) and the gate_up
  * read 0.4 GB: ~0.3 ms of HBM traffic, under the K loops. */
 #include <cuda_bf16.h>
 
+#include <type_traits>
+
 #include "ep_wait.cuh"
 #include "kernels.h"
-#include "ptx/cp_async.cuh"
 #include "sm90_grouped_gemm.cuh"
 #include "swiglu.cuh"
 #include "tensor_map.h"
@@ -64,19 +68,13 @@ struct Dgrad2Args {
     int rows_cap, hidden, intermediate, dp_parts;
 };
 
-/* The store warps' g and u staging: per store warp kGuSlots slots of one warp step's g
- * and u pieces (16 bytes per lane each), filled by cp.async kGuSlots - kPair steps ahead. */
-constexpr int kGuSlots = 4;
-constexpr int kGuSlotBytes = 32 * 16 * 2;
-constexpr int kGuRingBytes = kStoreWarps * kGuSlots * kGuSlotBytes;   /* 12 KB */
-
 /* The two tile choices (the launcher picks one by I), as dgrad1's: BN = 256 with 3 stages
- * of 48 KB beside the 66 KB of store buffers and the 12 KB g/u ring, else BN = 128 with 5
- * stages of 32 KB. The store warps carry the SwiGLU backward, so the producer warpgroup
- * gets 104 registers (the consumers 200). */
-constexpr int kStoreWarpRegs = 104;
-using WideCfg = ProducerRegs<TileConfig<256, 3, false, true, kGuRingBytes, 512>, kStoreWarpRegs>;
-using NarrowCfg = ProducerRegs<TileConfig<128, 5, false, true, kGuRingBytes, 256>, kStoreWarpRegs>;
+ * of 48 KB beside the 66 KB of store buffers, else BN = 128 with 5 stages of 32 KB. The
+ * store warps carry the SwiGLU backward, several rows at a time (kGroup): the producer
+ * warpgroup and the consumers get 168 registers each, the launch's even split. */
+constexpr int kStoreWarpRegs = 168;
+using WideCfg = ProducerRegs<TileConfig<256, 3, false, true, 0, 512>, kStoreWarpRegs>;
+using NarrowCfg = ProducerRegs<TileConfig<128, 5, false, true, 0, 256>, kStoreWarpRegs>;
 
 /* ---- producer: A rows of the block, then BN/64 boxes of W2_e rows k.. k+63. */
 template <class Cfg>
@@ -131,24 +129,72 @@ __device__ __forceinline__ SwigluBwdPair swiglu_bwd_pair(uint32_t g2, uint32_t u
             fmaf(d1, a1, d0 * a0)};
 }
 
+/* The sums over kLanes lanes (a power of two, the lanes of one row) of the kN values v
+ * each lane holds, in log2(kLanes) + kN - 1 shuffles: each of the first log2(kN) rounds
+ * halves the values, a lane keeping the half its bit of the round selects, the rest are a
+ * butterfly. Value k's sum ends in the lanes whose (lane % kLanes) is lane_of(k); each
+ * lane returns the sum of value index_of(lane). */
+template <int kN, int kLanes>
+struct GroupSum {
+    static_assert(kN >= 1 && kN <= kLanes && (kN & (kN - 1)) == 0 && (kLanes & (kLanes - 1)) == 0,
+                  "powers of two, no more values than lanes");
+    /* The lane bit of round j (0-based): kLanes / 2 >> j. */
+    static __device__ __forceinline__ int lane_of(int k) {
+        int l = 0;
+#pragma unroll
+        for (int j = 0; (1 << j) < kN; ++j) l |= ((k >> j) & 1) * (kLanes / 2 >> j);
+        return l;
+    }
+    static __device__ __forceinline__ int index_of(int lane) {
+        int k = 0;
+#pragma unroll
+        for (int j = 0; (1 << j) < kN; ++j) k |= ((lane & (kLanes / 2 >> j)) ? 1 : 0) << j;
+        return k;
+    }
+    static __device__ __forceinline__ float sum(float (&v)[kN], int lane) {
+        int n = kN, o = kLanes / 2;
+#pragma unroll
+        for (; n > 1; n /= 2, o /= 2) {
+            const bool upper = lane & o;
+#pragma unroll
+            for (int i = 0; i < n / 2; ++i) {
+                const float send = upper ? v[2 * i] : v[2 * i + 1];
+                const float keep = upper ? v[2 * i + 1] : v[2 * i];
+                v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+            }
+        }
+        float x = v[0];
+#pragma unroll
+        for (; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+        return x;
+    }
+    /* Whether this lane stores the sum it holds (one lane per value). */
+    static __device__ __forceinline__ bool stores(int lane) {
+        return (lane % kLanes) == lane_of(index_of(lane));
+    }
+};
+
 template <class Cfg>
 struct Dgrad2Epilogue {
-    /* A row's BN columns are kLanesPerRow lanes of 8; a warp step covers kRowsPerStep rows,
-     * and each warp takes every kStoreWarps-th step: kSteps of them. The first kFullSteps
-     * have all their rows in every warp and run kPair at a time with no branch in the
-     * math, so that the steps' chains interleave; the rest (the last one or two, whose
-     * rows may run past 64) run one at a time, masked. */
-    static constexpr int kLanesPerRow = Cfg::BN / 8;
+    /* A row's BN columns are kLanesPerRow lanes of kPieces 16-byte pieces (8 columns each,
+     * the pieces BN / kPieces columns apart, so that one row offset serves them all); a warp
+     * step covers kRowsPerStep rows, and each warp takes every kStoreWarps-th step: kSteps
+     * of them. The steps run kGroup at a time with no branch in the math, so that their
+     * chains interleave (one warp per scheduler issues this code: its latencies bound it),
+     * each step's g and u registers loaded with the step kGroup later once its math has
+     * read them. The steps left over form a last group, whose rows past 64 (the last step
+     * of some warps) compute row 63 again and store nothing. */
+    static constexpr int kPieces = 2;
+    static constexpr int kLanesPerRow = Cfg::BN / 8 / kPieces;
+    static constexpr int kPieceCols = Cfg::BN / kPieces;
     static constexpr int kRowsPerStep = 32 / kLanesPerRow;
     static constexpr int kRowStride = kStoreWarps * kRowsPerStep;   /* rows between a warp's steps */
     static constexpr int kSteps = (64 + kRowStride - 1) / kRowStride;
-    static constexpr int kFullSteps = 64 / kRowStride;
-    static constexpr int kPair = 2;
-    static constexpr int kPairedSteps = kFullSteps / kPair * kPair;
-    static constexpr int kLead = kGuSlots - kPair;   /* steps loaded ahead of a pair */
-    static_assert(kLead >= 1 && Cfg::kExtraBytes == kGuRingBytes, "the g/u ring");
-    static_assert(kPairedSteps + kLead >= kSteps,
-                  "the pairs' loads reach every step, so the tail only waits");
+    static constexpr int kFullSteps = 64 / kRowStride;   /* rows below 64 in every warp */
+    static constexpr int kGroup = 2;
+    static constexpr int kGroupedSteps = kFullSteps / kGroup * kGroup;
+    static constexpr int kLastGroup = kSteps - kGroupedSteps;
+    static_assert(kLastGroup <= kGroup, "the last group fits the group's registers");
     static_assert(Cfg::kStoreRowBytes == Cfg::BN * 2 && Cfg::kStoreWarps,
                   "the consumers hand da' over as bf16 rows of the tile's width");
     const Dgrad2Args &args;
@@ -183,108 +229,91 @@ struct Dgrad2Epilogue {
         uint16_t *const ap_base = args.act_p + row0 * I + col;
         float *const dp_base = args.dp_partial + row0 * args.dp_parts + n_block;
         const uint8_t *const d_base = buf + 16 * (lane % kLanesPerRow);
-        const bool dp_lane = lane % kLanesPerRow == 0;
+        auto row_of = [&](int s) { return first + s * kRowStride; };
 
-        /* Step s's g and u pieces into slot s % kGuSlots; one cp.async group per step (an
-         * empty one past the last). Each lane reads back only its own pieces. A row past
-         * 64 loads row 63's (never stored). */
-        uint8_t *const gu_ring = ring.extra + sw * kGuSlots * kGuSlotBytes + 16 * lane;
-        auto load_step = [&](int s) {
-            if (s < kSteps) {
-                const int r = min(first + s * kRowStride, 63);
-                const uint16_t *g = gu_base + r * 2 * I;
-                uint8_t *slot = gu_ring + (s % kGuSlots) * kGuSlotBytes;
-                ptx::cp_async_16(slot, g);
-                ptx::cp_async_16(slot + kGuSlotBytes / 2, g + I);
-            }
-            ptx::cp_async_commit();
-        };
-        /* Row r's weight and padding flag (r < 64; the rows of a step are all below 32 or
-         * all not). */
-        auto weight_of = [&](unsigned r, bool &ok, float &p) {
-            const bool hi_half = r >= 32;
-            ok = __shfl_sync(0xffffffffu, hi_half ? slot_b : slot_a, r % 32) >= 0;
-            p = __shfl_sync(0xffffffffu, hi_half ? w_b : w_a, r % 32);
-        };
-        struct RowOut {
-            uint4 dg, du, ap;
-            float dp;
-        };
-        /* Step s's 8 columns of row r (r < 64) from the ring slot and the da' buffer. */
-        auto row_math = [&](int s, int r, float p) {
-            const uint8_t *slot = gu_ring + (s % kGuSlots) * kGuSlotBytes;
-            const uint4 g = *reinterpret_cast<const uint4 *>(slot);
-            const uint4 u = *reinterpret_cast<const uint4 *>(slot + kGuSlotBytes / 2);
-            const uint4 d = *reinterpret_cast<const uint4 *>(d_base + r * Cfg::kEpiRowBytes);
-            const SwigluBwdPair x = swiglu_bwd_pair(g.x, u.x, d.x, p);
-            const SwigluBwdPair y = swiglu_bwd_pair(g.y, u.y, d.y, p);
-            const SwigluBwdPair z = swiglu_bwd_pair(g.z, u.z, d.z, p);
-            const SwigluBwdPair w = swiglu_bwd_pair(g.w, u.w, d.w, p);
-            return RowOut{make_uint4(x.dg, y.dg, z.dg, w.dg), make_uint4(x.du, y.du, z.du, w.du),
-                          make_uint4(x.act_p, y.act_p, z.act_p, w.act_p),
-                          (x.dp + y.dp) + (z.dp + w.dp)};
-        };
-        /* Row r's outputs (zeros for a padding row), before its dp sum. */
-        auto store_row = [&](int r, bool ok, const RowOut &o) {
-            uint16_t *dh = dh_base + r * 2 * I;
-            uint4 *ap = reinterpret_cast<uint4 *>(ap_base + r * I);
-            if (ok) {
-                __stcs(reinterpret_cast<uint4 *>(dh), o.dg);
-                __stcs(reinterpret_cast<uint4 *>(dh + I), o.du);
-                __stcs(ap, o.ap);
-            } else {
-                const uint4 zero = make_uint4(0, 0, 0, 0);
-                __stcs(reinterpret_cast<uint4 *>(dh), zero);
-                __stcs(reinterpret_cast<uint4 *>(dh + I), zero);
-                __stcs(ap, zero);
+        /* g and u of the steps in flight: [step in the group][piece]. */
+        uint4 g[kGroup][kPieces], u[kGroup][kPieces];
+        /* Step s's g and u (a row past 64 loads row 63's), streamed. */
+        auto load = [&](int s, uint4 (&gs)[kPieces], uint4 (&us)[kPieces]) {
+            const uint16_t *p = gu_base + min(row_of(s), 63) * 2 * I;
+#pragma unroll
+            for (int j = 0; j < kPieces; ++j) {
+                gs[j] = __ldcs(reinterpret_cast<const uint4 *>(p + j * kPieceCols));
+                us[j] = __ldcs(reinterpret_cast<const uint4 *>(p + I + j * kPieceCols));
             }
         };
-        auto store_dp = [&](int r, bool ok, float dp) {
-            if (dp_lane) dp_base[r * args.dp_parts] = ok ? dp : 0.f;
-        };
-        auto row_sum = [&](float v) {
+        /* kN steps from s0: math, stores and the dp sums. kLast: the last group (rows may
+         * run past 64; no loads after it). */
+        auto group = [&](int s0, auto n, auto last) {
+            constexpr int kN = decltype(n)::value;
+            constexpr bool kLast = decltype(last)::value;
+            constexpr int kSums = kN <= 1 ? 1 : kN <= 2 ? 2 : kN <= 4 ? 4 : 8;   /* kN's power of two */
+            float dp[kSums];
 #pragma unroll
-            for (int o = kLanesPerRow / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-            return v;
+            for (int k = kN; k < kSums; ++k) dp[k] = 0.f;
+            unsigned ok_bits = 0;
+#pragma unroll
+            for (int k = 0; k < kN; ++k) {
+                const int r = kLast ? min(row_of(s0 + k), 63) : row_of(s0 + k);
+                /* Row r's weight and padding flag (the rows of a step are all below 32 or
+                 * all not). */
+                const bool hi_half = r >= 32;
+                const bool ok = __shfl_sync(0xffffffffu, hi_half ? slot_b : slot_a, r % 32) >= 0;
+                const float p = __shfl_sync(0xffffffffu, hi_half ? w_b : w_a, r % 32);
+                uint4 dg[kPieces], du[kPieces], ap[kPieces];
+                float dps = 0.f;
+#pragma unroll
+                for (int j = 0; j < kPieces; ++j) {
+                    const uint4 d = *reinterpret_cast<const uint4 *>(
+                        d_base + r * Cfg::kEpiRowBytes + j * kPieceCols * 2);
+                    const SwigluBwdPair o0 = swiglu_bwd_pair(g[k][j].x, u[k][j].x, d.x, p);
+                    const SwigluBwdPair o1 = swiglu_bwd_pair(g[k][j].y, u[k][j].y, d.y, p);
+                    const SwigluBwdPair o2 = swiglu_bwd_pair(g[k][j].z, u[k][j].z, d.z, p);
+                    const SwigluBwdPair o3 = swiglu_bwd_pair(g[k][j].w, u[k][j].w, d.w, p);
+                    dg[j] = make_uint4(o0.dg, o1.dg, o2.dg, o3.dg);
+                    du[j] = make_uint4(o0.du, o1.du, o2.du, o3.du);
+                    ap[j] = make_uint4(o0.act_p, o1.act_p, o2.act_p, o3.act_p);
+                    dps += (o0.dp + o1.dp) + (o2.dp + o3.dp);
+                }
+                if (!kLast) load(s0 + kGroup + k, g[k], u[k]);
+                dp[k] = dps;
+                ok_bits |= (unsigned)ok << k;
+                /* Zeros for a padding row; nothing past row 63. */
+                if (!kLast || row_of(s0 + k) < 64) {
+                    uint16_t *dh = dh_base + r * 2 * I;
+                    uint16_t *a = ap_base + r * I;
+                    const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+                    for (int j = 0; j < kPieces; ++j) {
+                        uint4 *dgp = reinterpret_cast<uint4 *>(dh + j * kPieceCols);
+                        uint4 *dup = reinterpret_cast<uint4 *>(dh + I + j * kPieceCols);
+                        uint4 *app = reinterpret_cast<uint4 *>(a + j * kPieceCols);
+                        if (ok) {
+                            __stcs(dgp, dg[j]);
+                            __stcs(dup, du[j]);
+                            __stcs(app, ap[j]);
+                        } else {
+                            __stcs(dgp, zero);
+                            __stcs(dup, zero);
+                            __stcs(app, zero);
+                        }
+                    }
+                }
+            }
+            using Sum = GroupSum<kSums, kLanesPerRow>;
+            const float sum = Sum::sum(dp, lane);
+            const int k = Sum::index_of(lane);
+            if (Sum::stores(lane) && k < kN && (!kLast || row_of(s0 + k) < 64))
+                dp_base[row_of(s0 + k) * args.dp_parts] = (ok_bits >> k) & 1 ? sum : 0.f;
         };
 
 #pragma unroll
-        for (int s = 0; s < kLead; ++s) load_step(s);
+        for (int k = 0; k < kGroup; ++k) load(k, g[k], u[k]);
 #pragma unroll 1
-        for (int s0 = 0; s0 < kPairedSteps; s0 += kPair) {
-            /* The slots of the pair before are read: refill them kLead steps ahead, then
-             * wait for this pair's. */
-#pragma unroll
-            for (int k = 0; k < kPair; ++k) load_step(s0 + kLead + k);
-            ptx::cp_async_wait<kLead>();
-            bool ok[kPair];
-            float p[kPair];
-            RowOut out[kPair];
-#pragma unroll
-            for (int k = 0; k < kPair; ++k) weight_of(first + (s0 + k) * kRowStride, ok[k], p[k]);
-#pragma unroll
-            for (int k = 0; k < kPair; ++k) out[k] = row_math(s0 + k, first + (s0 + k) * kRowStride, p[k]);
-#pragma unroll
-            for (int k = 0; k < kPair; ++k) store_row(first + (s0 + k) * kRowStride, ok[k], out[k]);
-#pragma unroll
-            for (int k = 0; k < kPair; ++k)
-                store_dp(first + (s0 + k) * kRowStride, ok[k], row_sum(out[k].dp));
-        }
-        /* The tail: every step is loaded already. */
-        ptx::cp_async_wait<0>();
-#pragma unroll
-        for (int s = kPairedSteps; s < kSteps; ++s) {
-            const int r = first + s * kRowStride;
-            bool ok;
-            float p;
-            weight_of(min(r, 63), ok, p);
-            const RowOut out = row_math(s, min(r, 63), p);
-            const float dp = row_sum(out.dp);
-            if (r < 64) {
-                store_row(r, ok, out);
-                store_dp(r, ok, dp);
-            }
-        }
+        for (int s0 = 0; s0 < kGroupedSteps; s0 += kGroup)
+            group(s0, std::integral_constant<int, kGroup>(), std::false_type());
+        if constexpr (kLastGroup > 0)
+            group(kGroupedSteps, std::integral_constant<int, kLastGroup>(), std::true_type());
     }
 };
 

@@ -27,7 +27,7 @@
  * NOTE: ptxas (CUDA 13) allocates the code after setmaxnreg.inc within the new count:
  * the BN = 256 gemm2 and dgrad1 consumers use registers up to R211 (cuobjdump -sass,
  * 2026-12-03; an earlier note here said nothing passed R165). The producer's 40 binds
- * the store warps; dgrad2's, which run its SwiGLU backward, take 104 (ProducerRegs).
+ * the store warps; dgrad2's, which run its SwiGLU backward, take 168 (ProducerRegs).
  *
  * Epilogue: by the store warps (TileConfig's STORE_ROW_BYTES > 0): each consumer
  * warpgroup writes its 64 output rows into its own shared-memory buffer and hands it over;
@@ -74,7 +74,7 @@ static_assert(kConsumerWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
 
 /* ---- tile configuration ------------------------------------------------------------ */
 /* EXTRA_BYTES: shared memory of the kernel's own (a multiple of 1024, so a swizzled TMA
- * box can land there): the fused kernels' tile queue, dgrad2's g/u staging. Its
+ * box can land there): the fused kernels' tile queue. Its
  * full/empty barrier pair (Ring::extra_full, extra_empty) is initialised but no kernel
  * waits on it since dgrad2 stopped loading its gate_up tile by TMA. */
 /* STORE_ROW_BYTES: 0, the consumers store their rows themselves from the registers (no
