@@ -130,7 +130,7 @@ __device__ __forceinline__ SwigluBwdPair swiglu_bwd_pair(uint32_t g2, uint32_t u
 }
 
 /* The sums over kLanes lanes (a power of two, the lanes of one row) of the kN values v
- * each lane holds, in log2(kLanes) + kN - 1 shuffles: each of the first log2(kN) rounds
+ * each lane holds, in kN - 1 + log2(kLanes / kN) shuffles: each of the first log2(kN) rounds
  * halves the values, a lane keeping the half its bit of the round selects, the rest are a
  * butterfly. Value k's sum ends in the lanes whose (lane % kLanes) is lane_of(k); each
  * lane returns the sum of value index_of(lane). */
