@@ -195,6 +195,8 @@ struct Dgrad2Epilogue {
     static constexpr int kGroupedSteps = kFullSteps / kGroup * kGroup;
     static constexpr int kLastGroup = kSteps - kGroupedSteps;
     static_assert(kLastGroup <= kGroup, "the last group fits the group's registers");
+    static_assert((kGroup & (kGroup - 1)) == 0 && (kLastGroup & (kLastGroup - 1)) == 0,
+                  "a group's dp sums are one GroupSum (powers of two)");
     static_assert(Cfg::kStoreRowBytes == Cfg::BN * 2 && Cfg::kStoreWarps,
                   "the consumers hand da' over as bf16 rows of the tile's width");
     const Dgrad2Args &args;
@@ -247,10 +249,7 @@ struct Dgrad2Epilogue {
         auto group = [&](int s0, auto n, auto last) {
             constexpr int kN = decltype(n)::value;
             constexpr bool kLast = decltype(last)::value;
-            constexpr int kSums = kN <= 1 ? 1 : kN <= 2 ? 2 : kN <= 4 ? 4 : 8;   /* kN's power of two */
-            float dp[kSums];
-#pragma unroll
-            for (int k = kN; k < kSums; ++k) dp[k] = 0.f;
+            float dp[kN];
             unsigned ok_bits = 0;
 #pragma unroll
             for (int k = 0; k < kN; ++k) {
@@ -300,10 +299,10 @@ struct Dgrad2Epilogue {
                     }
                 }
             }
-            using Sum = GroupSum<kSums, kLanesPerRow>;
+            using Sum = GroupSum<kN, kLanesPerRow>;
             const float sum = Sum::sum(dp, lane);
             const int k = Sum::index_of(lane);
-            if (Sum::stores(lane) && k < kN && (!kLast || row_of(s0 + k) < 64))
+            if (Sum::stores(lane) && (!kLast || row_of(s0 + k) < 64))
                 dp_base[row_of(s0 + k) * args.dp_parts] = (ok_bits >> k) & 1 ? sum : 0.f;
         };
 
