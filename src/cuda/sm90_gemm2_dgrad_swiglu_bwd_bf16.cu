@@ -183,7 +183,11 @@ struct Dgrad2Epilogue {
      * chains interleave (one warp per scheduler issues this code: its latencies bound it),
      * each step's g and u registers loaded with the step kGroup later once its math has
      * read them. The steps left over form a last group, whose rows past 64 (the last step
-     * of some warps) compute row 63 again and store nothing. */
+     * of some warps) compute row 63 again and store nothing.
+     * NOTE: the last full group also loads g and u for steps past the last one (row 63
+     * again: kGroup - kLastGroup steps' loads per drain). Skipping them
+     * with a predicate spilled at 168 registers (ptxas, CUDA 13, 2026-12-04); peeling
+     * that group would add a third copy of the group's code. */
     static constexpr int kPieces = 2;
     static constexpr int kLanesPerRow = Cfg::BN / 8 / kPieces;
     static constexpr int kPieceCols = Cfg::BN / kPieces;
@@ -212,8 +216,8 @@ struct Dgrad2Epilogue {
     /* Store warps: the SwiGLU backward of warpgroup wg's 64 rows. */
     __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf) {
         /* EP: this block's row_slot and row_weight come with its rows (once the call
-         * failed, no more waits). */
-        if (args.rows_in.arrivals &&
+         * failed, no more waits); warpgroup 1's drain of a tile follows warpgroup 0's. */
+        if (wg == 0 && args.rows_in.arrivals &&
             !*reinterpret_cast<volatile int32_t *>(&args.rows_in.state->call_failed))
             ep::wait_block_rows(args.rows_in, m_block);
         const int I = args.intermediate;

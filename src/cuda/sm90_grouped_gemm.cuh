@@ -74,9 +74,7 @@ static_assert(kConsumerWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
 
 /* ---- tile configuration ------------------------------------------------------------ */
 /* EXTRA_BYTES: shared memory of the kernel's own (a multiple of 1024, so a swizzled TMA
- * box can land there): the fused kernels' tile queue. Its
- * full/empty barrier pair (Ring::extra_full, extra_empty) is initialised but no kernel
- * waits on it since dgrad2 stopped loading its gate_up tile by TMA. */
+ * box can land there): the fused kernels' tile queue, which has its own barriers. */
 /* STORE_ROW_BYTES: 0, the consumers store their rows themselves from the registers (no
  * buffers); else the store warps do, from a buffer per consumer warpgroup of 64 rows of
  * that many bytes (+16). */
@@ -101,12 +99,11 @@ struct TileConfig {
     static constexpr int kABytes = kBlockM * kBlockK * 2;
     static constexpr int kBBytes = BN * kBlockK * 2;
     static constexpr int kStageBytes = kABytes + kBBytes;
-    /* ring | extra | epilogue buffers | barriers (full, empty, extra full, extra empty,
-     * epilogue full and empty per consumer warpgroup); the base is 1024-aligned (checked
-     * at entry). */
+    /* ring | extra | epilogue buffers | barriers (full, empty, epilogue full and empty
+     * per consumer warpgroup); the base is 1024-aligned (checked at entry). */
     static constexpr int kSmemBytes = kStages * kStageBytes + kExtraBytes +
                                       kConsumerWarpgroups * kEpiBytes +
-                                      (2 * kStages + 2 + 2 * kConsumerWarpgroups) * 8;
+                                      (2 * kStages + 2 * kConsumerWarpgroups) * 8;
 
     static_assert(BN == 128 || BN == 256, "wgmma wrappers exist for N = 128 and 256");
     static_assert(kExtraBytes % 1024 == 0, "the extra region starts on a swizzle atom");
@@ -153,9 +150,6 @@ struct Ring {
     uint8_t *epi;       /* [kConsumerWarpgroups][64][kEpiRowBytes] epilogue staging */
     uint64_t *full;     /* [kStages] TMA bytes landed */
     uint64_t *empty;    /* [kStages] consumers done reading */
-    uint64_t *extra_full;    /* the extra region's bytes landed (one arrival + tx) */
-    uint64_t *extra_empty;   /* its readers done with it: one arrival per consumer warp,
-                              * or per store-warp thread with store warps */
     uint64_t *epi_full;      /* [kConsumerWarpgroups] buffer written (store warps only) */
     uint64_t *epi_empty;     /* [kConsumerWarpgroups] buffer stored out (store warps only) */
 
@@ -176,9 +170,7 @@ __device__ __forceinline__ Ring<Cfg> ring_from_smem(uint8_t *raw) {
     r.epi = r.extra + Cfg::kExtraBytes;
     r.full = reinterpret_cast<uint64_t *>(r.epi + kConsumerWarpgroups * Cfg::kEpiBytes);
     r.empty = r.full + Cfg::kStages;
-    r.extra_full = r.empty + Cfg::kStages;
-    r.extra_empty = r.extra_full + 1;
-    r.epi_full = r.extra_empty + 1;
+    r.epi_full = r.empty + Cfg::kStages;
     r.epi_empty = r.epi_full + kConsumerWarpgroups;
     return r;
 }
@@ -190,8 +182,6 @@ __device__ __forceinline__ void ring_init(const Ring<Cfg> &r) {
         ptx::mbar_init(&r.full[s], 1);                          /* producer's expect_tx */
         ptx::mbar_init(&r.empty[s], kConsumerWarpgroups * 4);   /* one per consumer warp */
     }
-    ptx::mbar_init(r.extra_full, 1);
-    ptx::mbar_init(r.extra_empty, Cfg::kStoreWarps ? kStoreThreads : kConsumerWarpgroups * 4);
     /* Every thread that touched a buffer arrives: an arrival releases only the arriving
      * thread's own accesses (racecheck flags a lane-0 arrival after __syncwarp). */
     for (int wg = 0; wg < kConsumerWarpgroups; ++wg) {
