@@ -48,10 +48,5 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
     return t;
 }
 
-/* Epochs grow by one per call and wrap: a >= b in the order of their distance. */
-__device__ __forceinline__ bool epoch_reached(uint32_t seen, uint32_t want) {
-    return (int32_t)(seen - want) >= 0;
-}
-
 }  // namespace ptx
 }  // namespace mf

@@ -1,5 +1,6 @@
-/* TMA (cp.async.bulk.tensor) wrappers: 2D tiled loads completing on an mbarrier,
- * tensor-map prefetch, and the async-proxy fence. Inline device helpers only. */
+/* TMA (cp.async.bulk.tensor) wrappers: 2D tiled loads completing on an mbarrier, with or
+ * without an L2 eviction hint, and tensor-map prefetch; also the named barrier and
+ * setmaxnreg. Inline device helpers only. */
 #pragma once
 
 #include <cuda.h>
@@ -38,45 +39,10 @@ __device__ __forceinline__ void tma_load_2d_hint(void *dst, const CUtensorMap *m
         : "memory");
 }
 
-__device__ __forceinline__ uint64_t l2_policy_evict_first() {
-    uint64_t p;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-    return p;
-}
-
 __device__ __forceinline__ uint64_t l2_policy_evict_last() {
     uint64_t p;
     asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
     return p;
-}
-
-/* Orders this thread's generic-proxy shared-memory accesses before later async-proxy
- * (TMA, wgmma) accesses to the same memory. */
-__device__ __forceinline__ void fence_proxy_async_smem() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-/* Bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from shared
- * to global memory, tracked in this thread's bulk async-group. */
-__device__ __forceinline__ void bulk_store_s2g(void *dst, const void *src, uint32_t bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
-                 "r"(smem_u32(src)), "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void bulk_commit() {
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-
-/* Until this thread's bulk groups have finished reading shared memory (the buffer may be
- * overwritten); the global writes may still be in flight. */
-__device__ __forceinline__ void bulk_wait_read_all() {
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-}
-
-/* Until this thread's bulk groups have completed entirely. */
-__device__ __forceinline__ void bulk_wait_all() {
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
 /* Barrier over `threads` threads (a multiple of 32) on hardware barrier `id` (1..15;
