@@ -429,6 +429,10 @@ struct StoreHandoff {
         const int wg = threadIdx.x / 128;
         acquire(ring, wg);
         write(buf);
+        /* drain_rows_bf16 reads buf by bulk copies (the async proxy). The other drains
+         * read it by generic loads and would not need the fence: one per tile, not
+         * measurable there (bench/NOTES.md v26). */
+        ptx::fence_proxy_async_smem();
         release(ring, wg);
     }
 };
@@ -457,25 +461,27 @@ __device__ __forceinline__ void epi_write_bf16(uint8_t *buf, Pack &&pack) {
 }
 
 /* Store-warp side: the buffer's 64 rows of BN bf16, each to dst(r) (16-byte aligned;
- * nullptr drops the row). A warp stores 32 / (BN / 8) rows per step, one 16-byte piece
- * per lane. The 64 dst(r) are computed up front, two per
- * lane, so their loads (row_slot) are in flight together, and passed by shuffles. */
+ * nullptr drops the row). Each row leaves as one bulk copy (cp.async.bulk, the TMA
+ * engine), row r issued by lane r / kStoreWarps of store warp r % kStoreWarps. The thread
+ * waits until its copy has read the buffer (the caller then hands the buffer back), not
+ * for the global writes: store_role waits for those before the CTA ends. The consumers'
+ * writes reach the async proxy through the fence in StoreHandoff::stage.
+ * NOTE: ptxas loops over the lanes for the copies (UBLKCP takes uniform registers, ~9
+ * instructions a row), still fewer than the 16-byte loads and stores of three warps this
+ * replaced; on an H200 gemm2 and the bf16 wgrad ran 1-6% faster, the sustained step 0.3%
+ * (bench/NOTES.md v26). */
 template <class Cfg, class Dst>
 __device__ __forceinline__ void drain_rows_bf16(const uint8_t *buf, Dst &&dst) {
     static_assert(Cfg::kStoreRowBytes == Cfg::BN * 2, "the buffer holds the tile's rows");
-    constexpr int kVecs = Cfg::BN * 2 / 16;
-    constexpr int kRowsPerStep = 32 / kVecs;
-    static_assert(kVecs <= 32 && 32 % kVecs == 0, "a warp stores whole rows");
+    static_assert(kStoreWarps * 32 >= 64, "a row per store-warp lane at most");
     const int sw = threadIdx.x / 32 - kFirstStoreWarp, lane = threadIdx.x % 32;
-    const unsigned long long d0 = reinterpret_cast<uintptr_t>(dst(lane));
-    const unsigned long long d1 = reinterpret_cast<uintptr_t>(dst(lane + 32));
-    const int v = lane % kVecs;
-    for (int r0 = sw * kRowsPerStep; r0 < 64; r0 += kStoreWarps * kRowsPerStep) {
-        const int r = r0 + lane / kVecs;   /* r0 .. r0 + kRowsPerStep - 1: all < 32 or all >= 32 */
-        const unsigned long long d = __shfl_sync(0xffffffffu, r0 < 32 ? d0 : d1, r % 32);
-        const uint4 piece = *reinterpret_cast<const uint4 *>(buf + r * Cfg::kEpiRowBytes + v * 16);
-        if (d) reinterpret_cast<uint4 *>(d)[v] = piece;
+    const int r = sw + kStoreWarps * lane;
+    if (r < 64) {
+        void *d = dst(r);
+        if (d) ptx::bulk_store_s2g(d, buf + r * Cfg::kEpiRowBytes, Cfg::BN * 2);
     }
+    ptx::bulk_commit();
+    ptx::bulk_wait_read_all();
 }
 
 /* An epilogue with work of its own for the store warps (`bool idle_work()`: one small
@@ -521,6 +527,7 @@ __device__ __forceinline__ void store_role(const Ring<Cfg> &ring, Sched sched, E
     }
     if constexpr (HasIdleWork<Epi>::value)
         while (epi.idle_work()) {}
+    ptx::bulk_wait_all();   /* drain_rows_bf16's bulk copies written out before the CTA ends */
 }
 
 /* ---- kernel skeleton ----------------------------------------------------------------

@@ -234,8 +234,14 @@ struct FusedBwdEpilogue {
     __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf) {
         const int kind = tile_kind(args, n_block);
         const int n = own_n_block(args, kind, n_block);
-        if (kind != kDgrad1) {
-            wgrad(kind).drain(m_block, n, wg, buf);
+        /* The two wgrads named, not wgrad(kind): with the bulk-copy drain that reference
+         * put both epilogue objects in local memory (a 320-byte stack frame, LDL here). */
+        if (kind == kDw2) {
+            dw2.drain(m_block, n, wg, buf);
+            return;
+        }
+        if (kind == kDw13) {
+            dw13.drain(m_block, n, wg, buf);
             return;
         }
         if (!dw2_read) {

@@ -45,6 +45,35 @@ __device__ __forceinline__ uint64_t l2_policy_evict_last() {
     return p;
 }
 
+/* Orders this thread's generic-proxy shared-memory accesses before later async-proxy
+ * (TMA, wgmma) accesses to the same memory. */
+__device__ __forceinline__ void fence_proxy_async_smem() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+/* Bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from shared
+ * to global memory, tracked in this thread's bulk async-group. */
+__device__ __forceinline__ void bulk_store_s2g(void *dst, const void *src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+                 "r"(smem_u32(src)), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+/* Until this thread's bulk groups have finished reading shared memory (the buffer may be
+ * overwritten); the global writes may still be in flight. */
+__device__ __forceinline__ void bulk_wait_read_all() {
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+
+/* Until this thread's bulk groups have completed entirely. */
+__device__ __forceinline__ void bulk_wait_all() {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
 /* Barrier over `threads` threads (a multiple of 32) on hardware barrier `id` (1..15;
  * 0 is __syncthreads). */
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
