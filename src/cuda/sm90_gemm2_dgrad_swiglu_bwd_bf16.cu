@@ -210,7 +210,7 @@ struct Dgrad2Epilogue {
     /* Consumers: da' rounded to bf16 into the warpgroup's buffer. */
     __device__ __forceinline__ void operator()(int, int, float (&acc)[Cfg::kAccRegs],
                                                uint8_t *buf) {
-        handoff.stage(ring, buf, [&](uint8_t *b) { epi_write_acc_bf16<Cfg>(b, acc); });
+        handoff.stage<false>(ring, buf, [&](uint8_t *b) { epi_write_acc_bf16<Cfg>(b, acc); });
     }
 
     /* Store warps: the SwiGLU backward of warpgroup wg's 64 rows. */

@@ -423,16 +423,16 @@ struct StoreHandoff {
     __device__ __forceinline__ void release(const Ring<Cfg> &ring, int wg) {
         ptx::mbar_arrive(&ring.epi_full[wg]);
     }
-    /* The consumer side in one call: wait for the buffer, write(buf), hand it over. */
-    template <class Cfg, class Write>
+    /* The consumer side in one call: wait for the buffer, write(buf), hand it over.
+     * kBulkDrain: the drain reads buf by bulk copies (drain_rows_bf16, the async proxy),
+     * so the writes are fenced into that proxy first; false for a drain that reads buf
+     * by generic loads only (gemm1's, dgrad2's). */
+    template <bool kBulkDrain = true, class Cfg, class Write>
     __device__ __forceinline__ void stage(const Ring<Cfg> &ring, uint8_t *buf, Write &&write) {
         const int wg = threadIdx.x / 128;
         acquire(ring, wg);
         write(buf);
-        /* drain_rows_bf16 reads buf by bulk copies (the async proxy). The other drains
-         * read it by generic loads and would not need the fence: one per tile, not
-         * measurable there (bench/NOTES.md v26). */
-        ptx::fence_proxy_async_smem();
+        if constexpr (kBulkDrain) ptx::fence_proxy_async_smem();
         release(ring, wg);
     }
 };

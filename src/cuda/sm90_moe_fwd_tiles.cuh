@@ -124,7 +124,7 @@ struct Gemm1Epilogue {
     }
     __device__ __forceinline__ void operator()(int, int, float (&acc)[Cfg::kAccRegs],
                                                uint8_t *buf) {
-        handoff.stage(ring, buf, [&](uint8_t *b) { write_rows(acc, b); });
+        handoff.stage<false>(ring, buf, [&](uint8_t *b) { write_rows(acc, b); });
     }
 
     /* Store warps: each lane takes 4 columns of a row (8 bytes of g, 8 of u, 8 of act),

@@ -1,6 +1,7 @@
-/* TMA (cp.async.bulk.tensor) wrappers: 2D tiled loads completing on an mbarrier, with or
- * without an L2 eviction hint, and tensor-map prefetch; also the named barrier and
- * setmaxnreg. Inline device helpers only. */
+/* TMA wrappers: 2D tiled loads (cp.async.bulk.tensor) completing on an mbarrier, with or
+ * without an L2 eviction hint, and tensor-map prefetch; bulk shared-to-global copies
+ * (cp.async.bulk) with their commit and waits, and the async-proxy fence before them;
+ * also the named barrier and setmaxnreg. Inline device helpers only. */
 #pragma once
 
 #include <cuda.h>
