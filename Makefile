@@ -16,7 +16,8 @@ CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -fPIC -fopenmp -Iinclude
 LDLIBS  := -lopenblas -lm -fopenmp
 
 HOST_SRC := $(wildcard src/host/*.c) $(wildcard src/cpu/*.c) $(wildcard src/comm/*.c)
-CUDA_SRC := $(wildcard src/cuda/*.cu)
+CUDA_SRC := $(shell find src/cuda -name '*.cu' | sort)
+CUDA_HDR := $(shell find src/cuda -name '*.h' -o -name '*.cuh')
 
 ifneq ($(NVCC),)
 ifneq ($(NVCC),none)
@@ -68,7 +69,7 @@ $(BUILD)/%.o: %.c $(wildcard include/*.h src/*/*.h tests/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 
-$(BUILD)/%.o: %.cu $(wildcard include/*.h src/host/*.h src/cuda/*.h src/cuda/*.cuh src/cuda/ptx/*.cuh)
+$(BUILD)/%.o: %.cu $(wildcard include/*.h src/host/*.h) $(CUDA_HDR)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -Xptxas=-v -c $< -o $@ 2> $@.ptxas.log || { cat $@.ptxas.log; exit 1; }
 	@! grep -E "bytes spill (stores|loads)" $@.ptxas.log | grep -v " 0 bytes spill" \

@@ -24,8 +24,8 @@
 #include <algorithm>
 #include <random>
 #include "kernels.h"
-#include "ptx/mbarrier.cuh"
-#include "ptx/tma.cuh"
+#include "sm90/ptx/mbarrier.cuh"
+#include "sm90/ptx/tma.cuh"
 #include "ptx/flags.cuh"
 #define OK(x) do { cudaError_t e = (x); if (e) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
 using namespace mf::ptx;

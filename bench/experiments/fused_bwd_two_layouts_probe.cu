@@ -10,7 +10,7 @@
  *
  * 2026-12-03 (CUDA 13.0): no C7518; per K block four HGMMAs (.tnspA.tnspB or .tnspB) and
  * one DEPBAR.LE 1 in each branch. */
-#include "sm90_grouped_gemm.cuh"
+#include "sm90/common/grouped_gemm.cuh"
 using namespace mf;
 using namespace mf::sm90;
 using CfgD = TileConfig<256, 3, false, true, 0, 512>;

@@ -1,5 +1,5 @@
 /* Launchers of the CUDA kernels (one kernel per .cu file), called by the CUDA backend
- * (src/cuda/backend.cu) and the GPU tests. extern "C", plain params structs. */
+ * (src/cuda/pipeline/backend.cu) and the GPU tests. extern "C", plain params structs. */
 #ifndef MOEFUSE_CUDA_KERNELS_H
 #define MOEFUSE_CUDA_KERNELS_H
 

@@ -89,7 +89,7 @@ enum {
     MF_WIN_ROW_WEIGHT,   /* received rows' p       [rows_cap] fp32 */
     MF_WIN_COMBINE,      /* slot rows of y or dx   [max_tokens * K, H] bf16 */
     MF_WIN_DP,           /* d p of each slot       [max_tokens * K] fp32 */
-    MF_WIN_SYNC,         /* epoch, flags, count matrix (see src/cuda/ep_sync.h) */
+    MF_WIN_SYNC,         /* epoch, flags, count matrix (see src/cuda/transport/ep_sync.h) */
     MF_WIN_COUNT
 };
 

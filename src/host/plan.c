@@ -1,6 +1,6 @@
 /* The routing plan on the host: id checks, per-expert counts and offsets, the
  * slot <-> row maps. The CPU backend uses it directly; the GPU builds the same plan
- * with src/cuda/moe_plan.cu, and the tests compare against this one. */
+ * with src/cuda/simt/moe_plan.cu, and the tests compare against this one. */
 #include "internal.h"
 
 #include <string.h>

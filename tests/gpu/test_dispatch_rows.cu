@@ -1,4 +1,4 @@
-/* The one-GPU dispatch (mf_dispatch_rows_bf16, src/cuda/dispatch_rows.cu) against a host
+/* The one-GPU dispatch (mf_dispatch_rows_bf16, src/cuda/transport/dispatch_rows.cu) against a host
  * copy: expert-sorted layouts with uneven experts, dropped slots and spare capacity, one
  * or two tensors of token rows with their own row strides, outputs poisoned first.
  *   - every live row r < num_rows holds its token's row (token = row_slot[r] / K);

@@ -1,6 +1,6 @@
 /* The tiles of the forward's two GEMMs, shared by the kernels that run them: the
- * stage-by-stage kernels (sm90_gemm1_swiglu_fwd_bf16.cu, sm90_gemm2_combine_fwd_bf16.cu)
- * and the fused forward (sm90_moe_fused_fwd_bf16.cu), so that both paths compute every
+ * stage-by-stage kernels (src/cuda/sm90/gemm1_swiglu.cu, src/cuda/sm90/gemm2_combine.cu)
+ * and the fused forward (src/cuda/sm90/fused_forward.cu), so that both paths compute every
  * tile with the same code and agree bit for bit.
  *
  *   gemm1: [g | u] = bf16(xs W13_e^T), act = bf16(silu(g) * u)      xs [rows, H]
@@ -8,7 +8,7 @@
  *
  * Per GEMM: its kernel arguments and how the launcher fills them from the C params
  * (with the checks every launcher makes), the producer's loads of one tile, and (gemm1)
- * the epilogue; gemm2's epilogue is ScatterRowsEpilogue (sm90_grouped_gemm.cuh).
+ * the epilogue; gemm2's epilogue is ScatterRowsEpilogue (src/cuda/sm90/common/grouped_gemm.cuh).
  *
  * A tile of gemm1 covers BN/2 gate columns j.. and the matching BN/2 up columns I+j..:
  * the producer loads W13_e rows j.. into the first half of the B tile and rows I+j..
@@ -18,11 +18,11 @@
 
 #include <cuda_bf16.h>
 
-#include "ep_wait.cuh"
+#include "transport/ep_wait.cuh"
 #include "kernels.h"
-#include "sm90_grouped_gemm.cuh"
+#include "sm90/common/grouped_gemm.cuh"
 #include "swiglu.cuh"
-#include "tensor_map.h"
+#include "sm90/tensor_map.h"
 
 namespace mf {
 namespace sm90 {

@@ -20,9 +20,9 @@
 #include <stdint.h>
 
 #include "check.h"
-#include "ep_wait.cuh"
+#include "transport/ep_wait.cuh"
 #include "kernels.h"
-#include "row_copy.cuh"
+#include "transport/row_copy.cuh"
 
 namespace {
 

@@ -27,7 +27,7 @@
  * FLOPs: 2 * rows * M * N. qwen3-30b-a3b at 131072 rows: dW2 412 GFLOP, dW13 825 GFLOP;
  * the fp32 outputs are E * M * N * 4 bytes (0.8 GB / 1.6 GB, written once, read once more
  * when accumulating). */
-#include "sm90_moe_bwd_tiles.cuh"
+#include "sm90/moe_bwd_tiles.cuh"
 
 namespace {
 

@@ -7,7 +7,7 @@
 #include <cuda.h>
 #include <stdint.h>
 
-#include "ptx/mbarrier.cuh"
+#include "sm90/ptx/mbarrier.cuh"
 
 namespace mf {
 namespace ptx {

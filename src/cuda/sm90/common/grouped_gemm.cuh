@@ -50,9 +50,9 @@
 #include <utility>
 
 #include "check.h"
-#include "ptx/mbarrier.cuh"
-#include "ptx/tma.cuh"
-#include "ptx/wgmma.cuh"
+#include "sm90/ptx/mbarrier.cuh"
+#include "sm90/ptx/tma.cuh"
+#include "sm90/ptx/wgmma.cuh"
 
 namespace mf {
 namespace sm90 {

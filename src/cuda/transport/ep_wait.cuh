@@ -4,7 +4,7 @@
 
 #include <stdint.h>
 
-#include "ep_sync.h"
+#include "transport/ep_sync.h"
 #include "internal.h"
 #include "kernels.h"
 #include "ptx/flags.cuh"

@@ -1,5 +1,5 @@
 /* cuTensorMapEncodeTiled through cudaGetDriverEntryPointByVersion (no -lcuda). */
-#include "tensor_map.h"
+#include "sm90/tensor_map.h"
 
 #include <cudaTypedefs.h>
 

@@ -9,7 +9,7 @@
 #include <stdint.h>
 
 #include "check.h"
-#include "ep_wait.cuh"
+#include "transport/ep_wait.cuh"
 #include "kernels.h"
 
 namespace {

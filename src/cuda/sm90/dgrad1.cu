@@ -13,7 +13,7 @@
  *
  * FLOPs: 2 * rows * 2I * H. qwen3-30b-a3b at 131072 rows: 825 GFLOP, about 1.0 ms at
  * 790 TFLOP/s: matrix-bound. */
-#include "sm90_moe_bwd_tiles.cuh"
+#include "sm90/moe_bwd_tiles.cuh"
 
 namespace {
 

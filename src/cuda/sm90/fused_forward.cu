@@ -5,7 +5,7 @@
  *   combine[row_slot[r]] = bf16(p * (act_r W2_e^T))               (gemm2 tiles)
  *
  * Every tile is computed by the code of the stage-by-stage kernels
- * (sm90_moe_fwd_tiles.cuh) with the same tile shape, so the two paths agree bit for
+ * (src/cuda/sm90/moe_fwd_tiles.cuh) with the same tile shape, so the two paths agree bit for
  * bit; what is new is the order and the wait between them:
  *  - Order: the 128-row blocks are cut into groups of G blocks. Unit u holds the gemm1
  *    tiles of group u, then the gemm2 tiles of group u - 1; a CTA that is free takes the
@@ -31,8 +31,8 @@
  * (qwen3-30b-a3b 2.163 -> 2.229 ms, qwen3-235b-a22b 8.145 -> 8.233 ms), so the default
  * pipeline is staged (bench/NOTES.md v9). What it is for: the dispatch and the combine
  * of expert parallelism moving into it. */
-#include "sm90_moe_fwd_tiles.cuh"
-#include "sm90_tile_queue.cuh"
+#include "sm90/moe_fwd_tiles.cuh"
+#include "sm90/common/tile_queue.cuh"
 
 namespace {
 
@@ -72,7 +72,7 @@ __device__ __forceinline__ void wait_act_ready(const FusedFwdArgs &args, int m_b
     while (ptx::ld_acquire_gpu(count) < want) __nanosleep(32);
 }
 
-/* The tile order above, taken in order (sm90_tile_queue.cuh).
+/* The tile order above, taken in order (src/cuda/sm90/common/tile_queue.cuh).
  * NOTE: at two waves per group neither the in-order nor the round-robin hand-out waits
  * (a model says so, and both measured the same): the 1-3% the fused kernel still loses
  * there is per tile, not yet explained.

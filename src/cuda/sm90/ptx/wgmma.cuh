@@ -6,7 +6,7 @@
 
 #include <stdint.h>
 
-#include "ptx/mbarrier.cuh"
+#include "sm90/ptx/mbarrier.cuh"
 
 namespace mf {
 namespace ptx {

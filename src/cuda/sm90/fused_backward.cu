@@ -6,13 +6,13 @@
  *   dW13_e = sum over e's rows of dh^T xs           (wgrad tiles)
  *
  * Every tile is computed by the code of the stage-by-stage kernels
- * (sm90_moe_bwd_tiles.cuh) with the same 128 x 256 tile, so the two paths agree bit for
+ * (src/cuda/sm90/moe_bwd_tiles.cuh) with the same 128 x 256 tile, so the two paths agree bit for
  * bit; what is new is one ring for two operand layouts, the order and one wait:
  *  - Ring: 3 stages of 48 KB, A 16 KB and B 32 KB in either layout (the TMA boxes
  *    differ, the bytes do not), the two 33 KB store buffers, the tile queue in the 1 KB
  *    extra region. The consumers pick the wgmma form per tile (k_loop_in_layout).
  *  - Order: every dW2 tile (experts heavy first, as the wgrad kernel), then dW13's (heavy
- *    first), then dgrad1's (row blocks in order), taken in order (sm90_tile_queue.cuh).
+ *    first), then dgrad1's (row blocks in order), taken in order (src/cuda/sm90/common/tile_queue.cuh).
  *    Experts without rows: with bf16 out their tiles are not in the order, and the store
  *    warps write their zeros between drains (as the wgrad kernel does); with fp32 out
  *    they run K loops of length 0 (zeros, or nothing in accumulate mode). Run as tiles of
@@ -46,8 +46,8 @@
  * issue 5's combine and the weight gradients filling the SMs while other ranks' rows
  * arrive. */
 #include "ptx/flags.cuh"
-#include "sm90_moe_bwd_tiles.cuh"
-#include "sm90_tile_queue.cuh"
+#include "sm90/moe_bwd_tiles.cuh"
+#include "sm90/common/tile_queue.cuh"
 
 namespace {
 

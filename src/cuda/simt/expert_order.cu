@@ -1,4 +1,4 @@
-/* The order in which the weight-gradient kernel (sm90_wgrad_grouped_bf16.cu) hands out
+/* The order in which the weight-gradient kernel (src/cuda/sm90/wgrad_grouped.cu) hands out
  * the local experts' tiles, by rows(e) = expert_offsets[e + 1] - expert_offsets[e]:
  *
  *   1. heavy experts, 16 rows(e) > all rows: most rows first;

@@ -3,7 +3,7 @@
  *   o_r = act_r W2_e^T                        act [rows, I], W2_e [H, I] (I contiguous)
  *   combine[row_slot[r], :] = bf16(row_weight[r] * o_r)    rows with row_slot -1 skipped
  *   (expert parallelism: the row goes to its source rank's combine; see ScatterTarget in
- *   sm90_grouped_gemm.cuh)
+ *   src/cuda/sm90/common/grouped_gemm.cuh)
  *
  * Both operands are K-major (K = I). Each output row goes to its slot's row of the
  * combine buffer, so the epilogue scatters whole rows; the reduce over a token's K slots
@@ -12,9 +12,9 @@
  * FLOPs: 2 * rows * I * H. qwen3-30b-a3b at 16384 tokens (131072 rows): 412 GFLOP, about
  * 0.52 ms at 790 TFLOP/s, against about 1.1 GB of DRAM traffic (0.26 ms): matrix-bound,
  * but with a short K loop (I / 64 = 12 blocks) the epilogue's share matters: the store
- * warps store the rows (sm90_grouped_gemm.cuh) while the consumers run the next tile.
- * The tile code is in sm90_moe_fwd_tiles.cuh, shared with the fused forward. */
-#include "sm90_moe_fwd_tiles.cuh"
+ * warps store the rows (src/cuda/sm90/common/grouped_gemm.cuh) while the consumers run the next tile.
+ * The tile code is in src/cuda/sm90/moe_fwd_tiles.cuh, shared with the fused forward. */
+#include "sm90/moe_fwd_tiles.cuh"
 
 namespace {
 

@@ -42,11 +42,11 @@
 
 #include <type_traits>
 
-#include "ep_wait.cuh"
+#include "transport/ep_wait.cuh"
 #include "kernels.h"
-#include "sm90_grouped_gemm.cuh"
+#include "sm90/common/grouped_gemm.cuh"
 #include "swiglu.cuh"
-#include "tensor_map.h"
+#include "sm90/tensor_map.h"
 
 namespace {
 

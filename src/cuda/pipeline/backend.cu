@@ -52,7 +52,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend.h"
+#include "pipeline/backend.h"
 #include "check.h"
 #include "internal.h"
 #include "kernels.h"
@@ -518,7 +518,7 @@ moefuse_status cuda_forward(moefuse_layer *layer, const moefuse_fwd_args *a, voi
  *   reduce_dp dweights[t,k] = sum over the column blocks in order
  *   dW13      sum over e's rows of dh^T xs
  * With MOEFUSE_PIPELINE_FUSED (and H, I multiples of 256) dW2, dgrad1 and dW13 are one
- * kernel (sm90_moe_fused_bwd_bf16.cu), the reduces after it; the same bits.
+ * kernel (src/cuda/sm90/fused_backward.cu), the reduces after it; the same bits.
  * Every sum has one owner and a fixed order: bitwise reproducible, no atomics. */
 
 /* Device check of the saved plan, three tiny kernels (the plan lives in device memory;

@@ -1,6 +1,6 @@
 /* The tiles of the backward's GEMMs after dgrad2, shared by the kernels that run them:
- * the stage-by-stage kernels (sm90_wgrad_grouped_bf16.cu, sm90_gemm1_dgrad_bwd_bf16.cu)
- * and the fused backward (sm90_moe_fused_bwd_bf16.cu), so that both paths compute every
+ * the stage-by-stage kernels (src/cuda/sm90/wgrad_grouped.cu, src/cuda/sm90/dgrad1.cu)
+ * and the fused backward (src/cuda/sm90/fused_backward.cu), so that both paths compute every
  * tile with the same code and agree bit for bit.
  *
  *   wgrad:  dw_e [M, N] = (accumulate ? dw_e : 0) + sum over e's rows of lhs[r]^T rhs[r]
@@ -8,12 +8,12 @@
  *
  * Per GEMM: its kernel arguments and how a launcher fills them from the C params (with
  * the checks every launcher makes), the producer's loads of one tile, and (wgrad) the
- * epilogue; dgrad1's epilogue is ScatterRowsEpilogue (sm90_grouped_gemm.cuh). */
+ * epilogue; dgrad1's epilogue is ScatterRowsEpilogue (src/cuda/sm90/common/grouped_gemm.cuh). */
 #pragma once
 
 #include "kernels.h"
-#include "sm90_grouped_gemm.cuh"
-#include "tensor_map.h"
+#include "sm90/common/grouped_gemm.cuh"
+#include "sm90/tensor_map.h"
 
 namespace mf {
 namespace sm90 {

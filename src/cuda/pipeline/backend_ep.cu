@@ -24,7 +24,7 @@
  * recomputed gemm1) on the rest of the SMs, each block once its rows are in; wait ROWS
  * (every rank's push done); dW2, dgrad1 into the source ranks' combine slot rows, d p to
  * the source ranks, raise DONE, dW13, wait DONE, reduce dx and copy d p. With
- * MOEFUSE_PIPELINE_FUSED, dW2, dgrad1 and dW13 are one kernel (sm90_moe_fused_bwd_bf16.cu)
+ * MOEFUSE_PIPELINE_FUSED, dW2, dgrad1 and dW13 are one kernel (src/cuda/sm90/fused_backward.cu)
  * before d p and DONE.
  *
  * Windows (MF_WIN_*, written by peers): xs, dys, row_slot, row_weight, combine, dp,
@@ -41,9 +41,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend.h"
+#include "pipeline/backend.h"
 #include "check.h"
-#include "ep_sync.h"
+#include "transport/ep_sync.h"
 #include "internal.h"
 #include "kernels.h"
 

@@ -3,12 +3,12 @@
  *   [g | u] = bf16(xs W13_e^T)  xs [rows, H], W13_e [2I, H] (gate rows 0..I-1, up I..2I-1)
  *   act     = bf16(silu(g) * u) [rows, I]; gate_up = [g | u] [rows, 2I], optional
  *
- * The tile code (loads, epilogue) is in sm90_moe_fwd_tiles.cuh, shared with the fused
- * forward (sm90_moe_fused_fwd_bf16.cu).
+ * The tile code (loads, epilogue) is in src/cuda/sm90/moe_fwd_tiles.cuh, shared with the fused
+ * forward (src/cuda/sm90/fused_forward.cu).
  *
  * FLOPs: 2 * rows * H * 2I. qwen3-30b-a3b at 16384 tokens (131072 rows): 825 GFLOP, about
  * 1.0 ms at 790 TFLOP/s, against about 1.4 GB of DRAM traffic (0.3 ms): matrix-bound. */
-#include "sm90_moe_fwd_tiles.cuh"
+#include "sm90/moe_fwd_tiles.cuh"
 
 namespace {
 

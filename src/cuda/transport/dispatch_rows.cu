@@ -30,7 +30,7 @@
 
 #include "check.h"
 #include "kernels.h"
-#include "row_copy.cuh"
+#include "transport/row_copy.cuh"
 
 namespace {
 
