@@ -58,7 +58,7 @@ TEST_BIN  := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
 GPU_TEST_SRC := $(wildcard tests/gpu/test_*.c) $(wildcard tests/gpu/test_*.cu)
 GPU_TEST_BIN := $(if $(HAVE_CUDA),$(patsubst tests/gpu/%,$(BUILD)/tests/gpu/%,$(basename $(GPU_TEST_SRC))))
 TOOLS     := $(BUILD)/moefuse_step
-BENCH_BIN := $(if $(HAVE_CUDA),$(BUILD)/bench/bench_forward_cuda)
+BENCH_BIN := $(if $(HAVE_CUDA),$(BUILD)/bench/bench_forward_cuda $(BUILD)/tools/output_hashes)
 
 .SECONDARY:
 .PHONY: all lib test test-c test-gpu test-python fuzz run bench clean
@@ -116,6 +116,11 @@ $(BUILD)/tests/gpu/test_%: tests/gpu/test_%.cu tests/gpu/gemm_test_util.h $(GPU_
 	    $(BUILD)/libmoefuse.a -o $@ -Xcompiler -fopenmp -lopenblas -lm
 
 $(BUILD)/moefuse_step: tools/moefuse_step.c $(BUILD)/libmoefuse.a
+	$(CC) $(CFLAGS) $< $(BUILD)/libmoefuse.a -o $@ $(LDLIBS) $(CUDA_LIBS)
+
+# Hashes of every output for fixed inputs (public header only): compare two builds.
+$(BUILD)/tools/output_hashes: tools/output_hashes.c include/moefuse.h $(BUILD)/libmoefuse.a
+	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $< $(BUILD)/libmoefuse.a -o $@ $(LDLIBS) $(CUDA_LIBS)
 
 $(BUILD)/bench/%: bench/%.c $(BUILD)/libmoefuse.a
