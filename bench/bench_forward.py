@@ -21,14 +21,15 @@ records its graph).
 
 The clocks. Under seconds of this load an H200 reaches its power limit (~700 W) and
 lowers its SM clock from 1980 MHz to 1300-1500 MHz, so when and after what a variant
-runs moves its time by 10-20% (bench/NOTES.md v12). Two ways to time, both fair:
+runs moves its time by 10-20% (docs/decisions/0013-power-limit-timing). Two ways to
+time, both fair:
   default      the case's samples take turns (moefuse fwd, baseline fwd, baseline
                fwd+bwd, the peak's matmul, moefuse fwd+bwd, and again): no variant runs
                systematically later, or hotter, than another;
   --sustained  each variant runs alone for SUSTAIN_S seconds before its samples, which
                follow back to back: the rate of a long run at the power limit. Dense
                code pays most there: moefuse's fwd+bwd ran ~10% slower than interleaved,
-               the baseline's about the same (v12).
+               the baseline's about the same.
 
 The peak: torch.matmul of two random 8192 x 8192 bf16 matrices, median of CUDA-event
 timings, 2 * 8192^3 FLOPs, timed cold before the first case (the header's figure: the
@@ -139,8 +140,8 @@ class PeakMatmul:
 def measure_bf16_peak_tflops(reps: int, peak: PeakMatmul) -> float:
     """The best of COLD_PEAK_BURSTS short bursts, each after COLD_PEAK_REST_S seconds idle.
 
-    One burst right after other work read 731-784 TFLOP/s on the same H200 in one session
-    (bench/NOTES.md v14): the clocks had not recovered from what ran before the script.
+    A single burst right after other work reads low: the clocks have not recovered from
+    what ran before the script (docs/decisions/0013-power-limit-timing).
     """
     best = 0.0
     for _ in range(COLD_PEAK_BURSTS):
