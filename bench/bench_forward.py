@@ -21,14 +21,15 @@ records its graph).
 
 The clocks. Under seconds of this load an H200 reaches its power limit (~700 W) and
 lowers its SM clock from 1980 MHz to 1300-1500 MHz, so when and after what a variant
-runs moves its time by 10-20% (bench/NOTES.md v12). Two ways to time, both fair:
+runs moves its time by 10-20% (docs/decisions/0013-power-limit-timing). Two ways to
+time, both fair:
   default      the case's samples take turns (moefuse fwd, baseline fwd, baseline
                fwd+bwd, the peak's matmul, moefuse fwd+bwd, and again): no variant runs
                systematically later, or hotter, than another;
   --sustained  each variant runs alone for SUSTAIN_S seconds before its samples, which
                follow back to back: the rate of a long run at the power limit. Dense
                code pays most there: moefuse's fwd+bwd ran ~10% slower than interleaved,
-               the baseline's about the same (v12).
+               the baseline's about the same.
 
 The peak: torch.matmul of two random 8192 x 8192 bf16 matrices, median of CUDA-event
 timings, 2 * 8192^3 FLOPs, timed cold before the first case (the header's figure: the
@@ -41,7 +42,10 @@ case.
 Runs only on a CUDA device; without one it prints SKIP and the reason and exits 0.
 
     python bench/bench_forward.py [--reps 20] [--queue 1] [--sustained] [--models ...]
-                                  [--tokens 4096 16384]
+                                  [--tokens 4096 16384] [--markdown FILE]
+
+--markdown FILE also writes the run's table as markdown (a title line, the device and the
+peak, one row per case) to FILE; tools/run_bench.sh assembles bench/RESULTS.md from them.
 """
 
 from __future__ import annotations
@@ -139,8 +143,8 @@ class PeakMatmul:
 def measure_bf16_peak_tflops(reps: int, peak: PeakMatmul) -> float:
     """The best of COLD_PEAK_BURSTS short bursts, each after COLD_PEAK_REST_S seconds idle.
 
-    One burst right after other work read 731-784 TFLOP/s on the same H200 in one session
-    (bench/NOTES.md v14): the clocks had not recovered from what ran before the script.
+    A single burst right after other work reads low: the clocks have not recovered from
+    what ran before the script (docs/decisions/0013-power-limit-timing).
     """
     best = 0.0
     for _ in range(COLD_PEAK_BURSTS):
@@ -150,9 +154,23 @@ def measure_bf16_peak_tflops(reps: int, peak: PeakMatmul) -> float:
     return best
 
 
+MARKDOWN_COLUMNS = ["model", "T", "prec", "fwd ms", "fwd TFLOP/s", "fwd %peak", "base fwd ms",
+                    "fwd x base", "fwd+bwd ms", "fwd+bwd TFLOP/s", "fwd+bwd %peak",
+                    "base fwd+bwd ms", "fwd+bwd x base", "peak_tf", "rel_diff_y"]
+
+
+def markdown_table(title: str, notes: list[str], rows: list[list[str]]) -> str:
+    """A markdown section: '### title', the note lines, then a table of MARKDOWN_COLUMNS."""
+    out = [f"### {title}", ""] + notes + [""]
+    out.append("| " + " | ".join(MARKDOWN_COLUMNS) + " |")
+    out.append("|" + "---|" * len(MARKDOWN_COLUMNS))
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(out) + "\n"
+
+
 def run_case(moefuse, model: str, T: int, cold_peak: float, peak_matmul: PeakMatmul,
-             has_backward: bool, args) -> str:
-    """Times one (model, T) case; returns its line."""
+             has_backward: bool, args) -> tuple[str, list[str]]:
+    """Times one (model, T) case; returns its line and its cells (MARKDOWN_COLUMNS)."""
     shape = baseline.MODELS[model]
     device = torch.device("cuda")
     inputs, w13, w2 = baseline.make_problem_sets(T, shape, device, NUM_INPUT_SETS)
@@ -197,16 +215,22 @@ def run_case(moefuse, model: str, T: int, cold_peak: float, peak_matmul: PeakMat
     tflops = flops / m_fwd / 1e9
     line = (f"{model:<17} {T:<6} bf16  {m_fwd:14.3f}  {tflops:7.1f}  {percent(tflops)}  "
             f"{b_fwd:11.3f}  {b_fwd / m_fwd:6.2f} | ")
+    cells = [model, str(T), "bf16", f"{m_fwd:.3f}", f"{tflops:.1f}", percent(tflops).strip(),
+             f"{b_fwd:.3f}", f"{b_fwd / m_fwd:.2f}"]
     if has_backward:
         m_fb = ms[4]
         tf_fb = 3 * flops / m_fb / 1e9
         line += (f"{m_fb:17.3f}  {tf_fb:7.1f}  {percent(tf_fb)}  "
                  f"{b_fb:14.3f}  {b_fb / m_fb:6.2f} | ")
+        cells += [f"{m_fb:.3f}", f"{tf_fb:.1f}", percent(tf_fb).strip(), f"{b_fb:.3f}",
+                  f"{b_fb / m_fb:.2f}"]
     else:
         line += f"{'n/a':>17}  {'n/a':>7}  {'n/a':>5}  {b_fb:14.3f}  {'n/a':>6} | "
+        cells += ["n/a", "n/a", "n/a", f"{b_fb:.3f}", "n/a"]
     line += f"{peak:6.1f} | "
     line += f"{rel_diff:.2e}"
-    return line
+    cells += [f"{peak:.1f}", f"{rel_diff:.2e}"]
+    return line, cells
 
 
 def main() -> None:
@@ -223,6 +247,8 @@ def main() -> None:
     parser.add_argument("--sustained", action="store_true",
                         help=f"time each variant after {SUSTAIN_S:.0f} s of it alone, "
                         "samples back to back (default: the variants' samples interleaved)")
+    parser.add_argument("--markdown", metavar="FILE",
+                        help="also write the table as markdown to FILE (for bench/RESULTS.md)")
     args = parser.parse_args()
     if args.reps < 20:
         parser.error("--reps must be >= 20 (medians of fewer calls are noise)")
@@ -250,25 +276,38 @@ def main() -> None:
     peak_matmul = PeakMatmul()
     cold_peak = measure_bf16_peak_tflops(args.reps, peak_matmul)
     gm = baseline.grouped_mm_reason(device)
+    timing = (("each call alone, synchronized" if args.queue == 1 else
+               f"{args.queue} calls queued back to back per sample") +
+              ("; each variant sustained (%.0f s alone first), peak_tf likewise" % SUSTAIN_S
+               if args.sustained else "; samples interleaved with the matmul's (peak_tf)"))
+    baseline_name = "torch._grouped_mm" if gm is None else "per-expert loop: " + gm
     print(f"# device {name}; bf16 matmul peak cold {cold_peak:.1f} TFLOP/s (8192^3, best of "
           f"{COLD_PEAK_BURSTS} medians of {max(args.reps, 20)}, each after "
           f"{COLD_PEAK_REST_S:.0f} s idle); library {moefuse.library_path()}")
-    print(f"# baseline: {'torch._grouped_mm' if gm is None else 'per-expert loop: ' + gm}; "
+    print(f"# baseline: {baseline_name}; "
           f"moefuse backward: {'yes' if bwd_reason is None else 'n/a (' + bwd_reason + ')'}; "
-          f"timing: " + ("each call alone, synchronized" if args.queue == 1 else
-                         f"{args.queue} calls queued back to back per sample") +
-          ("; each variant sustained (%.0f s alone first), peak_tf likewise" % SUSTAIN_S
-           if args.sustained else "; samples interleaved with the matmul's (peak_tf)") +
-          "; %peak against the faster of peak_tf and the cold peak")
+          f"timing: " + timing + "; %peak against the faster of peak_tf and the cold peak")
     print("# model            T      prec  moefuse_fwd_ms  TFLOP/s  %peak  base_fwd_ms  "
           "x_base | moefuse_fwdbwd_ms  TFLOP/s  %peak  base_fwdbwd_ms  x_base | "
           "peak_tf | rel_diff_y")
 
+    rows = []
     for model in args.models:
         for T in args.tokens:
-            print(run_case(moefuse, model, T, cold_peak, peak_matmul, bwd_reason is None,
-                           args), flush=True)
+            line, cells = run_case(moefuse, model, T, cold_peak, peak_matmul,
+                                   bwd_reason is None, args)
+            print(line, flush=True)
+            rows.append(cells)
             torch.cuda.empty_cache()
+    if args.markdown:
+        title = "bench_forward.py: " + ("sustained at the power limit" if args.sustained else
+                                        "each call alone, synchronized" if args.queue == 1
+                                        else f"{args.queue} calls queued, interleaved")
+        notes = [f"{name}; timing: {timing}; bf16 matmul peak cold {cold_peak:.1f} TFLOP/s; "
+                 f"%peak against the faster of peak_tf and the cold peak; baseline: "
+                 f"{baseline_name} (TorchTitan-style); ms per call, CUDA events, median of "
+                 f"{args.reps}."]
+        pathlib.Path(args.markdown).write_text(markdown_table(title, notes, rows))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ torch.autograd.grad over x, p, w13 and w2. torch.profiler records the CUDA kerne
 Each prints the time per call between two CUDA events around the calls, the kernels' sum,
 and each kernel's time per call, largest first. Watch the clocks beside it with
 `nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader -lms 200`.
-bench/NOTES.md v20 has its first table.
+docs/decisions/0017-ruled-out has its reading of the step's kernels at the power limit.
 
     python bench/profile_step.py [--model qwen3-30b-a3b] [--tokens 16384] [--calls 12]
                                  [--sustain-s 4]

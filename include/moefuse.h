@@ -103,8 +103,8 @@ typedef enum moefuse_saved_mode {
  * Both give the same bits. */
 typedef enum moefuse_pipeline {
     /* one kernel per stage (the default: on an H200 it is faster than the fused kernels
-     * so far, by 1-3% in the forward and about 4% in the backward, bench/NOTES.md v9 and
-     * v17) */
+     * so far, by 1-5% in the forward and 3-4% in the backward; see
+     * docs/decisions/0008-staged-by-default) */
     MOEFUSE_PIPELINE_STAGED = 0,
     /* forward: gemm1 and gemm2 in one persistent kernel, a gemm2 tile starting as soon as
      * the gemm1 tiles of its rows are done (with expert parallelism, once their rows have

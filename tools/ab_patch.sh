@@ -2,9 +2,9 @@
 # A/B of a patch in one GPU call: builds this tree (build/) and a copy of it with the patch
 # applied (AB_DIR, default /tmp/ab_patched) side by side, then runs each given command line
 # ROUNDS times in both trees, taking turns (main, patched, main, ...), so that the power
-# limit's clock changes fall on both alike (bench/NOTES.md v12). A command line is run from
-# the tree's root, so "build/tests/gpu/test_gemm_sm90_bwd time_qwen3_30b" runs each tree's
-# own binary. Correctness commands belong in the list too: they run in both trees.
+# limit's clock changes fall on both alike (docs/decisions/0013-power-limit-timing). A
+# command line runs from the tree's root, so "build/tests/gpu/test_gemm_sm90_bwd
+# time_qwen3_30b" runs each tree's own binary. Correctness commands belong in the list too.
 #
 #   tools/ab_patch.sh PATCH ROUNDS 'command line' ['command line' ...]
 #

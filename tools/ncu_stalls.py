@@ -15,8 +15,9 @@ Output (stdout):
   4. the samples and executed instructions per address range (--ranges), to compare, say,
      a K loop with the epilogue interleaved into it against the plain one.
 
-bench/NOTES.md v13 read dgrad2 this way. Samples are per warp: a role with more warps
-has more of them, so compare a role's regions with each other, not with another role's.
+docs/decisions/0011-dgrad2-epilogue cites readings made this way. Samples are per warp:
+a role with more warps has more of them, so compare a role's regions with each other,
+not with another role's.
 """
 import argparse
 import collections

@@ -56,7 +56,8 @@ typedef struct mf_gemm2_params {
                                        * rank: written by the dispatch; EP: pushed with
                                        * the rows). NOTE: one load per row before a tile's
                                        * K loop; weights[row_slot[r]] there, two dependent
-                                       * loads, made gemm2 5-8% slower (bench/NOTES.md v15) */
+                                       * loads, stall every tile (see
+                                       * docs/decisions/0005-token-major-dispatch) */
     uint16_t *combine;                /* out [T*K, H] bf16, one row per slot */
     int rows_cap;
     int hidden;                       /* H */
@@ -90,7 +91,7 @@ typedef struct mf_moe_fused_fwd_params {
 int mf_sm90_moe_fused_fwd_takes(int hidden, int intermediate);
 cudaError_t mf_sm90_moe_fused_fwd_bf16(const mf_moe_fused_fwd_params *p, cudaStream_t stream);
 
-/* ---- backward GEMMs (issue 4) ---------------------------------------------------------
+/* ---- backward GEMMs -------------------------------------------------------------------
  * The backward reuses the forward's plan (saved), dispatches dy into the same
  * expert-sorted row order (dys), and needs the forward's gate_up (saved, or recomputed
  * by gemm1). Padding rows of dys and xs are zero (dispatch zeroes them), so padding

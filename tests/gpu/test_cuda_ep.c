@@ -20,7 +20,7 @@
  *     skew.
  *     The R = 1 reference runs staged, so the first fused case also launches the fused
  *     kernel for the first time inside an EP call: before the backend loaded every kernel
- *     at create, CUDA's lazy loading hung it there (bench/NOTES.md v10);
+ *     at create, CUDA's lazy loading hung it there (docs/decisions/0015-ep-transport);
  *   - timeout: rank 3 of 4 never calls; moefuse_layer_check of the others reports
  *     MOEFUSE_ERR_TIMEOUT naming the rank, within a host bound, and y is untouched;
  *     layers made again on the same comm, then on a new comm, give the R = 1 bits;
@@ -797,7 +797,7 @@ static void case_r2(void) { equality_case(&(ep_case){.R = 2, .T = {M, M}}); }
 
 /* One rank over a real NCCL communicator: its windows registered with NCCL, the peer
  * table from ncclGetPeerPointer; and moefuse_comm_create_nccl refusing NVLS. (More
- * ranks need more GPUs: the 8-GPU issue.) */
+ * ranks need more GPUs.) */
 static void case_nccl_r1(void) {
 #ifdef MOEFUSE_HAVE_NCCL
     if (!ready()) return;

@@ -470,7 +470,7 @@ static void test_expert_order(void) {
 /* Median ms of each launch over 10 timed rounds (after 3 untimed), the launches taking
  * turns within a round: under this load the H200 reaches its power limit within
  * seconds and lowers its clock, so variants timed one after the other are not
- * comparable (bench/NOTES.md v12). -1 for a launch that failed. */
+ * comparable (docs/decisions/0013-power-limit-timing). -1 for a launch that failed. */
 template <class... F>
 static std::vector<float> time_interleaved_ms(F &&...launch) {
     cudaEvent_t t0, t1;

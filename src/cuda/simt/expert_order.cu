@@ -12,8 +12,9 @@
  * decides the balance: handed out first and largest first (the scheduler's snake), they
  * spread evenly. The rest keep the id order: at moderate skew (busiest expert 2-5x the
  * mean) no expert is heavy, and the order is the unordered schedule but for the empty
- * experts. (Sorting them all looked 0-20% slower there in v11, but those variants were
- * timed one after the other under the GPU's power limit: bench/NOTES.md v12.) Tiles of
+ * experts. (Sorting them all looked slower there only when the variants were timed one
+ * after the other under the GPU's power limit: see docs/decisions/0010-wgrad-expert-order
+ * and 0013-power-limit-timing.) Tiles of
  * experts without rows are zeros, which the store warps write beside the GEMM tiles.
  *
  * The rank is a strict total order over the experts, so order[0..E-1] is a permutation of

@@ -26,14 +26,10 @@
  * NOTE: da' is rounded to bf16 before the SwiGLU backward (one more rounding on dh's
  * path than the fp32 da' of the consumer-side epilogue this replaced; the same rounding
  * torch._grouped_mm's bf16 output has in an autograd MoE). The CPU backend rounds it too.
- * NOTE: measured on an H200 (131072 rows, bench/NOTES.md v22) against the consumer-side
- * epilogue it replaced (BN = 128, two accumulator sets, the math in 32 pieces under the
- * next tile's first K blocks): qwen3-30b-a3b 0.852 -> 0.812 ms (mean of four routings,
- * two rounds), qwen3-235b-a22b 2.80 -> 2.46 ms. The GEMM alone (store warps idle) takes
- * 0.54-0.59 and 2.26 ms: on 30b the three store warps (IPC ~0.3 each, ncu) bound it.
- * NOTE: measured on an H200 (bench/NOTES.md v23): two pieces per lane and two steps'
- * math at a time (25 instructions per element instead of 32, SASS), qwen3-30b-a3b
- * 0.825 -> 0.746 ms (mean of four routings, two rounds), qwen3-235b-a22b unchanged.
+ * NOTE: this replaced a consumer-side epilogue (BN = 128, two accumulator sets, the math
+ * in 32 pieces under the next tile's first K blocks). On qwen3-30b-a3b the three store
+ * warps bound the kernel, hence two pieces per lane and two steps' math at a time (25
+ * instructions per element instead of 32, SASS); see docs/decisions/0011-dgrad2-epilogue.
  *
  * FLOPs: 2 * rows * H * I. qwen3-30b-a3b at 131072 rows: 412 GFLOP, about 0.52 ms at
  * 790 TFLOP/s; outputs dh + act_p are 3 * rows * I * 2 bytes (0.6 GB) and the gate_up
@@ -95,9 +91,8 @@ struct Dgrad2Load {
         /* W2_e is read again by every row block of the expert: kept in L2 before the
          * streams touched once (gate_up, dh and act_p, which the store warps load and
          * store evict-first).
-         * NOTE: measured on an H200 with the consumer-side epilogue (qwen3-30b-a3b, 131072
-         * rows, bench/NOTES.md v21): collapsed routing 0.891 -> 0.841 ms, the other
-         * routings and qwen3-235b-a22b unchanged within 2%. */
+         * NOTE: it pays with collapsed routing only (see
+         * docs/decisions/0011-dgrad2-epilogue). */
         ptx::tma_load_2d(a, &args.map_dys, bar, k, m_row);
         tma_load_mn_boxes_hint<Cfg, Cfg::BN / 64>(b, &args.map_w2, bar, n_col, w_row + k,
                                                   ptx::l2_policy_evict_last());

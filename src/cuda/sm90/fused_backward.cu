@@ -16,8 +16,8 @@
  *    Experts without rows: with bf16 out their tiles are not in the order, and the store
  *    warps write their zeros between drains (as the wgrad kernel does); with fp32 out
  *    they run K loops of length 0 (zeros, or nothing in accumulate mode). Run as tiles of
- *    the order, a collapsed routing's ~17000 empty tiles made this kernel 15-20% slower
- *    than the three kernels (bench/NOTES.md v17).
+ *    the order, a collapsed routing's ~17000 empty tiles made this kernel slower than the
+ *    three kernels (see docs/decisions/0009-fused-tile-queue-order).
  *    dgrad1 comes last for two reasons: its tiles are all of one length, so they even out
  *    the end of the kernel where the wgrads' tiles (as long as an expert's rows) would
  *    leave SMs idle; and its wait below is then long satisfied.
@@ -36,15 +36,11 @@
  * FLOPs: those of the three kernels, 2 * rows * (H I + 2I H + 2I H) = 10 rows H I
  * (qwen3-30b-a3b at 131072 rows: 2062 GFLOP, 2.6 ms at 790 TFLOP/s). What fusing can
  * save: the tail of each kernel's last wave and the next one's ramp, twice.
- * NOTE: measured on an H200 (bench/NOTES.md v16, v17), it does not save them yet: with
- * the staged forward, a qwen3-30b-a3b fwd+bwd at 16384 tokens takes 0.15-0.21 ms longer
- * than with the three kernels (v17: 7.372-7.396 -> 7.553-7.588 ms), as the fused forward
- * loses 1-3% to its two kernels. Timed alone (test_gemm_sm90_bwd time_qwen3) it takes
- * 99-105% of the three's time, and under ncu's fixed clocks 100.5%. Neither the index
- * atomic between tiles nor the queue's 352 arrivals per tile was the cause (both
- * removed, no change). So the pipeline stays staged by default; what this kernel is for:
- * issue 5's combine and the weight gradients filling the SMs while other ranks' rows
- * arrive. */
+ * NOTE: on an H200 it does not save them yet: it is slower than the three kernels, as
+ * the fused forward is than its two, and neither the index atomic between tiles nor the
+ * queue's arrivals per tile was the cause. So the pipeline stays staged by default (see
+ * docs/decisions/0008-staged-by-default); what this kernel is for: expert parallelism's
+ * combine and the weight gradients filling the SMs while other ranks' rows arrive. */
 #include "ptx/flags.cuh"
 #include "sm90/moe_bwd_tiles.cuh"
 #include "sm90/common/tile_queue.cuh"
@@ -255,7 +251,7 @@ struct FusedBwdEpilogue {
 /* Consumers: consumer_role, each tile's K loop in the tile's operand layout from one ring
  * position (the two Ring types differ only in how a stage's bytes are read). The layout
  * is made warp-uniform (a shuffle from lane 0) so that ptxas can keep the wgmmas of both
- * branches asynchronous (no C7518; bench/experiments/fused_bwd_two_layouts_probe.cu). */
+ * branches asynchronous (no C7518; see docs/decisions/0008-staged-by-default). */
 template <class Cfg>
 __device__ __forceinline__ void k_loop_in_layout(uint8_t *smem_raw, RingPos<WgradCfg> &pos,
                                                  float (&acc)[Cfg::kAccRegs], int num_k_blocks) {

@@ -27,10 +27,9 @@
  * (131072 rows) 1237 GFLOP, 1.6 ms at 777 TFLOP/s. What fusing can save: the tail of
  * gemm1's last wave and gemm2's ramp (the two kernels' boundary), and the DRAM re-read
  * of act (201 MB on qwen3-30b-a3b).
- * NOTE: measured on an H200, it does not save them yet: 1-3% slower than the two kernels
- * (qwen3-30b-a3b 2.163 -> 2.229 ms, qwen3-235b-a22b 8.145 -> 8.233 ms), so the default
- * pipeline is staged (bench/NOTES.md v9). What it is for: the dispatch and the combine
- * of expert parallelism moving into it. */
+ * NOTE: on an H200 it does not save them yet: it is slower than the two kernels, so the
+ * default pipeline is staged (see docs/decisions/0008-staged-by-default). What it is
+ * for: the dispatch and the combine of expert parallelism moving into it. */
 #include "sm90/moe_fwd_tiles.cuh"
 #include "sm90/common/tile_queue.cuh"
 

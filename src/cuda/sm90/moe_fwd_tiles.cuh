@@ -107,10 +107,9 @@ struct Gemm1Load {
  * same expression as the backward's, and the CPU backend's rounding path) and store act,
  * and g and u when gate_up is asked for.
  * NOTE: act used to be computed from fp32 g and u in the consumers, which stored the
- * three outputs themselves with the tensor cores idle. Measured on an H200 (131072 rows,
- * same-call A/B), the store warps took qwen3-235b-a22b from 5.55 to 5.31 ms and left
- * qwen3-30b-a3b within noise (1.25-1.31 ms): 3 stages instead of 4 give back part of
- * the overlap. bench/NOTES.md v8. */
+ * three outputs themselves with the tensor cores idle; the store warps' buffers cost a
+ * stage (3 instead of 4), which gives back part of the overlap (see
+ * docs/decisions/0004-store-warps). */
 template <class Cfg>
 struct Gemm1Epilogue {
     const Gemm1Args &args;

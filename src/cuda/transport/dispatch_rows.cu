@@ -6,7 +6,7 @@
  * and, when asked, each row's routing weight: row_weight[slot_row[s]] = weights[s], 0 for
  * padding rows. gemm2 and dgrad2 read it before a tile's K loop; reading
  * weights[row_slot[r]] there instead is two dependent loads that stall the consumers at
- * every tile (measured on an H200, bench/NOTES.md v15: gemm2 5-8% slower).
+ * every tile (see docs/decisions/0005-token-major-dispatch).
  *
  * Padding rows are zeroed although gemm rows are independent (a garbage padding row
  * would only produce a garbage act row that gemm2 skips): zeros make the padding
@@ -19,12 +19,11 @@
  * Token-major: one warp per token reads its row once and writes its K copies (16-byte
  * vectors, 4 per lane in flight), so the kernel moves T * H * 2 bytes in and
  * T * K * H * 2 out. NOTE: the first version gathered row by row (one read per row) and
- * read each token K times, more than L2 holds: 2.1 GB at qwen3-235b-a22b, T = 16384,
- * 0.55 ms measured; token-major moves 1.2 GB. Folding the copy into gemm1's producer
- * (DESIGN 3) was tried with cp.async (sm_90 TMA has no row gather): bitwise right, but
- * gemm1 slowed by more than this kernel costs (bench/NOTES.md v5), and so did the weight
- * gradient's (v19: 1.7-5x slower by cp.async, 8-10x by one TMA box per row); both
- * patches are in bench/experiments/. */
+ * read each token K times, more than L2 holds: 2.1 GB at qwen3-235b-a22b, T = 16384;
+ * token-major moves 1.2 GB. Folding the copy into gemm1's producer (DESIGN 3) was tried
+ * with cp.async (sm_90 TMA has no row gather): bitwise right, but gemm1 slowed by more
+ * than this kernel costs, and so did the weight gradient's; see
+ * docs/decisions/0005-token-major-dispatch. */
 #include <cuda_runtime.h>
 #include <stdint.h>
 

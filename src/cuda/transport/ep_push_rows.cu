@@ -15,7 +15,8 @@
  * NOTE: the same bytes as the one-rank gather (T*K*H*2 read and written per tensor),
  * but the writes cross NVLink: at ~450 GB/s per direction per H200 link set, 16384
  * tokens of qwen3-30b-a3b (~268 MB of x rows, 7/8 remote at R = 8) take ~0.5 ms.
- * Overlapping them with the GEMMs is the job of the fused kernel (issue 3). */
+ * Overlapping them with the GEMMs is the job of the fused kernel (see
+ * docs/decisions/0015-ep-transport). */
 #include <cuda_runtime.h>
 #include <stdint.h>
 

@@ -21,8 +21,8 @@
  * producer, of which one thread issues all TMA copies.
  * NOTE: 384 threads at one CTA per SM leave 168 registers per thread at entry, 64512 in
  * all, and setmaxnreg only moves those: 2 x 128 x 232 + 128 x 40 = 64512. (A split
- * asking for more, 2 x 128 x 208 + 128 x 96 = 65536, died with "unspecified launch
- * failure" on an H200: bench/NOTES.md v9.) A TileConfig may pick another split
+ * asking for more, 2 x 128 x 208 + 128 x 96 = 65536, cannot launch: see
+ * docs/decisions/0002-warp-roles-and-register-split.) A TileConfig may pick another split
  * (ProducerRegs).
  * NOTE: ptxas (CUDA 13) allocates the code after setmaxnreg.inc within the new count:
  * the BN = 256 gemm2 and dgrad1 consumers use registers up to R211 (cuobjdump -sass,
@@ -404,12 +404,10 @@ __device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched
  *  - the store warps (warps 1..3 of the producer warpgroup, 40 registers) walk the same
  *    tiles, wait for each warpgroup's buffer, store it out (the epilogue's drain(m_block,
  *    n_block, wg, buf)) and release it (every store-warp thread arrives).
- * NOTE: measured on an H200 (qwen3-30b-a3b, 131072 rows, before this existed): without
- * any epilogue gemm2 ran in 0.58 ms instead of 0.95 and dgrad2 in 0.66 ms instead of
- * 1.26; most of the difference was the stores and the routing-weight loads, which the
- * consumers waited for before starting the next tile. With store warps: gemm2 0.69 ms,
- * dgrad1 1.35 -> 1.17 ms, dgrad2 1.13 ms. dgrad2's store warps run its whole SwiGLU
- * backward (bench/NOTES.md v22; v7 tried it with 3x the instructions per element). */
+ * NOTE: before this existed the consumers waited for the stores and the routing-weight
+ * loads before starting the next tile, with the tensor cores idle (see
+ * docs/decisions/0004-store-warps). dgrad2's store warps run its whole SwiGLU backward
+ * (see docs/decisions/0011-dgrad2-epilogue). */
 struct StoreHandoff {
     uint32_t phase = 0;
 
@@ -468,8 +466,7 @@ __device__ __forceinline__ void epi_write_bf16(uint8_t *buf, Pack &&pack) {
  * writes reach the async proxy through the fence in StoreHandoff::stage.
  * NOTE: ptxas loops over the lanes for the copies (UBLKCP takes uniform registers, ~9
  * instructions a row), still fewer than the 16-byte loads and stores of three warps this
- * replaced; on an H200 gemm2 and the bf16 wgrad ran 1-6% faster, the sustained step 0.3%
- * (bench/NOTES.md v26). */
+ * replaced (see docs/decisions/0007-bulk-row-drains). */
 template <class Cfg, class Dst>
 __device__ __forceinline__ void drain_rows_bf16(const uint8_t *buf, Dst &&dst) {
     static_assert(Cfg::kStoreRowBytes == Cfg::BN * 2, "the buffer holds the tile's rows");

@@ -3,10 +3,10 @@
  * to the CTA's consumers and store warps through a queue in shared memory, so the tiles
  * start in order whichever CTA is free. Used by the fused kernels, whose tiles wait for
  * other tiles (src/cuda/sm90/fused_forward.cu, src/cuda/sm90/fused_backward.cu).
- * NOTE: why taking in order matters, measured on an H200 (bench/NOTES.md v9): with the
- * tiles handed out round-robin by index, as the single GEMMs do, the fused forward was
- * 25% slower than its two kernels: tiles of different K lengths let CTAs drift apart,
- * and a tile waited for one that a slower CTA had not reached. */
+ * NOTE: why taking in order matters: with the tiles handed out round-robin by index, as
+ * the single GEMMs do, tiles of different K lengths let CTAs drift apart, and a tile
+ * waited for one that a slower CTA had not reached (see
+ * docs/decisions/0009-fused-tile-queue-order). */
 #pragma once
 
 #include "sm90/common/grouped_gemm.cuh"
