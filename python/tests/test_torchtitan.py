@@ -68,7 +68,7 @@ def tiny_args(**moe_overrides):
     return args
 
 
-def tiny_model(args, seed=0) -> Qwen3Model:
+def tiny_model(args, seed=0, dtype=torch.bfloat16) -> Qwen3Model:
     torch.manual_seed(seed)
     model = Qwen3Model(args)
     with torch.no_grad():
@@ -76,7 +76,7 @@ def tiny_model(args, seed=0) -> Qwen3Model:
         for m in model.modules():  # a load-balancing state that matters for the routing
             if isinstance(m, MoE) and m.expert_bias is not None:
                 m.expert_bias.copy_(0.01 * torch.randn(m.expert_bias.shape))
-    return model.to(torch.bfloat16)
+    return model.to(dtype)
 
 
 # ---- the fp64 reference with its routing pinned ------------------------------------------
@@ -131,19 +131,20 @@ class Fp64MoE(MoE):
     forward = pinned_fp64_reference_moe_forward
 
 
-def run(model, tokens, dy):
+def run(model, tokens, dy, autocast=False):
     """(output, {param name: grad}) of one forward + backward."""
     model.zero_grad(set_to_none=True)
-    out = model(tokens)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(tokens)
     out.backward(dy)
     return out.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def compare_three(native, swapped, reference, tokens, dy):
+def compare_three(native, swapped, reference, tokens, dy, autocast=False):
     """Errors against fp64, {what: (moefuse, torchtitan)}, after asserting equal routing."""
     sel_native, sel_swapped = record_selection(native), record_selection(swapped)
-    out_n, grads_n = run(native, tokens, dy)
-    out_s, grads_s = run(swapped, tokens, dy)
+    out_n, grads_n = run(native, tokens, dy, autocast)
+    out_s, grads_s = run(swapped, tokens, dy, autocast)
     assert sel_native.keys() == sel_swapped.keys() and sel_native
     for name in sel_native:
         assert torch.equal(sel_native[name], sel_swapped[name]), f"{name}: selections differ"
@@ -179,20 +180,24 @@ def swapped_and_reference(native):
 # ---- the model --------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32_autocast"])
 @pytest.mark.parametrize("moe_overrides", [
     {},  # debugmodel_moe's routing
     # the other knobs of TorchTitan's MoE: sigmoid scores, no renormalization, a scale,
     # one shared expert.
     {"score_func": "sigmoid", "route_norm": False, "route_scale": 2.5, "num_shared_experts": 1},
 ], ids=["qwen3", "sigmoid_scaled_shared"])
-def test_model_matches_torchtitan(moe_overrides):
+def test_model_matches_torchtitan(moe_overrides, precision):
+    """bf16: a bf16 model (as FSDP's bf16 parameters give it). fp32_autocast: fp32
+    parameters under autocast to bf16, as TorchTitan trains on one GPU."""
     args = tiny_args(**moe_overrides)
-    native = tiny_model(args)
+    autocast = precision == "fp32_autocast"
+    native = tiny_model(args, dtype=torch.float32 if autocast else torch.bfloat16)
     swapped, reference = swapped_and_reference(native)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab_size, (BS, SLEN), generator=g)
     dy = torch.randn(BS, SLEN, args.vocab_size, generator=g).bfloat16()
-    errors = compare_three(native, swapped, reference, tokens, dy)
+    errors = compare_three(native, swapped, reference, tokens, dy, autocast)
     expected = {"output"} | {n for n, _ in native.named_parameters()}
     assert set(errors) == expected
     assert any(".moe.experts.w1" in n for n in errors)
@@ -247,6 +252,26 @@ def test_moe_layer_within_bf16_tolerance():
     assert errors["router.gate.weight"][0] <= tolerance(3 + 1), errors["router.gate.weight"]
     for n in ("shared_experts.w1.weight", "shared_experts.w2.weight", "shared_experts.w3.weight"):
         assert errors[n][0] <= tolerance(3), (n, errors[n])
+
+
+def test_moe_compiles_fullgraph():
+    """The swapped MoE traces into one graph (moefuse's op is a custom op with a fake)."""
+    torch.manual_seed(5)
+    moe = MoE(MoEArgs(num_experts=16, num_shared_experts=1, score_func="softmax",
+                      route_norm=True, top_k=4, score_before_experts=False,
+                      use_grouped_mm=False), dim=64, hidden_dim=32)
+    with torch.no_grad():
+        moe.init_weights(0.02, torch.device("cpu"))
+    moe = moe.bfloat16()
+    mtt.apply(moe)
+    x = torch.randn(BS, SLEN, 64).bfloat16()
+    eager = moe(x)
+    compiled = torch.compile(moe, fullgraph=True, backend="aot_eager")
+    xg = x.clone().requires_grad_()
+    out = compiled(xg)
+    out.sum().backward()
+    assert torch.equal(out, eager)
+    assert xg.grad is not None and moe.experts.w1.grad is not None
 
 
 # ---- checkpoints ------------------------------------------------------------------------------
