@@ -33,14 +33,19 @@ Not supported (apply() or the forward says so):
   the experts: a different function than moefuse's p * W2 a). Qwen3's configurations set
   it False.
 - Experts under expert or tensor parallelism (w1/w2/w3 as DTensors in the forward), and
-  DeepEP's MoE (a subclass with its own dispatch). FSDP2 on the transformer blocks (as
-  TorchTitan applies it) hands the forward plain unsharded tensors and is fine.
-- TorchTitan's selective activation checkpointing lists aten._grouped_mm among the ops it
-  saves; it does not know moefuse's op, which is recomputed under it.
+  DeepEP's MoE (a subclass with its own dispatch). With one expert-parallel rank TorchTitan
+  applies FSDP2 to whole transformer blocks, which unshards the experts' weights into plain
+  tensors before the block's forward: that is the case this adapter takes (not tested yet).
+
+Activation checkpointing is not tested yet. TorchTitan's selective mode saves the outputs
+of the ops on Qwen3's list (aten.mm, attention) and recomputes the rest: moefuse's op, like
+TorchTitan's own _grouped_mm, is not on it and runs again in the backward.
 
 torch.compile as TorchTitan applies it (the router, reorderer and shared experts compiled
-one by one, the MoE's own forward eager) works unchanged; moefuse's op is a custom op with
-a fake implementation, so compiling the whole block also traces without graph breaks.
+one by one, the MoE's own forward eager) leaves this adapter's code eager, as it leaves
+TorchTitan's unsort and weighted sum; moefuse's op is a custom op with a fake
+implementation, so compiling the whole MoE with fullgraph=True traces too (both are
+checked on the CPU with the aot_eager backend; inductor on a GPU is the benchmark's).
 
 TorchTitan 0.3 moves this to torchtitan/models/common/moe.py (RoutedExperts = token
 dispatcher + GroupedExperts with w1_EFD, w3_EFD, w2_EDF): routed_experts() below is the
