@@ -7,6 +7,8 @@ nn.Modules on top.
     moefuse.MoEExperts, moefuse.MoefuseQwen3MoeBlock
     moefuse.ExpertParallelExperts, moefuse.nccl_comm_from_group  expert parallelism
                                                     (moefuse.distributed)
+    moefuse.torchtitan.apply(model)                 TorchTitan's MoE models (imported on
+                                                    its own: it needs torchtitan)
 
 The C library is found through MOEFUSE_LIB, else build/libmoefuse.so of the source
 checkout, else a copy installed next to this package (see moefuse._lib).

@@ -1,0 +1,323 @@
+"""moefuse.torchtitan on CPU: TorchTitan's Qwen3 MoE model (its debugmodel_moe
+configuration, shrunk) with its routed experts swapped for moefuse, against the same
+model run by TorchTitan itself.
+
+How close is close enough. Both models compute in bf16 and neither is the truth, so each
+is compared with an fp64 copy of the model whose routers are pinned to the selection the
+bf16 models made (a near tie resolved the other way would be a different function, not an
+error). The rule is FlashAttention's, as in test_modules.py: moefuse's norm-wise relative
+error against fp64 at most twice TorchTitan's plus 1e-5, for the output and for the
+gradient of every parameter; and, for the MoE layer alone, moefuse within the bf16
+tolerance of moe_reference.py. The routers are TorchTitan's code in both models, so with
+equal inputs the selections are equal bit for bit; the test asserts it.
+
+CPU notes: TorchTitan 0.2.2's router counts tokens with torch.histc on int64 ids, which
+PyTorch implements on CUDA only; the fixture below routes integer histc through float on
+CPU (exact for these counts) in both models. TorchTitan's grouped-mm experts need Triton
+(generate_permute_indices), so the native model runs TorchTitan's for-loop experts
+(use_grouped_mm=False): the same math in the same bf16 precision.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+torchtitan = pytest.importorskip(
+    "torchtitan", reason="TorchTitan is not installed (tools/install_deps.sh installs it)")
+
+from torchtitan.models.moe import MoE, MoEArgs  # noqa: E402
+from torchtitan.models.qwen3 import Qwen3Model, qwen3_args  # noqa: E402
+from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter  # noqa: E402
+
+import moefuse.torchtitan as mtt  # noqa: E402
+
+from moe_reference import assert_close_bf16, rel_error, tolerance  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("library")
+
+BS, SLEN = 2, 32
+
+
+@pytest.fixture(autouse=True)
+def cpu_histc(monkeypatch):
+    """torch.histc of integer tensors on CPU, through float (TorchTitan's router)."""
+    histc = torch.histc
+
+    def histc_int_on_cpu(input, *args, **kwargs):
+        if input.device.type == "cpu" and not input.is_floating_point():
+            return histc(input.float(), *args, **kwargs).to(input.dtype)
+        return histc(input, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "histc", histc_int_on_cpu)
+
+
+def tiny_args(**moe_overrides):
+    """debugmodel_moe (softmax, route_norm, top-8 of 64, no shared experts, scores after
+    the experts) shrunk: D=64, F=32, E=16, K=4, two layers."""
+    args = copy.deepcopy(qwen3_args["debugmodel_moe"])
+    args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.head_dim = 64, 2, 4, 2, 16
+    args.vocab_size, args.max_seq_len, args.hidden_dim, args.moe_inter_dim = 256, SLEN, 128, 32
+    args.moe_args.num_experts, args.moe_args.top_k = 16, 4
+    args.moe_args.use_grouped_mm = False
+    for k, v in moe_overrides.items():
+        setattr(args.moe_args, k, v)
+    return args
+
+
+def tiny_model(args, seed=0, dtype=torch.bfloat16) -> Qwen3Model:
+    torch.manual_seed(seed)
+    model = Qwen3Model(args)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+        for m in model.modules():  # a load-balancing state that matters for the routing
+            if isinstance(m, MoE) and m.expert_bias is not None:
+                m.expert_bias.copy_(0.01 * torch.randn(m.expert_bias.shape))
+    return model.to(dtype)
+
+
+# ---- the fp64 reference with its routing pinned ------------------------------------------
+
+
+def record_selection(model) -> dict:
+    """Forward hooks that keep each router's ids, by router module name."""
+    seen = {}
+    for name, m in model.named_modules():
+        if name.endswith("router"):
+            m.register_forward_hook(
+                lambda mod, inp, out, name=name: seen.__setitem__(name, out[1].clone()))
+    return seen
+
+
+def pin_selection(model, selection: dict) -> None:
+    """Makes each router of an fp64 model return the scores of the given selection,
+    computed as TorchTitan's router computes them (in the router's fp32, then widened)."""
+    def hook(router, inputs, out, name):
+        x = inputs[0]
+        logits = router.gate(x).double()
+        scores = (torch.sigmoid(logits) if router.score_func == "sigmoid"
+                  else torch.softmax(logits, dim=-1))
+        ids = selection[name]
+        top = scores.gather(1, ids)
+        if router.route_norm:
+            top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+        return top * router.route_scale, ids, out[2]
+
+    for name, m in model.named_modules():
+        if name.endswith("router"):
+            m.register_forward_hook(lambda mod, inp, out, name=name: hook(mod, inp, out, name))
+
+
+def pinned_fp64_reference_moe_forward(self, x):
+    """TorchTitan's MoE.forward in fp64 (its own forward casts the expert outputs to fp32)."""
+    bs, slen, dim = x.shape
+    x = x.view(-1, dim)
+    top_scores, ids, _ = self.router(x, self.expert_bias)
+    e = self.experts
+    out = torch.zeros_like(x)
+    for k in range(ids.shape[1]):
+        w1, w3, w2 = e.w1[ids[:, k]], e.w3[ids[:, k]], e.w2[ids[:, k]]
+        h = F.silu(torch.einsum("tfd,td->tf", w1, x)) * torch.einsum("tfd,td->tf", w3, x)
+        out = out + top_scores[:, k:k + 1] * torch.einsum("tdf,tf->td", w2, h)
+    if self.shared_experts is not None:
+        out = out + self.shared_experts(x)
+    return out.reshape(bs, slen, dim)
+
+
+class Fp64MoE(MoE):
+    forward = pinned_fp64_reference_moe_forward
+
+
+def run(model, tokens, dy, autocast=False):
+    """(output, {param name: grad}) of one forward + backward."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(tokens)
+    out.backward(dy)
+    return out.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def compare_three(native, swapped, reference, tokens, dy, autocast=False):
+    """Errors against fp64, {what: (moefuse, torchtitan)}, after asserting equal routing."""
+    sel_native, sel_swapped = record_selection(native), record_selection(swapped)
+    out_n, grads_n = run(native, tokens, dy, autocast)
+    out_s, grads_s = run(swapped, tokens, dy, autocast)
+    assert sel_native.keys() == sel_swapped.keys() and sel_native
+    for name in sel_native:
+        assert torch.equal(sel_native[name], sel_swapped[name]), f"{name}: selections differ"
+    pin_selection(reference, sel_native)
+    out_r, grads_r = run(reference, tokens, dy.double())
+    errors = {"output": (rel_error(out_s, out_r), rel_error(out_n, out_r))}
+    for name, g_ref in grads_r.items():
+        assert grads_s[name] is not None and grads_n[name] is not None, name
+        errors[name] = (rel_error(grads_s[name], g_ref), rel_error(grads_n[name], g_ref))
+    return errors
+
+
+def assert_flash_rule(errors):
+    print("relative errors against fp64 (moefuse, torchtitan):")
+    for k, (a, b) in errors.items():
+        print(f"  {k:40s} {a:.3e} {b:.3e}")
+    bad = {k: v for k, v in errors.items() if not v[0] <= 2 * v[1] + 1e-5}
+    assert not bad, "moefuse error > 2x TorchTitan's + 1e-5 (moefuse, torchtitan): " + ", ".join(
+        f"{k}: {a:.3e} vs {b:.3e}" for k, (a, b) in bad.items())
+
+
+def swapped_and_reference(native):
+    swapped = copy.deepcopy(native)
+    names = mtt.apply(swapped)
+    assert names == [n for n, m in native.named_modules() if isinstance(m, MoE)] and names
+    reference = copy.deepcopy(native).double()
+    for m in reference.modules():
+        if isinstance(m, MoE):
+            m.__class__ = Fp64MoE
+    return swapped, reference
+
+
+# ---- the model --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32_autocast"])
+@pytest.mark.parametrize("moe_overrides", [
+    {},  # debugmodel_moe's routing
+    # the other knobs of TorchTitan's MoE: sigmoid scores, no renormalization, a scale,
+    # one shared expert.
+    {"score_func": "sigmoid", "route_norm": False, "route_scale": 2.5, "num_shared_experts": 1},
+], ids=["qwen3", "sigmoid_scaled_shared"])
+def test_model_matches_torchtitan(moe_overrides, precision):
+    """bf16: a bf16 model (as FSDP's bf16 parameters give it). fp32_autocast: fp32
+    parameters under autocast to bf16, as TorchTitan trains on one GPU."""
+    args = tiny_args(**moe_overrides)
+    autocast = precision == "fp32_autocast"
+    native = tiny_model(args, dtype=torch.float32 if autocast else torch.bfloat16)
+    swapped, reference = swapped_and_reference(native)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, args.vocab_size, (BS, SLEN), generator=g)
+    dy = torch.randn(BS, SLEN, args.vocab_size, generator=g).bfloat16()
+    errors = compare_three(native, swapped, reference, tokens, dy, autocast)
+    expected = {"output"} | {n for n, _ in native.named_parameters()}
+    assert set(errors) == expected
+    assert any(".moe.experts.w1" in n for n in errors)
+    assert_flash_rule(errors)
+    # The load-balancing counts TorchTitan's hook reads are the same.
+    for (name, a), (_, b) in zip(native.named_buffers(), swapped.named_buffers()):
+        assert torch.equal(a, b), name
+
+
+def test_moe_layer_within_bf16_tolerance():
+    """One MoE layer with bf16 tokens: moefuse's output and the gradients of x, the router,
+    the routed and shared experts against fp64, within moe_reference's tolerance (plus one
+    rounding for the router's bf16 logits where the path crosses it)."""
+    torch.manual_seed(3)
+    args = MoEArgs(num_experts=16, num_shared_experts=1, score_func="softmax", route_norm=True,
+                   top_k=4, score_before_experts=False, use_grouped_mm=False)
+    native = MoE(args, dim=64, hidden_dim=32)
+    with torch.no_grad():
+        native.init_weights(0.02, torch.device("cpu"))
+        native.expert_bias.copy_(0.01 * torch.randn(16))
+    native = native.bfloat16()
+    swapped, reference = swapped_and_reference(native)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(BS, SLEN, 64, generator=g).bfloat16()
+    dy = torch.randn(BS, SLEN, 64, generator=g).bfloat16()
+
+    grads = {}
+    selection = record_selection(native)  # filled by the first forward, pinned in the third
+    for what, m, xin, d in (("native", native, x, dy), ("moefuse", swapped, x, dy),
+                            ("fp64", reference, x.double(), dy.double())):
+        if what == "fp64":
+            pin_selection(m, selection)
+        xin = xin.clone().requires_grad_()
+        out = m(xin)
+        out.backward(d)
+        grads[what] = {"y": out.detach(), "dx": xin.grad,
+                       **{n: p.grad for n, p in m.named_parameters()}}
+    ref = grads["fp64"]
+    errors = {k: (rel_error(grads["moefuse"][k], ref[k]), rel_error(grads["native"][k], ref[k]))
+              for k in ref}
+    assert_flash_rule(errors)
+    # n bf16 roundings per output as moe_reference.py counts them; dx adds the router's
+    # bf16 logits (+1) and the shared experts' FeedForward (+2: its h and its dx), the
+    # router's weight gradient the bf16 logits' gradient (+1) to dp's n = 3.
+    assert_close_bf16(grads["moefuse"]["y"], ref["y"], "y")
+    assert_close_bf16(grads["moefuse"]["experts.w1"], ref["experts.w1"], "dw13")
+    assert_close_bf16(grads["moefuse"]["experts.w3"], ref["experts.w3"], "dw13")
+    assert_close_bf16(grads["moefuse"]["experts.w2"], ref["experts.w2"], "dw2")
+    assert errors["dx"][0] <= tolerance(4 + 1 + 2), errors["dx"]
+    assert errors["router.gate.weight"][0] <= tolerance(3 + 1), errors["router.gate.weight"]
+    for n in ("shared_experts.w1.weight", "shared_experts.w2.weight", "shared_experts.w3.weight"):
+        assert errors[n][0] <= tolerance(3), (n, errors[n])
+
+
+def test_moe_compiles_fullgraph():
+    """The swapped MoE traces into one graph (moefuse's op is a custom op with a fake)."""
+    torch.manual_seed(5)
+    moe = MoE(MoEArgs(num_experts=16, num_shared_experts=1, score_func="softmax",
+                      route_norm=True, top_k=4, score_before_experts=False,
+                      use_grouped_mm=False), dim=64, hidden_dim=32)
+    with torch.no_grad():
+        moe.init_weights(0.02, torch.device("cpu"))
+    moe = moe.bfloat16()
+    mtt.apply(moe)
+    x = torch.randn(BS, SLEN, 64).bfloat16()
+    eager = moe(x)
+    compiled = torch.compile(moe, fullgraph=True, backend="aot_eager")
+    xg = x.clone().requires_grad_()
+    out = compiled(xg)
+    out.sum().backward()
+    assert torch.equal(out, eager)
+    assert xg.grad is not None and moe.experts.w1.grad is not None
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+
+
+def test_state_dict_round_trip_both_ways():
+    args = tiny_args(num_shared_experts=1)
+    native = tiny_model(args)
+    swapped = copy.deepcopy(native)
+    mtt.apply(swapped)
+    sd_native, sd_swapped = native.state_dict(), swapped.state_dict()
+    assert list(sd_native) == list(sd_swapped)
+    assert list(dict(native.named_buffers())) == list(dict(swapped.named_buffers()))
+
+    # native -> swapped
+    other = tiny_model(args, seed=7)
+    mtt.apply(other)
+    missing, unexpected = other.load_state_dict(sd_native, strict=True)
+    assert not missing and not unexpected
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, sd_native[k]), k
+    # swapped -> native
+    fresh = tiny_model(args, seed=8)
+    fresh.load_state_dict(other.state_dict(), strict=True)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, sd_native[k]), k
+
+    # TorchTitan's HF adapter sees the same tensors under the same names.
+    adapter = Qwen3StateDictAdapter(args, None)
+    hf_native, hf_swapped = adapter.to_hf(sd_native), adapter.to_hf(other.state_dict())
+    assert list(hf_native) == list(hf_swapped)
+    assert all(torch.equal(hf_native[k], hf_swapped[k]) for k in hf_native)
+    back = adapter.from_hf(hf_swapped)
+    fresh.load_state_dict(back, strict=False)
+    for k in back:
+        assert torch.equal(fresh.state_dict()[k], sd_native[k]), k
+
+
+def test_restore_and_refusals():
+    args = tiny_args()
+    model = tiny_model(args)
+    names = mtt.apply(model)
+    assert all(type(model.get_submodule(n)) is mtt.MoefuseMoE for n in names)
+    assert mtt.apply(model) == names  # idempotent
+    assert mtt.restore(model) == names
+    assert all(type(model.get_submodule(n)) is MoE for n in names)
+
+    scaled_before = tiny_model(tiny_args(score_before_experts=True))
+    with pytest.raises(ValueError, match="score_before_experts=True"):
+        mtt.apply(scaled_before)
+    assert not any(isinstance(m, mtt.MoefuseMoE) for m in scaled_before.modules())
