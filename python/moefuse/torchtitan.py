@@ -33,13 +33,18 @@ Not supported (apply() or the forward says so):
   the experts: a different function than moefuse's p * W2 a). Qwen3's configurations set
   it False.
 - Experts under expert or tensor parallelism (w1/w2/w3 as DTensors in the forward), and
-  DeepEP's MoE (a subclass with its own dispatch). With one expert-parallel rank TorchTitan
-  applies FSDP2 to whole transformer blocks, which unshards the experts' weights into plain
-  tensors before the block's forward: that is the case this adapter takes (not tested yet).
+  DeepEP's MoE (a subclass with its own dispatch).
 
-Activation checkpointing is not tested yet. TorchTitan's selective mode saves the outputs
-of the ops on Qwen3's list (aten.mm, attention) and recomputes the rest: moefuse's op, like
-TorchTitan's own _grouped_mm, is not on it and runs again in the backward.
+FSDP2: with one expert-parallel rank TorchTitan's apply_fsdp shards whole transformer
+blocks, and FSDP unshards the experts' weights into plain bf16 tensors before the block's
+forward: that is the case this adapter takes. Tested on one gloo rank on the CPU: loss and
+gradients equal the unsharded model in bf16 bit for bit (see test_torchtitan.py).
+
+Activation checkpointing, as TorchTitan's apply_ac wraps the blocks ('full', 'selective'
+by op with Qwen3's save list, 'selective' every n-th layer): moefuse's op runs again in
+the recompute (it is not on the save list, like TorchTitan's own _grouped_mm), and the
+op is deterministic, so loss and gradients equal those without AC bit for bit (tested on
+the CPU). The recompute costs one more forward of the experts per checkpointed block.
 
 torch.compile as TorchTitan applies it (the router, reorderer and shared experts compiled
 one by one, the MoE's own forward eager) leaves this adapter's code eager, as it leaves
