@@ -2,6 +2,9 @@
 
     moefuse.torchtitan.apply(model)    -> names of the MoE modules now computed by moefuse
     moefuse.torchtitan.restore(model)  -> names of the MoE modules given back to TorchTitan
+    moefuse.torchtitan.shard_experts(model, ep_mesh)   TorchTitan's EP layout of the experts
+    moefuse.torchtitan.apply(model, expert_parallel=ExpertParallelPlan(comms, rank, R, ...))
+        -> the same, the experts computed with moefuse's expert parallelism
 
 TorchTitan's MoE is a router (TokenChoiceTopKRouter), a TokenReorderer, GroupedExperts
 (w1, w3 [E, F, D]; w2 [E, D, F]), optional shared experts, then an unsort and a weighted
@@ -32,8 +35,21 @@ Not supported (apply() or the forward says so):
 - score_before_experts=True (TorchTitan scales the routed tokens by their scores before
   the experts: a different function than moefuse's p * W2 a). Qwen3's configurations set
   it False.
-- Experts under expert or tensor parallelism (w1/w2/w3 as DTensors in the forward), and
-  DeepEP's MoE (a subclass with its own dispatch).
+- Experts under tensor parallelism (TorchTitan's TensorParallel, ExpertTensorParallel:
+  w1/w3 sharded on F, w2 on F), DeepEP's MoE (a subclass with its own dispatch), and
+  experts that went through TorchTitan's own ExpertParallel (its all-to-all hooks sit on
+  the experts module): shard them with shard_experts instead.
+
+Expert parallelism (docs/decisions/torchtitan-expert-parallel.md): shard_experts makes
+TorchTitan's EP layout (w1, w2, w3 DTensors sharded on the experts over the EP mesh, the
+same state_dict and checkpoints as TorchTitan's EP) without its dispatch hooks, and apply
+with an ExpertParallelPlan gives each MoE's experts a moefuse.distributed layer: the
+router's ids go to the library as they are (global expert ids) and the token exchange
+happens inside moefuse's kernels, replacing TorchTitan's reorder, count all-to-all (and
+its host synchronization), token all-to-all, permute, unpermute and combine all-to-all.
+The experts module is called through its __call__, so FSDP's hooks on it (TorchTitan's
+separate experts unit on the edp mesh) run. On the CPU the plumbing is tested with one
+rank; the virtual-rank tests need a GPU.
 
 FSDP2: with one expert-parallel rank TorchTitan's apply_fsdp shards whole transformer
 blocks, and FSDP unshards the experts' weights into plain bf16 tensors before the block's
@@ -66,15 +82,19 @@ except ImportError as err:  # pragma: no cover - the message is the point
         "moefuse.torchtitan needs TorchTitan (pip install torchtitan==0.2.2; "
         "tools/install_deps.sh installs it): " + str(err)) from err
 
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch import nn
 
-from . import ops
+from . import _lib, ops
 
 _BF16 = torch.bfloat16
 
-__all__ = ["MoefuseMoE", "apply", "restore", "routed_experts"]
+__all__ = ["ExpertParallelPlan", "MoefuseExperts", "MoefuseMoE", "apply", "restore",
+           "routed_experts", "shard_experts"]
 
 
 def _plain(w: torch.Tensor, what: str) -> torch.Tensor:
@@ -82,8 +102,9 @@ def _plain(w: torch.Tensor, what: str) -> torch.Tensor:
     if isinstance(w, DTensor):
         raise NotImplementedError(
             f"moefuse.torchtitan: {what} is a DTensor on mesh dims "
-            f"{getattr(w.device_mesh, 'mesh_dim_names', None)}; experts under expert or "
-            "tensor parallelism are not supported by this adapter (FSDP on the blocks is)")
+            f"{getattr(w.device_mesh, 'mesh_dim_names', None)}; experts under expert "
+            "parallelism need apply(model, expert_parallel=ExpertParallelPlan(...)), and "
+            "tensor parallelism of the experts is not supported (FSDP on the blocks is)")
     return w
 
 
@@ -121,6 +142,12 @@ class MoefuseMoE(_tt_moe.MoE):
         with torch.no_grad():
             self.tokens_per_expert.add_(num_tokens_per_expert)
         experts = self.experts
+        if isinstance(experts, MoefuseExperts):  # expert parallelism: through experts'
+            # __call__, so FSDP's hooks on an experts unit (TorchTitan's EP layout) run.
+            out_experts = experts(x, top_scores, selected_experts_indices)
+            if self.shared_experts is None:
+                return out_experts.reshape(bs, slen, dim)
+            return (self.shared_experts(x) + out_experts).reshape(bs, slen, dim)
         out_experts = routed_experts(
             x, top_scores, selected_experts_indices, _plain(experts.w1, "experts.w1"),
             _plain(experts.w3, "experts.w3"), _plain(experts.w2, "experts.w2"),
@@ -128,6 +155,123 @@ class MoefuseMoE(_tt_moe.MoE):
         if self.shared_experts is None:
             return out_experts.reshape(bs, slen, dim)
         return (self.shared_experts(x) + out_experts).reshape(bs, slen, dim)
+
+
+# ---- expert parallelism --------------------------------------------------------------------
+
+
+@dataclass
+class ExpertParallelPlan:
+    """This rank's part of moefuse's expert parallelism, for apply(expert_parallel=...).
+
+    comms: one moefuse comm per MoE of the model, in named_modules() order
+        (distributed.nccl_comm_from_group over the EP mesh's group, made once per layer;
+        distributed.virtual_comm in tests), each of num_ranks ranks.
+    rank, num_ranks: this rank in the EP group; its experts are rank*E/R .. (rank+1)*E/R-1.
+    max_tokens: the most tokens (batch * sequence) one rank passes to one MoE, the same
+        on every rank (sizes the library's receive buffers).
+    saved_mode, pipeline: as ExpertParallelExperts takes them.
+    device: where apply() creates the library layers (collective with NCCL: every rank
+        calls apply() together); None creates each at its first forward, which virtual
+        ranks cannot do (see distributed.virtual_comm).
+    """
+
+    comms: Sequence[_lib.Comm]
+    rank: int
+    num_ranks: int
+    max_tokens: int
+    saved_mode: _lib.SavedMode = _lib.SavedMode.SAVE_ACTIVATIONS
+    pipeline: Optional[_lib.Pipeline] = None
+    device: Optional[Union[torch.device, str]] = None
+
+
+def _ep_local(w: torch.Tensor, what: str, ep) -> torch.Tensor:
+    """This rank's experts of an EP-sharded weight: the local tensor of a DTensor sharded
+    on dim 0 over a 1-d mesh of ep.num_ranks ranks (TorchTitan's EP layout, also what FSDP
+    gives inside the forward when it shards the experts on an edp mesh), or a plain tensor
+    that already holds only them."""
+    if isinstance(w, DTensor):
+        mesh = w.device_mesh
+        if mesh.ndim != 1 or tuple(w.placements) != (Shard(0),):
+            raise NotImplementedError(
+                f"moefuse.torchtitan: {what} is a DTensor with placements {w.placements} on "
+                f"mesh dims {mesh.mesh_dim_names}; moefuse's expert parallelism takes experts "
+                "sharded on dim 0 over the EP mesh only (no tensor parallel of the experts)")
+        if mesh.size() != ep.num_ranks or mesh.get_local_rank() != ep.rank:
+            raise ValueError(
+                f"moefuse.torchtitan: {what} is sharded over {mesh.size()} ranks, this is rank "
+                f"{mesh.get_local_rank()}; the comm's layer is rank {ep.rank} of {ep.num_ranks}")
+        w = w.to_local()
+    if w.shape[0] != ep.num_local_experts:
+        raise ValueError(f"moefuse.torchtitan: {what} holds {w.shape[0]} experts on this rank, "
+                         f"expected E/R = {ep.num_experts}/{ep.num_ranks}")
+    return w
+
+
+class MoefuseExperts(_tt_moe.GroupedExperts):
+    """TorchTitan's GroupedExperts computed by moefuse with expert parallelism (made by
+    apply(expert_parallel=...), its class swapped in place; same parameters). forward(x
+    [T, D], top_scores [T, K] fp32, ids [T, K] global expert ids) -> y [T, D]: the tokens
+    go to their experts' ranks and back inside moefuse's kernels (no reorder, no
+    all-to-all, no host synchronization). The ExpertParallelExperts that holds the
+    library layer lives in __dict__, not as a child: it adds nothing to state_dict()."""
+
+    def forward(self, x: torch.Tensor, top_scores: torch.Tensor,
+                ids: torch.Tensor) -> torch.Tensor:
+        ep = self.__dict__["moefuse_ep"]
+        w1 = _ep_local(self.w1, "experts.w1", ep)
+        w3 = _ep_local(self.w3, "experts.w3", ep)
+        w2 = _ep_local(self.w2, "experts.w2", ep)
+        w13 = torch.cat([w1.to(_BF16), w3.to(_BF16)], dim=1)  # [E/R, 2F, D]
+        # The module's own parameters are on the meta device (it holds the layer, not the
+        # weights): the call takes this rank's slices of TorchTitan's.
+        y = torch.func.functional_call(
+            ep, {"gate_up_proj": w13, "down_proj": w2.to(_BF16).contiguous()},
+            (x.to(_BF16), ids, top_scores.to(torch.float32)))
+        return y.to(x.dtype)
+
+
+def _ep_module(name: str, moe: nn.Module, comm, plan: ExpertParallelPlan):
+    """The ExpertParallelExperts (meta parameters) that holds `moe`'s library layer;
+    raises before anything is created where the experts do not fit the plan."""
+    from . import distributed  # its NCCL bindings, only where EP is asked for
+    name = name or "the model"
+    experts = moe.experts
+    if getattr(experts, "_distribute_module_applied", False):
+        raise ValueError(
+            f"moefuse.torchtitan: {name}.experts went through parallelize_module (TorchTitan's "
+            "ExpertParallel, TensorParallel or DeepEP style), whose dispatch hooks would run "
+            "around moefuse's; shard the experts with moefuse.torchtitan.shard_experts "
+            "instead of TorchTitan's apply_moe_ep_tp")
+    _, F, D = experts.w1.shape
+    E = experts.num_experts  # all ranks' (TorchTitan keeps it when it shards the weights)
+    ep = distributed.ExpertParallelExperts(
+        D, F, E, moe.router.top_k, plan.max_tokens, comm, plan.rank, plan.num_ranks,
+        saved_mode=plan.saved_mode, device="meta", pipeline=plan.pipeline)
+    for w, what in ((experts.w1, "w1"), (experts.w3, "w3"), (experts.w2, "w2")):
+        _ep_local(w, f"{name}.experts.{what}", ep)
+    return ep
+
+
+def shard_experts(model: nn.Module, ep_mesh) -> list[str]:
+    """TorchTitan's EP layout of every MoE's routed experts, without its dispatch: w1, w2,
+    w3 become DTensors sharded on dim 0 (the experts) over the 1-d `ep_mesh`, as
+    TorchTitan's ExpertParallel._partition_fn makes them, so checkpoints (DCP) and FSDP's
+    edp sharding see what they see under TorchTitan's EP. Use it in place of
+    apply_moe_ep_tp; then apply(model, expert_parallel=...). Returns the MoEs' names."""
+    names = []
+    for name, m in model.named_modules():
+        if not isinstance(m, _tt_moe.MoE):
+            continue
+        experts = m.experts
+        if experts.num_experts % ep_mesh.size():
+            raise ValueError(f"moefuse.torchtitan: {name} has {experts.num_experts} experts, "
+                             f"not divisible by the EP mesh's {ep_mesh.size()} ranks")
+        for pname, param in list(experts.named_parameters(recurse=False)):
+            experts.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param, ep_mesh, [Shard(0)])))
+        names.append(name)
+    return names
 
 
 def _check_swappable(name: str, module: nn.Module) -> None:
@@ -147,21 +291,44 @@ def _check_swappable(name: str, module: nn.Module) -> None:
                          "[E, F, D] and w2 [E, D, F]")
 
 
-def apply(model: nn.Module, *, recompute: bool = False, save_inputs: bool = True) -> list[str]:
+def apply(model: nn.Module, *, recompute: bool = False, save_inputs: bool = True,
+          expert_parallel: Optional[ExpertParallelPlan] = None) -> list[str]:
     """Makes moefuse compute the routed experts of every TorchTitan MoE in `model`, in
     place; returns their names. Call it before or after TorchTitan's parallelize (AC
     wrappers and per-module torch.compile wrap the MoE's children, not the MoE). Raises
     ValueError, before changing anything, if some MoE cannot be swapped (see the module
     docstring). recompute and save_inputs: what the forward keeps for the backward, as
-    moefuse.experts() documents."""
+    moefuse.experts() documents (one rank).
+
+    expert_parallel: the experts hold this rank's E/R experts (shard_experts' DTensors, or
+    plain tensors of E/R experts) and moefuse's expert parallelism runs them, one comm per
+    MoE (see ExpertParallelPlan); recompute and save_inputs are then the plan's
+    saved_mode."""
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, _tt_moe.MoE)]
     todo = [(name, m) for name, m in found if not isinstance(m, MoefuseMoE)]
     for name, m in todo:
         _check_swappable(name, m)
-    for _, m in found:
+    ep_modules = []
+    if expert_parallel is not None:
+        plan = expert_parallel
+        if len(plan.comms) != len(found):
+            raise ValueError(f"moefuse.torchtitan: the plan has {len(plan.comms)} comms for "
+                             f"{len(found)} MoE layers (one comm per layer)")
+        if isinstance(found[0][1].experts if found else None, MoefuseExperts):
+            raise ValueError("moefuse.torchtitan: the model's experts already run with expert "
+                             "parallelism; restore() first")
+        ep_modules = [_ep_module(name, m, comm, plan)
+                      for (name, m), comm in zip(found, plan.comms)]
+        if plan.device is not None:
+            for ep in ep_modules:
+                ep._layer_on(torch.device(plan.device))
+    for i, (_, m) in enumerate(found):
         m.__class__ = MoefuseMoE
         m.moefuse_recompute = recompute
         m.moefuse_save_inputs = save_inputs
+        if ep_modules:
+            m.experts.__class__ = MoefuseExperts
+            m.experts.__dict__["moefuse_ep"] = ep_modules[i]
     return [name for name, _ in found]
 
 
@@ -173,5 +340,8 @@ def restore(model: nn.Module) -> list[str]:
             m.__class__ = _tt_moe.MoE
             for attr in ("moefuse_recompute", "moefuse_save_inputs"):
                 m.__dict__.pop(attr, None)
+            if isinstance(m.experts, MoefuseExperts):
+                m.experts.__class__ = _tt_moe.GroupedExperts
+                m.experts.__dict__.pop("moefuse_ep").close()  # collective with NCCL
             names.append(name)
     return names
