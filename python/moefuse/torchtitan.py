@@ -144,7 +144,7 @@ class MoefuseMoE(_tt_moe.MoE):
         experts = self.experts
         if isinstance(experts, MoefuseExperts):  # expert parallelism: through experts'
             # __call__, so FSDP's hooks on an experts unit (TorchTitan's EP layout) run.
-            out_experts = experts(x, top_scores, selected_experts_indices)
+            out_experts = experts(x, _Fp32(top_scores), selected_experts_indices)
             if self.shared_experts is None:
                 return out_experts.reshape(bs, slen, dim)
             return (self.shared_experts(x) + out_experts).reshape(bs, slen, dim)
@@ -208,6 +208,17 @@ def _ep_local(w: torch.Tensor, what: str, ep) -> torch.Tensor:
     return w
 
 
+class _Fp32:
+    """A tensor passed through a module's __call__ untouched: FSDP's MixedPrecisionPolicy
+    casts the floating tensors among a unit's forward inputs to its param_dtype (bf16), and
+    the routing weights must reach moefuse in fp32, as on one rank."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
 class MoefuseExperts(_tt_moe.GroupedExperts):
     """TorchTitan's GroupedExperts computed by moefuse with expert parallelism (made by
     apply(expert_parallel=...), its class swapped in place; same parameters). forward(x
@@ -216,8 +227,10 @@ class MoefuseExperts(_tt_moe.GroupedExperts):
     all-to-all, no host synchronization). The ExpertParallelExperts that holds the
     library layer lives in __dict__, not as a child: it adds nothing to state_dict()."""
 
-    def forward(self, x: torch.Tensor, top_scores: torch.Tensor,
+    def forward(self, x: torch.Tensor, top_scores: Union[torch.Tensor, _Fp32],
                 ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(top_scores, _Fp32):
+            top_scores = top_scores.tensor
         ep = self.__dict__["moefuse_ep"]
         w1 = _ep_local(self.w1, "experts.w1", ep)
         w3 = _ep_local(self.w3, "experts.w3", ep)
@@ -243,7 +256,13 @@ def _ep_module(name: str, moe: nn.Module, comm, plan: ExpertParallelPlan):
             "ExpertParallel, TensorParallel or DeepEP style), whose dispatch hooks would run "
             "around moefuse's; shard the experts with moefuse.torchtitan.shard_experts "
             "instead of TorchTitan's apply_moe_ep_tp")
-    _, F, D = experts.w1.shape
+    w1 = experts.w1
+    if isinstance(w1, DTensor) and w1.device_mesh.ndim > 1:
+        raise ValueError(
+            f"moefuse.torchtitan: {name}.experts.w1 is a DTensor on mesh dims "
+            f"{w1.device_mesh.mesh_dim_names} (FSDP applied?); call "
+            "apply(model, expert_parallel=...) after shard_experts and before fully_shard")
+    _, F, D = w1.shape
     E = experts.num_experts  # all ranks' (TorchTitan keeps it when it shards the weights)
     ep = distributed.ExpertParallelExperts(
         D, F, E, moe.router.top_k, plan.max_tokens, comm, plan.rank, plan.num_ranks,
@@ -303,7 +322,8 @@ def apply(model: nn.Module, *, recompute: bool = False, save_inputs: bool = True
     expert_parallel: the experts hold this rank's E/R experts (shard_experts' DTensors, or
     plain tensors of E/R experts) and moefuse's expert parallelism runs them, one comm per
     MoE (see ExpertParallelPlan); recompute and save_inputs are then the plan's
-    saved_mode."""
+    saved_mode. In TorchTitan's parallelize order: shard_experts and this call where it
+    calls apply_moe_ep_tp, so before AC, compile and FSDP."""
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, _tt_moe.MoE)]
     todo = [(name, m) for name, m in found if not isinstance(m, MoefuseMoE)]
     for name, m in todo:

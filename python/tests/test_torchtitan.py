@@ -593,13 +593,21 @@ def test_expert_parallel_refusals(one_rank_gloo_mesh):
             comm.close()
 
 
-def test_expert_parallel_path_on_a_cpu_layer(one_rank_gloo_mesh, monkeypatch):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ep", "ep_fsdp"])
+def test_expert_parallel_path_on_a_cpu_layer(one_rank_gloo_mesh, monkeypatch, fsdp):
     """The expert-parallel path from TorchTitan's DTensor weights (shard_experts, one rank)
     to the library and back, on the CPU: ExpertParallelExperts' layer is a one-rank CPU
     layer here and its check that x is on CUDA is skipped (the CUDA-only parts, run by the
     GPU tests below). Output and gradients equal the swapped MoE without EP bit for bit;
-    the experts' gradients arrive as DTensors sharded as their weights."""
+    the experts' gradients arrive as DTensors sharded as their weights.
+
+    ep_fsdp: FSDP2 as TorchTitan's apply_fsdp wraps an MoE under EP, the experts a unit of
+    their own on the 'efsdp' mesh (bf16 parameters, fp32 reduction): its hooks run around
+    the experts' __call__, which hands moefuse the DTensors on the 'ep' mesh; the routing
+    weights reach moefuse in fp32 although FSDP casts the unit's floating inputs to bf16
+    (passed as _Fp32: cast, they changed y by a norm-wise 3e-3)."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     layers = []
 
     def cpu_layer(self, device):
@@ -614,15 +622,28 @@ def test_expert_parallel_path_on_a_cpu_layer(one_rank_gloo_mesh, monkeypatch):
     monkeypatch.setattr(distributed.ExpertParallelExperts, "_layer_on", cpu_layer)
     monkeypatch.setattr(distributed.ExpertParallelExperts, "_validate",
                         lambda self, x, ids, p: ids.to(torch.int32))
+    seen = []
+    ep_local = mtt._ep_local
 
-    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
+    def spy(w, what, ep):
+        seen.append((what, type(w).__name__, getattr(w, "placements", None)))
+        return ep_local(w, what, ep)
+    monkeypatch.setattr(mtt, "_ep_local", spy)
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("efsdp", "ep"))
     one_rank = ep_moe()
     ep = copy.deepcopy(one_rank)
     mtt.apply(one_rank)
-    mtt.shard_experts(ep, mesh)
+    mtt.shard_experts(ep, mesh["ep"])
     comm = distributed.virtual_comm(1)
-    mtt.apply(ep, expert_parallel=mtt.ExpertParallelPlan([comm], rank=0, num_ranks=1,
-                                                          max_tokens=BS * SLEN))
+    plan = mtt.ExpertParallelPlan([comm], rank=0, num_ranks=1, max_tokens=BS * SLEN)
+    mtt.apply(ep, expert_parallel=plan)
+    if fsdp:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fully_shard(ep.experts, mesh=mesh["efsdp"], mp_policy=mp)
+        fully_shard(ep, mesh=mesh["efsdp"], mp_policy=mp)
+        assert ep.experts.w1.device_mesh.mesh_dim_names == ("efsdp", "ep")
+    seen.clear()
     g = torch.Generator().manual_seed(12)
     x = torch.randn(BS, SLEN, EP_D, generator=g).bfloat16()
     dy = torch.randn(BS, SLEN, EP_D, generator=g).bfloat16()
@@ -634,15 +655,24 @@ def test_expert_parallel_path_on_a_cpu_layer(one_rank_gloo_mesh, monkeypatch):
         results.append({"y": y.detach(), "dx": xi.grad,
                         **{n: p.grad for n, p in m.named_parameters()}})
     assert len(layers) == 1  # the EP path ran the library through ExpertParallelExperts
+    # inside the forward moefuse sees each weight on the 'ep' mesh, sharded on the experts
+    assert [(t, p) for _, t, p in seen] == [("DTensor", (Shard(0),))] * 3, seen
     want, got = results
     assert got.keys() == want.keys()
     for name in want:
         g_ = got[name]
-        if ".w" in name and name.startswith("experts."):
-            assert isinstance(g_, DTensor) and tuple(g_.placements) == (Shard(0),), name
+        if isinstance(g_, DTensor):
+            assert name.startswith("experts.") or fsdp, name
             g_ = g_.full_tensor()
         _equal_bits(name, g_, want[name])
     assert torch.equal(ep.tokens_per_expert, one_rank.tokens_per_expert)
+    if fsdp:
+        other = ep_moe()
+        mtt.shard_experts(other, mesh["ep"])
+        fully_shard(other.experts, mesh=mesh["efsdp"])
+        with pytest.raises(ValueError, match="after shard_experts and before fully_shard"):
+            mtt.apply(other, expert_parallel=mtt.ExpertParallelPlan(
+                [distributed.virtual_comm(1)], rank=0, num_ranks=1, max_tokens=BS * SLEN))
     mtt.restore(ep)
     assert all(layer.closed for layer in layers)
     comm.close()
