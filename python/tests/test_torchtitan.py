@@ -708,6 +708,22 @@ def _warm_streams(streams):
     torch.cuda.synchronize()
 
 
+def _run_ranks(moes, streams, forwards, dys):
+    """Launches every rank's forward on its stream before any is waited for (each waits
+    for the others' rows), then the backwards of all, then each rank's check(); returns
+    the outputs."""
+    ys = []
+    for stream, forward in zip(streams, forwards):
+        with torch.cuda.stream(stream):
+            ys.append(forward())
+    torch.autograd.backward(ys, dys)
+    for stream, m in zip(streams, moes):
+        with torch.cuda.stream(stream):
+            m.experts.moefuse_ep.check()
+    torch.cuda.synchronize()
+    return ys
+
+
 def _equal_bits(name, got, want):
     assert (got.dtype, got.shape) == (want.dtype, want.shape), (name, got.dtype, want.dtype)
     if not torch.equal(got, want):
@@ -747,16 +763,10 @@ def test_expert_parallel_virtual_ranks_routed_experts_bitwise():
                    ids[s:s + t].cuda().long(), dy[s:s + t].cuda())
                   for s, t in zip(starts, tokens)]
         torch.cuda.synchronize()
-        ys = []
-        for r, m in enumerate(moes):
-            xi, pi, idi, _ = inputs[r]
-            with torch.cuda.stream(streams[r]):
-                ys.append(m.experts(xi, pi, idi))
-        torch.autograd.backward(ys, [inp[3] for inp in inputs])
-        for r, m in enumerate(moes):
-            with torch.cuda.stream(streams[r]):
-                m.experts.moefuse_ep.check()
-        torch.cuda.synchronize()
+        ys = _run_ranks(moes, streams,
+                        [lambda m=m, i=i: m.experts(i[0], i[1], i[2])
+                         for m, i in zip(moes, inputs)],
+                        [i[3] for i in inputs])
         n = EP_E // R
         for r, m in enumerate(moes):
             s, t = starts[r], tokens[r]
@@ -797,15 +807,10 @@ def test_expert_parallel_virtual_ranks_moe_layer():
                 lambda mod, inp, out, r=r: routed[r].update(scores=out[0].detach(), ids=out[1]))
         streams = [torch.cuda.Stream() for _ in range(R)]
         _warm_streams(streams)
-        ys = []
-        for r, m in enumerate(moes):
-            with torch.cuda.stream(streams[r]):
-                ys.append(m(x[starts[r]:starts[r] + tokens[r]].unsqueeze(0)))
-        torch.autograd.backward(ys, [dy[s:s + t].unsqueeze(0) for s, t in zip(starts, tokens)])
-        for r, m in enumerate(moes):
-            with torch.cuda.stream(streams[r]):
-                m.experts.moefuse_ep.check()
-        torch.cuda.synchronize()
+        ys = _run_ranks(moes, streams,
+                        [lambda m=m, s=s, t=t: m(x[s:s + t].unsqueeze(0))
+                         for m, s, t in zip(moes, starts, tokens)],
+                        [dy[s:s + t].unsqueeze(0) for s, t in zip(starts, tokens)])
     finally:
         comm.close()
 
