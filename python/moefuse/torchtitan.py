@@ -48,13 +48,15 @@ router's ids go to the library as they are (global expert ids) and the token exc
 happens inside moefuse's kernels, replacing TorchTitan's reorder, count all-to-all (and
 its host synchronization), token all-to-all, permute, unpermute and combine all-to-all.
 The experts module is called through its __call__, so FSDP's hooks on it (TorchTitan's
-separate experts unit on the edp mesh) run. On the CPU the plumbing is tested with one
-rank; the virtual-rank tests need a GPU.
+separate experts unit on the edp mesh) run; the routing weights pass that call in fp32
+(FSDP's mixed precision would cast them to bf16). On the CPU the path is tested with one
+rank, with and without FSDP's EP layout; the virtual-rank tests need a GPU.
 
 FSDP2: with one expert-parallel rank TorchTitan's apply_fsdp shards whole transformer
 blocks, and FSDP unshards the experts' weights into plain bf16 tensors before the block's
 forward: that is the case this adapter takes. Tested on one gloo rank on the CPU: loss and
-gradients equal the unsharded model in bf16 bit for bit (see test_torchtitan.py).
+gradients equal the unsharded model in bf16 bit for bit, except one router gradient that
+FSDP changes in TorchTitan's own model too (by 5e-9 of its largest entry).
 
 Activation checkpointing, as TorchTitan's apply_ac wraps the blocks ('full', 'selective'
 by op with Qwen3's save list, 'selective' every n-th layer): moefuse's op runs again in
