@@ -20,6 +20,7 @@ typedef struct {
     float dw13[E * 2 * I * H], dw2[E * H * I];
     uint16_t dw13_bf16[E * 2 * I * H], dw2_bf16[E * H * I];
     void *saved;
+    size_t saved_bytes;
     moefuse_fwd_args fa;
     moefuse_bwd_args ba;
 } fixture;
@@ -64,6 +65,7 @@ static fixture *fixture_new(void) {
     }
     size_t bytes = 0;
     moefuse_saved_bytes(f->layer, TMAX, &bytes);
+    f->saved_bytes = bytes;
     f->saved = aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
     th_fill_bf16_normal(f->x, NULL, TMAX * H, 1.0);
     th_fill_bf16_normal(f->dy, NULL, TMAX * H, 1.0);
@@ -81,7 +83,7 @@ static fixture *fixture_new(void) {
                                .y_stride = H, .saved = f->saved, .expert_counts = f->counts};
     f->ba = (moefuse_bwd_args){.num_tokens = TMAX, .x = f->x, .x_stride = H, .ids = f->ids,
                                .weights = f->p, .w13 = f->w13, .w2 = f->w2, .saved = f->saved,
-                               .dy = f->dy, .dy_stride = H, .dx = f->dx, .dx_stride = H,
+                               .saved_bytes = bytes, .dy = f->dy, .dy_stride = H, .dx = f->dx, .dx_stride = H,
                                .dweights = f->dp, .dw13 = f->dw13, .dw2 = f->dw2};
     poison_outputs(f);
     return f;
@@ -159,6 +161,8 @@ static void bwd_id_high(fixture *f) { f->ids[0] = 1000; }
 static void bwd_id_dup(fixture *f) { f->ids[1] = f->ids[0]; }
 static void bwd_accumulate(fixture *f) { f->ba.accumulate = 2; }
 static void bwd_too_many(fixture *f) { f->ba.num_tokens = TMAX + 5; }
+static void bwd_short_saved(fixture *f) { f->ba.saved_bytes = f->saved_bytes - 1; }
+static void bwd_no_saved_size(fixture *f) { f->ba.saved_bytes = 0; }
 
 /* The weight gradients in bf16: dw13_bf16 and dw2_bf16 instead of dw13 and dw2. */
 static void use_bf16_wgrads(fixture *f) {
@@ -247,6 +251,15 @@ static void test_backward_errors(void) {
     expect_bwd(MOEFUSE_ERR_DUPLICATE_EXPERT, "ids[0]", bwd_id_dup);
     expect_bwd(MOEFUSE_ERR_INVALID_CONFIG, "bwd_args.accumulate", bwd_accumulate);
     expect_bwd(MOEFUSE_ERR_TOO_MANY_TOKENS, "bwd_args.num_tokens", bwd_too_many);
+    char want[96];
+    fixture *f = fixture_new();
+    CHECK(f != NULL, "fixture");
+    if (!f) return;
+    snprintf(want, sizeof want, "bwd_args.saved_bytes = %zu: expected >= %zu", f->saved_bytes - 1,
+             f->saved_bytes);
+    fixture_free(f);
+    expect_bwd(MOEFUSE_ERR_SHAPE, want, bwd_short_saved);
+    expect_bwd(MOEFUSE_ERR_SHAPE, "bwd_args.saved_bytes = 0", bwd_no_saved_size);
 }
 
 /* Exactly one whole pair of weight-gradient outputs, the bf16 pair in write mode only. */
@@ -297,6 +310,12 @@ static void test_config_errors(void) {
     c = base; c.backend = 5; expect_config(MOEFUSE_ERR_UNSUPPORTED, "config.backend", c);
     c = base; c.max_tokens = 1 << 30; c.hidden = 1 << 16;
     expect_config(MOEFUSE_ERR_INVALID_CONFIG, "2^40", c);
+    /* plan rows are int32: max_tokens * K * R rows (plus padding) must fit, even where
+     * the buffers' bytes would (H = I = 8 here) */
+    c = base; c.max_tokens = 1 << 30; c.hidden = 8; c.intermediate = 8;
+    expect_config(MOEFUSE_ERR_INVALID_CONFIG, "max_tokens (1073741824) * top_k (2)", c);
+    c = base; c.max_tokens = (INT32_MAX - 512) / 2; c.hidden = 8; c.intermediate = 8; /* the padding */
+    expect_config(MOEFUSE_ERR_INVALID_CONFIG, "INT32_MAX", c);
     moefuse_layer *layer;
     CHECK(moefuse_layer_create(NULL, NULL, &layer) == MOEFUSE_ERR_NULL_POINTER, "NULL cfg");
     CHECK(moefuse_layer_create(&base, NULL, NULL) == MOEFUSE_ERR_NULL_POINTER, "NULL out");

@@ -334,7 +334,8 @@ class _ExpertParallelFn(torch.autograd.Function):
         args = _lib.BwdArgs(
             num_tokens=T, x=_ptr(x), x_stride=_row_stride(x, H), ids=_ptr(ids),
             weights=_ptr(p), w13=w13_bf16.data_ptr(), w2=w2_bf16.data_ptr(),
-            saved=saved.data_ptr(), dy=_ptr(dy), dy_stride=_row_stride(dy, H), dx=_ptr(dx),
+            saved=saved.data_ptr(), saved_bytes=saved.numel(), dy=_ptr(dy),
+            dy_stride=_row_stride(dy, H), dx=_ptr(dx),
             dx_stride=H, dweights=_ptr(dp), accumulate=0, **_wgrad_fields(dw13, dw2))
         # Always called, whatever needs a gradient: the other ranks' backwards wait for
         # this rank's.

@@ -366,7 +366,8 @@ def _experts_bwd(dy: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, p: torch.
     args = _lib.BwdArgs(
         num_tokens=T, x=x.data_ptr(), x_stride=_row_stride(x, H), ids=ids.data_ptr(),
         weights=p.data_ptr(), w13=w13.data_ptr(), w2=w2.data_ptr(), saved=saved.data_ptr(),
-        dy=dy.data_ptr(), dy_stride=_row_stride(dy, H), dx=dx.data_ptr(), dx_stride=H,
+        saved_bytes=saved.numel(), dy=dy.data_ptr(), dy_stride=_row_stride(dy, H),
+        dx=dx.data_ptr(), dx_stride=H,
         dweights=dp.data_ptr(), accumulate=0, **_wgrad_fields(dw13, dw2))
     with layer.lock, _on_device(device):
         layer.backward(args, _stream(device))

@@ -106,6 +106,19 @@ def test_layer_cache_and_saved_bytes():
     assert saved.data_ptr() % 256 == 0
 
 
+def test_backward_refuses_a_truncated_saved_buffer():
+    """The op passes the saved tensor's size; the library refuses a short one before
+    reading it (it would read past its end)."""
+    mode = int(_lib.SavedMode.SAVE_ACTIVATIONS)
+    x, ids, p, w13, w2, _ = random_problem(20, 64, 32, 8, 2)
+    _, saved = torch.ops.moefuse.experts_fwd(x, ids, p, w13, w2, True, mode)
+    n = saved.numel()
+    with pytest.raises(moefuse.MoefuseError) as info:
+        torch.ops.moefuse.experts_bwd(torch.ones_like(x), x, ids, p, w13, w2, saved[:n - 1], mode)
+    assert info.value.status == _lib.Status.ERR_SHAPE
+    assert f"bwd_args.saved_bytes = {n - 1}: expected >= {n}" in info.value.message
+
+
 def test_pipeline_from_env(monkeypatch):
     monkeypatch.delenv("MOEFUSE_PIPELINE", raising=False)
     assert ops.pipeline_from_env() == _lib.Pipeline.STAGED == 0
