@@ -344,6 +344,17 @@ def test_bad_expert_ids_raise_moefuse_error(bad_id, status, words):
     assert words in info.value.message, info.value.message
 
 
+@pytest.mark.parametrize("bad_id", [2**32 + 7, 2**32 - 1, -2**32 - 1])
+def test_int64_ids_outside_int32_raise_instead_of_wrapping(bad_id):
+    """Narrowed to int32, 2^32 + 7 would run as expert 7 and 2^32 - 1 as a dropped slot."""
+    x, ids, p, w13, w2, _ = random_problem(16, 64, 32, 8, 2)
+    ids = ids.to(torch.int64)
+    ids[5, 1] = bad_id
+    with pytest.raises(ValueError, match=re.escape(f"moefuse.experts: ids[5][1] = {bad_id} is "
+                                                   "outside int32")):
+        moefuse.experts(x, ids, p, w13, w2)
+
+
 # ---- the routing op --------------------------------------------------------------------------
 
 
