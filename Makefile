@@ -169,11 +169,11 @@ fuzz: $(FUZZ_BIN)
 RUN_TESTS := MOEFUSE_LIB=$(abspath $(BUILD))/libmoefuse.so tools/run_tests.sh
 test: all
 	@$(MAKE) --no-print-directory fuzz
-	@$(RUN_TESTS) $(TEST_BIN) $(GPU_TEST_BIN) tests/test_make.sh
+	@$(RUN_TESTS) $(TEST_BIN) $(GPU_TEST_BIN) tests/test_make.sh tests/test_step.sh
 
 test-c: all
 	@$(MAKE) --no-print-directory fuzz
-	@$(RUN_TESTS) --no-python $(TEST_BIN) $(GPU_TEST_BIN) tests/test_make.sh
+	@$(RUN_TESTS) --no-python $(TEST_BIN) $(GPU_TEST_BIN) tests/test_make.sh tests/test_step.sh
 
 test-python: lib
 	@$(RUN_TESTS) --python-only
