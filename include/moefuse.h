@@ -259,7 +259,8 @@ const char *moefuse_last_error(void);
  * each other). The GEMMs of each rank use SMs / R blocks, so all ranks are resident.
  * Each rank uses two streams (its caller's and one of its own); layer creation asks for
  * CUDA_DEVICE_MAX_CONNECTIONS >= 2R + 2 in the environment before CUDA starts, so that
- * no waiting kernel shares a hardware queue with a kernel it waits for. */
+ * no waiting kernel shares a hardware queue with a kernel it waits for.
+ * MOEFUSE_ERR_UNSUPPORTED without an sm_90 GPU (or in a build without CUDA). */
 moefuse_status moefuse_comm_create_virtual(int num_ranks, moefuse_comm **out);
 
 /* One rank per process over the caller's NCCL communicator (an ncclComm_t, e.g. made

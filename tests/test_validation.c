@@ -322,6 +322,17 @@ static void test_config_errors(void) {
     CHECK(moefuse_layer_destroy(NULL) == MOEFUSE_OK, "destroy(NULL) is allowed");
 }
 
+/* Whether this process can create a CUDA layer (an sm_90 GPU and a build with CUDA). */
+static int cuda_layer_possible(void) {
+    moefuse_config cfg;
+    moefuse_config_init(&cfg, 128, 128, E, K, TMAX);
+    cfg.backend = MOEFUSE_BACKEND_CUDA;
+    moefuse_layer *layer = NULL;
+    if (moefuse_layer_create(&cfg, NULL, &layer) != MOEFUSE_OK) return 0;
+    moefuse_layer_destroy(layer);
+    return 1;
+}
+
 /* The comm of expert parallelism: its own checks, and those of a layer made with it.
  * (The CUDA backend's use of it is tested in tests/gpu/test_cuda_ep.c.) */
 static void test_comm_errors(void) {
@@ -333,8 +344,27 @@ static void test_comm_errors(void) {
     CHECK(moefuse_comm_create_virtual(2, NULL) == MOEFUSE_ERR_NULL_POINTER, "NULL out");
     CHECK(moefuse_comm_set_timeout_ms(NULL, 5) == MOEFUSE_ERR_NULL_POINTER, "NULL comm");
     CHECK(moefuse_comm_destroy(NULL) == MOEFUSE_OK, "destroy(NULL) is allowed");
-    CHECK(moefuse_comm_create_virtual(2, &comm) == MOEFUSE_OK, "%s", moefuse_last_error());
+    /* Virtual ranks run on a GPU: without one the comm is refused, as a CUDA layer is. */
+    const int gpu = cuda_layer_possible();
+    comm = (moefuse_comm *)0x1;
+    moefuse_status st = moefuse_comm_create_virtual(2, &comm);
+    if (gpu) {
+        CHECK(st == MOEFUSE_OK, "%s", moefuse_last_error());
+        moefuse_comm_destroy(comm);
+    } else {
+        CHECK(st == MOEFUSE_ERR_UNSUPPORTED, "virtual comm without a GPU: got %s (%s)",
+              moefuse_status_string(st), moefuse_last_error());
+        CHECK(strstr(moefuse_last_error(), "moefuse_comm_create_virtual") != NULL, "%s",
+              moefuse_last_error());
+        CHECK(comm == NULL, "out is NULL on failure");
+    }
+    /* The checks of a layer made with a comm, on a comm made by hand (so they run
+     * without a GPU too). */
+    comm = calloc(1, sizeof *comm);
     if (!comm) return;
+    comm->kind = MF_COMM_VIRTUAL;
+    comm->num_ranks = 2;
+    comm->timeout_ms = 30000;
     CHECK(moefuse_comm_set_timeout_ms(comm, 0) == MOEFUSE_ERR_INVALID_CONFIG, "timeout 0");
     CHECK(moefuse_comm_set_timeout_ms(comm, 250) == MOEFUSE_OK, "%s", moefuse_last_error());
 
