@@ -8,7 +8,7 @@
 #  2. build/bench/bench_forward_cuda: the forward and its small stages alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export MOEFUSE_LIB="$PWD/build/libmoefuse.so"
+export MOEFUSE_LIB="${MOEFUSE_LIB:-$PWD/build/libmoefuse.so}"
 python3 bench/bench_forward.py "$@"
 python3 bench/bench_forward.py --queue 4 "$@"
 python3 bench/bench_forward.py --queue 4 --sustained --tokens 16384 "$@"
