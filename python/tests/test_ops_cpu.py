@@ -53,6 +53,14 @@ def test_version_matches_binding_and_header():
         assert parts[0] * 10000 + parts[1] * 100 + parts[2] == _lib.EXPECTED_VERSION
 
 
+def test_library_is_looked_for_in_both_build_directories(monkeypatch):
+    """make builds into build/ with CUDA and build/cpu/ without (NVCC=none)."""
+    monkeypatch.delenv("MOEFUSE_LIB", raising=False)
+    repo = pathlib.Path(_lib.__file__).resolve().parent.parent.parent
+    paths = _lib.candidate_paths()
+    assert paths[:2] == [repo / "build" / "libmoefuse.so", repo / "build" / "cpu" / "libmoefuse.so"]
+
+
 def header_struct_fields(text: str, name: str) -> list[str]:
     body = re.search(rf"typedef struct {name} \{{(.*?)\}} {name};", text, re.S).group(1)
     body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
