@@ -74,7 +74,7 @@ $(file >$(BUILD)/flags.cuda,$(CUDA_FLAGS))
 endif
 endif
 HOST_STAMP := $(BUILD)/flags.host
-CUDA_STAMP := $(BUILD)/flags.cuda $(BUILD)/flags.host
+CUDA_STAMP := $(BUILD)/flags.cuda
 
 HOST_OBJ := $(HOST_SRC:%.c=$(BUILD)/%.o)
 LIB_OBJ  := $(HOST_OBJ) $(CUDA_OBJ)
@@ -136,7 +136,7 @@ $(BUILD)/tests/gpu/test_%: tests/gpu/test_%.c tests/gpu/cuda_test_util.h $(GPU_T
 	    $(LDLIBS) $(CUDA_LIBS)
 
 $(BUILD)/tests/gpu/test_%: tests/gpu/test_%.cu tests/gpu/gemm_test_util.h $(GPU_TEST_UTIL_CU) \
-                           $(TEST_HARNESS) $(BUILD)/libmoefuse.a $(CUDA_STAMP)
+                           $(TEST_HARNESS) $(BUILD)/libmoefuse.a $(HOST_STAMP) $(CUDA_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -Itests -Isrc/cpu $< $(GPU_TEST_UTIL_CU) $(TEST_HARNESS) \
 	    $(BUILD)/libmoefuse.a -o $@ -Xcompiler -fopenmp -lopenblas -lm

@@ -76,7 +76,7 @@ class Pipeline(enum.IntEnum):
     """moefuse_pipeline: how the CUDA forward and the one-rank backward run their expert
     GEMMs (same bits)."""
 
-    STAGED = 0  # one kernel per stage (default; 1-3% faster on an H200 so far)
+    STAGED = 0  # one kernel per stage (default: faster on an H200 so far, bench/RESULTS.md)
     FUSED = 1  # gemm1 and gemm2 in one persistent kernel
 
 
