@@ -169,6 +169,19 @@ def test_bad_expert_id_is_reported_by_check_device_errors():
     moefuse.check_device_errors()  # reported once, then cleared
 
 
+def test_int64_ids_outside_int32_are_reported_not_wrapped():
+    """Narrowed as they are, 2^32 + 3 would run as expert 3; the op saturates it to
+    2^31 - 1, which the device check reports. A config no other test uses (E = 10)."""
+    x, ids, p, w13, w2, _ = random_problem(16, 128, 128, 10, 2, seed=6)
+    ids = ids.to(torch.int64)
+    ids[5, 1] = 2**32 + 3
+    with torch.no_grad():
+        moefuse.experts(*on_device(x, ids, p, w13, w2))
+    with pytest.raises(moefuse.MoefuseError) as info:
+        moefuse.check_device_errors()
+    assert info.value.status == _lib.Status.ERR_EXPERT_ID, info.value
+
+
 # ---- backward --------------------------------------------------------------------------------
 
 

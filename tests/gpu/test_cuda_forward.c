@@ -697,6 +697,7 @@ static void case_backward_runs(void) {
     b.w13 = F.w13_d;
     b.w2 = F.w2_d;
     b.saved = in.saved_d;
+    b.saved_bytes = in.saved_bytes;
     b.dy = in.x_d; /* any bf16 rows will do */
     b.dy_stride = in.x_stride;
     b.dx = dx_d;
