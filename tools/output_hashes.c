@@ -221,9 +221,7 @@ static void run_case(const model *m, const inputs *in, int R, moefuse_pipeline p
         b.w13 = in->w13 + r * w13_el;
         b.w2 = in->w2 + r * w2_el;
         b.saved = saved[r];
-#ifdef MOEFUSE_BWD_ARGS_SAVED_BYTES
         b.saved_bytes = saved_bytes[r];
-#endif
         b.dy = in->dy + (int64_t)r * T * H;
         b.dy_stride = H;
         b.dx = dx + (int64_t)r * T * H;
