@@ -196,6 +196,10 @@ static void run_case(const model *m, const inputs *in, int R, moefuse_pipeline p
     for (int r = 0; r < ranks; r++) {
         CHECK_MF(moefuse_saved_bytes(layer[r], T, &saved_bytes[r]));
         saved[r] = device_poisoned(saved_bytes[r]);
+    }
+    /* the poison (legacy stream) lands before the ranks' non-blocking streams start */
+    CHECK_CUDA(cudaDeviceSynchronize());
+    for (int r = 0; r < ranks; r++) {
         moefuse_fwd_args a;
         memset(&a, 0, sizeof a);
         a.num_tokens = T;
