@@ -222,12 +222,14 @@ def _row_stride(t: torch.Tensor, hidden: int) -> int:
 def _ids_as_int32(ids: torch.Tensor, where: str) -> torch.Tensor:
     """ids as int32, the library's type. int64 ids outside the int32 range would wrap
     when narrowed (2^32 + 7 to expert 7, 2^32 - 1 to -1, a dropped slot): on the CPU they
-    raise ValueError here; on CUDA (no host synchronization) they saturate to the int32
-    bounds, which the library's device check of ids rejects (check_device_errors)."""
+    raise ValueError here; on CUDA (no host synchronization), and under torch.compile
+    (which cannot branch on the ids' values without a graph break), they saturate to the
+    int32 bounds, which the library's check of ids rejects (on the CPU at once; on CUDA
+    in check_device_errors)."""
     if ids.dtype == torch.int32:
         return ids
     lo, hi = torch.iinfo(torch.int32).min, torch.iinfo(torch.int32).max
-    if ids.device.type != "cpu":
+    if ids.device.type != "cpu" or torch.compiler.is_compiling():
         return ids.clamp(lo, hi).to(torch.int32)
     outside = (ids < lo) | (ids > hi)
     if ids.numel() and bool(outside.any()):

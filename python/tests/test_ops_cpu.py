@@ -363,6 +363,21 @@ def test_int64_ids_outside_int32_raise_instead_of_wrapping(bad_id):
         moefuse.experts(x, ids, p, w13, w2)
 
 
+@pytest.mark.parametrize("bad_id", [2**32 + 7, 2**32 - 1])
+def test_int64_ids_outside_int32_fail_under_compile(bad_id):
+    """torch.compile cannot branch on the ids' values (fullgraph): there the ids saturate
+    to the int32 bounds, which the library rejects as expert ids, instead of wrapping."""
+    x, ids, p, w13, w2, _ = random_problem(16, 64, 32, 8, 2)
+    ids = ids.to(torch.int64)
+    good = torch.compile(moefuse.experts, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(good(x, ids, p, w13, w2), moefuse.experts(x, ids, p, w13, w2),
+                               rtol=0, atol=0)
+    ids[5, 1] = bad_id
+    with pytest.raises(moefuse.MoefuseError) as info:
+        good(x, ids, p, w13, w2)
+    assert info.value.status == _lib.Status.ERR_EXPERT_ID, info.value.message
+
+
 # ---- the routing op --------------------------------------------------------------------------
 
 
