@@ -1,8 +1,7 @@
 /* The GEMM operations of one (architecture, precision): what the pipeline launches for
- * each expert GEMM, picked once when a layer is created (src/cuda/pipeline/workspace.cu
- * holds the list of tables). The pipeline builds the params of kernels.h and calls
- * through a table, so a precision or an architecture is a second table, not a second
- * pipeline. */
+ * each expert GEMM, picked once when a layer is created (mf_gemm_ops_find). The
+ * pipeline builds the params of kernels.h and calls through a table, so a precision or
+ * an architecture is a second table, not a second pipeline. */
 #ifndef MOEFUSE_CUDA_GEMM_OPS_H
 #define MOEFUSE_CUDA_GEMM_OPS_H
 
@@ -50,6 +49,10 @@ typedef struct mf_gemm_ops {
 } mf_gemm_ops;
 
 extern const mf_gemm_ops mf_sm90_bf16_ops;  /* src/cuda/sm90/ops.cu */
+
+/* The table of (arch, precision) (gemm_ops.cu), arch < 0: of any architecture; NULL
+ * when there is none. */
+const mf_gemm_ops *mf_gemm_ops_find(int arch, int precision);
 
 #ifdef __cplusplus
 }

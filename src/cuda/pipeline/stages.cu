@@ -7,37 +7,40 @@
 namespace mf {
 namespace pipeline {
 
+namespace {
+
+/* The fields every expert GEMM over the call's rows shares: its row blocks, sizes, grid. */
+template <class GemmParams>
+void rows_and_sizes(const moefuse_layer *layer, const call_bufs &c, GemmParams *p) {
+    const cuda_state *s = state_of(layer);
+    p->row_block_expert = c.rbe;
+    p->num_rows = s->gemm_num_rows;
+    p->rows_cap = c.lay.rows_cap;
+    p->hidden = layer->cfg.hidden;
+    p->intermediate = layer->cfg.intermediate;
+    p->num_local_experts = layer->num_local_experts;
+    p->num_sms = s->plan.num_sms;
+}
+
+}  // namespace
+
 mf_gemm1_params gemm1_params(const moefuse_layer *layer, const call_bufs &c,
                              const uint16_t *w13, uint16_t *gate_up) {
-    const cuda_state *s = state_of(layer);
     mf_gemm1_params g = {};
+    rows_and_sizes(layer, c, &g);
     g.xs = c.xs;
     g.w13 = w13;
-    g.row_block_expert = c.rbe;
-    g.num_rows = s->gemm_num_rows;
-    g.act = s->act;
+    g.act = state_of(layer)->act;
     g.gate_up = gate_up;
-    g.rows_cap = c.lay.rows_cap;
-    g.hidden = layer->cfg.hidden;
-    g.intermediate = layer->cfg.intermediate;
-    g.num_local_experts = layer->num_local_experts;
-    g.num_sms = s->plan.num_sms;
     return g;
 }
 
 mf_gemm2_params gemm2_params(const moefuse_layer *layer, const call_bufs &c, const uint16_t *w2) {
-    const cuda_state *s = state_of(layer);
     mf_gemm2_params g = {};
-    g.act = s->act;
+    rows_and_sizes(layer, c, &g);
+    g.act = state_of(layer)->act;
     g.w2 = w2;
-    g.row_block_expert = c.rbe;
-    g.num_rows = s->gemm_num_rows;
     g.row_slot = c.row_slot;
-    g.rows_cap = c.lay.rows_cap;
-    g.hidden = layer->cfg.hidden;
-    g.intermediate = layer->cfg.intermediate;
-    g.num_local_experts = layer->num_local_experts;
-    g.num_sms = s->plan.num_sms;
     return g;
 }
 
@@ -45,37 +48,24 @@ mf_dgrad2_params dgrad2_params(const moefuse_layer *layer, const call_bufs &c,
                                const uint16_t *w2, const uint16_t *gate_up) {
     const cuda_state *s = state_of(layer);
     mf_dgrad2_params d = {};
+    rows_and_sizes(layer, c, &d);
     d.dys = c.dys;
     d.w2 = w2;
     d.gate_up = gate_up;
-    d.row_block_expert = c.rbe;
-    d.num_rows = s->gemm_num_rows;
     d.row_slot = c.row_slot;
     d.dh = s->dh;
     d.act_p = s->act;
     d.dp_partial = s->dp_partial;
-    d.rows_cap = c.lay.rows_cap;
-    d.hidden = layer->cfg.hidden;
-    d.intermediate = layer->cfg.intermediate;
-    d.num_local_experts = layer->num_local_experts;
-    d.num_sms = s->plan.num_sms;
     return d;
 }
 
 mf_dgrad1_params dgrad1_params(const moefuse_layer *layer, const call_bufs &c,
                                const uint16_t *w13) {
-    const cuda_state *s = state_of(layer);
     mf_dgrad1_params d = {};
-    d.dh = s->dh;
+    rows_and_sizes(layer, c, &d);
+    d.dh = state_of(layer)->dh;
     d.w13 = w13;
-    d.row_block_expert = c.rbe;
-    d.num_rows = s->gemm_num_rows;
     d.row_slot = c.row_slot;
-    d.rows_cap = c.lay.rows_cap;
-    d.hidden = layer->cfg.hidden;
-    d.intermediate = layer->cfg.intermediate;
-    d.num_local_experts = layer->num_local_experts;
-    d.num_sms = s->plan.num_sms;
     return d;
 }
 

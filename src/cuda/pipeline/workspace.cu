@@ -158,19 +158,10 @@ moefuse_status alloc(void **p, size_t bytes, const char *what) {
 
 /* ---- the execution plan ------------------------------------------------------------ */
 
-/* The GEMM tables, by (architecture, precision). */
-static const mf_gemm_ops *const kGemmTables[] = {&mf_sm90_bf16_ops};
-
-static const mf_gemm_ops *gemm_table(int arch, int precision) {
-    for (const mf_gemm_ops *t : kGemmTables)
-        if ((arch < 0 || t->arch == arch) && t->precision == precision) return t;
-    return NULL;
-}
-
 /* The device and the GEMM table of (its architecture, the precision). */
 static moefuse_status pick_device(const moefuse_layer *layer, cuda_state *s) {
     const moefuse_config *c = &layer->cfg;
-    if (!gemm_table(-1, c->precision))
+    if (!mf_gemm_ops_find(-1, c->precision))
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
                        "config.precision = %d: the CUDA backend runs MOEFUSE_PRECISION_BF16 "
                        "only so far", (int)c->precision);
@@ -187,7 +178,7 @@ static moefuse_status pick_device(const moefuse_layer *layer, cuda_state *s) {
     int major = 0, minor = 0;
     MF_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, s->device));
     MF_CUDA_TRY(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, s->device));
-    s->plan.gemm = gemm_table(major * 10 + minor, c->precision);
+    s->plan.gemm = mf_gemm_ops_find(major * 10 + minor, c->precision);
     if (!s->plan.gemm) {
         char name[256] = "";
         cudaDeviceProp prop;
