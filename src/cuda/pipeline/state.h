@@ -35,7 +35,9 @@ struct exec_plan {
      * being saved */
     bool rows_from_peers;
     bool fused_forward;         /* MOEFUSE_PIPELINE_FUSED and a shape the fused forward takes */
-    bool fused_backward;        /* the same for the fused backward (and fused_forward) */
+    /* MOEFUSE_PIPELINE_FUSED and a shape the fused backward takes, with fused_forward:
+     * its scratch is the fused forward's act_ready */
+    bool fused_backward;
     /* staged dW13 before the wait for the other ranks' dx rows (peers: it fills that
      * wait), else after the reduces (local: they read dgrad1's slot rows right after it) */
     bool dw13_before_wait;
