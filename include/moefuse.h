@@ -104,9 +104,11 @@ typedef enum moefuse_saved_mode {
     /* [g; u] as MOEFUSE_SAVE_ACTIVATIONS, and the expert-sorted input rows the forward
      * dispatched (what dW13 reads): K * (2I + H) * 2 bytes per token, plus the plan. The
      * backward skips its second dispatch of x. Same bits as MOEFUSE_SAVE_ACTIVATIONS.
-     * CUDA backend without a comm (a layer with one refuses it at create); the CPU
-     * backend takes it as MOEFUSE_SAVE_ACTIVATIONS (its gather of x is not worth
-     * keeping). */
+     * CUDA backend without a comm. A layer with a comm refuses it at create: there the
+     * backward's push moves each x row together with its dy row in one kernel, and the
+     * received rows land in the comm's windows, not in the caller's buffer, so skipping
+     * x needs a push of dy alone, which is not built. The CPU backend takes it as
+     * MOEFUSE_SAVE_ACTIVATIONS (its gather of x is not worth keeping). */
     MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS = 2,
 } moefuse_saved_mode;
 

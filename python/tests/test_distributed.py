@@ -622,7 +622,7 @@ def test_bench_ep_check_iterations():
 
 
 def test_bench_ep_memory_estimate_follows_the_cuda_layout():
-    """Workspace bytes per token (K slot rows) as src/cuda/pipeline/backend.cu states them."""
+    """Workspace bytes per token (K slot rows) as src/cuda/pipeline/workspace.cu states them."""
     bench_ep = _bench_ep()
     assert 8 * bench_ep.slot_row_bytes(2048, 768) == 102_624
     assert 8 * bench_ep.slot_row_bytes(4096, 1536) == 205_216

@@ -229,7 +229,7 @@ def test_backward_fp32_master_weights_and_recompute_equal():
                        run_op(x, ids, p, w13, w2, dy, save_inputs=False)):
         assert torch.equal(a, b) and torch.equal(a, c)
     # The input rows: [rows_cap, H] bf16, rows_cap = the T*K slots and each expert's
-    # padding rows, rounded to the 128-row tiles (backend.cu's saved layout).
+    # padding rows, rounded to the 128-row tiles (the saved layout of src/cuda/pipeline/workspace.cu).
     H, K = x.shape[1], ids.shape[1]
     extra = (moefuse.saved_bytes(128, H, 128, 8, K, DEV)
              - moefuse.saved_bytes(128, H, 128, 8, K, DEV, save_inputs=False))

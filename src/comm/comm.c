@@ -1,6 +1,6 @@
 /* The comm of expert parallelism: which ranks' layers exist and where their windows
  * are. Pure bookkeeping on the host; the CUDA backend builds the device peer tables
- * from it (src/cuda/pipeline/backend.cu) and the kernels do the transport. */
+ * from it (src/cuda/transport/peers.cu) and the kernels do the transport. */
 #include "internal.h"
 
 #include <stdlib.h>

@@ -126,8 +126,14 @@ moefuse_status moefuse_layer_create(const moefuse_config *cfg, moefuse_comm *com
     moefuse_status st = check_config(cfg, comm);
     if (st != MOEFUSE_OK) return st;
 
-    const mf_backend_ops *ops = cfg->backend == MOEFUSE_BACKEND_CPU ? &mf_cpu_backend
-                                                                     : mf_cuda_backend();
+    /* The backends by config.backend (check_config took only these values); NULL where
+     * this build has none. */
+    const mf_backend_ops *const backends[] = {
+        [MOEFUSE_BACKEND_CPU] = &mf_cpu_backend,
+        [MOEFUSE_BACKEND_CUDA] = mf_cuda_backend(),
+    };
+    const mf_backend_ops *ops = (unsigned)cfg->backend < sizeof backends / sizeof backends[0]
+                                    ? backends[cfg->backend] : NULL;
     if (!ops)
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
                        "config.backend = MOEFUSE_BACKEND_CUDA: this library was built "
