@@ -1,11 +1,16 @@
-# moefuse: `make` builds the library and programs, `make test` runs the tests,
+# moefuse: `make` builds the library and programs, `make test` runs the tests
+# (`make test-c`: the C tests and the fuzzers, `make test-python`: the Python tests),
 # `make run` runs the main job (one training step checked against the reference),
 # `make bench` runs the benchmarks. CUDA sources are compiled for sm_90a whenever
 # nvcc is found (NVCC=none to build without).
+#
+# A build follows its flags: a build with CUDA goes to build/, one without to build/cpu/
+# (so switching costs no recompilation), and each directory records the flags its
+# objects were compiled with (flags.host, flags.cuda): a change of compiler or flags
+# rebuilds what they compiled.
 
 CC      ?= cc
 NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
-BUILD   := build
 PYTHON  ?= python3
 
 OPENBLAS_INC := $(firstword $(wildcard /usr/include/x86_64-linux-gnu/openblas-openmp \
@@ -23,6 +28,12 @@ ifneq ($(NVCC),)
 ifneq ($(NVCC),none)
 HAVE_CUDA := 1
 endif
+endif
+
+ifeq ($(HAVE_CUDA),1)
+BUILD       := build
+else
+BUILD       := build/cpu
 endif
 
 ifeq ($(HAVE_CUDA),1)
@@ -50,6 +61,21 @@ CUDA_OBJ    :=
 CUDA_LIBS   :=
 endif
 
+# The flags records: rewritten (so newer than every object) only when the flags change.
+HOST_FLAGS := $(CC) $(CFLAGS) $(LDLIBS) $(CUDA_LIBS)
+CUDA_FLAGS := $(NVCC) $(NVCCFLAGS)
+ifneq ($(filter-out clean,$(or $(MAKECMDGOALS),all)),)
+$(shell mkdir -p $(BUILD))
+ifneq ($(file <$(BUILD)/flags.host),$(HOST_FLAGS))
+$(file >$(BUILD)/flags.host,$(HOST_FLAGS))
+endif
+ifneq ($(file <$(BUILD)/flags.cuda),$(CUDA_FLAGS))
+$(file >$(BUILD)/flags.cuda,$(CUDA_FLAGS))
+endif
+endif
+HOST_STAMP := $(BUILD)/flags.host
+CUDA_STAMP := $(BUILD)/flags.cuda
+
 HOST_OBJ := $(HOST_SRC:%.c=$(BUILD)/%.o)
 LIB_OBJ  := $(HOST_OBJ) $(CUDA_OBJ)
 
@@ -65,11 +91,11 @@ BENCH_BIN := $(if $(HAVE_CUDA),$(BUILD)/bench/bench_forward_cuda $(BUILD)/tools/
 all: lib $(TOOLS) $(TEST_BIN) $(GPU_TEST_BIN) $(BENCH_BIN)
 lib: $(BUILD)/libmoefuse.so $(BUILD)/libmoefuse.a
 
-$(BUILD)/%.o: %.c $(wildcard include/*.h src/*/*.h tests/*.h)
+$(BUILD)/%.o: %.c $(wildcard include/*.h src/*/*.h tests/*.h) $(HOST_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 
-$(BUILD)/%.o: %.cu $(wildcard include/*.h src/host/*.h) $(CUDA_HDR)
+$(BUILD)/%.o: %.cu $(wildcard include/*.h src/host/*.h) $(CUDA_HDR) $(CUDA_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -Xptxas=-v -c $< -o $@ 2> $@.ptxas.log || { cat $@.ptxas.log; exit 1; }
 	@! grep -E "bytes spill (stores|loads)" $@.ptxas.log | grep -v " 0 bytes spill" \
@@ -82,11 +108,11 @@ $(BUILD)/libmoefuse.a: $(LIB_OBJ)
 	rm -f $@ && ar rcs $@ $^
 
 TEST_HARNESS := $(BUILD)/tests/harness.o $(BUILD)/tests/plan_check.o
-$(BUILD)/tests/%.o: tests/%.c tests/%.h src/host/internal.h
+$(BUILD)/tests/%.o: tests/%.c tests/%.h src/host/internal.h $(HOST_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -c $< -o $@
 
-$(BUILD)/tests/test_%: tests/test_%.c $(TEST_HARNESS) $(BUILD)/libmoefuse.a
+$(BUILD)/tests/test_%: tests/test_%.c $(TEST_HARNESS) $(BUILD)/libmoefuse.a $(HOST_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests $< $(TEST_HARNESS) $(BUILD)/libmoefuse.a -o $@ $(LDLIBS) $(CUDA_LIBS)
 
@@ -94,36 +120,36 @@ $(BUILD)/tests/test_%: tests/test_%.c $(TEST_HARNESS) $(BUILD)/libmoefuse.a
 GPU_TEST_UTIL_C  := $(BUILD)/tests/gpu/cuda_test_util.o
 GPU_TEST_UTIL_CU := $(BUILD)/tests/gpu/gemm_test_util.o
 $(GPU_TEST_UTIL_C): tests/gpu/cuda_test_util.c tests/gpu/cuda_test_util.h tests/harness.h \
-                    include/moefuse.h src/host/internal.h
+                    include/moefuse.h src/host/internal.h $(HOST_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -c $< -o $@
 
 $(GPU_TEST_UTIL_CU): tests/gpu/gemm_test_util.cu tests/gpu/gemm_test_util.h tests/harness.h \
-                     src/cuda/kernels.h
+                     src/cuda/kernels.h $(CUDA_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -Itests -c $< -o $@
 
 $(BUILD)/tests/gpu/test_%: tests/gpu/test_%.c tests/gpu/cuda_test_util.h $(GPU_TEST_UTIL_C) \
-                           $(TEST_HARNESS) $(BUILD)/libmoefuse.a
+                           $(TEST_HARNESS) $(BUILD)/libmoefuse.a $(HOST_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests $< $(GPU_TEST_UTIL_C) $(TEST_HARNESS) $(BUILD)/libmoefuse.a -o $@ \
 	    $(LDLIBS) $(CUDA_LIBS)
 
 $(BUILD)/tests/gpu/test_%: tests/gpu/test_%.cu tests/gpu/gemm_test_util.h $(GPU_TEST_UTIL_CU) \
-                           $(TEST_HARNESS) $(BUILD)/libmoefuse.a
+                           $(TEST_HARNESS) $(BUILD)/libmoefuse.a $(HOST_STAMP) $(CUDA_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -Itests -Isrc/cpu $< $(GPU_TEST_UTIL_CU) $(TEST_HARNESS) \
 	    $(BUILD)/libmoefuse.a -o $@ -Xcompiler -fopenmp -lopenblas -lm
 
-$(BUILD)/moefuse_step: tools/moefuse_step.c $(BUILD)/libmoefuse.a
+$(BUILD)/moefuse_step: tools/moefuse_step.c src/cpu/reference.h $(BUILD)/libmoefuse.a $(HOST_STAMP)
 	$(CC) $(CFLAGS) $< $(BUILD)/libmoefuse.a -o $@ $(LDLIBS) $(CUDA_LIBS)
 
 # Hashes of every output for fixed inputs (public header only): compare two builds.
-$(BUILD)/tools/output_hashes: tools/output_hashes.c include/moefuse.h $(BUILD)/libmoefuse.a
+$(BUILD)/tools/output_hashes: tools/output_hashes.c include/moefuse.h $(BUILD)/libmoefuse.a $(HOST_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $< $(BUILD)/libmoefuse.a -o $@ $(LDLIBS) $(CUDA_LIBS)
 
-$(BUILD)/bench/%: bench/%.c $(BUILD)/libmoefuse.a
+$(BUILD)/bench/%: bench/%.c $(BUILD)/libmoefuse.a $(HOST_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Isrc/cuda $< $(BUILD)/libmoefuse.a -o $@ $(LDLIBS) $(CUDA_LIBS)
 
@@ -144,18 +170,28 @@ fuzz: $(FUZZ_BIN)
 	  tail -2 $(BUILD)/fuzz/$$(basename $$f).log; done
 
 # ---- tests ----
+# The Python tests load the library of this build (MOEFUSE_LIB).
+RUN_TESTS := MOEFUSE_LIB=$(abspath $(BUILD))/libmoefuse.so tools/run_tests.sh
 test: all
 	@$(MAKE) --no-print-directory fuzz
-	@tools/run_tests.sh $(TEST_BIN) $(GPU_TEST_BIN)
+	@$(RUN_TESTS) $(TEST_BIN) $(GPU_TEST_BIN) tests/test_make.sh tests/test_step.sh
+
+test-c: all
+	@$(MAKE) --no-print-directory fuzz
+	@$(RUN_TESTS) --no-python $(TEST_BIN) $(GPU_TEST_BIN) tests/test_make.sh tests/test_step.sh
+
+test-python: lib
+	@$(RUN_TESTS) --python-only
 
 test-gpu: all
-	@tools/run_tests.sh $(GPU_TEST_BIN)
+	@$(RUN_TESTS) $(GPU_TEST_BIN)
 
 run: $(BUILD)/moefuse_step
 	$(BUILD)/moefuse_step
 
 bench: all
-	@tools/run_bench.sh
+	@MOEFUSE_LIB=$(abspath $(BUILD))/libmoefuse.so tools/run_bench.sh
 
+# build/ holds build/cpu/: `make clean` removes both, `make clean NVCC=none` the second.
 clean:
 	rm -rf $(BUILD)

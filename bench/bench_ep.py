@@ -256,7 +256,7 @@ def gather_rows(t: torch.Tensor, counts: list) -> torch.Tensor:
 
 
 def slot_row_bytes(hidden: int, intermediate: int, recompute: bool = False) -> int:
-    """Bytes of the CUDA backend's layer workspaces per slot row (src/cuda/pipeline/backend.cu):
+    """Bytes of the CUDA backend's layer workspaces per slot row (src/cuda/pipeline/workspace.cu):
     xs 2H, act 2I, combine 2H, dh 4I, dp_partial 4P (P = I / 128), slot_rank 4, and
     gate_up 4I when recomputing."""
     return (4 * hidden + 6 * intermediate + 4 * (intermediate // 128) + 4

@@ -37,6 +37,17 @@
  * per concurrent stream. Every call returns a status; on any status other than
  * MOEFUSE_OK, moefuse_last_error() says which argument was wrong and what was
  * expected, and no output has been touched. The library never exits or aborts.
+ *
+ * Not checked (the caller's to get right):
+ *   - values: NaN or Inf in x, p, W13, W2 or dy propagate to the outputs they reach (a
+ *     token's y, dx and d p through its experts; the weight gradients of every expert
+ *     such a token is routed to), as in any matrix product;
+ *   - the extent of a buffer beyond what its pointer, alignment and shape say (a
+ *     tensor shorter than its shape is read or written past its end), except the saved
+ *     buffer of the backward, whose size is passed (moefuse_bwd_args.saved_bytes);
+ *   - outputs that overlap inputs or each other;
+ *   - handles: a layer or comm used after it was destroyed, or destroyed twice, is
+ *     undefined behaviour, as free() of a freed pointer is.
  */
 #ifndef MOEFUSE_H
 #define MOEFUSE_H
@@ -49,7 +60,7 @@ extern "C" {
 #endif
 
 #define MOEFUSE_VERSION_MAJOR 0
-#define MOEFUSE_VERSION_MINOR 3
+#define MOEFUSE_VERSION_MINOR 4
 #define MOEFUSE_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH */
 #define MOEFUSE_VERSION                                                         \
@@ -93,9 +104,11 @@ typedef enum moefuse_saved_mode {
     /* [g; u] as MOEFUSE_SAVE_ACTIVATIONS, and the expert-sorted input rows the forward
      * dispatched (what dW13 reads): K * (2I + H) * 2 bytes per token, plus the plan. The
      * backward skips its second dispatch of x. Same bits as MOEFUSE_SAVE_ACTIVATIONS.
-     * CUDA backend without a comm (a layer with one refuses it at create); the CPU
-     * backend takes it as MOEFUSE_SAVE_ACTIVATIONS (its gather of x is not worth
-     * keeping). */
+     * CUDA backend without a comm. A layer with a comm refuses it at create: there the
+     * backward's push moves each x row together with its dy row in one kernel, and the
+     * received rows land in the comm's windows, not in the caller's buffer, so skipping
+     * x needs a push of dy alone, which is not built. The CPU backend takes it as
+     * MOEFUSE_SAVE_ACTIVATIONS (its gather of x is not worth keeping). */
     MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS = 2,
 } moefuse_saved_mode;
 
@@ -120,7 +133,9 @@ typedef struct moefuse_config {
     int intermediate;   /* I, > 0 */
     int num_experts;    /* E, total over all ranks, > 0, divisible by num_ranks */
     int top_k;          /* K, 1 <= K <= E */
-    int max_tokens;     /* largest T any call on this rank will pass, > 0 */
+    int max_tokens;     /* largest T any call on this rank will pass, > 0;
+                           max_tokens * top_k * num_ranks rows (what a rank may receive),
+                           each expert's padded to 128, must stay below 2^31 */
     int num_ranks;      /* R, >= 1; R > 1 needs a moefuse_comm */
     int rank;           /* 0 <= rank < R */
     moefuse_precision precision;
@@ -163,6 +178,7 @@ typedef struct moefuse_bwd_args {
     const uint16_t *w13;         /* [E/R, 2I, H] bf16, the forward's */
     const uint16_t *w2;          /* [E/R, H, I] bf16, the forward's */
     const void *saved;           /* the buffer the forward filled */
+    size_t saved_bytes;          /* its size in bytes, >= moefuse_saved_bytes(T) */
     const uint16_t *dy;          /* [T, H] bf16, gradient of y */
     int64_t dy_stride;
     uint16_t *dx;                /* out [T, H] bf16; tokens with every slot dropped get 0 */
@@ -246,7 +262,8 @@ const char *moefuse_last_error(void);
  * each other). The GEMMs of each rank use SMs / R blocks, so all ranks are resident.
  * Each rank uses two streams (its caller's and one of its own); layer creation asks for
  * CUDA_DEVICE_MAX_CONNECTIONS >= 2R + 2 in the environment before CUDA starts, so that
- * no waiting kernel shares a hardware queue with a kernel it waits for. */
+ * no waiting kernel shares a hardware queue with a kernel it waits for.
+ * MOEFUSE_ERR_UNSUPPORTED without an sm_90 GPU (or in a build without CUDA). */
 moefuse_status moefuse_comm_create_virtual(int num_ranks, moefuse_comm **out);
 
 /* One rank per process over the caller's NCCL communicator (an ncclComm_t, e.g. made

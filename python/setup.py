@@ -1,6 +1,7 @@
 """Build hook: bundle libmoefuse.so into the wheel of `pip install ./python`.
 
-The library is the repository's build/libmoefuse.so; when it is missing this runs
+The library is the repository's build/libmoefuse.so (build/cpu/libmoefuse.so for a build
+without CUDA); when neither exists this runs
 `make -C .. lib` first. An editable install (`pip install -e python`, the documented
 path) bundles nothing: the package finds ../build/libmoefuse.so itself at run time.
 Without a library the install still succeeds and says so; at run time the package
@@ -16,7 +17,12 @@ from setuptools.command.build_py import build_py
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
-LIBRARY = REPO / "build" / "libmoefuse.so"
+# The build with CUDA (build/), else the one without (`make NVCC=none`: build/cpu/).
+BUILDS = (REPO / "build" / "libmoefuse.so", REPO / "build" / "cpu" / "libmoefuse.so")
+
+
+def built_library():
+    return next((p for p in BUILDS if p.is_file()), None)
 
 
 class BuildPyWithLibrary(build_py):
@@ -24,19 +30,20 @@ class BuildPyWithLibrary(build_py):
         super().run()
         if getattr(self, "editable_mode", False):
             return
-        if not LIBRARY.is_file() and (REPO / "Makefile").is_file():
-            print(f"moefuse: {LIBRARY} missing, running `make -C {REPO} lib`")
+        if built_library() is None and (REPO / "Makefile").is_file():
+            print(f"moefuse: no {BUILDS[0]} nor {BUILDS[1]}, running `make -C {REPO} lib`")
             result = subprocess.run(["make", "-C", str(REPO), "lib"])
             if result.returncode != 0:
                 print("moefuse: WARNING: `make lib` failed; installing without the library "
                       "(set MOEFUSE_LIB at run time)")
-        if LIBRARY.is_file():
-            target = pathlib.Path(self.build_lib) / "moefuse" / LIBRARY.name
+        library = built_library()
+        if library is not None:
+            target = pathlib.Path(self.build_lib) / "moefuse" / library.name
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(LIBRARY, target)
-            print(f"moefuse: bundled {LIBRARY} -> {target}")
+            shutil.copy2(library, target)
+            print(f"moefuse: bundled {library} -> {target}")
         else:
-            print(f"moefuse: WARNING: {LIBRARY} not found; installing without the library "
+            print("moefuse: WARNING: no libmoefuse.so under build/; installing without the library "
                   "(set MOEFUSE_LIB at run time)")
 
 

@@ -291,6 +291,13 @@ static void *saved_make(const moefuse_layer *layer, int T) {
     return b;
 }
 
+/* What the backward is told the saved buffer holds: what saved_make allocated for T. */
+static size_t saved_size(const moefuse_layer *layer, int T) {
+    size_t bytes = 0;
+    moefuse_saved_bytes(layer, T, &bytes);
+    return bytes;
+}
+
 static moefuse_status forward(moefuse_layer *layer, const problem *pb, outputs *o,
                               void *saved) {
     moefuse_fwd_args a = {
@@ -305,7 +312,8 @@ static moefuse_status backward(moefuse_layer *layer, const problem *pb, outputs 
                                const void *saved, int accumulate) {
     moefuse_bwd_args a = {
         .num_tokens = pb->T, .x = pb->x, .x_stride = pb->stride, .ids = pb->ids,
-        .weights = pb->p, .w13 = pb->w13, .w2 = pb->w2, .saved = saved, .dy = pb->dy,
+        .weights = pb->p, .w13 = pb->w13, .w2 = pb->w2, .saved = saved,
+        .saved_bytes = saved_size(layer, pb->T), .dy = pb->dy,
         .dy_stride = pb->stride, .dx = o->dx, .dx_stride = pb->stride, .dweights = o->dp,
         .dw13 = o->dw13, .dw2 = o->dw2, .accumulate = accumulate,
     };
@@ -326,7 +334,8 @@ static moefuse_status backward_bf16(moefuse_layer *layer, const problem *pb, out
                                     uint16_t *dw2) { /* [E, H, I] */
     moefuse_bwd_args a = {
         .num_tokens = pb->T, .x = pb->x, .x_stride = pb->stride, .ids = pb->ids,
-        .weights = pb->p, .w13 = pb->w13, .w2 = pb->w2, .saved = saved, .dy = pb->dy,
+        .weights = pb->p, .w13 = pb->w13, .w2 = pb->w2, .saved = saved,
+        .saved_bytes = saved_size(layer, pb->T), .dy = pb->dy,
         .dy_stride = pb->stride, .dx = o->dx, .dx_stride = pb->stride, .dweights = o->dp,
         .dw13_bf16 = dw13, .dw2_bf16 = dw2,
     };
@@ -552,7 +561,8 @@ static void zero_tokens(void) {
                            .y_stride = SMALL.H, .saved = saved, .expert_counts = o.counts};
     CHECK_OK(moefuse_forward(layer, &fa, NULL));
     moefuse_bwd_args ba = {.num_tokens = 0, .x_stride = SMALL.H, .w13 = pb.w13, .w2 = pb.w2,
-                           .saved = saved, .dy_stride = SMALL.H, .dx_stride = SMALL.H,
+                           .saved = saved, .saved_bytes = saved_size(layer, 0),
+                           .dy_stride = SMALL.H, .dx_stride = SMALL.H,
                            .dw13 = o.dw13, .dw2 = o.dw2, .accumulate = 1};
     CHECK_OK(moefuse_backward(layer, &ba, NULL));
     CHECK(count_poison32(o.dw13, o.n_dw13) == o.n_dw13 &&

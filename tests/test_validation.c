@@ -20,6 +20,7 @@ typedef struct {
     float dw13[E * 2 * I * H], dw2[E * H * I];
     uint16_t dw13_bf16[E * 2 * I * H], dw2_bf16[E * H * I];
     void *saved;
+    size_t saved_bytes;
     moefuse_fwd_args fa;
     moefuse_bwd_args ba;
 } fixture;
@@ -64,6 +65,7 @@ static fixture *fixture_new(void) {
     }
     size_t bytes = 0;
     moefuse_saved_bytes(f->layer, TMAX, &bytes);
+    f->saved_bytes = bytes;
     f->saved = aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
     th_fill_bf16_normal(f->x, NULL, TMAX * H, 1.0);
     th_fill_bf16_normal(f->dy, NULL, TMAX * H, 1.0);
@@ -81,7 +83,7 @@ static fixture *fixture_new(void) {
                                .y_stride = H, .saved = f->saved, .expert_counts = f->counts};
     f->ba = (moefuse_bwd_args){.num_tokens = TMAX, .x = f->x, .x_stride = H, .ids = f->ids,
                                .weights = f->p, .w13 = f->w13, .w2 = f->w2, .saved = f->saved,
-                               .dy = f->dy, .dy_stride = H, .dx = f->dx, .dx_stride = H,
+                               .saved_bytes = bytes, .dy = f->dy, .dy_stride = H, .dx = f->dx, .dx_stride = H,
                                .dweights = f->dp, .dw13 = f->dw13, .dw2 = f->dw2};
     poison_outputs(f);
     return f;
@@ -159,6 +161,8 @@ static void bwd_id_high(fixture *f) { f->ids[0] = 1000; }
 static void bwd_id_dup(fixture *f) { f->ids[1] = f->ids[0]; }
 static void bwd_accumulate(fixture *f) { f->ba.accumulate = 2; }
 static void bwd_too_many(fixture *f) { f->ba.num_tokens = TMAX + 5; }
+static void bwd_short_saved(fixture *f) { f->ba.saved_bytes = f->saved_bytes - 1; }
+static void bwd_no_saved_size(fixture *f) { f->ba.saved_bytes = 0; }
 
 /* The weight gradients in bf16: dw13_bf16 and dw2_bf16 instead of dw13 and dw2. */
 static void use_bf16_wgrads(fixture *f) {
@@ -247,6 +251,15 @@ static void test_backward_errors(void) {
     expect_bwd(MOEFUSE_ERR_DUPLICATE_EXPERT, "ids[0]", bwd_id_dup);
     expect_bwd(MOEFUSE_ERR_INVALID_CONFIG, "bwd_args.accumulate", bwd_accumulate);
     expect_bwd(MOEFUSE_ERR_TOO_MANY_TOKENS, "bwd_args.num_tokens", bwd_too_many);
+    char want[96];
+    fixture *f = fixture_new();
+    CHECK(f != NULL, "fixture");
+    if (!f) return;
+    snprintf(want, sizeof want, "bwd_args.saved_bytes = %zu: expected >= %zu", f->saved_bytes - 1,
+             f->saved_bytes);
+    fixture_free(f);
+    expect_bwd(MOEFUSE_ERR_SHAPE, want, bwd_short_saved);
+    expect_bwd(MOEFUSE_ERR_SHAPE, "bwd_args.saved_bytes = 0", bwd_no_saved_size);
 }
 
 /* Exactly one whole pair of weight-gradient outputs, the bf16 pair in write mode only. */
@@ -297,10 +310,27 @@ static void test_config_errors(void) {
     c = base; c.backend = 5; expect_config(MOEFUSE_ERR_UNSUPPORTED, "config.backend", c);
     c = base; c.max_tokens = 1 << 30; c.hidden = 1 << 16;
     expect_config(MOEFUSE_ERR_INVALID_CONFIG, "2^40", c);
+    /* plan rows are int32: max_tokens * K * R rows (plus padding) must fit, even where
+     * the buffers' bytes would (H = I = 8 here) */
+    c = base; c.max_tokens = 1 << 30; c.hidden = 8; c.intermediate = 8;
+    expect_config(MOEFUSE_ERR_INVALID_CONFIG, "max_tokens (1073741824) * top_k (2)", c);
+    c = base; c.max_tokens = (INT32_MAX - 512) / 2; c.hidden = 8; c.intermediate = 8; /* the padding */
+    expect_config(MOEFUSE_ERR_INVALID_CONFIG, "INT32_MAX", c);
     moefuse_layer *layer;
     CHECK(moefuse_layer_create(NULL, NULL, &layer) == MOEFUSE_ERR_NULL_POINTER, "NULL cfg");
     CHECK(moefuse_layer_create(&base, NULL, NULL) == MOEFUSE_ERR_NULL_POINTER, "NULL out");
     CHECK(moefuse_layer_destroy(NULL) == MOEFUSE_OK, "destroy(NULL) is allowed");
+}
+
+/* Whether this process can create a CUDA layer (an sm_90 GPU and a build with CUDA). */
+static int cuda_layer_possible(void) {
+    moefuse_config cfg;
+    moefuse_config_init(&cfg, 128, 128, E, K, TMAX);
+    cfg.backend = MOEFUSE_BACKEND_CUDA;
+    moefuse_layer *layer = NULL;
+    if (moefuse_layer_create(&cfg, NULL, &layer) != MOEFUSE_OK) return 0;
+    moefuse_layer_destroy(layer);
+    return 1;
 }
 
 /* The comm of expert parallelism: its own checks, and those of a layer made with it.
@@ -314,8 +344,27 @@ static void test_comm_errors(void) {
     CHECK(moefuse_comm_create_virtual(2, NULL) == MOEFUSE_ERR_NULL_POINTER, "NULL out");
     CHECK(moefuse_comm_set_timeout_ms(NULL, 5) == MOEFUSE_ERR_NULL_POINTER, "NULL comm");
     CHECK(moefuse_comm_destroy(NULL) == MOEFUSE_OK, "destroy(NULL) is allowed");
-    CHECK(moefuse_comm_create_virtual(2, &comm) == MOEFUSE_OK, "%s", moefuse_last_error());
+    /* Virtual ranks run on a GPU: without one the comm is refused, as a CUDA layer is. */
+    const int gpu = cuda_layer_possible();
+    comm = (moefuse_comm *)0x1;
+    moefuse_status st = moefuse_comm_create_virtual(2, &comm);
+    if (gpu) {
+        CHECK(st == MOEFUSE_OK, "%s", moefuse_last_error());
+        moefuse_comm_destroy(comm);
+    } else {
+        CHECK(st == MOEFUSE_ERR_UNSUPPORTED, "virtual comm without a GPU: got %s (%s)",
+              moefuse_status_string(st), moefuse_last_error());
+        CHECK(strstr(moefuse_last_error(), "moefuse_comm_create_virtual") != NULL, "%s",
+              moefuse_last_error());
+        CHECK(comm == NULL, "out is NULL on failure");
+    }
+    /* The checks of a layer made with a comm, on a comm made by hand (so they run
+     * without a GPU too). */
+    comm = calloc(1, sizeof *comm);
     if (!comm) return;
+    comm->kind = MF_COMM_VIRTUAL;
+    comm->num_ranks = 2;
+    comm->timeout_ms = 30000;
     CHECK(moefuse_comm_set_timeout_ms(comm, 0) == MOEFUSE_ERR_INVALID_CONFIG, "timeout 0");
     CHECK(moefuse_comm_set_timeout_ms(comm, 250) == MOEFUSE_OK, "%s", moefuse_last_error());
 

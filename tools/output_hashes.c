@@ -196,6 +196,10 @@ static void run_case(const model *m, const inputs *in, int R, moefuse_pipeline p
     for (int r = 0; r < ranks; r++) {
         CHECK_MF(moefuse_saved_bytes(layer[r], T, &saved_bytes[r]));
         saved[r] = device_poisoned(saved_bytes[r]);
+    }
+    /* the poison (legacy stream) lands before the ranks' non-blocking streams start */
+    CHECK_CUDA(cudaDeviceSynchronize());
+    for (int r = 0; r < ranks; r++) {
         moefuse_fwd_args a;
         memset(&a, 0, sizeof a);
         a.num_tokens = T;
@@ -221,9 +225,7 @@ static void run_case(const model *m, const inputs *in, int R, moefuse_pipeline p
         b.w13 = in->w13 + r * w13_el;
         b.w2 = in->w2 + r * w2_el;
         b.saved = saved[r];
-#ifdef MOEFUSE_BWD_ARGS_SAVED_BYTES
         b.saved_bytes = saved_bytes[r];
-#endif
         b.dy = in->dy + (int64_t)r * T * H;
         b.dy_stride = H;
         b.dx = dx + (int64_t)r * T * H;

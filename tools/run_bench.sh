@@ -13,7 +13,7 @@
 # Why three tables: docs/decisions/0013-power-limit-timing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export MOEFUSE_LIB="$PWD/build/libmoefuse.so"
+export MOEFUSE_LIB="${MOEFUSE_LIB:-$PWD/build/libmoefuse.so}"
 MD_DIR=build/bench/results
 rm -rf "$MD_DIR"
 mkdir -p "$MD_DIR"

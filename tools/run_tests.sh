@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# Runs every test binary given, then the Python tests, and sums their closing lines
-# ("N passed, N failed, N skipped") into one. A binary that crashes or exits non-zero
+# Runs every test program given, then the Python tests, and sums their closing lines
+# ("N passed, N failed, N skipped") into one. A program that crashes or exits non-zero
 # without a closing line counts as one failure.
+#   tools/run_tests.sh [--no-python | --python-only] PROGRAM...
+# The Python tests load $MOEFUSE_LIB (default: build/libmoefuse.so; make passes the
+# library of its build).
 set -u
+python=1
+case "${1:-}" in
+    --no-python) python=0; shift ;;
+    --python-only) python=only; shift; set -- ;;
+esac
 passed=0 failed=0 skipped=0
 tally() { # $1 = a closing line
     local p f s
@@ -25,10 +33,10 @@ for bin in "$@"; do
     fi
 done
 
-if [ -d python/tests ]; then
+if [ "$python" != 0 ] && [ -d python/tests ]; then
     echo "== python/tests"
     if python3 -c 'import torch, pytest' 2>/dev/null; then
-        out=$(MOEFUSE_LIB="$PWD/build/libmoefuse.so" PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" \
+        out=$(MOEFUSE_LIB="${MOEFUSE_LIB:-$PWD/build/libmoefuse.so}" PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" \
               python3 -m pytest -q -rs python/tests 2>&1); rc=$?
         printf '%s\n' "$out" | tail -25
         line=$(printf '%s\n' "$out" | grep -E '[0-9]+ (passed|failed)' | tail -1)

@@ -6,7 +6,8 @@ statuses turned into exceptions. ops.py builds the torch side on top of it.
 Where the library is found, first match wins:
   1. the file named by the environment variable MOEFUSE_LIB;
   2. build/libmoefuse.so of the source checkout this package sits in
-     (python/moefuse/_lib.py -> ../../build/libmoefuse.so; the editable install);
+     (python/moefuse/_lib.py -> ../../build/libmoefuse.so; the editable install), then
+     build/cpu/libmoefuse.so (where `make NVCC=none` builds, without CUDA);
   3. libmoefuse.so bundled next to this file (copied in by `pip install ./python`).
 
 The library is loaded on first use, not at import, so `import moefuse` works (and
@@ -25,7 +26,7 @@ from typing import Optional
 # The MOEFUSE_VERSION (MAJOR * 10000 + MINOR * 100 + PATCH) whose structs this file
 # mirrors. While MAJOR is 0 a MINOR change may change the structs, so MAJOR and MINOR
 # must match exactly; PATCH may differ.
-EXPECTED_VERSION = 300
+EXPECTED_VERSION = 400
 
 
 class Status(enum.IntEnum):
@@ -75,7 +76,7 @@ class Pipeline(enum.IntEnum):
     """moefuse_pipeline: how the CUDA forward and the one-rank backward run their expert
     GEMMs (same bits)."""
 
-    STAGED = 0  # one kernel per stage (default; 1-3% faster on an H200 so far)
+    STAGED = 0  # one kernel per stage (default: faster on an H200 so far, bench/RESULTS.md)
     FUSED = 1  # gemm1 and gemm2 in one persistent kernel
 
 
@@ -158,6 +159,7 @@ class BwdArgs(ctypes.Structure):
         ("w13", ctypes.c_void_p),  # const uint16_t* [E/R, 2I, H] bf16
         ("w2", ctypes.c_void_p),  # const uint16_t* [E/R, H, I] bf16
         ("saved", ctypes.c_void_p),  # const void*, the forward's
+        ("saved_bytes", ctypes.c_size_t),  # its size, >= moefuse_saved_bytes(T)
         ("dy", ctypes.c_void_p),  # const uint16_t* [T, H] bf16
         ("dy_stride", ctypes.c_int64),
         ("dx", ctypes.c_void_p),  # uint16_t* out [T, H] bf16
@@ -248,6 +250,7 @@ def candidate_paths() -> list[pathlib.Path]:
     if env:
         paths.append(pathlib.Path(env))
     paths.append(here.parent.parent / "build" / _LIB_NAME)
+    paths.append(here.parent.parent / "build" / "cpu" / _LIB_NAME)
     paths.append(here / _LIB_NAME)
     return paths
 

@@ -44,7 +44,7 @@ from . import _lib
 from .modules import MoEExperts
 from .ops import (_BF16, _aligned_saved, _alloc_saved, _as_rows, _bf16_weight,
                   _normalize_device, _on_device, _ptr, _row_stride, _stream, _wgrad_dtype,
-                  _wgrad_fields, pipeline_from_env)
+                  _ids_as_int32, _wgrad_fields, pipeline_from_env)
 
 _CUDA_MULTIPLE = 128  # H and I of the CUDA backend (moefuse.h)
 
@@ -334,7 +334,8 @@ class _ExpertParallelFn(torch.autograd.Function):
         args = _lib.BwdArgs(
             num_tokens=T, x=_ptr(x), x_stride=_row_stride(x, H), ids=_ptr(ids),
             weights=_ptr(p), w13=w13_bf16.data_ptr(), w2=w2_bf16.data_ptr(),
-            saved=saved.data_ptr(), dy=_ptr(dy), dy_stride=_row_stride(dy, H), dx=_ptr(dx),
+            saved=saved.data_ptr(), saved_bytes=saved.numel(), dy=_ptr(dy),
+            dy_stride=_row_stride(dy, H), dx=_ptr(dx),
             dx_stride=H, dweights=_ptr(dp), accumulate=0, **_wgrad_fields(dw13, dw2))
         # Always called, whatever needs a gradient: the other ranks' backwards wait for
         # this rank's.
@@ -516,7 +517,7 @@ class ExpertParallelExperts(MoEExperts):
         for name, w in (("gate_up_proj", self.gate_up_proj), ("down_proj", self.down_proj)):
             if not w.is_contiguous():
                 raise ValueError(f"{where}: {name} must be contiguous, got strides {w.stride()}")
-        return ids.to(torch.int32)
+        return _ids_as_int32(ids, where)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """x [T, H] bf16, ids [T, K] global expert ids, p [T, K] fp32 -> y [T, H] bf16."""

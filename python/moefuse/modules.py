@@ -72,6 +72,12 @@ class MoEExperts(nn.Module):
                  device: Optional[Union[torch.device, str]] = None,
                  dtype: torch.dtype = _BF16):
         super().__init__()
+        for name, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
+                        ("intermediate_size", intermediate_size)):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"MoEExperts: {name} must be an int, got {v!r}")
+            if v < 1:
+                raise ValueError(f"MoEExperts: {name} must be >= 1, got {v}")
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size

@@ -219,6 +219,26 @@ def _row_stride(t: torch.Tensor, hidden: int) -> int:
     return t.stride(0) if t.shape[0] > 1 else hidden
 
 
+def _ids_as_int32(ids: torch.Tensor, where: str) -> torch.Tensor:
+    """ids as int32, the library's type. int64 ids outside the int32 range would wrap
+    when narrowed (2^32 + 7 to expert 7, 2^32 - 1 to -1, a dropped slot): on the CPU they
+    raise ValueError here; on CUDA (no host synchronization), and under torch.compile
+    (which cannot branch on the ids' values without a graph break), they saturate to the
+    int32 bounds, which the library's check of ids rejects (on the CPU at once; on CUDA
+    in check_device_errors)."""
+    if ids.dtype == torch.int32:
+        return ids
+    lo, hi = torch.iinfo(torch.int32).min, torch.iinfo(torch.int32).max
+    if ids.device.type != "cpu" or torch.compiler.is_compiling():
+        return ids.clamp(lo, hi).to(torch.int32)
+    outside = (ids < lo) | (ids > hi)
+    if ids.numel() and bool(outside.any()):
+        t, k = (int(i) for i in outside.nonzero()[0])
+        raise ValueError(f"{where}: ids[{t}][{k}] = {int(ids[t, k])} is outside int32, so it "
+                         "is no expert id; expected -1 <= id < E")
+    return ids.to(torch.int32)
+
+
 def _bf16_weight(w: torch.Tensor) -> torch.Tensor:
     return w if w.dtype == _BF16 else w.to(_BF16).contiguous()
 
@@ -366,7 +386,8 @@ def _experts_bwd(dy: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, p: torch.
     args = _lib.BwdArgs(
         num_tokens=T, x=x.data_ptr(), x_stride=_row_stride(x, H), ids=ids.data_ptr(),
         weights=p.data_ptr(), w13=w13.data_ptr(), w2=w2.data_ptr(), saved=saved.data_ptr(),
-        dy=dy.data_ptr(), dy_stride=_row_stride(dy, H), dx=dx.data_ptr(), dx_stride=H,
+        saved_bytes=saved.numel(), dy=dy.data_ptr(), dy_stride=_row_stride(dy, H),
+        dx=dx.data_ptr(), dx_stride=H,
         dweights=dp.data_ptr(), accumulate=0, **_wgrad_fields(dw13, dw2))
     with layer.lock, _on_device(device):
         layer.backward(args, _stream(device))
@@ -464,7 +485,7 @@ def _validate_experts(x, ids, p, w13, w2) -> torch.Tensor:
         if not w.is_contiguous():
             raise ValueError(f"moefuse.experts: {name} must be contiguous (row-major "
                              f"[E, out, in] like nn.Linear weights), got strides {w.stride()}")
-    return ids.to(torch.int32)
+    return _ids_as_int32(ids, "moefuse.experts")
 
 
 def experts(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch.Tensor,

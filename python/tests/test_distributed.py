@@ -33,10 +33,27 @@ pytestmark = pytest.mark.usefixtures("library")
 H, I, E, K = 128, 128, 8, 2
 
 
+def stand_in_comm(num_ranks: int) -> _lib.Comm:
+    """A Comm of num_ranks ranks over a NULL handle, for the Python side's bookkeeping
+    and checks, which never hand it to the library (a virtual comm needs a GPU)."""
+    return _lib.Comm(_lib.CommHandle(), num_ranks)
+
+
+def virtual_comm_or_skip(num_ranks: int) -> _lib.Comm:
+    """A real virtual comm; the test is skipped where the library refuses one (no sm_90
+    GPU, or a build without CUDA)."""
+    try:
+        return distributed.virtual_comm(num_ranks)
+    except moefuse.MoefuseError as e:
+        if e.status != _lib.Status.ERR_UNSUPPORTED:
+            raise
+        pytest.skip(f"no virtual comm here: {e.message}")
+
+
 def make_module(**overrides) -> ExpertParallelExperts:
     """A two-rank module on the CPU (no library layer: that needs CUDA)."""
     kwargs = dict(hidden=H, intermediate=I, num_experts=E, top_k=K, max_tokens=16,
-                  comm=distributed.virtual_comm(2), rank=1, num_ranks=2, device="cpu")
+                  comm=stand_in_comm(2), rank=1, num_ranks=2, device="cpu")
     kwargs.update(overrides)
     return ExpertParallelExperts(**kwargs)
 
@@ -60,8 +77,30 @@ def test_virtual_comm_of_zero_ranks_raises():
     assert "num_ranks = 0" in info.value.message
 
 
+def test_virtual_comm_needs_a_gpu():
+    """moefuse_comm_create_virtual refuses what no layer of it could run on."""
+    try:
+        comm = distributed.virtual_comm(2)
+    except moefuse.MoefuseError as e:
+        assert e.status == _lib.Status.ERR_UNSUPPORTED
+        assert "moefuse_comm_create_virtual" in e.message
+        assert _cuda_layer_skip_reason() is not None, "a CUDA layer works but no virtual comm"
+        return
+    comm.close()
+    assert _cuda_layer_skip_reason() is None, "a virtual comm without a usable GPU"
+
+
+def _cuda_layer_skip_reason():
+    """Why a one-rank CUDA layer cannot be made here, or None."""
+    try:
+        _lib.Layer(_config(1, _lib.Backend.CUDA)).close()
+    except moefuse.MoefuseError as e:
+        return e.message
+    return None
+
+
 def test_set_timeout_of_zero_raises():
-    with distributed.virtual_comm(2) as comm:
+    with virtual_comm_or_skip(2) as comm:
         with pytest.raises(moefuse.MoefuseError) as info:
             comm.set_timeout_ms(0)
         assert info.value.status == _lib.Status.ERR_INVALID_CONFIG
@@ -72,7 +111,7 @@ def test_set_timeout_of_zero_raises():
 
 
 def test_comm_close_is_idempotent_and_final():
-    comm = distributed.virtual_comm(4)
+    comm = stand_in_comm(4)
     assert comm.num_ranks == 4 and comm.rank is None and not comm.closed
     comm.close()
     comm.close()
@@ -100,7 +139,7 @@ def test_comm_keeps_one_layer_per_rank_and_closes_them_first():
             closed.append(self.rank)
             self.comm.layers.pop(self.rank)
 
-    comm = distributed.virtual_comm(2)
+    comm = stand_in_comm(2)
     StandIn(comm, 1)
     StandIn(comm, 0)
     cfg = _config(2, _lib.Backend.CUDA)
@@ -111,7 +150,7 @@ def test_comm_keeps_one_layer_per_rank_and_closes_them_first():
 
 
 def test_layer_with_a_comm_needs_the_cuda_backend():
-    with distributed.virtual_comm(2) as comm:
+    with virtual_comm_or_skip(2) as comm:
         with pytest.raises(moefuse.MoefuseError) as info:
             _lib.Layer(_config(2, _lib.Backend.CPU), comm)
         assert info.value.status == _lib.Status.ERR_UNSUPPORTED
@@ -119,7 +158,7 @@ def test_layer_with_a_comm_needs_the_cuda_backend():
 
 
 def test_layer_ranks_must_match_the_comm():
-    with distributed.virtual_comm(4) as comm:
+    with virtual_comm_or_skip(4) as comm:
         with pytest.raises(moefuse.MoefuseError) as info:
             _lib.Layer(_config(2, _lib.Backend.CUDA), comm)
         assert info.value.status == _lib.Status.ERR_INVALID_CONFIG
@@ -206,7 +245,7 @@ def test_module_holds_the_local_experts_only():
 
 
 def _closed_comm():
-    comm = distributed.virtual_comm(2)
+    comm = stand_in_comm(2)
     comm.close()
     return comm
 
@@ -237,7 +276,7 @@ def test_module_refuses_bad_config(overrides, error, message):
 
 def test_module_refuses_another_rank_of_an_nccl_comm():
     """A comm that knows this process's rank (NCCL) must agree with `rank`."""
-    comm = distributed.virtual_comm(2)
+    comm = stand_in_comm(2)
     comm.rank = 0  # what an NCCL comm of rank 0 says
     with pytest.raises(ValueError, match="rank=1 but this process is rank 0"):
         make_module(comm=comm)
@@ -583,7 +622,7 @@ def test_bench_ep_check_iterations():
 
 
 def test_bench_ep_memory_estimate_follows_the_cuda_layout():
-    """Workspace bytes per token (K slot rows) as src/cuda/pipeline/backend.cu states them."""
+    """Workspace bytes per token (K slot rows) as src/cuda/pipeline/workspace.cu states them."""
     bench_ep = _bench_ep()
     assert 8 * bench_ep.slot_row_bytes(2048, 768) == 102_624
     assert 8 * bench_ep.slot_row_bytes(4096, 1536) == 205_216

@@ -274,3 +274,14 @@ def test_state_dict_loads_into_transformers_block():
         ours = block(hidden).reshape(-1, H)
         theirs = hf_block(hidden).reshape(-1, H)
     assert rel_error(ours, y_ref) <= 2 * rel_error(theirs, y_ref) + 1e-5
+
+
+@pytest.mark.parametrize("field", ["num_experts", "hidden_size", "intermediate_size"])
+@pytest.mark.parametrize("value, error, message", [
+    (0, ValueError, "must be >= 1, got 0"), (-1, ValueError, "must be >= 1, got -1"),
+    (2.0, TypeError, "must be an int, got 2.0")])
+def test_experts_module_refuses_bad_sizes(field, value, error, message):
+    sizes = dict(num_experts=4, hidden_size=64, intermediate_size=32)
+    sizes[field] = value
+    with pytest.raises(error, match=f"MoEExperts: {field} {message}"):
+        moefuse.MoEExperts(**sizes)

@@ -53,6 +53,14 @@ def test_version_matches_binding_and_header():
         assert parts[0] * 10000 + parts[1] * 100 + parts[2] == _lib.EXPECTED_VERSION
 
 
+def test_library_is_looked_for_in_both_build_directories(monkeypatch):
+    """make builds into build/ with CUDA and build/cpu/ without (NVCC=none)."""
+    monkeypatch.delenv("MOEFUSE_LIB", raising=False)
+    repo = pathlib.Path(_lib.__file__).resolve().parent.parent.parent
+    paths = _lib.candidate_paths()
+    assert paths[:2] == [repo / "build" / "libmoefuse.so", repo / "build" / "cpu" / "libmoefuse.so"]
+
+
 def header_struct_fields(text: str, name: str) -> list[str]:
     body = re.search(rf"typedef struct {name} \{{(.*?)\}} {name};", text, re.S).group(1)
     body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
@@ -104,6 +112,19 @@ def test_layer_cache_and_saved_bytes():
     y, saved = torch.ops.moefuse.experts_fwd(x, ids, p, w13, w2, True, mode)
     assert saved.dtype == torch.uint8 and saved.numel() == n
     assert saved.data_ptr() % 256 == 0
+
+
+def test_backward_refuses_a_truncated_saved_buffer():
+    """The op passes the saved tensor's size; the library refuses a short one before
+    reading it (it would read past its end)."""
+    mode = int(_lib.SavedMode.SAVE_ACTIVATIONS)
+    x, ids, p, w13, w2, _ = random_problem(20, 64, 32, 8, 2)
+    _, saved = torch.ops.moefuse.experts_fwd(x, ids, p, w13, w2, True, mode)
+    n = saved.numel()
+    with pytest.raises(moefuse.MoefuseError) as info:
+        torch.ops.moefuse.experts_bwd(torch.ones_like(x), x, ids, p, w13, w2, saved[:n - 1], mode)
+    assert info.value.status == _lib.Status.ERR_SHAPE
+    assert f"bwd_args.saved_bytes = {n - 1}: expected >= {n}" in info.value.message
 
 
 def test_pipeline_from_env(monkeypatch):
@@ -329,6 +350,32 @@ def test_bad_expert_ids_raise_moefuse_error(bad_id, status, words):
         moefuse.experts(x, ids, p, w13, w2)
     assert info.value.status == status
     assert words in info.value.message, info.value.message
+
+
+@pytest.mark.parametrize("bad_id", [2**32 + 7, 2**32 - 1, -2**32 - 1])
+def test_int64_ids_outside_int32_raise_instead_of_wrapping(bad_id):
+    """Narrowed to int32, 2^32 + 7 would run as expert 7 and 2^32 - 1 as a dropped slot."""
+    x, ids, p, w13, w2, _ = random_problem(16, 64, 32, 8, 2)
+    ids = ids.to(torch.int64)
+    ids[5, 1] = bad_id
+    with pytest.raises(ValueError, match=re.escape(f"moefuse.experts: ids[5][1] = {bad_id} is "
+                                                   "outside int32")):
+        moefuse.experts(x, ids, p, w13, w2)
+
+
+@pytest.mark.parametrize("bad_id", [2**32 + 7, 2**32 - 1])
+def test_int64_ids_outside_int32_fail_under_compile(bad_id):
+    """torch.compile cannot branch on the ids' values (fullgraph): there the ids saturate
+    to the int32 bounds, which the library rejects as expert ids, instead of wrapping."""
+    x, ids, p, w13, w2, _ = random_problem(16, 64, 32, 8, 2)
+    ids = ids.to(torch.int64)
+    good = torch.compile(moefuse.experts, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(good(x, ids, p, w13, w2), moefuse.experts(x, ids, p, w13, w2),
+                               rtol=0, atol=0)
+    ids[5, 1] = bad_id
+    with pytest.raises(moefuse.MoefuseError) as info:
+        good(x, ids, p, w13, w2)
+    assert info.value.status == _lib.Status.ERR_EXPERT_ID, info.value.message
 
 
 # ---- the routing op --------------------------------------------------------------------------

@@ -169,6 +169,19 @@ def test_bad_expert_id_is_reported_by_check_device_errors():
     moefuse.check_device_errors()  # reported once, then cleared
 
 
+def test_int64_ids_outside_int32_are_reported_not_wrapped():
+    """Narrowed as they are, 2^32 + 3 would run as expert 3; the op saturates it to
+    2^31 - 1, which the device check reports. A config no other test uses (E = 10)."""
+    x, ids, p, w13, w2, _ = random_problem(16, 128, 128, 10, 2, seed=6)
+    ids = ids.to(torch.int64)
+    ids[5, 1] = 2**32 + 3
+    with torch.no_grad():
+        moefuse.experts(*on_device(x, ids, p, w13, w2))
+    with pytest.raises(moefuse.MoefuseError) as info:
+        moefuse.check_device_errors()
+    assert info.value.status == _lib.Status.ERR_EXPERT_ID, info.value
+
+
 # ---- backward --------------------------------------------------------------------------------
 
 
@@ -216,7 +229,7 @@ def test_backward_fp32_master_weights_and_recompute_equal():
                        run_op(x, ids, p, w13, w2, dy, save_inputs=False)):
         assert torch.equal(a, b) and torch.equal(a, c)
     # The input rows: [rows_cap, H] bf16, rows_cap = the T*K slots and each expert's
-    # padding rows, rounded to the 128-row tiles (backend.cu's saved layout).
+    # padding rows, rounded to the 128-row tiles (the saved layout of src/cuda/pipeline/workspace.cu).
     H, K = x.shape[1], ids.shape[1]
     extra = (moefuse.saved_bytes(128, H, 128, 8, K, DEV)
              - moefuse.saved_bytes(128, H, 128, 8, K, DEV, save_inputs=False))

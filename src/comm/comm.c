@@ -1,10 +1,48 @@
 /* The comm of expert parallelism: which ranks' layers exist and where their windows
  * are. Pure bookkeeping on the host; the CUDA backend builds the device peer tables
- * from it (src/cuda/pipeline/backend.cu) and the kernels do the transport. */
+ * from it (src/cuda/transport/peers.cu) and the kernels do the transport. */
 #include "internal.h"
 
 #include <stdlib.h>
 #include <string.h>
+
+#ifdef MOEFUSE_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+/* Virtual ranks run the CUDA backend's kernels on the current GPU: without an sm_90
+ * one the comm could make no layer, so it is refused here, as layer creation does. */
+static moefuse_status need_sm90_gpu(void) {
+#ifdef MOEFUSE_HAVE_CUDA
+    int count = 0, device = 0, major = 0, minor = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess || count == 0) {
+        cudaGetLastError();
+        return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
+                       "moefuse_comm_create_virtual: no CUDA device is usable (%s); virtual "
+                       "ranks run the CUDA backend, expected an sm_90 GPU (H100/H200)",
+                       err != cudaSuccess ? cudaGetErrorString(err) : "0 devices");
+    }
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+        cudaGetLastError();
+        return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
+                       "moefuse_comm_create_virtual: the current CUDA device cannot be queried; "
+                       "expected an sm_90 GPU (H100/H200)");
+    }
+    if (major != 9 || minor != 0)
+        return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
+                       "moefuse_comm_create_virtual: device %d has compute capability %d.%d; "
+                       "virtual ranks run the sm_90a kernels, expected 9.0 (H100/H200)",
+                       device, major, minor);
+    return MOEFUSE_OK;
+#else
+    return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
+                   "moefuse_comm_create_virtual: this library was built without nvcc; virtual "
+                   "ranks run the CUDA backend");
+#endif
+}
 
 moefuse_status moefuse_comm_create_virtual(int num_ranks, moefuse_comm **out) {
     mf_clear_error();
@@ -13,6 +51,8 @@ moefuse_status moefuse_comm_create_virtual(int num_ranks, moefuse_comm **out) {
     if (num_ranks < 1 || num_ranks > MF_MAX_RANKS)
         return mf_fail(MOEFUSE_ERR_INVALID_CONFIG, "num_ranks = %d: expected 1 <= num_ranks <= %d",
                        num_ranks, MF_MAX_RANKS);
+    moefuse_status st = need_sm90_gpu();
+    if (st != MOEFUSE_OK) return st;
     moefuse_comm *c = calloc(1, sizeof *c);
     if (!c) return mf_fail(MOEFUSE_ERR_NO_MEMORY, "moefuse_comm_create_virtual: out of host memory");
     c->kind = MF_COMM_VIRTUAL;

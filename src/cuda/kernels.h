@@ -1,5 +1,8 @@
-/* Launchers of the CUDA kernels (one kernel per .cu file), called by the CUDA backend
- * (src/cuda/pipeline/backend.cu) and the GPU tests. extern "C", plain params structs. */
+/* Launchers of the CUDA kernels (one kernel per .cu file): extern "C", plain params
+ * structs. The internal header of the CUDA backend: the pipeline (src/cuda/pipeline/)
+ * calls the GEMMs through the ops table of gemm_ops.h and the rest directly; the kernel
+ * tests (tests/gpu/) and the stage benchmark (bench/bench_forward_cuda.c) call them
+ * directly too. Not installed; include/moefuse.h is the public contract. */
 #ifndef MOEFUSE_CUDA_KERNELS_H
 #define MOEFUSE_CUDA_KERNELS_H
 
@@ -10,9 +13,13 @@
 extern "C" {
 #endif
 
-/* Rows of one GEMM tile. The plan pads every expert's segment of the expert-sorted
- * buffers to a multiple of this, so a 128-row block never spans two experts. */
-#define MF_SM90_BLOCK_M 128
+/* Rows of one block of the plan: the plan pads every expert's segment of the
+ * expert-sorted buffers to a multiple of this, so a 128-row block never spans two
+ * experts. The plan, dispatch and transport kernels are built for it, so every GEMM
+ * table's row block (gemm_ops.h) is this height. */
+#define MF_ROW_BLOCK_M 128
+/* Rows of one sm90 GEMM tile: the plan's row block. */
+#define MF_SM90_BLOCK_M MF_ROW_BLOCK_M
 
 /* gemm1: act = bf16(silu(g) * u) of the bf16-rounded [g; u] = xs W13_e^T (the a dgrad2
  * recomputes, bit for bit), per 128-row block of expert e.
@@ -263,6 +270,54 @@ size_t mf_plan_smem_bytes(int top_k, int num_local_experts);
 cudaError_t mf_plan_prepare(int top_k, int num_local_experts);
 cudaError_t mf_plan_build_cuda(const mf_plan_params *p, cudaStream_t stream);
 
+/* The header of a saved buffer (int32 words): what the forward wrote it for, so that
+ * the backward can refuse a buffer of another layer, T or saved mode. */
+enum {
+    MF_SAVED_MAGIC = 0,          /* MF_SAVED_MAGIC_VALUE */
+    MF_SAVED_VERSION = 1,
+    MF_SAVED_TOKENS = 2,
+    MF_SAVED_TOP_K = 3,
+    MF_SAVED_LOCAL_EXPERTS = 4,
+    MF_SAVED_HIDDEN = 5,
+    MF_SAVED_INTERMEDIATE = 6,
+    MF_SAVED_ROWS_CAP = 7,
+    MF_SAVED_MODE = 8,
+    MF_SAVED_NUM_ROWS = 9,       /* written by the plan on the device */
+    MF_SAVED_SEND_FAILED = 10,   /* rows from peers: this rank's ids were bad (it sent no rows) */
+    MF_SAVED_HEADER_WORDS = 16,
+};
+#define MF_SAVED_MAGIC_VALUE 0x5653464d  /* "MFSV" */
+#define MF_SAVED_VERSION_VALUE 2
+
+/* The backward's device check of a saved buffer's plan (three small kernels: the plan
+ * lives in device memory, and reading it on the host would need a synchronization):
+ *   header  one block: header words, counts/offsets, row_block_expert; num_rows,
+ *           call_failed and the offsets the weight gradients read come from here;
+ *   slots   grid over slots and rows: slot_row / row_slot are inverse, every live
+ *           slot sits in the segment of its ids[] expert, every local slot is routed
+ *           (rows from peers: the slots only, the rows are the other ranks' sends);
+ *   finish  one thread: on a failure, records MOEFUSE_ERR_SAVED_STATE, fails the call
+ *           (gemm_num_rows 0, bwd_offsets 0), and restores the per-call fields.
+ * So a stale or foreign buffer is reported by moefuse_layer_check instead of being
+ * read out of bounds. */
+typedef struct mf_saved_check_params {
+    const int32_t *header;            /* [MF_SAVED_HEADER_WORDS] */
+    const int32_t *counts;            /* [E_local] */
+    const int32_t *offsets;           /* [E_local + 1] */
+    const int32_t *row_block_expert;  /* [rows_cap / 128] */
+    const int32_t *slot_row;          /* [T*K] */
+    const int32_t *row_slot;          /* [rows_cap]; not read with rows from peers */
+    const int32_t *ids;               /* [T, K] */
+    int32_t want[MF_SAVED_NUM_ROWS];  /* header words 0..8 a matching forward wrote */
+    int num_tokens, top_k, num_local_experts, expert_begin, rows_cap;
+    int peers;                        /* the rows came from peers (expert parallelism) */
+    struct mf_plan_state *state;
+    int32_t *gemm_num_rows;
+    int32_t *bwd_offsets;             /* [E_local + 1] out */
+} mf_saved_check_params;
+
+cudaError_t mf_saved_check(const mf_saved_check_params *p, cudaStream_t stream);
+
 /* xs[slot_row[t*K + k]] = x[t] for every live slot; padding rows (row_slot -1, below
  * num_rows) get zeros, so padding rows of act and gate_up are exactly 0. */
 typedef struct mf_dispatch_params {
@@ -320,7 +375,7 @@ typedef struct mf_reduce_dp_params {
 
 cudaError_t mf_reduce_dp_f32(const mf_reduce_dp_params *p, cudaStream_t stream);
 
-/* ---- expert parallelism (src/cuda/ep_*.cu; layout of the sync window in ep_sync.h) ----
+/* ---- expert parallelism (src/cuda/transport/ep_*.cu; layout of the sync window in ep_sync.h) ----
  * peers: the layer's device table of every rank's windows, peers[w * R + q] = window w
  * (MF_WIN_*, src/host/internal.h) of rank q. Flags carry (epoch << 1) | failed. */
 
@@ -452,6 +507,7 @@ cudaError_t mf_sm90_gemm1_dgrad_bwd_load(void);
 cudaError_t mf_sm90_wgrad_grouped_load(void);
 cudaError_t mf_sm90_moe_fused_bwd_load(void);
 cudaError_t mf_expert_order_load(void);
+cudaError_t mf_saved_check_load(void);
 cudaError_t mf_ep_exchange_counts_load(void);
 cudaError_t mf_ep_push_rows_load(void);
 cudaError_t mf_ep_push_dp_load(void);

@@ -72,6 +72,15 @@ static moefuse_status check_config(const moefuse_config *c, const moefuse_comm *
         return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
                        "config: max_tokens * top_k * max(H, 2I) = %lld: expected <= 2^40",
                        (long long)((int64_t)c->max_tokens * c->top_k * widest));
+    /* Plan rows and slot indices are int32: the rows a rank may receive, each local
+     * expert's padded to the largest row alignment (128), must fit. */
+    int64_t rows = (int64_t)c->max_tokens * c->top_k * c->num_ranks +
+                   (int64_t)(c->num_experts / c->num_ranks) * 128;
+    if (rows > INT32_MAX)
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                       "config: max_tokens (%d) * top_k (%d) * num_ranks (%d) + 128 rows of "
+                       "padding per local expert = %lld rows: expected <= INT32_MAX (%d)",
+                       c->max_tokens, c->top_k, c->num_ranks, (long long)rows, INT32_MAX);
     if (c->precision == MOEFUSE_PRECISION_FP8_BLOCK)
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
                        "config.precision = MOEFUSE_PRECISION_FP8_BLOCK: not built yet; "
@@ -117,8 +126,14 @@ moefuse_status moefuse_layer_create(const moefuse_config *cfg, moefuse_comm *com
     moefuse_status st = check_config(cfg, comm);
     if (st != MOEFUSE_OK) return st;
 
-    const mf_backend_ops *ops = cfg->backend == MOEFUSE_BACKEND_CPU ? &mf_cpu_backend
-                                                                     : mf_cuda_backend();
+    /* The backends by config.backend (check_config took only these values); NULL where
+     * this build has none. */
+    const mf_backend_ops *const backends[] = {
+        [MOEFUSE_BACKEND_CPU] = &mf_cpu_backend,
+        [MOEFUSE_BACKEND_CUDA] = mf_cuda_backend(),
+    };
+    const mf_backend_ops *ops = (unsigned)cfg->backend < sizeof backends / sizeof backends[0]
+                                    ? backends[cfg->backend] : NULL;
     if (!ops)
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
                        "config.backend = MOEFUSE_BACKEND_CUDA: this library was built "
@@ -310,6 +325,12 @@ moefuse_status moefuse_backward(moefuse_layer *layer, const moefuse_bwd_args *a,
     TRY(check_inputs(layer, a->num_tokens, a->x, a->x_stride, a->ids, a->weights, a->w13,
                      a->w2, "bwd_args"));
     TRY(need_ptr(a->saved, "bwd_args.saved", 256));
+    /* before any backend reads it: a short buffer would be read past its end */
+    size_t saved_need = layer->ops->saved_bytes(layer, a->num_tokens);
+    if (a->saved_bytes < saved_need)
+        return mf_fail(MOEFUSE_ERR_SHAPE,
+                       "bwd_args.saved_bytes = %zu: expected >= %zu (moefuse_saved_bytes for "
+                       "num_tokens = %d)", a->saved_bytes, saved_need, a->num_tokens);
     TRY(need_rows(layer, a->dy, a->dy_stride, a->num_tokens, "bwd_args.dy", "bwd_args.dy_stride"));
     TRY(need_rows(layer, a->dx, a->dx_stride, a->num_tokens, "bwd_args.dx", "bwd_args.dx_stride"));
     TRY(need_slots(a->dweights, a->num_tokens, "bwd_args.dweights"));

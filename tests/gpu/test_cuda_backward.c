@@ -250,6 +250,7 @@ static moefuse_bwd_args bwd_args(const inputs *in, int accumulate) {
     b.w13 = F.w13_d;
     b.w2 = F.w2_d;
     b.saved = in->saved_d;
+    b.saved_bytes = in->saved_bytes;
     b.dy = in->dy_d;
     b.dy_stride = in->dy_stride;
     b.dx = in->dx_d;

@@ -396,7 +396,7 @@ static int ref_run(const batch *b, int max_tokens, moefuse_saved_mode mode, resu
     };
     const moefuse_bwd_args g = {
         .num_tokens = (int)nt, .x = x, .x_stride = kH, .ids = ids, .weights = p,
-        .w13 = G.w13, .w2 = G.w2, .saved = saved, .dy = dy, .dy_stride = kH, .dx = dx,
+        .w13 = G.w13, .w2 = G.w2, .saved = saved, .saved_bytes = saved_bytes, .dy = dy, .dy_stride = kH, .dx = dx,
         .dx_stride = kH, .dweights = dp, .dw13 = G.dw13, .dw2 = G.dw2, .accumulate = 0,
     };
     MF_OK(moefuse_forward(layer, &a, st));
@@ -669,7 +669,7 @@ static moefuse_bwd_args ep_bwd_args(const ep *s, const batch *b, int r) {
     const moefuse_fwd_args a = ep_fwd_args(s, b, r);
     const moefuse_bwd_args g = {
         .num_tokens = a.num_tokens, .x = a.x, .x_stride = kH, .ids = a.ids, .weights = a.weights,
-        .w13 = a.w13, .w2 = a.w2, .saved = k->saved, .dy = a.x ? k->dy : NULL, .dy_stride = kH,
+        .w13 = a.w13, .w2 = a.w2, .saved = k->saved, .saved_bytes = k->saved_cap, .dy = a.x ? k->dy : NULL, .dy_stride = kH,
         .dx = a.x ? k->dx : NULL, .dx_stride = kH, .dweights = a.x ? k->dp : NULL,
         .dw13 = k->dw13, .dw2 = k->dw2, .accumulate = 0,
     };

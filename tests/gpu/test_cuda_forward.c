@@ -278,7 +278,7 @@ static void check_y(const inputs *in, const uint16_t *y) {
     free(yg);
 }
 
-/* The plan in `saved` (layout of src/cuda/pipeline/backend.cu) against the host plan, and the
+/* The plan in `saved` (layout of src/cuda/pipeline/workspace.cu) against the host plan, and the
  * padding rows of gate_up exactly 0. */
 static size_t a256(size_t n) { return (n + 255) & ~(size_t)255; }
 
@@ -697,6 +697,7 @@ static void case_backward_runs(void) {
     b.w13 = F.w13_d;
     b.w2 = F.w2_d;
     b.saved = in.saved_d;
+    b.saved_bytes = in.saved_bytes;
     b.dy = in.x_d; /* any bf16 rows will do */
     b.dy_stride = in.x_stride;
     b.dx = dx_d;

@@ -45,7 +45,7 @@ constexpr int kChunkSlots = 2048;
 constexpr uint32_t kNoBadToken = 0xffffffffu;
 
 static_assert(kThreads % 32 == 0, "whole warps");
-static_assert(MF_SM90_BLOCK_M == 128, "row_block_expert uses r >> 7");
+static_assert(MF_ROW_BLOCK_M == 128, "row_block_expert uses r >> 7");
 
 __host__ __device__ inline int chunk_tokens(int top_k) {
     return top_k >= kChunkSlots ? 1 : kChunkSlots / top_k;
@@ -141,9 +141,9 @@ __device__ void finish_plan(const mf_plan_params &p, int num_chunks, int *s_coun
     }
     // Expert of each 128-row block: the largest l with s_off[l] <= first row (empty
     // experts share their offset with the next one, which is the owner).
-    const int num_blocks = p.rows_cap / MF_SM90_BLOCK_M;
+    const int num_blocks = p.rows_cap / MF_ROW_BLOCK_M;
     for (int j = tid; j < num_blocks; j += kThreads) {
-        const int r0 = j * MF_SM90_BLOCK_M;
+        const int r0 = j * MF_ROW_BLOCK_M;
         int e = -1;
         if (r0 < total) {
             int lo = 0, hi = EL - 1;  // s_off[lo] <= r0 always (s_off[0] = 0)
@@ -311,7 +311,7 @@ extern "C" cudaError_t mf_plan_prepare(int top_k, int num_local_experts) {
 
 extern "C" cudaError_t mf_plan_build_cuda(const mf_plan_params *p, cudaStream_t stream) {
     if (!p || p->num_tokens < 0 || p->top_k < 1 || p->num_local_experts < 1 ||
-        p->rows_cap < 0 || p->rows_cap % MF_SM90_BLOCK_M != 0)
+        p->rows_cap < 0 || p->rows_cap % MF_ROW_BLOCK_M != 0)
         return cudaErrorInvalidValue;
     const int tb = chunk_tokens(p->top_k);
     const int num_chunks = p->num_tokens == 0 ? 1 : (p->num_tokens + tb - 1) / tb;

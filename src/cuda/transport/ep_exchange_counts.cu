@@ -111,8 +111,8 @@ ep_exchange_counts_kernel(const __grid_constant__ mf_ep_exchange_params p) {
         p.recv_offsets[l] = s_off[eb + l];
         if (p.user_counts && !own_failed) p.user_counts[l] = s_total[eb + l];
     }
-    for (int j = threadIdx.x; j < p.rows_cap / MF_SM90_BLOCK_M; j += kThreads) {
-        const int r0 = j * MF_SM90_BLOCK_M;
+    for (int j = threadIdx.x; j < p.rows_cap / MF_ROW_BLOCK_M; j += kThreads) {
+        const int r0 = j * MF_ROW_BLOCK_M;
         int e = -1;
         if (r0 < total) {  // the largest l with offset <= r0 (empty experts share it)
             int lo = 0, hi = EL - 1;
@@ -125,9 +125,9 @@ ep_exchange_counts_kernel(const __grid_constant__ mf_ep_exchange_params p) {
         p.row_block_expert[j] = e;
     }
     // the blocks gemm1 will wait for: 128 rows each (padding included)
-    uint32_t *target = sync + mf_ep_targets_word(R, E, p.rows_cap / MF_SM90_BLOCK_M);
-    for (int b = threadIdx.x; b < total / MF_SM90_BLOCK_M; b += kThreads)
-        target[b] += MF_SM90_BLOCK_M;
+    uint32_t *target = sync + mf_ep_targets_word(R, E, p.rows_cap / MF_ROW_BLOCK_M);
+    for (int b = threadIdx.x; b < total / MF_ROW_BLOCK_M; b += kThreads)
+        target[b] += MF_ROW_BLOCK_M;
     if (threadIdx.x == 0) {
         p.recv_offsets[EL] = total;
         if (p.saved_header) {
@@ -145,7 +145,7 @@ extern "C" cudaError_t mf_ep_exchange_counts(const mf_ep_exchange_params *p,
                                              cudaStream_t stream) {
     if (!p || p->num_ranks < 1 || p->num_experts % p->num_ranks ||
         p->num_local_experts * p->num_ranks != p->num_experts || p->rank < 0 ||
-        p->rank >= p->num_ranks || p->rows_cap % MF_SM90_BLOCK_M)
+        p->rank >= p->num_ranks || p->rows_cap % MF_ROW_BLOCK_M)
         return cudaErrorInvalidValue;
     const size_t smem = sizeof(int) * (3 * (size_t)p->num_experts + p->num_ranks);
     if (smem > 48 * 1024) {

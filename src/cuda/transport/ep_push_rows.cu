@@ -43,7 +43,7 @@ __device__ inline void count_arrival(const mf_ep_push_params &p, int q, int row,
     if (lane != 0) return;
     uint32_t *arrivals = mf::ep::sync_of(p.peers, q, p.num_ranks) +
                          mf_ep_arrivals_word(p.num_ranks, p.num_experts);
-    atomicAdd_system(arrivals + row / MF_SM90_BLOCK_M, 1u);
+    atomicAdd_system(arrivals + row / MF_ROW_BLOCK_M, 1u);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -57,7 +57,7 @@ ep_push_rows_kernel(const __grid_constant__ mf_ep_push_params p) {
     const int lane = threadIdx.x & 31;
     const int64_t slots = (int64_t)p.num_tokens * K;
     // No receive layout when the call failed before it (gemm_num_rows is then 0).
-    const int64_t pad_items = *p.gemm_num_rows > 0 ? (int64_t)EL * MF_SM90_BLOCK_M : 0;
+    const int64_t pad_items = *p.gemm_num_rows > 0 ? (int64_t)EL * MF_ROW_BLOCK_M : 0;
     const int64_t items = comm_failed ? 0 : slots + pad_items;
     const int64_t warps = (int64_t)gridDim.x * kWarps;
 
@@ -85,8 +85,8 @@ ep_push_rows_kernel(const __grid_constant__ mf_ep_push_params p) {
             if (p.count_arrivals) count_arrival(p, q, row, lane);
         } else {
             const int64_t j = i - slots;
-            const int l = (int)(j / MF_SM90_BLOCK_M);
-            const int row = p.recv_offsets[l] + p.recv_counts[l] + (int)(j % MF_SM90_BLOCK_M);
+            const int l = (int)(j / MF_ROW_BLOCK_M);
+            const int row = p.recv_offsets[l] + p.recv_counts[l] + (int)(j % MF_ROW_BLOCK_M);
             if (row >= p.recv_offsets[l + 1]) continue;
             mf::warp_zero_row(window<int4>(p.peers, MF_WIN_XS, me, R) + (int64_t)row * vecs, vecs, lane);
             if (p.dy)
@@ -120,7 +120,7 @@ extern "C" cudaError_t mf_ep_push_rows(const mf_ep_push_params *p, cudaStream_t 
         p->num_local_experts < 1)
         return cudaErrorInvalidValue;
     const int64_t items = (int64_t)p->num_tokens * p->top_k +
-                          (int64_t)p->num_local_experts * MF_SM90_BLOCK_M;
+                          (int64_t)p->num_local_experts * MF_ROW_BLOCK_M;
     const int64_t need = (items + kWarps - 1) / kWarps;
     const int blocks = (int)(need < p->num_sms * 8 ? need : p->num_sms * 8);
     ep_push_rows_kernel<<<blocks, kThreads, 0, stream>>>(*p);

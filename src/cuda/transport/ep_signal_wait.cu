@@ -40,8 +40,8 @@ ep_signal_wait_kernel(const __grid_constant__ mf_ep_signal_params p) {
         return;
     }
     if (!p.arrival_target) return;
-    const int blocks = *p.gemm_num_rows / MF_SM90_BLOCK_M;
-    for (int b = threadIdx.x; b < blocks; b += kThreads) p.arrival_target[b] += MF_SM90_BLOCK_M;
+    const int blocks = *p.gemm_num_rows / MF_ROW_BLOCK_M;
+    for (int b = threadIdx.x; b < blocks; b += kThreads) p.arrival_target[b] += MF_ROW_BLOCK_M;
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
 /* The sync window of a rank (MF_WIN_SYNC): 32-bit words, written by this rank and by
- * its peers. Zeroed when the comm's set of layers is complete (backend.cu).
+ * its peers. Zeroed when the comm's set of layers is complete (peers.cu).
  *
  *   word 0                  epoch: calls so far on this layer (this rank only)
  *   word 1                  blocks of mf_ep_push_rows done (this rank only)

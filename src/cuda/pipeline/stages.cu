@@ -1,0 +1,126 @@
+/* The params of the stages both directions and both transports run, on the layer's
+ * workspaces (act, dh, dp_partial, combine, gemm_num_rows) and a call's rows. */
+#include <stdint.h>
+
+#include "pipeline/state.h"
+
+namespace mf {
+namespace pipeline {
+
+namespace {
+
+/* The fields every expert GEMM over the call's rows shares: its row blocks, sizes, grid. */
+template <class GemmParams>
+void rows_and_sizes(const moefuse_layer *layer, const call_bufs &c, GemmParams *p) {
+    const cuda_state *s = state_of(layer);
+    p->row_block_expert = c.rbe;
+    p->num_rows = s->gemm_num_rows;
+    p->rows_cap = c.lay.rows_cap;
+    p->hidden = layer->cfg.hidden;
+    p->intermediate = layer->cfg.intermediate;
+    p->num_local_experts = layer->num_local_experts;
+    p->num_sms = s->plan.num_sms;
+}
+
+}  // namespace
+
+mf_gemm1_params gemm1_params(const moefuse_layer *layer, const call_bufs &c,
+                             const uint16_t *w13, uint16_t *gate_up) {
+    mf_gemm1_params g = {};
+    rows_and_sizes(layer, c, &g);
+    g.xs = c.xs;
+    g.w13 = w13;
+    g.act = state_of(layer)->act;
+    g.gate_up = gate_up;
+    return g;
+}
+
+mf_gemm2_params gemm2_params(const moefuse_layer *layer, const call_bufs &c, const uint16_t *w2) {
+    mf_gemm2_params g = {};
+    rows_and_sizes(layer, c, &g);
+    g.act = state_of(layer)->act;
+    g.w2 = w2;
+    g.row_slot = c.row_slot;
+    return g;
+}
+
+mf_dgrad2_params dgrad2_params(const moefuse_layer *layer, const call_bufs &c,
+                               const uint16_t *w2, const uint16_t *gate_up) {
+    const cuda_state *s = state_of(layer);
+    mf_dgrad2_params d = {};
+    rows_and_sizes(layer, c, &d);
+    d.dys = c.dys;
+    d.w2 = w2;
+    d.gate_up = gate_up;
+    d.row_slot = c.row_slot;
+    d.dh = s->dh;
+    d.act_p = s->act;
+    d.dp_partial = s->dp_partial;
+    return d;
+}
+
+mf_dgrad1_params dgrad1_params(const moefuse_layer *layer, const call_bufs &c,
+                               const uint16_t *w13) {
+    mf_dgrad1_params d = {};
+    rows_and_sizes(layer, c, &d);
+    d.dh = state_of(layer)->dh;
+    d.w13 = w13;
+    d.row_slot = c.row_slot;
+    return d;
+}
+
+/* What dW2 and dW13 share: the expert segments, the mode, the grid. */
+static mf_wgrad_params wgrad_common(const moefuse_layer *layer, const moefuse_bwd_args *a,
+                                    int rows_cap) {
+    const cuda_state *s = state_of(layer);
+    mf_wgrad_params w = {};
+    w.expert_offsets = s->bwd_offsets;
+    w.expert_order = s->expert_order;
+    w.rows_cap = rows_cap;
+    w.num_local_experts = layer->num_local_experts;
+    w.accumulate = a->accumulate;
+    w.num_sms = s->plan.num_sms;
+    return w;
+}
+
+mf_wgrad_params dw2_params(const moefuse_layer *layer, const moefuse_bwd_args *a, int rows_cap,
+                           const uint16_t *dys) {
+    mf_wgrad_params w = wgrad_common(layer, a, rows_cap);
+    w.lhs = dys;
+    w.rhs = state_of(layer)->act;
+    w.dw = a->dw2;
+    w.dw_bf16 = a->dw2_bf16;
+    w.m = layer->cfg.hidden;
+    w.n = layer->cfg.intermediate;
+    return w;
+}
+
+mf_wgrad_params dw13_params(const moefuse_layer *layer, const moefuse_bwd_args *a,
+                            int rows_cap, const uint16_t *xs) {
+    mf_wgrad_params w = wgrad_common(layer, a, rows_cap);
+    w.lhs = state_of(layer)->dh;
+    w.rhs = xs;
+    w.dw = a->dw13;
+    w.dw_bf16 = a->dw13_bf16;
+    w.m = 2 * layer->cfg.intermediate;
+    w.n = layer->cfg.hidden;
+    return w;
+}
+
+mf_reduce_params reduce_params(const moefuse_layer *layer, const int32_t *ids, int num_tokens,
+                               uint16_t *out, int64_t out_stride) {
+    const cuda_state *s = state_of(layer);
+    mf_reduce_params r = {};
+    r.combine = s->combine;
+    r.ids = ids;
+    r.call_failed = &s->plan_state->call_failed;
+    r.y = out;
+    r.y_stride = out_stride;
+    r.num_tokens = num_tokens;
+    r.top_k = layer->cfg.top_k;
+    r.hidden = layer->cfg.hidden;
+    return r;
+}
+
+}  // namespace pipeline
+}  // namespace mf

@@ -1,0 +1,257 @@
+/* What the CUDA pipeline's files share: the layer state, the execution plan resolved at
+ * create, the saved layout (described in workspace.cu), the params builders of the
+ * stages (stages.cu), and the transport interface that the forward (forward.cu) and the
+ * backward (backward.cu) call where moving rows differs:
+ *   local  (transport/local.cu)  no comm, R = 1: a plan over the local experts and the
+ *          token-major dispatch of x (and of dy and x in one pass in the backward);
+ *   peers  (transport/peers.cu)  a comm (virtual ranks or NCCL): a send plan, the count
+ *          exchange, rows pushed beside the GEMMs (which wait for their arrival),
+ *          combine rows written into the source ranks' windows, signals. */
+#ifndef MOEFUSE_CUDA_PIPELINE_STATE_H
+#define MOEFUSE_CUDA_PIPELINE_STATE_H
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gemm_ops.h"
+#include "internal.h"
+#include "kernels.h"
+
+namespace mf {
+namespace pipeline {
+
+struct cuda_state;
+struct transport;
+
+/* Every setting of a layer's calls, fixed at create; the pipeline reads these, never
+ * whether a buffer was allocated. */
+struct exec_plan {
+    const mf_gemm_ops *gemm;    /* the GEMMs of (architecture, precision) */
+    const transport *net;       /* local (no comm) or peers */
+    /* peers: a rank's rows come from every rank, so the row buffers and the saved state
+     * are sized by the receive capacity (R * max_tokens * K), a call with T = 0 still
+     * serves the others, and the rows' sources are sent again by the backward instead of
+     * being saved */
+    bool rows_from_peers;
+    bool fused_forward;         /* MOEFUSE_PIPELINE_FUSED and a shape the fused forward takes */
+    /* MOEFUSE_PIPELINE_FUSED and a shape the fused backward takes, with fused_forward:
+     * its scratch is the fused forward's act_ready */
+    bool fused_backward;
+    /* staged dW13 before the wait for the other ranks' dx rows (peers: it fills that
+     * wait), else after the reduces (local: they read dgrad1's slot rows right after it) */
+    bool dw13_before_wait;
+    moefuse_saved_mode saved_mode;
+    int block_m;                /* the GEMMs' row tile = the plan's row block */
+    int dp_parts;               /* d p partial sums per row (dgrad2's column blocks) */
+    int num_sms;                /* the GEMMs' persistent grid: SMs, or SMs / R for virtual ranks */
+    int push_sms;               /* peers: SMs of the row push */
+    int beside_push_sms;        /* peers: the GEMMs' grid while the push runs beside them */
+    int plan_experts;           /* experts the plan sorts into: E_local, or E (peers' sends) */
+};
+
+/* Saved buffer sections (byte offsets), each at a 256-byte boundary. */
+struct saved_layout {
+    size_t header, counts, offsets, row_block_expert, slot_row, row_slot, gate_up, xs, total;
+    int rows_cap;
+};
+
+struct cuda_state {
+    exec_plan plan;
+    int device;
+    int num_ranks, rank;
+    uint16_t *xs;               /* [rows_cap, H]; peers: window MF_WIN_XS */
+    uint16_t *act;              /* [rows_cap, I] */
+    uint16_t *combine;          /* local: [rows_cap, H] (also dys); peers: [max_tokens*K, H] window */
+    float *row_weight;          /* [rows_cap] each row's p: local the dispatch's; peers: window */
+    int32_t *slot_rank;         /* [max_tokens * K] */
+    int32_t *chunk_base;        /* [chunks(max_tokens), plan_experts] */
+    mf_plan_state *plan_state;  /* error record and per-call flags */
+    int32_t *gemm_num_rows;     /* device scalar */
+    void *plan_ws;              /* layout_for(max_tokens, RECOMPUTE): the plan when saved = NULL */
+    uint32_t *act_ready;        /* [rows_cap / block_m + 1] the fused kernels' scratch
+                                 * (forward: gemm1 tiles done per row block, and the tile
+                                 * counter; backward: mf_moe_fused_bwd_params.scratch) */
+    /* backward */
+    uint16_t *dh;               /* [rows_cap, 2I] */
+    float *dp_partial;          /* [rows_cap, dp_parts] */
+    uint16_t *gate_up;          /* [rows_cap, 2I], MOEFUSE_RECOMPUTE only */
+    int32_t *bwd_offsets;       /* [E_local + 1]: the checked expert_offsets, 0s on failure */
+    int32_t *expert_order;      /* [E_local + 1]: the wgrad tiles' expert order */
+    /* peers (transport/peers.cu) */
+    uint16_t *dys;              /* window [rows_cap, H] */
+    int32_t *row_slot;          /* window [rows_cap] */
+    float *dp_slot;             /* window [max_tokens * K] */
+    uint32_t *sync;             /* window, mf_ep_sync_bytes */
+    void *win_handle[MF_WIN_COUNT]; /* NCCL: each window's ncclWindow_t */
+    bool attached;              /* mf_comm_attach succeeded */
+    cudaStream_t side;          /* the row push runs here, beside the GEMMs */
+    cudaEvent_t fork, join;     /* caller's stream -> side -> caller's stream */
+    void **peers;               /* device [MF_WIN_COUNT * R] */
+    int32_t *send_counts;       /* [E] the plan over all experts (this rank's sends) */
+    int32_t *send_offsets;      /* [E + 1] */
+    int32_t *send_rbe;          /* [send_rows_cap / block_m] */
+    int32_t *send_slot_row;     /* [max_tokens * K] */
+    int32_t *send_row_slot;     /* [send_rows_cap] */
+    int32_t *send_scalars;      /* [2]: num_rows, gemm rows of the send plan */
+    int32_t *dest_base;         /* [E] */
+};
+
+inline cuda_state *state_of(const moefuse_layer *layer) { return (cuda_state *)layer->backend; }
+
+/* Rows of the expert-sorted buffers of a call with T tokens: local, its T*K slots and
+ * each local expert's padding; peers, the receive capacity R * max_tokens * K plus
+ * padding, whatever T is. */
+int rows_cap_for(const moefuse_layer *layer, int num_tokens);
+/* mode: what the forward keeps (cfg.saved_mode), MOEFUSE_RECOMPUTE for the plan only. */
+saved_layout layout_for(const moefuse_layer *layer, int num_tokens, moefuse_saved_mode mode);
+/* The saved header a forward writes (words 0 .. MF_SAVED_MODE; the rest 0). */
+void header_words(const moefuse_layer *layer, int num_tokens, int rows_cap,
+                  moefuse_saved_mode mode, int32_t words[MF_SAVED_HEADER_WORDS]);
+
+/* cudaMalloc with a clear error (MOEFUSE_ERR_NO_MEMORY / _CUDA naming `what`). */
+moefuse_status alloc(void **p, size_t bytes, const char *what);
+
+/* s->field = alloc(bytes), or return its status from the enclosing function. */
+#define MF_ALLOC_FIELD(s, field, bytes)                                                    \
+    do {                                                                                   \
+        const moefuse_status st_ = alloc((void **)&(s)->field, (size_t)(bytes), #field);   \
+        if (st_ != MOEFUSE_OK) return st_;                                                 \
+    } while (0)
+
+/* return the status of a call that failed */
+#define MF_TRY(expr)                                                                       \
+    do {                                                                                   \
+        const moefuse_status st_ = (expr);                                                 \
+        if (st_ != MOEFUSE_OK) return st_;                                                 \
+    } while (0)
+
+/* ---- one call ---------------------------------------------------------------------- */
+
+/* A call's buffers: its plan area (the caller's saved buffer, or the layer's plan_ws
+ * for a forward without one) and where its expert-sorted rows live (the transport's
+ * locate_rows). */
+struct call_bufs {
+    int num_tokens;
+    moefuse_saved_mode mode;    /* what the plan area holds */
+    saved_layout lay;
+    char *base;                 /* the plan area */
+    const int32_t *rbe;         /* base + lay.row_block_expert */
+    uint16_t *xs;               /* x rows */
+    uint16_t *dys;              /* dy rows (backward) */
+    const int32_t *row_slot;    /* each row's slot (peers: slot * R + source rank) */
+};
+
+/* The token-major rows a dispatch moves: x (forward), dy and x (backward). */
+struct token_rows {
+    const int32_t *ids;
+    const float *weights;
+    const uint16_t *x;
+    int64_t x_stride;
+    const uint16_t *dy;         /* backward, else NULL */
+    int64_t dy_stride;
+};
+
+/* How a GEMM beside the dispatch waits for its rows: arrivals NULL, they are all there
+ * (the params' fields stay as the builders left them). */
+struct row_arrivals {
+    const uint32_t *arrivals, *target;
+    mf_plan_state *state;
+    int64_t timeout_ns;
+    int stage;                  /* mf_ep_stage */
+    int num_sms;
+};
+
+/* Where gemm2 and dgrad1 write each row's slot row. */
+struct scatter_target {
+    uint16_t *combine;                /* this rank's combine workspace, or NULL */
+    uint16_t *const *combine_peers;   /* the source ranks' combine windows, or NULL */
+    int num_ranks;
+};
+
+/* The points of a call where the transports differ beyond the dispatch. */
+enum sync_point {
+    kForwardCombined,    /* after gemm2: every rank's combine rows are in */
+    kBackwardStart,      /* after the saved check: every rank has started the call */
+    kBackwardRowsIn,     /* after dgrad2: every rank's dy and x rows are in */
+    kBackwardSentBack,   /* after dgrad1 (and the fused dW): d p sent, DONE raised */
+    kBackwardCombined,   /* before the reduces: every rank's dx rows are in */
+};
+
+struct transport {
+    const char *name;
+    /* its buffers, windows and streams; destroy also undoes a partial create */
+    moefuse_status (*create)(moefuse_layer *layer, cuda_state *s);
+    void (*destroy)(moefuse_layer *layer, cuda_state *s);
+    /* c->xs, c->dys, c->row_slot of a call whose lay, base and mode are set */
+    void (*locate_rows)(const moefuse_layer *layer, call_bufs *c);
+    /* forward: the plan (ids checked), this rank's receive layout and the saved header,
+     * into the plan area */
+    moefuse_status (*plan)(moefuse_layer *layer, const moefuse_fwd_args *a,
+                           const call_bufs &c, cudaStream_t stream);
+    /* the rows (and each row's p) into c's expert-sorted buffers */
+    moefuse_status (*dispatch)(moefuse_layer *layer, const token_rows &rows,
+                               const call_bufs &c, cudaStream_t stream);
+    row_arrivals (*arrivals)(const moefuse_layer *layer, const call_bufs &c, bool backward);
+    scatter_target (*scatter)(const moefuse_layer *layer);
+    moefuse_status (*sync)(moefuse_layer *layer, sync_point at, const call_bufs &c,
+                           cudaStream_t stream);
+    /* where the reduce of d p reads: dp_partial, parts, slot_row, ids */
+    void (*dp_sums)(const moefuse_layer *layer, const call_bufs &c, const int32_t *ids,
+                    mf_reduce_dp_params *rd);
+};
+
+extern const transport kLocal;   /* transport/local.cu */
+extern const transport kPeers;   /* transport/peers.cu */
+
+/* A call's plan area and rows. */
+call_bufs call_for(const moefuse_layer *layer, int num_tokens, moefuse_saved_mode mode,
+                   const void *saved);
+
+/* The backend's entry points (mf_backend_ops): forward.cu, backward.cu, errors.cu. */
+moefuse_status forward(moefuse_layer *layer, const moefuse_fwd_args *a, void *stream);
+moefuse_status backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *stream);
+moefuse_status check(moefuse_layer *layer, void *stream);
+
+/* ---- the stages' params (stages.cu), on the layer's workspaces ----------------------
+ * The caller sets what differs by direction and transport:
+ *   gemm2:  row_weight, the scatter target;  dgrad2: row_weight;  dgrad1: the scatter
+ *   target; gemm1, dgrad2: the row arrivals (with_arrivals) */
+mf_gemm1_params gemm1_params(const moefuse_layer *layer, const call_bufs &c,
+                             const uint16_t *w13, uint16_t *gate_up);
+mf_gemm2_params gemm2_params(const moefuse_layer *layer, const call_bufs &c, const uint16_t *w2);
+mf_dgrad2_params dgrad2_params(const moefuse_layer *layer, const call_bufs &c,
+                               const uint16_t *w2, const uint16_t *gate_up);
+mf_dgrad1_params dgrad1_params(const moefuse_layer *layer, const call_bufs &c,
+                               const uint16_t *w13);
+/* dW2 = dys^T act_p and dW13 = dh^T xs of the call, into its fp32 or bf16 buffers.
+ * rows_cap 0: the gradients are written as zeros (accumulating: left as they are). */
+mf_wgrad_params dw2_params(const moefuse_layer *layer, const moefuse_bwd_args *a, int rows_cap,
+                           const uint16_t *dys);
+mf_wgrad_params dw13_params(const moefuse_layer *layer, const moefuse_bwd_args *a,
+                            int rows_cap, const uint16_t *xs);
+mf_reduce_params reduce_params(const moefuse_layer *layer, const int32_t *ids, int num_tokens,
+                               uint16_t *out, int64_t out_stride);
+
+template <class GemmParams>
+void with_arrivals(GemmParams *p, const row_arrivals &w) {
+    if (!w.arrivals) return;
+    p->arrivals = w.arrivals;
+    p->arrival_target = w.target;
+    p->state = w.state;
+    p->timeout_ns = w.timeout_ns;
+    p->arrival_stage = w.stage;
+    p->num_sms = w.num_sms;
+}
+
+template <class GemmParams>
+void with_scatter(GemmParams *p, const scatter_target &t) {
+    p->combine = t.combine;
+    p->combine_peers = t.combine_peers;
+    p->num_ranks = t.num_ranks;
+}
+
+}  // namespace pipeline
+}  // namespace mf
+
+#endif /* MOEFUSE_CUDA_PIPELINE_STATE_H */

@@ -1,0 +1,122 @@
+/* The local transport (no comm, R = 1): the plan sorts the slots over the local
+ * experts; the dispatch gathers token-major rows into the expert-sorted buffers
+ * (dispatch_rows.cu), in the backward dy and x in one pass; the GEMMs find all their
+ * rows there and write slot rows into the layer's combine workspace, which also holds
+ * the backward's dys. The rows' sources (row_slot) are the saved plan's. Nothing to
+ * wait for: no sync points. */
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "check.h"
+#include "pipeline/state.h"
+
+namespace mf {
+namespace pipeline {
+
+namespace {
+
+moefuse_status create(moefuse_layer *, cuda_state *) { return MOEFUSE_OK; }
+
+void destroy(moefuse_layer *, cuda_state *) {}
+
+void locate_rows(const moefuse_layer *layer, call_bufs *c) {
+    cuda_state *s = state_of(layer);
+    c->xs = c->mode == MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS ? (uint16_t *)(c->base + c->lay.xs)
+                                                           : s->xs;
+    c->dys = s->combine;
+    c->row_slot = (const int32_t *)(c->base + c->lay.row_slot);
+}
+
+moefuse_status plan(moefuse_layer *layer, const moefuse_fwd_args *a, const call_bufs &c,
+                    cudaStream_t stream) {
+    const cuda_state *s = state_of(layer);
+    mf_plan_params pp = {};
+    pp.ids = a->ids;
+    pp.num_tokens = a->num_tokens;
+    pp.top_k = layer->cfg.top_k;
+    pp.num_experts = layer->cfg.num_experts;
+    pp.expert_begin = layer->expert_begin;
+    pp.num_local_experts = layer->num_local_experts;
+    pp.rows_cap = c.lay.rows_cap;
+    pp.slot_rank = s->slot_rank;
+    pp.chunk_base = s->chunk_base;
+    pp.state = s->plan_state;
+    pp.gemm_num_rows = s->gemm_num_rows;
+    pp.expert_counts = (int32_t *)(c.base + c.lay.counts);
+    pp.expert_offsets = (int32_t *)(c.base + c.lay.offsets);
+    pp.row_block_expert = (int32_t *)(c.base + c.lay.row_block_expert);
+    pp.slot_row = (int32_t *)(c.base + c.lay.slot_row);
+    pp.row_slot = (int32_t *)(c.base + c.lay.row_slot);
+    pp.saved_header = (int32_t *)(c.base + c.lay.header);
+    pp.num_rows = pp.saved_header + MF_SAVED_NUM_ROWS;
+    pp.user_counts = a->expert_counts;
+    header_words(layer, a->num_tokens, c.lay.rows_cap, c.mode, pp.header_words);
+    MF_CUDA_TRY(mf_plan_build_cuda(&pp, stream));
+    return MOEFUSE_OK;
+}
+
+/* Forward: x -> xs. Backward: dy -> dys and x -> s->xs in one pass, x not when the
+ * forward saved its xs. */
+moefuse_status dispatch(moefuse_layer *layer, const token_rows &rows, const call_bufs &c,
+                        cudaStream_t stream) {
+    const cuda_state *s = state_of(layer);
+    mf_dispatch_params dp = {};
+    if (rows.dy) {
+        dp.x[0] = rows.dy;
+        dp.x_stride[0] = rows.dy_stride;
+        dp.xs[0] = c.dys;
+        dp.x[1] = rows.x;
+        dp.x_stride[1] = rows.x_stride;
+        dp.xs[1] = s->xs;
+        dp.num_tensors = c.mode == MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS ? 1 : 2;
+    } else {
+        dp.x[0] = rows.x;
+        dp.x_stride[0] = rows.x_stride;
+        dp.xs[0] = c.xs;
+        dp.num_tensors = 1;
+    }
+    dp.slot_row = (const int32_t *)(c.base + c.lay.slot_row);
+    dp.row_slot = c.row_slot;
+    dp.num_rows = s->gemm_num_rows;
+    dp.call_failed = &s->plan_state->call_failed;
+    dp.num_tokens = c.num_tokens;
+    dp.rows_cap = c.lay.rows_cap;
+    dp.hidden = layer->cfg.hidden;
+    dp.top_k = layer->cfg.top_k;
+    dp.num_sms = s->plan.num_sms;
+    dp.weights = rows.weights;
+    dp.row_weight = s->row_weight;
+    MF_CUDA_TRY(mf_dispatch_rows_bf16(&dp, stream));
+    return MOEFUSE_OK;
+}
+
+row_arrivals arrivals(const moefuse_layer *, const call_bufs &, bool) {
+    return row_arrivals{};  // the dispatch ran before: every row is there
+}
+
+scatter_target scatter(const moefuse_layer *layer) {
+    return scatter_target{state_of(layer)->combine, NULL, 0};
+}
+
+moefuse_status sync(moefuse_layer *, sync_point, const call_bufs &, cudaStream_t) {
+    return MOEFUSE_OK;
+}
+
+/* d p of a slot: the dgrad2 partial sums of its row */
+void dp_sums(const moefuse_layer *layer, const call_bufs &c, const int32_t *,
+             mf_reduce_dp_params *rd) {
+    const cuda_state *s = state_of(layer);
+    rd->dp_partial = s->dp_partial;
+    rd->parts = s->plan.dp_parts;
+    rd->slot_row = (const int32_t *)(c.base + c.lay.slot_row);
+    rd->ids = NULL;
+}
+
+}  // namespace
+
+extern const transport kLocal = {
+    "local", create, destroy, locate_rows, plan, dispatch, arrivals, scatter, sync, dp_sums,
+};
+
+}  // namespace pipeline
+}  // namespace mf
