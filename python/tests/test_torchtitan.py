@@ -495,12 +495,19 @@ def test_restore_and_refusals():
 # ---- expert parallelism ------------------------------------------------------------------------
 #
 # CPU: TorchTitan's EP layout made by shard_experts on a one-rank mesh, apply() with a plan
-# (state_dict unchanged, nothing created on the CPU), and what apply() refuses.
+# over a stand-in comm (state_dict unchanged, nothing created on the CPU), what apply()
+# refuses, and the path to the library and back on a one-rank CPU layer.
 # GPU (SKIPS without CUDA): two virtual ranks of moefuse's comm in this process, each with
 # its own copy of a MoE holding its half of the experts (what shard_experts' to_local()
 # gives each rank), against the same MoE on one rank running the concatenated tokens.
 
 EP_D, EP_F, EP_E, EP_K = 256, 128, 16, 4  # the CUDA backend takes D, F multiples of 128
+
+
+def stand_in_comm(num_ranks: int) -> _lib.Comm:
+    """A Comm of num_ranks ranks over a NULL handle, as test_distributed.py makes them: the
+    CPU tests never hand it to the library (a virtual comm needs a GPU)."""
+    return _lib.Comm(_lib.CommHandle(), num_ranks)
 
 
 def ep_moe(num_shared_experts=0, device="cpu") -> MoE:
@@ -539,7 +546,7 @@ def test_expert_parallel_on_a_one_rank_ep_mesh(one_rank_gloo_mesh):
         w = getattr(moe.experts, name)
         assert isinstance(w, DTensor) and tuple(w.placements) == (Shard(0),)
         assert torch.equal(w.full_tensor(), before[f"experts.{name}"])
-    comm = distributed.virtual_comm(1)
+    comm = stand_in_comm(1)
     plan = mtt.ExpertParallelPlan(comms=[comm], rank=0, num_ranks=1, max_tokens=64)
     assert mtt.apply(moe, expert_parallel=plan) == [""]
     assert type(moe).__name__ == "MoefuseMoE" and type(moe.experts).__name__ == "MoefuseExperts"
@@ -560,7 +567,7 @@ def test_expert_parallel_refusals(one_rank_gloo_mesh):
     from torch.distributed.device_mesh import init_device_mesh
 
     def plan(comms=1, rank=0, num_ranks=1):
-        return mtt.ExpertParallelPlan(comms=[distributed.virtual_comm(num_ranks)
+        return mtt.ExpertParallelPlan(comms=[stand_in_comm(num_ranks)
                                              for _ in range(comms)],
                                       rank=rank, num_ranks=num_ranks, max_tokens=64)
 
@@ -635,7 +642,7 @@ def test_expert_parallel_path_on_a_cpu_layer(one_rank_gloo_mesh, monkeypatch, fs
     ep = copy.deepcopy(one_rank)
     mtt.apply(one_rank)
     mtt.shard_experts(ep, mesh["ep"])
-    comm = distributed.virtual_comm(1)
+    comm = stand_in_comm(1)
     plan = mtt.ExpertParallelPlan([comm], rank=0, num_ranks=1, max_tokens=BS * SLEN)
     mtt.apply(ep, expert_parallel=plan)
     if fsdp:
@@ -672,7 +679,7 @@ def test_expert_parallel_path_on_a_cpu_layer(one_rank_gloo_mesh, monkeypatch, fs
         fully_shard(other.experts, mesh=mesh["efsdp"])
         with pytest.raises(ValueError, match="after shard_experts and before fully_shard"):
             mtt.apply(other, expert_parallel=mtt.ExpertParallelPlan(
-                [distributed.virtual_comm(1)], rank=0, num_ranks=1, max_tokens=BS * SLEN))
+                [stand_in_comm(1)], rank=0, num_ranks=1, max_tokens=BS * SLEN))
     mtt.restore(ep)
     assert all(layer.closed for layer in layers)
     comm.close()
