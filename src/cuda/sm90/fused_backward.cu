@@ -57,13 +57,14 @@ using namespace mf::sm90;
 /* One ring for both layouts (the wgrad's and dgrad1's BN = 256 configurations, with the
  * queue's extra region). The store warps get 56 registers, as in the fused forward: they
  * drain three kinds of tile. */
-using WgradCfg = ProducerRegs<TileConfig<256, 3, true, true, 1024, 512>, 56>;
-using DgradCfg = ProducerRegs<TileConfig<256, 3, false, true, 1024, 512>, 56>;
+using WgradCfg = ProducerRegs<TileConfig<Bf16, 256, 3, true, true, 1024, 512>, 56>;
+using DgradCfg = ProducerRegs<TileConfig<Bf16, 256, 3, false, true, 1024, 512>, 56>;
 static_assert(WgradCfg::kSmemBytes == DgradCfg::kSmemBytes &&
                   WgradCfg::kStageBytes == DgradCfg::kStageBytes &&
                   WgradCfg::kABytes == DgradCfg::kABytes &&
                   WgradCfg::kEpiBytes == DgradCfg::kEpiBytes &&
-                  WgradCfg::kConsumerRegs == DgradCfg::kConsumerRegs,
+                  WgradCfg::kConsumerRegs == DgradCfg::kConsumerRegs &&
+                  std::is_same<WgradCfg::Precision, DgradCfg::Precision>::value,
               "the two layouts share one ring");
 
 struct FusedBwdArgs {
@@ -120,9 +121,9 @@ struct FusedBwdScheduler {
     }
     __device__ __forceinline__ int num_k_blocks(int m_block, int n_block) const {
         const int kind = tile_kind(args, n_block);
-        if (kind == kDgrad1) return 2 * args.d1.intermediate / kBlockK;
+        if (kind == kDgrad1) return 2 * args.d1.intermediate / DgradCfg::kBlockK;
         const WgradArgs &w = kind == kDw2 ? args.dw2 : args.dw13;
-        return wgrad_k_blocks(w.expert_offsets, w.m_blocks, m_block);
+        return wgrad_k_blocks<WgradCfg::kBlockK>(w.expert_offsets, w.m_blocks, m_block);
     }
     __device__ __forceinline__ void decode(int t, int &m_block, int &n_block) const {
         const int first_dw13 = dw2_tiles, nd = dgrad1_n_blocks(args);
@@ -280,7 +281,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         [](const Ring<WgradCfg> &ring, const FusedBwdScheduler &s, FusedBwdEpilogue &e) {
             consumer_role<WgradCfg>(
                 ring, s, e,
-                [&](int n_block, RingPos<WgradCfg> &pos, float (&acc)[WgradCfg::kAccRegs],
+                [&](int, int n_block, RingPos<WgradCfg> &pos, float (&acc)[WgradCfg::kAccRegs],
                     int k_blocks) {
                     const int dgrad =
                         __shfl_sync(0xffffffffu, tile_kind(e.args, n_block) == kDgrad1, 0);

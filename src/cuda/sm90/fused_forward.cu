@@ -45,7 +45,7 @@ using namespace mf::sm90;
  * lands there in this kernel). The store warps get 56 registers (consumers 224,
  * of which ptxas uses at most 168 anyway): with both GEMMs' drains and this scheduler
  * they spilled at 40. */
-using FusedCfg = ProducerRegs<TileConfig<256, 3, false, false, 1024, 512>, 56>;
+using FusedCfg = ProducerRegs<TileConfig<Bf16, 256, 3, false, false, 1024, 512>, 56>;
 constexpr uint32_t kActReadyBarrier = 1;   /* named barrier of the store warps */
 
 struct FusedFwdArgs {
@@ -97,7 +97,7 @@ struct FusedFwdScheduler {
     __device__ __forceinline__ int n1() const { return gemm1_n_blocks<BN>(args); }
     __device__ __forceinline__ int n2() const { return args.g1.hidden / BN; }
     __device__ __forceinline__ int num_k_blocks(int, int n_block) const {
-        return (n_block < n1() ? args.g1.hidden : args.g1.intermediate) / kBlockK;
+        return (n_block < n1() ? args.g1.hidden : args.g1.intermediate) / FusedCfg::kBlockK;
     }
     /* Indices of the order: units 0 .. groups, each G * (n1 + n2). */
     __device__ __forceinline__ int num_indices() const {
@@ -232,7 +232,8 @@ extern "C" cudaError_t mf_sm90_moe_fused_fwd_bf16(const mf_moe_fused_fwd_params 
     if (!p || !p->act_ready) return cudaErrorInvalidValue;
     const mf_gemm1_params *a = &p->gemm1;
     const mf_gemm2_params *b = &p->gemm2;
-    if (!gemm1_params_ok(a) || !gemm2_params_ok(b) ||
+    using P = FusedCfg::Precision;
+    if (!gemm1_params_ok<P>(a) || !gemm2_params_ok<P>(b) ||
         !mf_sm90_moe_fused_fwd_takes(a->hidden, a->intermediate))
         return cudaErrorInvalidValue;
     if (a->act != b->act || a->row_block_expert != b->row_block_expert ||

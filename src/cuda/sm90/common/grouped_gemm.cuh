@@ -53,12 +53,12 @@
 #include "sm90/ptx/mbarrier.cuh"
 #include "sm90/ptx/tma.cuh"
 #include "sm90/ptx/wgmma.cuh"
+#include "sm90/precision.cuh"
 
 namespace mf {
 namespace sm90 {
 
 constexpr int kBlockM = 128;
-constexpr int kBlockK = 64;             /* one 128-byte swizzle row of bf16 */
 constexpr int kConsumerWarpgroups = 2;
 constexpr int kThreads = (kConsumerWarpgroups + 1) * 128;
 constexpr int kProducerRegs = 40;
@@ -73,14 +73,17 @@ static_assert(kConsumerWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
               "setmaxnreg moves registers, it cannot add any");
 
 /* ---- tile configuration ------------------------------------------------------------ */
-/* EXTRA_BYTES: shared memory of the kernel's own (a multiple of 1024, so a swizzled TMA
+/* P: the operands' precision (sm90/precision.cuh): a stage holds kBlockK of K, one
+ * 128-byte swizzle row per row of A and B.
+ * EXTRA_BYTES: shared memory of the kernel's own (a multiple of 1024, so a swizzled TMA
  * box can land there): the fused kernels' tile queue, which has its own barriers. */
 /* STORE_ROW_BYTES: 0, the consumers store their rows themselves from the registers (no
  * buffers); else the store warps do, from a buffer per consumer warpgroup of 64 rows of
  * that many bytes (+16). */
-template <int BN_, int STAGES_, bool A_MN_MAJOR = false, bool B_MN_MAJOR = false,
+template <class P, int BN_, int STAGES_, bool A_MN_MAJOR = false, bool B_MN_MAJOR = false,
           int EXTRA_BYTES = 0, int STORE_ROW_BYTES = 0>
 struct TileConfig {
+    using Precision = P;
     static constexpr int BN = BN_;
     static constexpr int kStages = STAGES_;
     static constexpr int kExtraBytes = EXTRA_BYTES;
@@ -94,24 +97,39 @@ struct TileConfig {
     static constexpr int kEpiBytes = 64 * kEpiRowBytes;   /* per consumer warpgroup */
     static constexpr bool kAMnMajor = A_MN_MAJOR;   /* A stored [K, M]: M contiguous */
     static constexpr bool kBMnMajor = B_MN_MAJOR;   /* B stored [K, N]: N contiguous */
-    static constexpr int kMnBoxBytes = 64 * kBlockK * 2;   /* one MN-major TMA box */
+    static constexpr int kBlockK = P::kBlockK;
+    static constexpr int kRowBytes = kBlockK * P::kElementBytes;   /* a K-major row's K block */
+    static constexpr int kMnBoxCols = kSwizzleBytes / P::kElementBytes;   /* MN per MN-major box */
+    static constexpr int kMnBoxBytes = kMnBoxCols * kBlockK * P::kElementBytes;
     static constexpr int kAccRegs = BN / 2;   /* fp32 accumulators per consumer thread */
-    static constexpr int kABytes = kBlockM * kBlockK * 2;
-    static constexpr int kBBytes = BN * kBlockK * 2;
+    static constexpr int kABytes = kBlockM * kRowBytes;
+    static constexpr int kBBytes = BN * kRowBytes;
+    static constexpr int kAWarpgroupBytes = 64 * kRowBytes;   /* a consumer warpgroup's A rows */
     static constexpr int kStageBytes = kABytes + kBBytes;
-    /* ring | extra | epilogue buffers | barriers (full, empty, epilogue full and empty
-     * per consumer warpgroup); the base is 1024-aligned (checked at entry). */
+    static constexpr int kAScaleBytes = P::kAScaleBytes;   /* per stage, after the buffers */
+    static constexpr int kStageTxBytes = kStageBytes + kAScaleBytes;   /* a stage's TMA bytes */
+    /* ring | extra | epilogue buffers | A scales | barriers (full, empty, epilogue full and
+     * empty per consumer warpgroup); the base is 1024-aligned (checked at entry). */
     static constexpr int kSmemBytes = kStages * kStageBytes + kExtraBytes +
-                                      kConsumerWarpgroups * kEpiBytes +
+                                      kConsumerWarpgroups * kEpiBytes + kStages * kAScaleBytes +
                                       (2 * kStages + 2 * kConsumerWarpgroups) * 8;
 
     static_assert(BN == 128 || BN == 256, "wgmma wrappers exist for N = 128 and 256");
+    static_assert(kRowBytes == kSwizzleBytes,
+                  "a stage's K block is one 128-byte swizzle row (kBlockK * element bytes)");
+    static_assert(kBlockK % P::kInstrK == 0, "a stage's K block is whole wgmma instructions");
+    static_assert(P::kMnMajorOperands || !(A_MN_MAJOR || B_MN_MAJOR),
+                  "this precision's wgmma takes K-major operands only (no transpose bits)");
+    static_assert(!A_MN_MAJOR || kAWarpgroupBytes == kMnBoxBytes,
+                  "an MN-major A's 64 rows per consumer warpgroup are one box");
+    static_assert(kAScaleBytes % 128 == 0 && kEpiBytes % 128 == 0,
+                  "the scale slots are TMA destinations (128-byte aligned)");
     static_assert(kExtraBytes % 1024 == 0, "the extra region starts on a swizzle atom");
     static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0,
                   "every operand tile must start on a 1024-byte swizzle atom");
     static_assert(kSmemBytes <= 227 * 1024, "shared-memory ring exceeds the 227 KB limit");
-    static_assert(kMnBoxBytes % 1024 == 0 && BN % 64 == 0,
-                  "MN-major tiles are whole 64-element boxes of whole swizzle atoms");
+    static_assert(kMnBoxBytes % 1024 == 0 && BN % kMnBoxCols == 0 && kBlockM % kMnBoxCols == 0,
+                  "MN-major tiles are whole boxes (128 bytes of MN) of whole swizzle atoms");
     static_assert(STORE_ROW_BYTES % 128 == 0 && STORE_ROW_BYTES <= 512,
                   "store warps move rows of 8 to 32 pieces of 16 bytes");
 };
@@ -127,13 +145,15 @@ struct ProducerRegs : Cfg {
                   "setmaxnreg takes multiples of 8 in 24..256; consumers keep their 168");
 };
 
-/* Operand descriptor of one stage and its per-k16 step in the encoded address field.
- * K-major: +32 bytes inside the swizzle atom. MN-major: +16 K rows = +2048 bytes; the
- * 64-element MN boxes sit kMnBoxBytes apart (the descriptor's leading byte offset).
- * `tile` is where this warpgroup's rows start (A: 64 rows = 8 KB in both layouts). */
-template <bool kMnMajor, int kMnBoxBytes>
+/* Operand descriptor of one stage and its per-instruction step (kInstrK of K) in the
+ * encoded address field. K-major: +kInstrK elements inside the swizzle row (bf16: 32
+ * bytes). MN-major: +kInstrK K rows of 128 bytes (bf16: 2048); the MN boxes sit
+ * kMnBoxBytes apart (the descriptor's leading byte offset). `tile` is where this
+ * warpgroup's rows start (A: 64 rows = kAWarpgroupBytes in both layouts). */
+template <class P, bool kMnMajor, int kMnBoxBytes>
 struct OperandDesc {
-    static constexpr uint64_t kStepK16 = kMnMajor ? (16 * 128) >> 4 : 32 >> 4;
+    static constexpr uint64_t kStepK =
+        kMnMajor ? (P::kInstrK * kSwizzleBytes) >> 4 : (P::kInstrK * P::kElementBytes) >> 4;
     static __device__ __forceinline__ uint64_t make(const uint8_t *tile) {
         if constexpr (kMnMajor)
             return ptx::make_desc_mnmajor_sw128(tile, kMnBoxBytes);
@@ -160,6 +180,10 @@ struct Ring {
     __device__ __forceinline__ uint8_t *b(int s) const {
         return base + s * Cfg::kStageBytes + Cfg::kABytes;
     }
+    /* Stage s's A scales (kAScaleBytes; a scaled precision's), after the epilogue buffers. */
+    __device__ __forceinline__ uint8_t *a_scales(int s) const {
+        return epi + kConsumerWarpgroups * Cfg::kEpiBytes + s * Cfg::kAScaleBytes;
+    }
 };
 
 template <class Cfg>
@@ -168,7 +192,8 @@ __device__ __forceinline__ Ring<Cfg> ring_from_smem(uint8_t *raw) {
     r.base = raw;
     r.extra = raw + Cfg::kStages * Cfg::kStageBytes;
     r.epi = r.extra + Cfg::kExtraBytes;
-    r.full = reinterpret_cast<uint64_t *>(r.epi + kConsumerWarpgroups * Cfg::kEpiBytes);
+    r.full = reinterpret_cast<uint64_t *>(r.epi + kConsumerWarpgroups * Cfg::kEpiBytes +
+                                          Cfg::kStages * Cfg::kAScaleBytes);
     r.empty = r.full + Cfg::kStages;
     r.epi_full = r.empty + Cfg::kStages;
     r.epi_empty = r.epi_full + kConsumerWarpgroups;
@@ -240,14 +265,15 @@ struct TileScheduler {
     }
 };
 
-/* The producer's load of an MN-major operand stage: kBoxes boxes of 64 contiguous MN
- * elements (columns col, col + 64, ...) x 64 K rows from row, kMnBoxBytes apart. */
+/* The producer's load of an MN-major operand stage: kBoxes boxes of kMnBoxCols contiguous
+ * MN elements (bf16: columns col, col + 64, ...) x kBlockK K rows from row, kMnBoxBytes
+ * apart. */
 template <class Cfg, int kBoxes>
 __device__ __forceinline__ void tma_load_mn_boxes(uint8_t *dst, const CUtensorMap *map,
                                                   uint64_t *bar, int col, int row) {
 #pragma unroll
     for (int j = 0; j < kBoxes; ++j)
-        ptx::tma_load_2d(dst + j * Cfg::kMnBoxBytes, map, bar, col + 64 * j, row);
+        ptx::tma_load_2d(dst + j * Cfg::kMnBoxBytes, map, bar, col + Cfg::kMnBoxCols * j, row);
 }
 
 /* Same, each box with an L2 eviction-priority hint (ptx::l2_policy_*). */
@@ -257,13 +283,15 @@ __device__ __forceinline__ void tma_load_mn_boxes_hint(uint8_t *dst, const CUten
                                                        uint64_t policy) {
 #pragma unroll
     for (int j = 0; j < kBoxes; ++j)
-        ptx::tma_load_2d_hint(dst + j * Cfg::kMnBoxBytes, map, bar, col + 64 * j, row, policy);
+        ptx::tma_load_2d_hint(dst + j * Cfg::kMnBoxBytes, map, bar, col + Cfg::kMnBoxCols * j,
+                              row, policy);
 }
 
 /* ---- producer role ------------------------------------------------------------------
- * One thread. load(m_block, n_block, k_block, smem_a, smem_b, full_bar) issues the TMA
- * copies of one stage, kStageBytes in total; load_tile_begin(m_block) runs once per tile
- * (e.g. to read the expert of the row block). */
+ * One thread. load.stage(k_block, smem_a, smem_b, full_bar) issues the TMA copies of one
+ * stage, kStageTxBytes in total (a scaled precision's: stage(k_block, smem_a, smem_b,
+ * smem_a_scales, full_bar), the A scales of the block included); load.tile_begin(m_block,
+ * n_block) runs once per tile (e.g. to read the expert of the row block). */
 template <class Cfg, class Sched, class Load>
 __device__ __forceinline__ void producer_role(const Ring<Cfg> &ring, Sched sched, Load &load) {
     RingPos<Cfg> pos;
@@ -274,8 +302,12 @@ __device__ __forceinline__ void producer_role(const Ring<Cfg> &ring, Sched sched
         for (int kb = 0; kb < num_k_blocks; ++kb) {
             /* A fresh barrier counts as having completed the phase before phase 0. */
             ptx::mbar_wait(&ring.empty[pos.stage], pos.phase ^ 1u);
-            ptx::mbar_arrive_expect_tx(&ring.full[pos.stage], Cfg::kStageBytes);
-            load.stage(kb, ring.a(pos.stage), ring.b(pos.stage), &ring.full[pos.stage]);
+            ptx::mbar_arrive_expect_tx(&ring.full[pos.stage], Cfg::kStageTxBytes);
+            if constexpr (Cfg::kAScaleBytes > 0)
+                load.stage(kb, ring.a(pos.stage), ring.b(pos.stage), ring.a_scales(pos.stage),
+                           &ring.full[pos.stage]);
+            else
+                load.stage(kb, ring.a(pos.stage), ring.b(pos.stage), &ring.full[pos.stage]);
             pos.advance();
         }
     }
@@ -301,42 +333,44 @@ template <class Cfg>
 __device__ __forceinline__ void mma_m64(float (&acc)[Cfg::kAccRegs], uint64_t da, uint64_t db,
                                         int scale_d) {
     constexpr int ta = Cfg::kAMnMajor ? 1 : 0, tb = Cfg::kBMnMajor ? 1 : 0;
-    if constexpr (Cfg::BN == 256)
-        ptx::wgmma_m64n256k16_bf16_ss<ta, tb>(acc, da, db, scale_d);
-    else
-        ptx::wgmma_m64n128k16_bf16_ss<ta, tb>(acc, da, db, scale_d);
+    Cfg::Precision::template mma<Cfg::BN, ta, tb>(acc, da, db, scale_d);
 }
 
-/* One K block of a consumer warpgroup: wait until the stage has landed, issue its four
- * k16 wgmmas into acc (kb = 0 overwrites it) and commit them as one group. */
-template <class Cfg>
+/* One K block of a consumer warpgroup: wait until the stage has landed, issue its
+ * kBlockK / kInstrK wgmmas (bf16: four k16) into the scale hook's accumulators (unscaled:
+ * acc; kb = 0 overwrites them) and commit them as one group. */
+template <class Cfg, class Scale>
 __device__ __forceinline__ void issue_k_block(const Ring<Cfg> &ring, const RingPos<Cfg> &pos,
-                                              float (&acc)[Cfg::kAccRegs], int kb) {
-    using DescA = OperandDesc<Cfg::kAMnMajor, Cfg::kMnBoxBytes>;
-    using DescB = OperandDesc<Cfg::kBMnMajor, Cfg::kMnBoxBytes>;
+                                              float (&acc)[Cfg::kAccRegs], int kb,
+                                              Scale &scale) {
+    using P = typename Cfg::Precision;
+    using DescA = OperandDesc<P, Cfg::kAMnMajor, Cfg::kMnBoxBytes>;
+    using DescB = OperandDesc<P, Cfg::kBMnMajor, Cfg::kMnBoxBytes>;
     const int wg = threadIdx.x / 128;
     ptx::mbar_wait(&ring.full[pos.stage], pos.phase);
-    /* NOTE: this warpgroup's 64 rows of A are 8 KB into the stage in both layouts
-     * (64 rows x 128 B K-major; the second 64-element box MN-major). */
-    const uint64_t da = DescA::make(ring.a(pos.stage) + wg * 64 * kBlockK * 2);
+    /* NOTE: this warpgroup's 64 rows of A are kAWarpgroupBytes (bf16: 8 KB) into the stage
+     * in both layouts (64 rows x 128 B K-major; the second 64-element box MN-major). */
+    const uint64_t da = DescA::make(ring.a(pos.stage) + wg * Cfg::kAWarpgroupBytes);
     const uint64_t db = DescB::make(ring.b(pos.stage));
-    ptx::wgmma_fence_operand(acc);
+    float(&d)[Cfg::kAccRegs] = scale.mma_acc(acc);
+    ptx::wgmma_fence_operand(d);
     ptx::wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < kBlockK / 16; ++k)
-        mma_m64<Cfg>(acc, da + DescA::kStepK16 * k, db + DescB::kStepK16 * k,
-                     (kb > 0 || k > 0) ? 1 : 0);
+    for (int k = 0; k < Cfg::kBlockK / P::kInstrK; ++k)
+        mma_m64<Cfg>(d, da + DescA::kStepK * k, db + DescB::kStepK * k, scale.accumulate(kb, k));
     ptx::wgmma_commit();
 }
 
-/* After issuing block kb: wait for block kb-1 (one group stays in flight) and hand its
- * stage back to the producer. */
-template <class Cfg>
+/* After issuing block kb: wait until kGroupsInFlight groups are pending (unscaled: block
+ * kb-1 done, block kb's in flight), let the scale hook promote what completed, and hand
+ * block kb-1's stage back to the producer. */
+template <class Cfg, class Scale>
 __device__ __forceinline__ void retire_k_block(const Ring<Cfg> &ring, RingPos<Cfg> &pos,
                                                float (&acc)[Cfg::kAccRegs], int kb,
-                                               int &prev_stage) {
-    ptx::wgmma_wait<1>();
-    ptx::wgmma_fence_operand(acc);
+                                               int &prev_stage, Scale &scale) {
+    ptx::wgmma_wait<Scale::kGroupsInFlight>();
+    ptx::wgmma_fence_operand(scale.mma_acc(acc));
+    scale.after_k_block(acc, ring.a_scales(pos.stage), kb);
     if (kb > 0 && threadIdx.x % 32 == 0) ptx::mbar_arrive(&ring.empty[prev_stage]);
     prev_stage = pos.stage;
     pos.advance();
@@ -356,20 +390,32 @@ __device__ __forceinline__ void end_k_loop(const Ring<Cfg> &ring, float (&acc)[C
     }
 }
 
-/* A tile's whole K loop from ring position pos (advanced past it) into acc. */
-template <class Cfg>
+/* A tile's whole K loop from ring position pos (advanced past it) into acc, with the
+ * precision's per-K-block scale hook (a scaled precision's kernel passes its own, which
+ * loaded the tile's B scales first). */
+template <class Cfg, class Scale>
 __device__ __forceinline__ void k_loop(const Ring<Cfg> &ring, RingPos<Cfg> &pos,
-                                       float (&acc)[Cfg::kAccRegs], int num_k_blocks) {
+                                       float (&acc)[Cfg::kAccRegs], int num_k_blocks,
+                                       Scale &scale) {
     int prev_stage = 0;
     for (int kb = 0; kb < num_k_blocks; ++kb) {
-        issue_k_block<Cfg>(ring, pos, acc, kb);
-        retire_k_block<Cfg>(ring, pos, acc, kb, prev_stage);
+        issue_k_block<Cfg>(ring, pos, acc, kb, scale);
+        retire_k_block<Cfg>(ring, pos, acc, kb, prev_stage, scale);
     }
     end_k_loop<Cfg>(ring, acc, num_k_blocks, prev_stage);
 }
 
-/* tile_k_loop(n_block, pos, acc, num_k_blocks) runs each tile's K loop: k_loop on this
- * ring, or (the fused backward) one of two operand layouts chosen per tile. */
+/* The same for a precision whose hook has no data (bf16: none at all). */
+template <class Cfg>
+__device__ __forceinline__ void k_loop(const Ring<Cfg> &ring, RingPos<Cfg> &pos,
+                                       float (&acc)[Cfg::kAccRegs], int num_k_blocks) {
+    typename Cfg::Precision::BlockScale scale;
+    k_loop<Cfg>(ring, pos, acc, num_k_blocks, scale);
+}
+
+/* tile_k_loop(m_block, n_block, pos, acc, num_k_blocks) runs each tile's K loop: k_loop on
+ * this ring, or (the fused backward) one of two operand layouts chosen per tile; a scaled
+ * precision's kernel loads the tile's B scales there (its BlockScale) first. */
 template <class Cfg, class Sched, class Epi, class TileKLoop>
 __device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched, Epi &epi,
                                               TileKLoop &&tile_k_loop) {
@@ -383,7 +429,7 @@ __device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched
     while (sched.next_tile(m_block, n_block)) {
         const int num_k_blocks = sched.num_k_blocks(m_block, n_block);
         if constexpr (HasPrepare<Epi>::value) epi.prepare(m_block, n_block);
-        tile_k_loop(n_block, pos, acc, num_k_blocks);
+        tile_k_loop(m_block, n_block, pos, acc, num_k_blocks);
         epi(m_block, n_block, acc, ring.epi_buf(wg));
     }
 }
@@ -391,7 +437,8 @@ __device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched
 template <class Cfg, class Sched, class Epi>
 __device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched, Epi &epi) {
     consumer_role<Cfg>(ring, sched, epi,
-                       [&](int, RingPos<Cfg> &pos, float (&acc)[Cfg::kAccRegs], int k_blocks) {
+                       [&](int, int, RingPos<Cfg> &pos, float (&acc)[Cfg::kAccRegs],
+                           int k_blocks) {
                            k_loop<Cfg>(ring, pos, acc, k_blocks);
                        });
 }
