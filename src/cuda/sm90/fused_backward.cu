@@ -26,7 +26,8 @@
  *    memory: consumer thread 0 adds 1 to dw2_reads_done (relaxed: the reads were TMA's,
  *    complete when their mbarrier was seen; nothing of its own to order). The store warps, before
  *    they store the rows of their first dgrad1 tile, wait until it counts every dW2 tile
- *    (acquire). dgrad1's K loops read dh and W13 only and do not wait, nor do dW13's.
+ *    (acquire; bounded, wait_order_count in src/cuda/sm90/common/tile_queue.cuh). dgrad1's
+ *    K loops read dh and W13 only and do not wait, nor do dW13's.
  * NOTE: why this cannot deadlock: every dW2 tile comes before every dgrad1 tile in the
  * order, so each CTA runs all its dW2 tiles before its first dgrad1 tile; a dW2 tile
  * waits for nothing but the ring and its CTA's store buffers, which only earlier tiles
@@ -245,8 +246,8 @@ struct FusedBwdEpilogue {
             dw13.drain(m_block, n, wg, buf);
             return;
         }
-        if (!dw2_read) {
-            while (ptx::ld_acquire_gpu(args.dw2_reads_done) < dw2_tiles) __nanosleep(64);
+        if (!dw2_read) {   /* bounded: wait_order_count */
+            wait_order_count<64>(args.dw2_reads_done, dw2_tiles, [] { return kOrderWaitNs; });
             dw2_read = true;
         }
         d1.drain(m_block, n, wg, buf);

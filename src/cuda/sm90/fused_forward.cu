@@ -17,7 +17,8 @@
  *    they meet on a named barrier and one of them adds 1 to act_ready[block] (release,
  *    GPU scope). The producer, before the first TMA load of a gemm2 tile, waits until
  *    act_ready[block] counts all 2I / BN gemm1 tiles of the block (acquire), then fences
- *    the async proxy, so its TMA reads see the rows.
+ *    the async proxy, so its TMA reads see the rows. The wait is bounded and traps when
+ *    it runs out (wait_order_count, src/cuda/sm90/common/tile_queue.cuh).
  * NOTE: why this cannot deadlock: a tile only waits for tiles earlier in the order, which
  * were taken earlier, by CTAs that are running (a CTA takes tiles only once it runs), and
  * a CTA's producer issues all loads of a tile before it takes the next one; so the
@@ -64,12 +65,15 @@ __device__ __forceinline__ int gemm1_n_blocks(const FusedFwdArgs &args) {
 
 /* Waits until block m_block's gemm1 tiles are all stored (acquire). Their producer waited
  * for the block's rows, so after this the rows' act and everything that came with them
- * (expert parallelism: row_slot and row_weight, pushed with the rows) are visible. */
+ * (expert parallelism: row_slot and row_weight, pushed with the rows) are visible.
+ * Bounded (wait_order_count): by the order's bound, plus the rows' timeout for which
+ * those gemm1 tiles may have waited themselves (expert parallelism). */
 template <int BN>
 __device__ __forceinline__ void wait_act_ready(const FusedFwdArgs &args, int m_block) {
-    const uint32_t *count = args.act_ready + m_block;
-    const uint32_t want = gemm1_n_blocks<BN>(args);
-    while (ptx::ld_acquire_gpu(count) < want) __nanosleep(32);
+    wait_order_count<32>(args.act_ready + m_block, gemm1_n_blocks<BN>(args), [&] {
+        const ep::RowArrivals &rows = args.g1.rows_in;
+        return kOrderWaitNs + (rows.arrivals ? rows.timeout_ns : 0);
+    });
 }
 
 /* The tile order above, taken in order (src/cuda/sm90/common/tile_queue.cuh).
