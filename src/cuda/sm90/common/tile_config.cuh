@@ -122,6 +122,10 @@ template <class P, bool kMnMajor, int kMnBoxBytes>
 struct OperandDesc {
     static constexpr uint64_t kStepK =
         kMnMajor ? (P::kInstrK * kSwizzleBytes) >> 4 : (P::kInstrK * P::kElementBytes) >> 4;
+    static_assert(kMnMajor ? (P::kInstrK * kSwizzleBytes) % 1024 == 0
+                           : (P::kInstrK * P::kElementBytes) % 16 == 0,
+                  "a K step moves whole swizzle atoms (MN-major: the base-offset field stays "
+                  "0) or whole 16-byte units inside the row (K-major)");
     static __device__ __forceinline__ uint64_t make(const uint8_t *tile) {
         if constexpr (kMnMajor)
             return ptx::make_desc_mnmajor_sw128(tile, kMnBoxBytes);
