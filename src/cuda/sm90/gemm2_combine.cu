@@ -12,7 +12,7 @@
  * FLOPs: 2 * rows * I * H. qwen3-30b-a3b at 16384 tokens (131072 rows): 412 GFLOP, about
  * 0.52 ms at 790 TFLOP/s, against about 1.1 GB of DRAM traffic (0.26 ms): matrix-bound,
  * but with a short K loop (I / 64 = 12 blocks) the epilogue's share matters: the store
- * warps store the rows (src/cuda/sm90/common/grouped_gemm.cuh) while the consumers run the next tile.
+ * warps store the rows (src/cuda/sm90/common/store_warps.cuh) while the consumers run the next tile.
  * The tile code is in src/cuda/sm90/moe_fwd_tiles.cuh, shared with the fused forward. */
 #include "sm90/moe_fwd_tiles.cuh"
 

@@ -24,18 +24,23 @@
  *  - A scales (1x128: per row, per 128 of K) arrive with the rows: with kAScaleBytes > 0
  *    producer_role passes the FP8 Load's stage() the stage's scale slot (Ring::a_scales),
  *    where it TMAs the 128 rows' scales of K block kb (stored [K / 128, rows]: one box of
- *    128 floats), counted by the same full barrier (kStageTxBytes).
+ *    128 floats, so mf_tensor_map_2d gains a swizzle argument: none for scales), counted
+ *    by the same full barrier (kStageTxBytes).
  *  - B scales (128x128: one per block) are few: the FP8 kernel's BlockScale object, run by
  *    the consumers through consumer_role's tile_k_loop(m_block, n_block, ...), reads the
- *    tile's BN/128 x K/128 of them once per tile (tile_begin) and passes itself to k_loop.
+ *    tile's K/128 x (columns' 128-blocks) of them once per tile (tile_begin; gemm1's gate
+ *    and up halves lie in two blocks of W13) and passes itself to k_loop.
  *  - Promotion every 128 of K: the FP8 BlockScale holds a second accumulator set; its
  *    mma_acc() aims a K block's wgmmas there, accumulate(kb, k) is k > 0 (each block starts
  *    fresh in the tensor cores, whose fp8 sums keep ~14 bits), kGroupsInFlight = 0, and
- *    after_k_block() (the block's wgmmas done, its stage still held) adds
- *    part * (scale_a[row] * scale_b) into acc, which it zeroed at tile_begin: acc is the
- *    fp32 sum the epilogue sees. Two consumer warpgroups hide the promotion, one
- *    promoting while the other's wgmmas run. The stage goes back one block later than it
- *    could (k_loop releases block kb - 1): a later refinement, not a copy of the loop.
+ *    after_k_block() (the block's wgmmas done, its stage still held) sets (kb = 0) or adds
+ *    part * (scale_a[row] * scale_b[column block]) into acc, the fp32 sum the epilogue
+ *    sees. Two consumer warpgroups hide the promotion, one promoting while the other's
+ *    wgmmas run. The stage goes back one block later than it could (k_loop releases
+ *    block kb - 1): a later refinement, not a copy of the loop.
+ *    NOTE: the second set costs BN/2 registers per consumer thread: BN = 128 (64 + 64)
+ *    fits the consumers' 232; BN = 256 (128 + 128) does not, so FP8 tiles are 128 wide
+ *    (a stage holds as many bytes as bf16's: 128 of K at 1 byte).
  * MXFP8 (sm_100, 1x32 UE8M0 scales) has its own mainloop behind the same ops table; of
  * these traits it would share the element and tensor-map entries. */
 #pragma once
