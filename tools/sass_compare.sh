@@ -6,6 +6,9 @@
 # or a rename of a .cu file leaves every kernel "identical". A kernel whose SASS is
 # identical computes the same bits; `-v` prints the differing instructions. Needs
 # cuobjdump (the CUDA toolkit's, or the one in triton's wheel) and c++filt.
+# SASS_COMPARE_DROP=REGEX: removed from every demangled name first, for a change that
+# renames kernels only (e.g. SASS_COMPARE_DROP='mf::sm90::Bf16, ' when TileConfig took
+# the precision as a template argument).
 set -euo pipefail
 [ $# -ge 2 ] || { sed -n '2,8p' "$0" >&2; exit 2; }
 tmp=$(mktemp -d)
@@ -17,7 +20,9 @@ dump() {
 dump "$1" > "$tmp/a.txt"
 dump "$2" > "$tmp/b.txt"
 python3 - "$tmp/a.txt" "$tmp/b.txt" "${3:-}" <<'PY'
-import collections, re, subprocess, sys
+import collections, os, re, subprocess, sys
+
+drop = os.environ.get('SASS_COMPARE_DROP', '')
 
 def kernels(path):
     out, cur = collections.OrderedDict(), None
@@ -26,6 +31,7 @@ def kernels(path):
         if m:
             name = subprocess.run(['c++filt', m.group(1)], capture_output=True, text=True).stdout.strip()
             cur = name.replace('(anonymous namespace)::', '')
+            if drop: cur = re.sub(drop, '', cur)
             out[cur] = []
         elif cur:
             out[cur].append(line)

@@ -27,12 +27,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     Dgrad1Load<Cfg> load{args, 0, 0, 0};
     ScatterRowsEpilogue<Cfg> epi{args.to, ring_from_smem<Cfg>(smem_raw), {}, {0.f, 0.f}};
     run_grouped_gemm<Cfg>(smem_raw, &args.map_dh, &args.map_w13, args.num_rows, args.rows_cap,
-                          args.hidden / Cfg::BN, (2 * args.intermediate) / kBlockK, load, epi);
+                          args.hidden / Cfg::BN, (2 * args.intermediate) / Cfg::kBlockK, load, epi);
 }
 
 /* The two tile choices (the launcher picks one by the output width). */
-using WideCfg = TileConfig<256, 3, false, true, 0, 512>;
-using NarrowCfg = TileConfig<128, 6, false, true, 0, 256>;
+using WideCfg = TileConfig<Bf16, 256, 3, false, true, 0, 512>;
+using NarrowCfg = TileConfig<Bf16, 128, 6, false, true, 0, 256>;
 
 template <class Cfg>
 cudaError_t launch(const mf_dgrad1_params *p, cudaStream_t stream) {

@@ -42,7 +42,6 @@
 #include "kernels.h"
 #include "sm90/common/grouped_gemm.cuh"
 #include "swiglu.cuh"
-#include "sm90/tensor_map.h"
 
 namespace {
 
@@ -51,7 +50,7 @@ using namespace mf::sm90;
 
 struct Dgrad2Args {
     CUtensorMap map_dys;   /* [rows_cap, H], box 128 x 64 (K-major) */
-    CUtensorMap map_w2;    /* [E * H, I], box 64 rows x 64 columns (MN-major B) */
+    CUtensorMap map_w2;    /* [E * H, I], box kBlockK rows x kMnBoxCols columns (MN-major B) */
     const uint16_t *gate_up;
     const int32_t *row_block_expert;
     const int32_t *num_rows;
@@ -69,8 +68,9 @@ struct Dgrad2Args {
  * store warps carry the SwiGLU backward, several rows at a time (kGroup): the producer
  * warpgroup and the consumers get 168 registers each, the launch's even split. */
 constexpr int kStoreWarpRegs = 168;
-using WideCfg = ProducerRegs<TileConfig<256, 3, false, true, 0, 512>, kStoreWarpRegs>;
-using NarrowCfg = ProducerRegs<TileConfig<128, 5, false, true, 0, 256>, kStoreWarpRegs>;
+using Precision = Bf16;
+using WideCfg = ProducerRegs<TileConfig<Precision, 256, 3, false, true, 0, 512>, kStoreWarpRegs>;
+using NarrowCfg = ProducerRegs<TileConfig<Precision, 128, 5, false, true, 0, 256>, kStoreWarpRegs>;
 
 /* ---- producer: A rows of the block, then BN/64 boxes of W2_e rows k.. k+63. */
 template <class Cfg>
@@ -87,15 +87,16 @@ struct Dgrad2Load {
         n_col = n_block * Cfg::BN;
     }
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
-        const int k = kb * kBlockK;
+        const int k = kb * Cfg::kBlockK;
         /* W2_e is read again by every row block of the expert: kept in L2 before the
          * streams touched once (gate_up, dh and act_p, which the store warps load and
          * store evict-first).
          * NOTE: it pays with collapsed routing only (see
          * docs/decisions/0011-dgrad2-epilogue). */
         ptx::tma_load_2d(a, &args.map_dys, bar, k, m_row);
-        tma_load_mn_boxes_hint<Cfg, Cfg::BN / 64>(b, &args.map_w2, bar, n_col, w_row + k,
-                                                  ptx::l2_policy_evict_last());
+        tma_load_mn_boxes_hint<Cfg, Cfg::BN / Cfg::kMnBoxCols>(b, &args.map_w2, bar, n_col,
+                                                               w_row + k,
+                                                               ptx::l2_policy_evict_last());
     }
 };
 
@@ -322,20 +323,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     Dgrad2Load<Cfg> load{args, 0, 0, 0, false};
     Dgrad2Epilogue<Cfg> epi{args, ring_from_smem<Cfg>(smem_raw), {}};
     run_grouped_gemm<Cfg>(smem_raw, &args.map_dys, &args.map_w2, args.num_rows, args.rows_cap,
-                          args.intermediate / Cfg::BN, args.hidden / kBlockK, load, epi);
+                          args.intermediate / Cfg::BN, args.hidden / Cfg::kBlockK, load, epi);
 }
 
 template <class Cfg>
 cudaError_t launch(const mf_dgrad2_params *p, cudaStream_t stream) {
     Dgrad2Args args;
     cudaError_t err;
-    if ((err = mf_tensor_map_bf16_2d(&args.map_dys, p->dys, (uint64_t)p->rows_cap, p->hidden,
-                                     p->hidden, kBlockM, kBlockK)) != cudaSuccess)
-        return err;
-    if ((err = mf_tensor_map_bf16_2d(&args.map_w2, p->w2,
-                                     (uint64_t)p->num_local_experts * p->hidden,
-                                     p->intermediate, p->intermediate, kBlockK, 64)) !=
+    if ((err = tensor_map_2d<Precision>(&args.map_dys, p->dys, (uint64_t)p->rows_cap,
+                                        p->hidden, p->hidden, kBlockM, Cfg::kBlockK)) !=
         cudaSuccess)
+        return err;
+    if ((err = tensor_map_2d<Precision>(&args.map_w2, p->w2,
+                                        (uint64_t)p->num_local_experts * p->hidden,
+                                        p->intermediate, p->intermediate, Cfg::kBlockK,
+                                        Cfg::kMnBoxCols)) != cudaSuccess)
         return err;
     args.gate_up = p->gate_up;
     args.row_block_expert = p->row_block_expert;
@@ -371,7 +373,7 @@ extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(const mf_dgrad2_param
         !p->row_slot || !p->row_weight || !p->dh || !p->act_p || !p->dp_partial ||
         (p->arrivals && (!p->arrival_target || !p->state)))
         return cudaErrorInvalidValue;
-    if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % kBlockK ||
+    if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % Precision::kBlockK ||
         mf_dgrad2_dp_parts(p->intermediate) == 0 || p->num_local_experts <= 0 ||
         p->num_sms <= 0)
         return cudaErrorInvalidValue;

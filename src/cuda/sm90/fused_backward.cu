@@ -26,7 +26,8 @@
  *    memory: consumer thread 0 adds 1 to dw2_reads_done (relaxed: the reads were TMA's,
  *    complete when their mbarrier was seen; nothing of its own to order). The store warps, before
  *    they store the rows of their first dgrad1 tile, wait until it counts every dW2 tile
- *    (acquire). dgrad1's K loops read dh and W13 only and do not wait, nor do dW13's.
+ *    (acquire; bounded, wait_order_count in src/cuda/sm90/common/tile_queue.cuh). dgrad1's
+ *    K loops read dh and W13 only and do not wait, nor do dW13's.
  * NOTE: why this cannot deadlock: every dW2 tile comes before every dgrad1 tile in the
  * order, so each CTA runs all its dW2 tiles before its first dgrad1 tile; a dW2 tile
  * waits for nothing but the ring and its CTA's store buffers, which only earlier tiles
@@ -53,13 +54,14 @@ using namespace mf::sm90;
 /* One ring for both layouts (the wgrad's and dgrad1's BN = 256 configurations, with the
  * queue's extra region). The store warps get 56 registers, as in the fused forward: they
  * drain three kinds of tile. */
-using WgradCfg = ProducerRegs<TileConfig<256, 3, true, true, 1024, 512>, 56>;
-using DgradCfg = ProducerRegs<TileConfig<256, 3, false, true, 1024, 512>, 56>;
+using WgradCfg = ProducerRegs<TileConfig<Bf16, 256, 3, true, true, 1024, 512>, 56>;
+using DgradCfg = ProducerRegs<TileConfig<Bf16, 256, 3, false, true, 1024, 512>, 56>;
 static_assert(WgradCfg::kSmemBytes == DgradCfg::kSmemBytes &&
                   WgradCfg::kStageBytes == DgradCfg::kStageBytes &&
                   WgradCfg::kABytes == DgradCfg::kABytes &&
                   WgradCfg::kEpiBytes == DgradCfg::kEpiBytes &&
-                  WgradCfg::kConsumerRegs == DgradCfg::kConsumerRegs,
+                  WgradCfg::kConsumerRegs == DgradCfg::kConsumerRegs &&
+                  std::is_same<WgradCfg::Precision, DgradCfg::Precision>::value,
               "the two layouts share one ring");
 
 struct FusedBwdArgs {
@@ -116,9 +118,9 @@ struct FusedBwdScheduler {
     }
     __device__ __forceinline__ int num_k_blocks(int m_block, int n_block) const {
         const int kind = tile_kind(args, n_block);
-        if (kind == kDgrad1) return 2 * args.d1.intermediate / kBlockK;
+        if (kind == kDgrad1) return 2 * args.d1.intermediate / DgradCfg::kBlockK;
         const WgradArgs &w = kind == kDw2 ? args.dw2 : args.dw13;
-        return wgrad_k_blocks(w.expert_offsets, w.m_blocks, m_block);
+        return wgrad_k_blocks<WgradCfg::kBlockK>(w.expert_offsets, w.m_blocks, m_block);
     }
     __device__ __forceinline__ void decode(int t, int &m_block, int &n_block) const {
         const int first_dw13 = dw2_tiles, nd = dgrad1_n_blocks(args);
@@ -240,8 +242,8 @@ struct FusedBwdEpilogue {
             dw13.drain(m_block, n, wg, buf);
             return;
         }
-        if (!dw2_read) {
-            while (ptx::ld_acquire_gpu(args.dw2_reads_done) < dw2_tiles) __nanosleep(64);
+        if (!dw2_read) {   /* bounded: wait_order_count */
+            wait_order_count<64>(args.dw2_reads_done, dw2_tiles, [] { return kOrderWaitNs; });
             dw2_read = true;
         }
         d1.drain(m_block, n, wg, buf);
@@ -276,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         [](const Ring<WgradCfg> &ring, const FusedBwdScheduler &s, FusedBwdEpilogue &e) {
             consumer_role<WgradCfg>(
                 ring, s, e,
-                [&](int n_block, RingPos<WgradCfg> &pos, float (&acc)[WgradCfg::kAccRegs],
+                [&](int, int n_block, RingPos<WgradCfg> &pos, float (&acc)[WgradCfg::kAccRegs],
                     int k_blocks) {
                     const int dgrad =
                         __shfl_sync(0xffffffffu, tile_kind(e.args, n_block) == kDgrad1, 0);

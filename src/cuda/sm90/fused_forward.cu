@@ -17,7 +17,8 @@
  *    they meet on a named barrier and one of them adds 1 to act_ready[block] (release,
  *    GPU scope). The producer, before the first TMA load of a gemm2 tile, waits until
  *    act_ready[block] counts all 2I / BN gemm1 tiles of the block (acquire), then fences
- *    the async proxy, so its TMA reads see the rows.
+ *    the async proxy, so its TMA reads see the rows. The wait is bounded and traps when
+ *    it runs out (wait_order_count, src/cuda/sm90/common/tile_queue.cuh).
  * NOTE: why this cannot deadlock: a tile only waits for tiles earlier in the order, which
  * were taken earlier, by CTAs that are running (a CTA takes tiles only once it runs), and
  * a CTA's producer issues all loads of a tile before it takes the next one; so the
@@ -44,7 +45,7 @@ using namespace mf::sm90;
  * lands there in this kernel). The store warps get 56 registers (consumers 224,
  * of which ptxas uses at most 168 anyway): with both GEMMs' drains and this scheduler
  * they spilled at 40. */
-using FusedCfg = ProducerRegs<TileConfig<256, 3, false, false, 1024, 512>, 56>;
+using FusedCfg = ProducerRegs<TileConfig<Bf16, 256, 3, false, false, 1024, 512>, 56>;
 constexpr uint32_t kActReadyBarrier = 1;   /* named barrier of the store warps */
 
 struct FusedFwdArgs {
@@ -63,12 +64,15 @@ __device__ __forceinline__ int gemm1_n_blocks(const FusedFwdArgs &args) {
 
 /* Waits until block m_block's gemm1 tiles are all stored (acquire). Their producer waited
  * for the block's rows, so after this the rows' act and everything that came with them
- * (expert parallelism: row_slot and row_weight, pushed with the rows) are visible. */
+ * (expert parallelism: row_slot and row_weight, pushed with the rows) are visible.
+ * Bounded (wait_order_count): by the order's bound, plus the rows' timeout for which
+ * those gemm1 tiles may have waited themselves (expert parallelism). */
 template <int BN>
 __device__ __forceinline__ void wait_act_ready(const FusedFwdArgs &args, int m_block) {
-    const uint32_t *count = args.act_ready + m_block;
-    const uint32_t want = gemm1_n_blocks<BN>(args);
-    while (ptx::ld_acquire_gpu(count) < want) __nanosleep(32);
+    wait_order_count<32>(args.act_ready + m_block, gemm1_n_blocks<BN>(args), [&] {
+        const ep::RowArrivals &rows = args.g1.rows_in;
+        return kOrderWaitNs + (rows.arrivals ? rows.timeout_ns : 0);
+    });
 }
 
 /* The tile order above, taken in order (src/cuda/sm90/common/tile_queue.cuh).
@@ -96,7 +100,7 @@ struct FusedFwdScheduler {
     __device__ __forceinline__ int n1() const { return gemm1_n_blocks<BN>(args); }
     __device__ __forceinline__ int n2() const { return args.g1.hidden / BN; }
     __device__ __forceinline__ int num_k_blocks(int, int n_block) const {
-        return (n_block < n1() ? args.g1.hidden : args.g1.intermediate) / kBlockK;
+        return (n_block < n1() ? args.g1.hidden : args.g1.intermediate) / FusedCfg::kBlockK;
     }
     /* Indices of the order: units 0 .. groups, each G * (n1 + n2). */
     __device__ __forceinline__ int num_indices() const {
@@ -231,7 +235,8 @@ extern "C" cudaError_t mf_sm90_moe_fused_fwd_bf16(const mf_moe_fused_fwd_params 
     if (!p || !p->act_ready) return cudaErrorInvalidValue;
     const mf_gemm1_params *a = &p->gemm1;
     const mf_gemm2_params *b = &p->gemm2;
-    if (!gemm1_params_ok(a) || !gemm2_params_ok(b) ||
+    using P = FusedCfg::Precision;
+    if (!gemm1_params_ok<P>(a) || !gemm2_params_ok<P>(b) ||
         !mf_sm90_moe_fused_fwd_takes(a->hidden, a->intermediate))
         return cudaErrorInvalidValue;
     if (a->act != b->act || a->row_block_expert != b->row_block_expert ||

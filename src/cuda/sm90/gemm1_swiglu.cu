@@ -22,12 +22,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     Gemm1Load<Cfg> load{args, 0, 0, 0, false};
     Gemm1Epilogue<Cfg> epi{args, ring_from_smem<Cfg>(smem_raw), {}};
     run_grouped_gemm<Cfg>(smem_raw, &args.map_xs, &args.map_w13, args.num_rows, args.rows_cap,
-                          (2 * args.intermediate) / Cfg::BN, args.hidden / kBlockK, load, epi);
+                          (2 * args.intermediate) / Cfg::BN, args.hidden / Cfg::kBlockK, load, epi);
 }
 
 /* The two tile choices (the launcher picks one by the output width). */
-using WideCfg = TileConfig<256, 3, false, false, 0, 512>;
-using NarrowCfg = TileConfig<128, 6, false, false, 0, 256>;
+using Precision = Bf16;
+using WideCfg = TileConfig<Precision, 256, 3, false, false, 0, 512>;
+using NarrowCfg = TileConfig<Precision, 128, 6, false, false, 0, 256>;
 
 template <class Cfg>
 cudaError_t launch(const mf_gemm1_params *p, cudaStream_t stream) {
@@ -43,7 +44,7 @@ cudaError_t launch(const mf_gemm1_params *p, cudaStream_t stream) {
  * [g | u] buffers) when I allows it, else BN = 128 (6 stages of 32 KB, 34 KB of buffers). */
 extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p,
                                                      cudaStream_t stream) {
-    if (!gemm1_params_ok(p)) return cudaErrorInvalidValue;
+    if (!gemm1_params_ok<Precision>(p)) return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
     if (p->intermediate % 128 == 0) return launch<WideCfg>(p, stream);
     return launch<NarrowCfg>(p, stream);

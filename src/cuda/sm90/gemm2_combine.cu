@@ -12,7 +12,7 @@
  * FLOPs: 2 * rows * I * H. qwen3-30b-a3b at 16384 tokens (131072 rows): 412 GFLOP, about
  * 0.52 ms at 790 TFLOP/s, against about 1.1 GB of DRAM traffic (0.26 ms): matrix-bound,
  * but with a short K loop (I / 64 = 12 blocks) the epilogue's share matters: the store
- * warps store the rows (src/cuda/sm90/common/grouped_gemm.cuh) while the consumers run the next tile.
+ * warps store the rows (src/cuda/sm90/common/store_warps.cuh) while the consumers run the next tile.
  * The tile code is in src/cuda/sm90/moe_fwd_tiles.cuh, shared with the fused forward. */
 #include "sm90/moe_fwd_tiles.cuh"
 
@@ -28,12 +28,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     Gemm2Load<Cfg> load{args, 0, 0};
     ScatterRowsEpilogue<Cfg> epi{args.to, ring_from_smem<Cfg>(smem_raw), {}, {0.f, 0.f}};
     run_grouped_gemm<Cfg>(smem_raw, &args.map_act, &args.map_w2, args.num_rows, args.rows_cap,
-                          args.hidden / Cfg::BN, args.intermediate / kBlockK, load, epi);
+                          args.hidden / Cfg::BN, args.intermediate / Cfg::kBlockK, load, epi);
 }
 
 /* The two tile choices (the launcher picks one by the output width). */
-using WideCfg = TileConfig<256, 3, false, false, 0, 512>;
-using NarrowCfg = TileConfig<128, 6, false, false, 0, 256>;
+using Precision = Bf16;
+using WideCfg = TileConfig<Precision, 256, 3, false, false, 0, 512>;
+using NarrowCfg = TileConfig<Precision, 128, 6, false, false, 0, 256>;
 
 template <class Cfg>
 cudaError_t launch(const mf_gemm2_params *p, cudaStream_t stream) {
@@ -50,7 +51,7 @@ cudaError_t launch(const mf_gemm2_params *p, cudaStream_t stream) {
  * of 32 KB). */
 extern "C" cudaError_t mf_sm90_gemm2_combine_fwd_bf16(const mf_gemm2_params *p,
                                                       cudaStream_t stream) {
-    if (!gemm2_params_ok(p)) return cudaErrorInvalidValue;
+    if (!gemm2_params_ok<Precision>(p)) return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
     if (p->hidden % 256 == 0) return launch<WideCfg>(p, stream);
     return launch<NarrowCfg>(p, stream);

@@ -13,7 +13,6 @@
 
 #include "kernels.h"
 #include "sm90/common/grouped_gemm.cuh"
-#include "sm90/tensor_map.h"
 
 namespace mf {
 namespace sm90 {
@@ -54,11 +53,12 @@ inline bool wgrad_params_ok(const mf_wgrad_params *p) {
 template <class Cfg>
 cudaError_t wgrad_args_from(const mf_wgrad_params *p, WgradArgs *args) {
     cudaError_t err;
-    if ((err = mf_tensor_map_bf16_2d(&args->map_lhs, p->lhs, (uint64_t)p->rows_cap, p->m, p->m,
-                                     kBlockK, 64)) != cudaSuccess)
+    using P = typename Cfg::Precision;
+    if ((err = tensor_map_2d<P>(&args->map_lhs, p->lhs, (uint64_t)p->rows_cap, p->m, p->m,
+                                Cfg::kBlockK, Cfg::kMnBoxCols)) != cudaSuccess)
         return err;
-    if ((err = mf_tensor_map_bf16_2d(&args->map_rhs, p->rhs, (uint64_t)p->rows_cap, p->n, p->n,
-                                     kBlockK, 64)) != cudaSuccess)
+    if ((err = tensor_map_2d<P>(&args->map_rhs, p->rhs, (uint64_t)p->rows_cap, p->n, p->n,
+                                Cfg::kBlockK, Cfg::kMnBoxCols)) != cudaSuccess)
         return err;
     args->expert_offsets = p->expert_offsets;
     args->expert_order = p->expert_order;
@@ -89,15 +89,18 @@ __device__ __forceinline__ int wgrad_gemm_tiles(const WgradArgs &a, bool skip_em
     return experts * a.m_blocks * a.n_blocks;
 }
 
-/* K blocks of a wgrad tile: the expert's rows (a multiple of 128, maybe 0) in 64-row
- * blocks; m_block is the combined index e * m_blocks + m block. */
+/* K blocks of a wgrad tile: the expert's rows (a multiple of 128, maybe 0) in blocks of
+ * kBlockK rows; m_block is the combined index e * m_blocks + m block. */
+template <int kBlockK>
 __device__ __forceinline__ int wgrad_k_blocks(const int32_t *offsets, int m_blocks, int m_block) {
+    static_assert(kBlockM % kBlockK == 0, "an expert's rows (128-row blocks) are whole K blocks");
     const int e = m_block / m_blocks;
     const int rows = offsets[e + 1] - offsets[e];
     return rows > 0 ? rows / kBlockK : 0;
 }
 
-/* ---- producer: 2 boxes of lhs (128 M columns), BN/64 boxes of rhs, 64 rows each ------- */
+/* ---- producer: 2 boxes of lhs (128 M columns), BN/64 boxes of rhs, kBlockK rows each (bf16:
+ * boxes of 64 columns x 64 rows) -------------------------------------------------------- */
 template <class Cfg>
 struct WgradLoad {
     const WgradArgs &args;
@@ -110,9 +113,9 @@ struct WgradLoad {
         n_col = n_block * Cfg::BN;
     }
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
-        const int row = row0 + kb * kBlockK;
-        tma_load_mn_boxes<Cfg, kBlockM / 64>(a, &args.map_lhs, bar, m_col, row);
-        tma_load_mn_boxes<Cfg, Cfg::BN / 64>(b, &args.map_rhs, bar, n_col, row);
+        const int row = row0 + kb * Cfg::kBlockK;
+        tma_load_mn_boxes<Cfg, kBlockM / Cfg::kMnBoxCols>(a, &args.map_lhs, bar, m_col, row);
+        tma_load_mn_boxes<Cfg, Cfg::BN / Cfg::kMnBoxCols>(b, &args.map_rhs, bar, n_col, row);
     }
 };
 
@@ -242,9 +245,9 @@ struct Dgrad1Load {
         n_col = n_block * Cfg::BN;
     }
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
-        const int k = kb * kBlockK;
+        const int k = kb * Cfg::kBlockK;
         ptx::tma_load_2d(a, &args.map_dh, bar, k, m_row);
-        tma_load_mn_boxes<Cfg, Cfg::BN / 64>(b, &args.map_w13, bar, n_col, w_row + k);
+        tma_load_mn_boxes<Cfg, Cfg::BN / Cfg::kMnBoxCols>(b, &args.map_w13, bar, n_col, w_row + k);
     }
 };
 
@@ -265,12 +268,13 @@ template <class Cfg>
 cudaError_t dgrad1_args_from(const mf_dgrad1_params *p, Dgrad1Args *args) {
     cudaError_t err;
     const int two_i = 2 * p->intermediate;
-    if ((err = mf_tensor_map_bf16_2d(&args->map_dh, p->dh, (uint64_t)p->rows_cap, two_i, two_i,
-                                     kBlockM, kBlockK)) != cudaSuccess)
+    using P = typename Cfg::Precision;
+    if ((err = tensor_map_2d<P>(&args->map_dh, p->dh, (uint64_t)p->rows_cap, two_i, two_i,
+                                kBlockM, Cfg::kBlockK)) != cudaSuccess)
         return err;
-    if ((err = mf_tensor_map_bf16_2d(&args->map_w13, p->w13,
-                                     (uint64_t)p->num_local_experts * two_i, p->hidden,
-                                     p->hidden, kBlockK, 64)) != cudaSuccess)
+    if ((err = tensor_map_2d<P>(&args->map_w13, p->w13, (uint64_t)p->num_local_experts * two_i,
+                                p->hidden, p->hidden, Cfg::kBlockK, Cfg::kMnBoxCols)) !=
+        cudaSuccess)
         return err;
     args->row_block_expert = p->row_block_expert;
     args->num_rows = p->num_rows;

@@ -22,7 +22,6 @@
 #include "kernels.h"
 #include "sm90/common/grouped_gemm.cuh"
 #include "swiglu.cuh"
-#include "sm90/tensor_map.h"
 
 namespace mf {
 namespace sm90 {
@@ -40,12 +39,14 @@ struct Gemm1Args {
     int rows_cap, hidden, intermediate;
 };
 
-/* What the gemm1 kernels take of any shape (the tile width is picked after this). */
+/* What the gemm1 kernels of precision P take of any shape (the tile width is picked
+ * after this). */
+template <class P>
 inline bool gemm1_params_ok(const mf_gemm1_params *p) {
     if (!p || !p->xs || !p->w13 || !p->row_block_expert || !p->num_rows || !p->act ||
         (p->arrivals && (!p->arrival_target || !p->state)))
         return false;
-    if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % kBlockK ||
+    if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % P::kBlockK ||
         p->intermediate <= 0 || p->intermediate % 64 || p->num_local_experts <= 0 ||
         p->num_sms <= 0)
         return false;
@@ -56,12 +57,13 @@ inline bool gemm1_params_ok(const mf_gemm1_params *p) {
 template <class Cfg>
 cudaError_t gemm1_args_from(const mf_gemm1_params *p, Gemm1Args *args) {
     cudaError_t err;
-    if ((err = mf_tensor_map_bf16_2d(&args->map_xs, p->xs, (uint64_t)p->rows_cap, p->hidden,
-                                     p->hidden, kBlockM, kBlockK)) != cudaSuccess)
+    using P = typename Cfg::Precision;
+    if ((err = tensor_map_2d<P>(&args->map_xs, p->xs, (uint64_t)p->rows_cap, p->hidden,
+                                p->hidden, kBlockM, Cfg::kBlockK)) != cudaSuccess)
         return err;
-    if ((err = mf_tensor_map_bf16_2d(&args->map_w13, p->w13,
-                                     (uint64_t)p->num_local_experts * 2 * p->intermediate,
-                                     p->hidden, p->hidden, Cfg::BN / 2, kBlockK)) != cudaSuccess)
+    if ((err = tensor_map_2d<P>(&args->map_w13, p->w13,
+                                (uint64_t)p->num_local_experts * 2 * p->intermediate,
+                                p->hidden, p->hidden, Cfg::BN / 2, Cfg::kBlockK)) != cudaSuccess)
         return err;
     args->row_block_expert = p->row_block_expert;
     args->num_rows = p->num_rows;
@@ -94,7 +96,7 @@ struct Gemm1Load {
         w_up_row = w_gate_row + args.intermediate;
     }
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
-        const int k = kb * kBlockK;
+        const int k = kb * Cfg::kBlockK;
         ptx::tma_load_2d(a, &args.map_xs, bar, k, m_row);
         ptx::tma_load_2d(b, &args.map_w13, bar, k, w_gate_row);
         ptx::tma_load_2d(b + Cfg::kBBytes / 2, &args.map_w13, bar, k, w_up_row);
@@ -170,14 +172,16 @@ struct Gemm2Args {
     int rows_cap, hidden, intermediate;
 };
 
-/* What the gemm2 kernels take of any shape (the tile width is picked after this). */
+/* What the gemm2 kernels of precision P take of any shape (the tile width is picked
+ * after this). */
+template <class P>
 inline bool gemm2_params_ok(const mf_gemm2_params *p) {
     if (!p || !p->act || !p->w2 || !p->row_block_expert || !p->num_rows || !p->row_slot ||
         !p->row_weight || (!p->combine && !p->combine_peers) ||
         (p->combine_peers && p->num_ranks < 1))
         return false;
     if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % 128 ||
-        p->intermediate <= 0 || p->intermediate % kBlockK || p->num_local_experts <= 0 ||
+        p->intermediate <= 0 || p->intermediate % P::kBlockK || p->num_local_experts <= 0 ||
         p->num_sms <= 0)
         return false;
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
@@ -187,13 +191,13 @@ inline bool gemm2_params_ok(const mf_gemm2_params *p) {
 template <class Cfg>
 cudaError_t gemm2_args_from(const mf_gemm2_params *p, Gemm2Args *args) {
     cudaError_t err;
-    if ((err = mf_tensor_map_bf16_2d(&args->map_act, p->act, (uint64_t)p->rows_cap,
-                                     p->intermediate, p->intermediate, kBlockM, kBlockK)) !=
+    using P = typename Cfg::Precision;
+    if ((err = tensor_map_2d<P>(&args->map_act, p->act, (uint64_t)p->rows_cap,
+                                p->intermediate, p->intermediate, kBlockM, Cfg::kBlockK)) !=
         cudaSuccess)
         return err;
-    if ((err = mf_tensor_map_bf16_2d(&args->map_w2, p->w2,
-                                     (uint64_t)p->num_local_experts * p->hidden,
-                                     p->intermediate, p->intermediate, Cfg::BN, kBlockK)) !=
+    if ((err = tensor_map_2d<P>(&args->map_w2, p->w2, (uint64_t)p->num_local_experts * p->hidden,
+                                p->intermediate, p->intermediate, Cfg::BN, Cfg::kBlockK)) !=
         cudaSuccess)
         return err;
     args->row_block_expert = p->row_block_expert;
@@ -218,7 +222,7 @@ struct Gemm2Load {
         w_row = e * args.hidden + n_block * Cfg::BN;
     }
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
-        const int k = kb * kBlockK;
+        const int k = kb * Cfg::kBlockK;
         ptx::tma_load_2d(a, &args.map_act, bar, k, m_row);
         ptx::tma_load_2d(b, &args.map_w2, bar, k, w_row);
     }

@@ -44,6 +44,7 @@ using namespace mf::sm90;
  * out here: they are zeros, written by the store warps beside the GEMM tiles
  * (WgradEpilogue::idle_work), instead of a tail of pure stores after them.
  * m_block below is the combined index e * m_blocks + m block. */
+template <class Cfg>
 struct WgradScheduler {
     const int32_t *offsets, *order;
     int m_blocks, n_blocks, tiles_per_expert, total, wave;
@@ -61,7 +62,7 @@ struct WgradScheduler {
         return true;
     }
     __device__ __forceinline__ int num_k_blocks(int m_block, int) const {
-        return wgrad_k_blocks(offsets, m_blocks, m_block);
+        return wgrad_k_blocks<Cfg::kBlockK>(offsets, m_blocks, m_block);
     }
 };
 
@@ -70,18 +71,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90_wgrad_grouped_bf16_kernel(const __grid_constant__ WgradArgs args) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     WgradLoad<Cfg> load{args, 0, 0, 0};
-    const WgradScheduler sched(args, Cfg::kStoreWarps);
+    const WgradScheduler<Cfg> sched(args, Cfg::kStoreWarps);
     WgradEpilogue<Cfg> epi(args, ring_from_smem<Cfg>(smem_raw), sched.total);
     run_grouped_gemm_sched<Cfg>(smem_raw, &args.map_lhs, &args.map_rhs, sched, load, epi);
 }
 
 /* The tile choices (see the launcher): output width BN, bf16 or fp32 out. */
-using WideBf16Cfg = TileConfig<256, 3, true, true, 0, 512>;
+using WideBf16Cfg = TileConfig<Bf16, 256, 3, true, true, 0, 512>;
 /* 48 registers for the store warps: the drain of 128-wide rows and the zero tiles do not
  * fit 40 (the consumers keep 224, three times their 64 accumulators). */
-using NarrowBf16Cfg = ProducerRegs<TileConfig<128, 6, true, true, 0, 256>, 48>;
-using WideF32Cfg = TileConfig<256, 4, true, true>;
-using NarrowF32Cfg = TileConfig<128, 6, true, true>;
+using NarrowBf16Cfg = ProducerRegs<TileConfig<Bf16, 128, 6, true, true, 0, 256>, 48>;
+using WideF32Cfg = TileConfig<Bf16, 256, 4, true, true>;
+using NarrowF32Cfg = TileConfig<Bf16, 128, 6, true, true>;
 
 template <class Cfg>
 cudaError_t launch(const mf_wgrad_params *p, cudaStream_t stream) {

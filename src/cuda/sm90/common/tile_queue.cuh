@@ -2,13 +2,15 @@
  * index of the order from a counter in global memory when it starts a tile, and passes it
  * to the CTA's consumers and store warps through a queue in shared memory, so the tiles
  * start in order whichever CTA is free. Used by the fused kernels, whose tiles wait for
- * other tiles (src/cuda/sm90/fused_forward.cu, src/cuda/sm90/fused_backward.cu).
+ * other tiles (src/cuda/sm90/fused_forward.cu, src/cuda/sm90/fused_backward.cu), with the
+ * bounded wait at the end of this file.
  * NOTE: why taking in order matters: with the tiles handed out round-robin by index, as
  * the single GEMMs do, tiles of different K lengths let CTAs drift apart, and a tile
  * waited for one that a slower CTA had not reached (see
  * docs/decisions/0009-fused-tile-queue-order). */
 #pragma once
 
+#include "ptx/flags.cuh"
 #include "sm90/common/grouped_gemm.cuh"
 
 namespace mf {
@@ -92,6 +94,42 @@ struct TileQueueCursor {
         return t;
     }
 };
+
+/* ---- a tile's wait for earlier tiles of the order -------------------------------------
+ * A fused kernel's tile may wait for a count that earlier tiles of the order raise (the
+ * fused forward's act_ready[block], the fused backward's dW2 reads). The order makes the
+ * count arrive (see each kernel); a wait that runs past its bound is a bug (a lost
+ * increment, a count that can never be reached, a tile out of order) and traps, as
+ * ptx::mbar_wait does: the launch fails with an error the host's check reports instead of
+ * hanging the job. The trap takes the count's address, the value waited for and the last
+ * value seen as operands, so the trapping thread holds them in registers (cuda-gdb, or a
+ * core dump with CUDA_ENABLE_COREDUMP_ON_EXCEPTION=1); no printf: a call anywhere in
+ * these kernels makes ptxas serialize every wgmma.
+ * bound_ns() gives the bound (kOrderWaitNs, plus what the awaited tiles may wait for
+ * themselves); it is called only once a wait has polled kOrderPollsPerClock times.
+ * NOTE: the fast path is one acquire load and a compare, as before the bound; a wait that
+ * polls reads the global timer when it starts and then once every kOrderPollsPerClock
+ * polls (two loops, so that ptxas cannot turn the read into a predicated one per poll). */
+constexpr int64_t kOrderWaitNs = 10ll * 1000 * 1000 * 1000;   /* far beyond any tile's run */
+constexpr uint32_t kOrderPollsPerClock = 256;
+
+template <uint32_t kSleepNs, class Bound>
+__device__ __forceinline__ void wait_order_count(const uint32_t *count, uint32_t want,
+                                                 Bound &&bound_ns) {
+    uint32_t seen = ptx::ld_acquire_gpu(count);
+    if (seen >= want) return;
+    const uint64_t t0 = ptx::globaltimer_ns();
+#pragma unroll 1
+    for (;;) {
+#pragma unroll 1
+        for (uint32_t i = 0; i < kOrderPollsPerClock; ++i) {
+            __nanosleep(kSleepNs);
+            if ((seen = ptx::ld_acquire_gpu(count)) >= want) return;
+        }
+        if ((int64_t)(ptx::globaltimer_ns() - t0) > bound_ns())
+            asm volatile("trap;" ::"l"(count), "r"(want), "r"(seen) : "memory");
+    }
+}
 
 }  // namespace sm90
 }  // namespace mf

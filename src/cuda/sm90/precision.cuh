@@ -1,0 +1,111 @@
+/* Precision traits of the sm_90a tile code: what the operands' precision decides in the
+ * ring, the producer, the consumers' K loop and the host's tensor maps. The tile code
+ * takes one as TileConfig's first parameter (TileConfig<Bf16, BN, STAGES, ...>); Bf16 is
+ * the one built.
+ *
+ * A precision P provides:
+ *   Element, kElementBytes   an operand element in shared memory and global memory
+ *   kBlockK                  K of one ring stage: one 128-byte swizzle row of elements
+ *   kMapType                 the TMA tensor-map data type (tensor_map_2d<P>)
+ *   kInstrK                  K of one wgmma instruction (a stage issues kBlockK / kInstrK)
+ *   kMnMajorOperands         whether an operand may be MN-major (wgmma's transpose bits)
+ *   mma<N, kTransA, kTransB> the m64nN wgmma of one kInstrK step, both operands in shared
+ *                            memory, fp32 accumulators (ptx/wgmma.cuh)
+ *   kAScaleBytes             per stage: A's scales, landing beside the stage (0: none)
+ *   BlockScale               the consumers' per-K-block scale hook (NoBlockScale: none)
+ *
+ * The plan for FP8 E4M3 with 1x128 / 128x128 scales (DESIGN.md section 3), the hook points
+ * the mainloop already has:
+ *  - Fp8E4m3: Element __nv_fp8_e4m3, 1 byte, kBlockK = 128 (a stage is one scale block of
+ *    K), kInstrK = 32, kMapType UINT8, kMnMajorOperands false (no transpose bits for 8-bit
+ *    types: TileConfig refuses MN-major operands; dgrad takes W^T made with the weights,
+ *    wgrad token-major copies made where a kernel holds the tile), mma = two wrappers
+ *    m64n{128,256}k32 .f32.e4m3.e4m3 on MF_WGMMA_M64N*_SS with TAIL ", 1, 1".
+ *  - A scales (1x128: per row, per 128 of K) arrive with the rows: with kAScaleBytes > 0
+ *    producer_role passes the FP8 Load's stage() the stage's scale slot (Ring::a_scales),
+ *    where it TMAs the 128 rows' scales of K block kb (stored [K / 128, rows]: one box of
+ *    128 floats, so mf_tensor_map_2d gains a swizzle argument: none for scales), counted
+ *    by the same full barrier (kStageTxBytes).
+ *  - B scales (128x128: one per block) are few: the FP8 kernel's BlockScale object, run by
+ *    the consumers through consumer_role's tile_k_loop(m_block, n_block, ...), reads the
+ *    tile's K/128 x (columns' 128-blocks) of them once per tile (tile_begin; gemm1's gate
+ *    and up halves lie in two blocks of W13) and passes itself to k_loop.
+ *  - Promotion every 128 of K: the FP8 BlockScale holds a second accumulator set; its
+ *    mma_acc() aims a K block's wgmmas there, accumulate(kb, k) is k > 0 (each block starts
+ *    fresh in the tensor cores, whose fp8 sums keep ~14 bits), kGroupsInFlight = 0, and
+ *    after_k_block() (the block's wgmmas done, its stage still held) sets (kb = 0) or adds
+ *    part * (scale_a[row] * scale_b[column block]) into acc, the fp32 sum the epilogue
+ *    sees. Two consumer warpgroups hide the promotion, one promoting while the other's
+ *    wgmmas run. The stage goes back one block later than it could (k_loop releases
+ *    block kb - 1): a later refinement, not a copy of the loop.
+ *    NOTE: the second set costs BN/2 registers per consumer thread: BN = 128 (64 + 64)
+ *    fits the consumers' 232; BN = 256 (128 + 128) does not, so FP8 tiles are 128 wide
+ *    (a stage holds as many bytes as bf16's: 128 of K at 1 byte).
+ * MXFP8 (sm_100, 1x32 UE8M0 scales) has its own mainloop behind the same ops table; of
+ * these traits it would share the element and tensor-map entries. */
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "sm90/ptx/wgmma.cuh"
+#include "sm90/tensor_map.h"
+
+namespace mf {
+namespace sm90 {
+
+/* The row of a 128-byte swizzle atom: TMA's CU_TENSOR_MAP_SWIZZLE_128B and the wgmma
+ * descriptors' layout type 1 (ptx/wgmma.cuh). */
+constexpr int kSwizzleBytes = 128;
+
+/* The scale hook of an unscaled precision: the tensor cores accumulate the whole K loop
+ * in acc, one wgmma group stays in flight, nothing to load or promote. */
+struct NoBlockScale {
+    static constexpr int kGroupsInFlight = 1;   /* wgmma groups pending after a block's issue */
+    template <class Acc>
+    __device__ __forceinline__ Acc &mma_acc(Acc &acc) const {
+        return acc;
+    }
+    /* Whether wgmma k of K block kb adds to its accumulators (0: overwrites them). */
+    __device__ __forceinline__ int accumulate(int kb, int k) const {
+        return (kb > 0 || k > 0) ? 1 : 0;
+    }
+    /* After K block kb's wgmmas completed, its stage (and scales) not yet handed back. */
+    template <class Acc>
+    __device__ __forceinline__ void after_k_block(Acc &, const uint8_t *, int) const {}
+};
+
+struct Bf16 {
+    using Element = __nv_bfloat16;
+    static constexpr int kElementBytes = 2;
+    static constexpr int kBlockK = kSwizzleBytes / kElementBytes;
+    static constexpr CUtensorMapDataType kMapType = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    static constexpr int kInstrK = 16;
+    static constexpr bool kMnMajorOperands = true;
+    static constexpr int kAScaleBytes = 0;
+    using BlockScale = NoBlockScale;
+
+    template <int N, int kTransA, int kTransB>
+    static __device__ __forceinline__ void mma(float (&d)[N / 2], uint64_t desc_a,
+                                               uint64_t desc_b, int scale_d) {
+        static_assert(N == 128 || N == 256, "wgmma wrappers exist for N = 128 and 256");
+        if constexpr (N == 256)
+            ptx::wgmma_m64n256k16_bf16_ss<kTransA, kTransB>(d, desc_a, desc_b, scale_d);
+        else
+            ptx::wgmma_m64n128k16_bf16_ss<kTransA, kTransB>(d, desc_a, desc_b, scale_d);
+    }
+};
+
+/* Host: the TMA map of a row-major matrix of P's elements (sm90/tensor_map.h), copied in
+ * boxes of box_rows x box_cols elements with the 128-byte swizzle. */
+template <class P>
+inline cudaError_t tensor_map_2d(CUtensorMap *map, const void *base, uint64_t rows,
+                                 uint64_t cols, uint64_t ld, uint32_t box_rows,
+                                 uint32_t box_cols) {
+    return mf_tensor_map_2d(map, P::kMapType, base, rows, cols, ld, box_rows, box_cols);
+}
+
+}  // namespace sm90
+}  // namespace mf
