@@ -142,3 +142,13 @@ void mf_fp8_fake_quant_cols(float *v, int64_t rows, int64_t cols, int64_t ld, in
             *x = mf_e4m3_decode(mf_e4m3_encode(*x / amax[c])) * amax[c];
         }
 }
+
+void mf_fp8_dequant_block_rows(const uint8_t *codes, const float *scale, int64_t cols,
+                               int64_t row0, int64_t n, float *out) {
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *q = codes + (row0 + r) * cols;                     /* [cols] */
+        const float *s = scale + (row0 + r) / MF_FP8_TILE * tiles(cols);  /* [tiles] */
+        float *o = out + r * cols;                                       /* [cols] */
+        for (int64_t c = 0; c < cols; c++) o[c] = mf_e4m3_decode(q[c]) * s[c / MF_FP8_TILE];
+    }
+}

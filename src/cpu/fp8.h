@@ -60,6 +60,11 @@ void mf_fp8_quantize_rows(const float *v, int64_t rows, int64_t cols, int64_t ld
 void mf_fp8_quantize_blocks(const float *v, int64_t rows, int64_t cols, int64_t ld, int pow2,
                             uint8_t *codes, float *scale, uint8_t *codes_t, float *scale_t);
 
+/* Rows row0 .. row0 + n - 1 of a block-scaled [rows, cols] matrix (codes [rows, cols],
+ * scale [ceil(rows/128), ceil(cols/128)]) into out [n, cols]: decode(code) * scale. */
+void mf_fp8_dequant_block_rows(const uint8_t *codes, const float *scale, int64_t cols,
+                               int64_t row0, int64_t n, float *out);
+
 /* In place: every value replaced by decode(code) * scale (fp32) of its tile.
  * _rows: 1 x 128 tiles along each row of [rows, cols] (ld); _cols: each column of
  * [rows, cols] one tile (rows <= 128: the token tiles of the weight-gradient GEMMs). */

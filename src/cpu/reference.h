@@ -48,6 +48,35 @@ void mf_ref_route_backward(int num_tokens, int num_experts, int top_k,
                            const double *logits, const int32_t *ids,
                            const double *dweights, double *dlogits);
 
+/* ---- the FP8 block recipe, emulated (src/cpu/reference_fp8.c) ------------------------
+ * The same math with every GEMM operand quantized as docs/decisions/fp8-block-recipe.md
+ * says (src/cpu/fp8.h: same tiles, scale rule, rounding; pow2 = power-of-two scales),
+ * and g, u, a, da', [dg; du] rounded to bf16 (through fp32) where the GPU rounds them.
+ * Each GEMM is sum over 128-blocks of K of (scale_a scale_b) (sum of code products): the
+ * products and the block sums are exact in fp64, the rest is fp64. x, dy and the
+ * weights must hold fp32 values (bf16 inputs are); outputs are not rounded. */
+void mf_ref_fp8_forward(const mf_ref_shape *s, int pow2, const double *x, const int32_t *ids,
+                        const double *p, const double *w13, const double *w2, double *y);
+void mf_ref_fp8_backward(const mf_ref_shape *s, int pow2, const double *x, const int32_t *ids,
+                         const double *p, const double *w13, const double *w2,
+                         const double *dy, double *dx, double *dp, double *dw13,
+                         double *dw2);
+
+/* ---- shared by the two reference files ------------------------------------------------
+ * The routed slots sorted by expert, and within an expert by slot (t * K + k):
+ * rows offsets[e] .. offsets[e+1]-1 belong to expert e, row r holds slot slots[r],
+ * and row_of[slot] is its row (-1 when dropped). */
+typedef struct mf_ref_groups {
+    int64_t *offsets;  /* [E + 1] */
+    int64_t *slots;    /* [T * K], first offsets[E] used */
+    int64_t *row_of;   /* [T * K] */
+    int64_t num_rows;  /* offsets[E] */
+} mf_ref_groups;
+
+/* Returns 0 when an allocation failed. */
+int mf_ref_groups_build(const mf_ref_shape *s, const int32_t *ids, mf_ref_groups *g);
+void mf_ref_groups_free(mf_ref_groups *g);
+
 #ifdef __cplusplus
 }
 #endif
