@@ -8,6 +8,7 @@
  * is a property of the recipe (docs/decisions/fp8-block-recipe.md records it). */
 #include "cpu_problem.h"
 #include "fp8.h"
+#include "reference.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -312,6 +313,55 @@ static void zero_tokens(void) {
     moefuse_layer_destroy(layer);
 }
 
+/* ---- the emulation's single GEMMs -------------------------------------------------- */
+
+/* mf_ref_fp8_gemm / _tokens against the same GEMMs done another way: operands replaced by
+ * decode(code) * scale in fp32 (fp8.c's fake quantizers, per row, block or token tile),
+ * then a plain fp64 product. Equal up to the fp32 rounding of the dequantized values
+ * (none with pow2 scales). Short tiles everywhere: m = 37, n = 200, k = 300. */
+static void emulated_gemms_match_dequantized(void) {
+    enum { M = 37, N = 200, K = 300 };
+    float *a = malloc(sizeof(float) * M * K), *w = malloc(sizeof(float) * N * K);
+    float *amax = malloc(sizeof(float) * N);
+    uint8_t *wq = malloc(N * K);
+    double *ad = malloc(sizeof(double) * M * K), *wd = malloc(sizeof(double) * N * K);
+    double *c = malloc(sizeof(double) * M * N);
+    for (int pow2 = 0; pow2 < 2; pow2++)
+        for (int form = 0; form < 3; form++) { /* A W^T, A W, A^T B (tokens: K rows) */
+            const int64_t m = M, n = N, k = K;
+            for (int64_t i = 0; i < m * k; i++) ad[i] = a[i] = (float)(th_normal() * 3.0);
+            for (int64_t i = 0; i < n * k; i++) wd[i] = w[i] = (float)(th_normal() * 0.01);
+            if (form == 2) {
+                mf_ref_fp8_gemm_tokens(k, m, n, pow2, ad, wd, c);
+                for (int64_t t = 0; t < k; t += 128) { /* A [k, m], B [k, n] */
+                    mf_fp8_fake_quant_cols(a + t * m, k - t < 128 ? k - t : 128, m, m, pow2, amax);
+                    mf_fp8_fake_quant_cols(w + t * n, k - t < 128 ? k - t : 128, n, n, pow2, amax);
+                }
+            } else {
+                mf_ref_fp8_gemm(m, n, k, pow2, ad, wd, form, c);
+                mf_fp8_fake_quant_rows(a, m, k, k, pow2);
+                const int64_t wr = form ? k : n, wc = form ? n : k;
+                float *wsc = malloc(sizeof(float) * (size_t)(((wr + 127) / 128) * ((wc + 127) / 128)));
+                mf_fp8_quantize_blocks(w, wr, wc, wc, pow2, wq, wsc, NULL, NULL);
+                mf_fp8_dequant_block_rows(wq, wsc, wc, 0, wr, w);
+                free(wsc);
+            }
+            err_acc e = {0, 0};
+            for (int64_t i = 0; i < m; i++)
+                for (int64_t j = 0; j < n; j++) {
+                    double acc = 0.0;
+                    for (int64_t t = 0; t < k; t++)
+                        acc += form == 2 ? (double)a[t * m + i] * w[t * n + j]
+                                         : (double)a[i * k + t] * (form ? w[t * n + j] : w[j * k + t]);
+                    err_add(&e, c[i * n + j], acc);
+                }
+            double tol = pow2 ? 1e-14 : 2 * th_acc_fp32(k);
+            CHECK(err_rel(&e) <= tol, "form %d pow2 %d: %.3e from the dequantized GEMM > %.3e",
+                  form, pow2, err_rel(&e), tol);
+        }
+    free(a); free(w); free(amax); free(wq); free(ad); free(wd); free(c);
+}
+
 /* ---- properties -------------------------------------------------------------------- */
 
 /* Same bits: twice on one layer, on 1 and 3 threads, and RECOMPUTE = SAVE_ACTIVATIONS. */
@@ -337,6 +387,64 @@ static void deterministic_and_recompute(void) {
     free(f.buf);
     problem_free(&pb);
     for (int i = 0; i < 4; i++) moefuse_layer_destroy(l[i]);
+}
+
+/* x truncated toward zero to the 14 significant bits below the exponent of `top`. */
+static double truncate14(double x, double top) {
+    int ex;
+    frexp(top, &ex);
+    double ulp = ldexp(1.0, ex - 14);
+    return trunc(x / ulp) * ulp;
+}
+
+/* The per-GEMM rule against a model of Hopper's FP8 accumulation: each wgmma k32 step adds
+ * its 32 exact products to the accumulator aligned to the largest addend and truncated to
+ * 14 bits; every 128 of K the block sum is scaled and added in fp32. Fresh E4M3 operands
+ * with random tile scales, K = 2048 and 4096; the error against the exact fp64 blocks
+ * must stay within 2 * th_acc_wgmma_fp8(K). */
+static void gpu_gemm_rule_against_a_model(void) {
+    enum { M = 16, N = 16 };
+    const int64_t ks[2] = {2048, 4096};
+    for (int c = 0; c < 2; c++) {
+        const int64_t K = ks[c], nbk = K / 128;
+        double *a = malloc(sizeof(double) * M * K), *b = malloc(sizeof(double) * N * K);
+        double *sa = malloc(sizeof(double) * M * nbk), *sb = malloc(sizeof(double) * nbk);
+        for (int64_t i = 0; i < M * K; i++) a[i] = mf_e4m3_decode((uint8_t)th_rand_int(0, 253));
+        for (int64_t i = 0; i < N * K; i++) b[i] = mf_e4m3_decode((uint8_t)th_rand_int(0, 253));
+        for (int64_t i = 0; i < M * K; i++) a[i] = isnan(a[i]) ? 0.0 : a[i];
+        for (int64_t i = 0; i < N * K; i++) b[i] = isnan(b[i]) ? 0.0 : b[i];
+        for (int64_t i = 0; i < M * nbk; i++) sa[i] = (float)ldexp(1.0 + th_uniform(), -th_rand_int(4, 12));
+        for (int64_t i = 0; i < nbk; i++) sb[i] = (float)ldexp(1.0 + th_uniform(), -th_rand_int(4, 12));
+        err_acc e = {0, 0};
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < N; j++) {
+                double exact = 0.0;
+                float gpu = 0.0f;
+                for (int64_t blk = 0; blk < nbk; blk++) {
+                    double block = 0.0, acc = 0.0;
+                    for (int64_t s = 0; s < 4; s++) {
+                        double step = 0.0, top = fabs(acc);
+                        for (int64_t t = blk * 128 + s * 32; t < blk * 128 + s * 32 + 32; t++) {
+                            double p = a[i * K + t] * b[j * K + t];
+                            step += p;
+                            top = fabs(p) > top ? fabs(p) : top;
+                        }
+                        block += step;
+                        acc = top > 0 ? truncate14(acc + step, top) : 0.0;
+                    }
+                    const float s2 = (float)(sa[i * nbk + blk] * sb[blk]);
+                    exact += s2 * block;
+                    gpu += s2 * (float)acc;
+                }
+                err_add(&e, gpu, exact);
+            }
+        double tol = 2 * th_acc_wgmma_fp8(K);
+        CHECK(err_rel(&e) <= tol, "K = %lld: model error %.3e > 2 acc_gpu(K) = %.3e",
+              (long long)K, err_rel(&e), tol);
+        printf("    GPU accumulation model, K = %lld: GEMM error %.2e (rule %.2e)\n",
+               (long long)K, err_rel(&e), tol);
+        free(a); free(b); free(sa); free(sb);
+    }
 }
 
 /* The tolerances the GPU tests will use (same chains, the tensor cores' accumulation),
@@ -365,7 +473,9 @@ int main(void) {
     th_run("dropped slots, a token with all K dropped", dropped_slots);
     th_run("odd shape H=200 I=72 E=9 K=3 (short tiles)", odd_shape);
     th_run("T = 0", zero_tokens);
+    th_run("emulated GEMMs = GEMMs of dequantized operands, three forms", emulated_gemms_match_dequantized);
     th_run("bitwise deterministic, any thread count, recompute = saved", deterministic_and_recompute);
+    th_run("GPU per-GEMM rule holds for a model of the FP8 tensor core", gpu_gemm_rule_against_a_model);
     th_run("GPU tolerances (printed)", print_gpu_tolerances);
     problem_pool_free();
     return th_finish();

@@ -62,6 +62,17 @@ void mf_ref_fp8_backward(const mf_ref_shape *s, int pow2, const double *x, const
                          const double *dy, double *dx, double *dp, double *dw13,
                          double *dw2);
 
+/* One GEMM of the recipe, for stage-by-stage checks of a backend. A [m, k] is quantized
+ * in 1 x 128 tiles along k; W in 128 x 128 blocks, given as [n, k] (w_kn = 0: C = A W^T,
+ * gemm1 and gemm2) or as [k, n] (w_kn = 1: C = A W, dgrad2 and dgrad1, whose W^T blocks
+ * are W's transposed). C [m, n]. */
+void mf_ref_fp8_gemm(int64_t m, int64_t n, int64_t k, int pow2, const double *a,
+                     const double *w, int w_kn, double *c);
+/* The weight-gradient form: C [m, n] = A^T B over `rows` token rows, A [rows, m] and
+ * B [rows, n] both quantized per column in tiles of 128 rows. */
+void mf_ref_fp8_gemm_tokens(int64_t rows, int64_t m, int64_t n, int pow2, const double *a,
+                            const double *b, double *c);
+
 /* ---- shared by the two reference files ------------------------------------------------
  * The routed slots sorted by expert, and within an expert by slot (t * K + k):
  * rows offsets[e] .. offsets[e+1]-1 belong to expert e, row r holds slot slots[r],

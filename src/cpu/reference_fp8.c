@@ -30,6 +30,10 @@ static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static double bf16(double v) { return mf_bf16_to_float(mf_float_to_bf16((float)v)); }
 static double sigmoid(double g) { return 1.0 / (1.0 + exp(-g)); }
 
+static void fill_nan(double *a, int64_t n) {
+    for (int64_t i = 0; i < n; i++) a[i] = NAN;
+}
+
 /* ---- quantizers: decoded codes and scales ------------------------------------------ */
 
 /* Rows [rows, cols] in 1 x 128 tiles along cols: q [rows, cols], s [rows, nb(cols)]. */
@@ -143,6 +147,45 @@ static void gemm_tokens(int64_t rows, int64_t m, int64_t n, const double *qa,
     gemm_rows(m, n, rows, a, b, c, part);
 }
 
+/* ---- single GEMMs (reference.h) ---------------------------------------------------- */
+
+void mf_ref_fp8_gemm(int64_t m, int64_t n, int64_t k, int pow2, const double *a,
+                     const double *w, int w_kn, double *c) {
+    const int64_t wr = w_kn ? k : n, wc = w_kn ? n : k;
+    double *qa = malloc(sizeof(double) * (size_t)(m * k + 1));
+    double *sa = malloc(sizeof(double) * (size_t)(m * nb(k) + 1));
+    double *qw = malloc(sizeof(double) * (size_t)(n * k + 1));
+    double *sw = malloc(sizeof(double) * (size_t)(nb(n) * nb(k) + 1));
+    double *part = malloc(sizeof(double) * (size_t)(n + 1));
+    if (qa && sa && qw && sw && part && quant_blocks(w, wr, wc, pow2, qw, sw)) {
+        quant_rows(a, m, k, pow2, qa, sa);
+        if (w_kn)
+            gemm_a_w(m, n, k, qa, sa, qw, sw, c, part);
+        else
+            gemm_a_wt(m, n, k, qa, sa, qw, sw, c);
+    } else {
+        fill_nan(c, m * n);
+    }
+    free(qa); free(sa); free(qw); free(sw); free(part);
+}
+
+void mf_ref_fp8_gemm_tokens(int64_t rows, int64_t m, int64_t n, int pow2, const double *a,
+                            const double *b, double *c) {
+    double *qa = malloc(sizeof(double) * (size_t)(rows * m + 1));
+    double *sa = malloc(sizeof(double) * (size_t)(nb(rows) * m + 1));
+    double *qb = malloc(sizeof(double) * (size_t)(rows * n + 1));
+    double *sb = malloc(sizeof(double) * (size_t)(nb(rows) * n + 1));
+    double *part = malloc(sizeof(double) * (size_t)(n + 1));
+    if (qa && sa && qb && sb && part) {
+        quant_tokens(a, rows, m, pow2, qa, sa);
+        quant_tokens(b, rows, n, pow2, qb, sb);
+        gemm_tokens(rows, m, n, qa, sa, qb, sb, c, part);
+    } else {
+        fill_nan(c, m * n);
+    }
+    free(qa); free(sa); free(qb); free(sb); free(part);
+}
+
 /* ---- one expert --------------------------------------------------------------------- */
 
 /* Everything one expert's rows need; each array [rows or weight shape]. */
@@ -201,10 +244,6 @@ static int expert_forward(const mf_ref_shape *s, int pow2, const mf_ref_groups *
             w->a[r * I + i] = bf16(*gate * sigmoid(*gate) * *up);
         }
     return 1;
-}
-
-static void fill_nan(double *a, int64_t n) {
-    for (int64_t i = 0; i < n; i++) a[i] = NAN;
 }
 
 /* ---- forward ------------------------------------------------------------------------ */
