@@ -108,13 +108,17 @@ $(BUILD)/libmoefuse.a: $(LIB_OBJ)
 	rm -f $@ && ar rcs $@ $^
 
 TEST_HARNESS := $(BUILD)/tests/harness.o $(BUILD)/tests/plan_check.o
+# The CPU tests' shared problems and reference comparison (it calls the public API, so
+# the GPU kernel tests, which link only the kernels they test, leave it out).
+CPU_FIXTURE  := $(BUILD)/tests/cpu_problem.o
 $(BUILD)/tests/%.o: tests/%.c tests/%.h src/host/internal.h $(HOST_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -c $< -o $@
 
-$(BUILD)/tests/test_%: tests/test_%.c $(TEST_HARNESS) $(BUILD)/libmoefuse.a $(HOST_STAMP)
+$(BUILD)/tests/test_%: tests/test_%.c $(TEST_HARNESS) $(CPU_FIXTURE) $(BUILD)/libmoefuse.a $(HOST_STAMP)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests $< $(TEST_HARNESS) $(BUILD)/libmoefuse.a -o $@ $(LDLIBS) $(CUDA_LIBS)
+	$(CC) $(CFLAGS) -Itests $< $(TEST_HARNESS) $(CPU_FIXTURE) $(BUILD)/libmoefuse.a -o $@ \
+	    $(LDLIBS) $(CUDA_LIBS)
 
 # Helpers shared by the GPU tests (not named test_*: they are no test of their own).
 GPU_TEST_UTIL_C  := $(BUILD)/tests/gpu/cuda_test_util.o

@@ -90,7 +90,11 @@ typedef enum moefuse_backend {
 
 typedef enum moefuse_precision {
     MOEFUSE_PRECISION_BF16 = 0,       /* bf16 operands, fp32 accumulation */
-    MOEFUSE_PRECISION_FP8_BLOCK = 1,  /* e4m3 with 1x128 / 128x128 fp32 scales: planned */
+    /* e4m3 operands with fp32 scales per 1x128 tile (activations, their gradients),
+     * 128x128 block (weights) or 128 tokens (weight-gradient operands); see "FP8 block
+     * scales" below and docs/decisions/fp8-block-recipe.md. CPU backend; the CUDA
+     * backend refuses it at create (planned). */
+    MOEFUSE_PRECISION_FP8_BLOCK = 1,
 } moefuse_precision;
 
 /* What the forward keeps for the backward, in the caller's `saved` buffer. */
@@ -143,6 +147,9 @@ typedef struct moefuse_config {
     moefuse_saved_mode saved_mode;
     int num_threads;    /* CPU backend: worker threads, 0 = all cores */
     moefuse_pipeline pipeline;
+    /* MOEFUSE_PRECISION_FP8_BLOCK: 1 = every scale rounded up to a power of two (exact
+     * rescaling), 0 = amax / 448; must be 0 with MOEFUSE_PRECISION_BF16 */
+    int fp8_pow2_scales;
 } moefuse_config;
 
 /* Fill a config with the defaults (R = 1, bf16, CPU, saved activations, staged). */
@@ -151,6 +158,53 @@ void moefuse_config_init(moefuse_config *cfg, int hidden, int intermediate,
 
 typedef struct moefuse_layer moefuse_layer; /* opaque */
 typedef struct moefuse_comm moefuse_comm;   /* opaque; expert parallelism, see below */
+
+/* ---- FP8 block scales (config.precision = MOEFUSE_PRECISION_FP8_BLOCK) --------------
+ * Every expert GEMM takes e4m3 operands (OCP FP8: max 448, no infinity, 0x7f/0xff NaN;
+ * round to nearest even, saturating) with one fp32 scale per tile: value = code * scale.
+ * A tile's scale is amax / 448 (fp32; 1 for an all-zero tile; NaN when the tile holds a
+ * NaN or infinity; at least 2^-126; with config.fp8_pow2_scales rounded up to a power of
+ * two). Weights are quantized once per optimizer step by moefuse_quantize_weights, in
+ * both orientations: Hopper's FP8 tensor cores read both operands K-major, so dgrad
+ * needs W^T. The 128x128 blocks of W^T are those of W transposed, with the same scales,
+ * so W^T's codes are exactly W's transposed.
+ *
+ * Layouts, row-major, the last index fastest; nb(n) = ceil(n / 128), a short last block
+ * where n is no multiple of 128:
+ *   w13        [E/R, 2I, H]          e4m3   W13 (gemm1's B, K = H)
+ *   w13_scale  [E/R, nb(2I), nb(H)]  fp32   one per 128x128 block, K blocks fastest
+ *   w13t       [E/R, H, 2I]          e4m3   W13^T (dgrad1's B, K = 2I)
+ *   w13t_scale [E/R, nb(H), nb(2I)]  fp32
+ *   w2         [E/R, H, I]           e4m3   W2 (gemm2's B, K = I)
+ *   w2_scale   [E/R, nb(H), nb(I)]   fp32
+ *   w2t        [E/R, I, H]           e4m3   W2^T (dgrad2's B, K = H)
+ *   w2t_scale  [E/R, nb(I), nb(H)]   fp32
+ * moefuse_fp8_weights_view carves all eight out of one buffer of
+ * moefuse_fp8_weights_bytes bytes (each array 256-byte aligned), or set them yourself.
+ * The saved buffer holds what it holds for bf16 (bf16 [g; u], or only the plan), and
+ * y, dx, d p and the weight gradients keep their types. */
+typedef struct moefuse_fp8_weights {
+    /* what the arrays were sized for: set by moefuse_fp8_weights_view (or by hand) and
+     * checked against the layer by every call that takes them */
+    int hidden;              /* H */
+    int intermediate;        /* I */
+    int num_local_experts;   /* E/R */
+    int pow2_scales;         /* config.fp8_pow2_scales of the layer they are for */
+    uint8_t *w13;
+    float *w13_scale;
+    uint8_t *w13t;
+    float *w13t_scale;
+    uint8_t *w2;
+    float *w2_scale;
+    uint8_t *w2t;
+    float *w2t_scale;
+} moefuse_fp8_weights;
+
+/* Element type of the weights moefuse_quantize_weights reads. */
+typedef enum moefuse_dtype {
+    MOEFUSE_DTYPE_BF16 = 0,
+    MOEFUSE_DTYPE_FP32 = 1,
+} moefuse_dtype;
 
 typedef struct moefuse_fwd_args {
     int num_tokens;              /* T, 0 <= T <= max_tokens */
@@ -167,6 +221,9 @@ typedef struct moefuse_fwd_args {
     int32_t *expert_counts;      /* optional out [E/R]: slots routed to each of this
                                     rank's experts (dropped slots not counted); NULL
                                     to skip */
+    /* MOEFUSE_PRECISION_FP8_BLOCK: the quantized weights (w13 and w2 are then not read
+     * and may be NULL); NULL with MOEFUSE_PRECISION_BF16 */
+    const moefuse_fp8_weights *fp8_weights;
 } moefuse_fwd_args;
 
 typedef struct moefuse_bwd_args {
@@ -192,6 +249,9 @@ typedef struct moefuse_bwd_args {
      * parameters and gradients are bf16: half the bytes, no cast afterwards. */
     uint16_t *dw13_bf16;         /* out [E/R, 2I, H] bf16, or NULL */
     uint16_t *dw2_bf16;          /* out [E/R, H, I] bf16, or NULL */
+    /* MOEFUSE_PRECISION_FP8_BLOCK: the forward's quantized weights (w13 and w2 are then
+     * not read and may be NULL); NULL with MOEFUSE_PRECISION_BF16 */
+    const moefuse_fp8_weights *fp8_weights;
 } moefuse_bwd_args;
 
 /* Qwen3 routing: softmax over E logits in fp32, top-K, renormalize the K weights.
@@ -306,6 +366,25 @@ moefuse_status moefuse_forward(moefuse_layer *layer, const moefuse_fwd_args *arg
 /* dx, d p, dW13, dW2 from dy and the forward's saved buffer. */
 moefuse_status moefuse_backward(moefuse_layer *layer, const moefuse_bwd_args *args,
                                 void *stream);
+
+/* ---- FP8 block-scaled weights ---------------------------------------------------------
+ * Bytes of one buffer holding all eight arrays of moefuse_fp8_weights for this layer's
+ * E/R, H and I (each array at a 256-byte aligned offset). */
+moefuse_status moefuse_fp8_weights_bytes(const moefuse_layer *layer, size_t *bytes);
+
+/* Points out's arrays into `buffer` (moefuse_fp8_weights_bytes bytes, 256-byte aligned,
+ * host memory for the CPU backend, device memory for the CUDA backend) and sets its
+ * shape fields from the layer. Writes nothing into the buffer. */
+moefuse_status moefuse_fp8_weights_view(const moefuse_layer *layer, void *buffer,
+                                        moefuse_fp8_weights *out);
+
+/* Quantizes W13 [E/R, 2I, H] and W2 [E/R, H, I] (bf16 or fp32, contiguous) into out's
+ * eight arrays, in 128x128 blocks with the layer's scale rule; once per optimizer step.
+ * Needs a layer of precision MOEFUSE_PRECISION_FP8_BLOCK. Deterministic; a NaN or
+ * infinity in a weight makes its block NaN. stream: as for moefuse_forward. */
+moefuse_status moefuse_quantize_weights(const moefuse_layer *layer, moefuse_dtype dtype,
+                                        const void *w13, const void *w2,
+                                        const moefuse_fp8_weights *out, void *stream);
 
 /* The CUDA backend reads expert ids from device memory, so moefuse_forward checks
  * them on the device without a host synchronization: a bad id makes that call write

@@ -156,3 +156,31 @@ double th_max_abs_diff(const double *a, const double *b, int64_t n) {
 double th_bf16_tolerance(int roundings) {
     return 2.0 * TH_BF16_U * sqrt((double)roundings / 3.0) + 1e-5;
 }
+
+th_diff th_gemm(th_diff d, double acc) {
+    th_diff r = {d.rms + acc, d.rms + acc};
+    return r;
+}
+
+th_diff th_elementwise(th_diff d, double c) {
+    th_diff r = {c * d.m1, c * d.rms};
+    return r;
+}
+
+th_diff th_round(th_diff d, double step) {
+    th_diff r = {2.0 * d.m1, d.rms + sqrt(2.0 * step * d.m1)};
+    return r;
+}
+
+th_diff th_sum(th_diff a, th_diff b) {
+    th_diff r = {a.m1 + b.m1, a.rms + b.rms};
+    return r;
+}
+
+th_diff th_quant_fp8(th_diff d) {
+    return th_round(th_sum(d, th_elementwise(d, 4.0)), TH_E4M3_STEP);
+}
+
+double th_acc_fp32(int64_t k) { return 0x1p-24 * (2.0 + sqrt((double)k)); }
+
+double th_acc_wgmma_fp8(int64_t k) { return 4.0 * 0x1p-13 + (double)((k + 127) / 128) * 0x1p-24; }

@@ -40,4 +40,36 @@ double th_max_abs_diff(const double *a, const double *b, int64_t n);
 #define TH_BF16_U (1.0 / 256.0)
 double th_bf16_tolerance(int roundings);
 
+/* ---- FP8 block recipe: an implementation against its fp64 emulation ------------------
+ * (docs/decisions/fp8-block-recipe.md, "Tolerances"). Both quantize at the same points
+ * with the same rule, so their only difference is the GEMMs' accumulation (`acc`:
+ * th_acc_fp32 for fp32 math, th_acc_wgmma_fp8 for Hopper's FP8 tensor cores). A later
+ * rounding turns a small difference d into a few whole steps: a value lies within |d|
+ * of a rounding boundary with probability |d| / step. So a difference is tracked as
+ * (m1, rms): mean |d| and root-mean-square d, both relative to the rms of the values,
+ * and carried through the chain of each output:
+ *   GEMM              rms' = rms + acc, m1' = rms'  (a sum of many terms is dense)
+ *   elementwise (c)   m1' = c m1, rms' = c rms       (c: sensitivity, 2 for SwiGLU)
+ *   rounding (step s) m1' = 2 m1, rms' = rms + sqrt(2 s m1)
+ *                     (a value moves by s|x| with probability |d| / (s|x|))
+ *   FP8 quantization  a rounding with s = 2^-3 of d plus the scale's shift: the amax
+ *                     element's difference, at most 4 times a typical one (relative
+ *                     differences, amax of 128 normal draws ~2.6 sigma)
+ * The tolerance is twice the rms at the end (plus the bf16 rounding of y and dx, which
+ * the emulation does not round). */
+typedef struct th_diff { double m1, rms; } th_diff;
+th_diff th_gemm(th_diff d, double acc);
+th_diff th_elementwise(th_diff d, double c);
+th_diff th_round(th_diff d, double step);
+th_diff th_quant_fp8(th_diff d);
+th_diff th_sum(th_diff a, th_diff b);
+/* Norm-wise relative error of a GEMM of reduction length k: fp32 operands (dequantized
+ * values rounded once) and fp32 accumulation, u32 (2 + sqrt(k)); Hopper's FP8 wgmma,
+ * whose accumulator keeps ~14 bits inside each 128-block (4 k32 steps, truncating:
+ * 4 * 2^-13) and adds the scaled block sums in fp32 (ceil(k/128) * 2^-24). */
+double th_acc_fp32(int64_t k);
+double th_acc_wgmma_fp8(int64_t k);
+#define TH_BF16_STEP (1.0 / 128.0)
+#define TH_E4M3_STEP (1.0 / 8.0)
+
 #endif

@@ -59,7 +59,7 @@ class Precision(enum.IntEnum):
     """moefuse_precision."""
 
     BF16 = 0
-    FP8_BLOCK = 1  # planned in the C library; layer_create answers ERR_UNSUPPORTED
+    FP8_BLOCK = 1  # CPU backend; the CUDA backend answers ERR_UNSUPPORTED at create
 
 
 class SavedMode(enum.IntEnum):
@@ -126,6 +126,7 @@ class Config(ctypes.Structure):
         ("saved_mode", ctypes.c_int),  # SavedMode
         ("num_threads", ctypes.c_int),  # CPU backend: 0 = all cores
         ("pipeline", ctypes.c_int),  # Pipeline
+        ("fp8_pow2_scales", ctypes.c_int),  # FP8_BLOCK: 1 = power-of-two scales
     ]
 
 
@@ -144,6 +145,7 @@ class FwdArgs(ctypes.Structure):
         ("y_stride", ctypes.c_int64),
         ("saved", ctypes.c_void_p),  # void* out, saved_bytes(T), 256-byte aligned, or NULL
         ("expert_counts", ctypes.c_void_p),  # int32_t* optional out [E], or NULL
+        ("fp8_weights", ctypes.c_void_p),  # const moefuse_fp8_weights*, FP8_BLOCK only
     ]
 
 
@@ -172,6 +174,7 @@ class BwdArgs(ctypes.Structure):
         # rounded to nearest even
         ("dw13_bf16", ctypes.c_void_p),  # uint16_t* out [E/R, 2I, H] bf16, or NULL
         ("dw2_bf16", ctypes.c_void_p),  # uint16_t* out [E/R, H, I] bf16, or NULL
+        ("fp8_weights", ctypes.c_void_p),  # const moefuse_fp8_weights*, FP8_BLOCK only
     ]
 
 

@@ -1,5 +1,7 @@
 /* The CPU backend: the pipeline of DESIGN.md section 2 with R = 1, in fp32 on the
- * host, GEMMs through OpenBLAS.
+ * host, GEMMs through OpenBLAS. (Longer than 500 lines: both directions, both precisions
+ * and the saved format share one set of GEMM calls and row tasks here, which is what
+ * makes a recomputing backward repeat the forward bit for bit.)
  *
  * Forward:  plan -> dispatch (gather x rows into expert-sorted Xs) -> gemm1 + SwiGLU
  *           -> gemm2 scaled by p into per-slot rows -> reduce over k in fixed order.
@@ -26,7 +28,15 @@
  * that stays in L2 while sgemm consumes it; the bf16 weights are read once per use
  * and no whole-expert fp32 copy ever goes to memory.
  *
+ * FP8_BLOCK (docs/decisions/fp8-block-recipe.md): the same pipeline on quantized
+ * values. Each GEMM's activation operand is quantized in place (or in `aux` where the
+ * unquantized values are still needed) and replaced by decode(code) * scale, the weights
+ * are decoded from the caller's FP8 copies (dgrad from W^T, as on the GPU), and the
+ * weight-gradient operands are quantized in tiles of 128 rows of each expert once every
+ * row task is done; then the same fp32 sgemm. Rounding points as for bf16.
+ *
  * One call at a time per layer: the workspaces live in the layer. */
+#include "fp8.h"
 #include "internal.h"
 
 #include <cblas.h>
@@ -83,6 +93,8 @@ typedef struct cpu_state {
     float *dxs;             /* [max_rows, H]  dx slot rows */
     float *gu;              /* [max_rows, 2I] [g;u] (bf16 values), then [dg;du] (bf16 values) */
     float *act;             /* [max_rows, I]  da', then a (bf16 values) */
+    float *aux;             /* FP8: [max_rows, max(H, 2I)] a GEMM operand's quantized copy */
+    int64_t aux_ld;         /* max(H, 2I): row r of aux is every task's own */
     row_task *tasks;        /* [E_local + max_rows / ROW_TASK_ROWS + 1] */
     thread_scratch *ts;     /* [num_threads] */
 } cpu_state;
@@ -252,6 +264,7 @@ static void cpu_destroy(moefuse_layer *layer) {
     free(st->dxs);
     free(st->gu);
     free(st->act);
+    free(st->aux);
     free(st->tasks);
     if (st->ts) {
         for (int i = 0; i < st->num_threads; i++) {
@@ -293,10 +306,14 @@ static moefuse_status cpu_create(moefuse_layer *layer) {
     st->dxs = alloc64(sizeof(float) * (size_t)(rows * H));
     st->gu = alloc64(sizeof(float) * (size_t)(rows * 2 * I));
     st->act = alloc64(sizeof(float) * (size_t)(rows * I));
+    if (c->precision == MOEFUSE_PRECISION_FP8_BLOCK)
+        st->aux = alloc64(sizeof(float) * (size_t)(rows * wide));
+    st->aux_ld = wide;
     st->tasks = alloc64(sizeof(row_task) * (size_t)(el + rows / ROW_TASK_ROWS + 1));
     st->ts = calloc((size_t)st->num_threads, sizeof *st->ts);
     int ok = st->counts && st->offsets && st->slot_row && st->row_slot && st->xs && st->dys &&
-             st->dxs && st->gu && st->act && st->tasks && st->ts;
+             st->dxs && st->gu && st->act && st->tasks && st->ts &&
+             (st->aux || c->precision != MOEFUSE_PRECISION_FP8_BLOCK);
     for (int i = 0; ok && i < st->num_threads; i++) {
         thread_scratch *t = &st->ts[i];
         t->wblock = alloc64(sizeof(float) * (size_t)st->wblock_elems);
@@ -331,17 +348,52 @@ static int block_width(int64_t k, int n, int64_t wblock_elems) {
     return (int)(nb < 16 ? 16 : nb);
 }
 
-/* C = A W^T: A fp32 [m, k] (row stride lda), W bf16 [n, k] contiguous ([out, in], as
- * the weights are stored), C fp32 [m, n] (row stride ldc). W is converted a block of
- * whole rows at a time; each block's sgemm reduces over all of k, so no output is a
- * sum of partial GEMMs. */
+/* One expert's weight matrix [n, k] as stored: bf16, or FP8 codes with 128x128 block
+ * scales [ceil(n/128), ceil(k/128)]. */
+typedef struct weight_src {
+    const uint16_t *bf16;
+    const uint8_t *fp8;
+    const float *scale;
+} weight_src;
+
+enum { W13, W13T, W2, W2T };
+
+/* Expert e's W13 [2I, H], W13^T [H, 2I], W2 [H, I] or W2^T [I, H]; the ^T ones exist in
+ * FP8 only. */
+static weight_src weight_of(const moefuse_layer *layer, const uint16_t *w13,
+                            const uint16_t *w2, const moefuse_fp8_weights *f8, int which,
+                            int e) {
+    const int64_t H = layer->cfg.hidden, I = layer->cfg.intermediate, T = MF_FP8_TILE;
+    const int64_t n13 = 2 * I * H, n2 = H * I;
+    const int64_t s13 = (2 * I + T - 1) / T * ((H + T - 1) / T), s2 = (H + T - 1) / T * ((I + T - 1) / T);
+    weight_src w = {NULL, NULL, NULL};
+    if (!f8) {
+        w.bf16 = which == W13 ? w13 + e * n13 : w2 + e * n2;
+        return w;
+    }
+    switch (which) {
+    case W13: w.fp8 = f8->w13 + e * n13; w.scale = f8->w13_scale + e * s13; break;
+    case W13T: w.fp8 = f8->w13t + e * n13; w.scale = f8->w13t_scale + e * s13; break;
+    case W2: w.fp8 = f8->w2 + e * n2; w.scale = f8->w2_scale + e * s2; break;
+    default: w.fp8 = f8->w2t + e * n2; w.scale = f8->w2t_scale + e * s2; break;
+    }
+    return w;
+}
+
+/* C = A W^T: A fp32 [m, k] (row stride lda), W [n, k] ([out, in], as the weights are
+ * stored), C fp32 [m, n] (row stride ldc). W is converted a block of whole rows at a
+ * time; each block's sgemm reduces over all of k, so no output is a sum of partial
+ * GEMMs. */
 static void gemm_a_wt(int m, int n, int k, const float *A, int64_t lda,
-                      const uint16_t *W, float *C, int64_t ldc,
+                      weight_src W, float *C, int64_t ldc,
                       float *wblock, int64_t wblock_elems) {
     int nb = block_width(k, n, wblock_elems);
     for (int c0 = 0; c0 < n; c0 += nb) {
         int w = n - c0 < nb ? n - c0 : nb;
-        mf_bf16_to_float_n(W + (int64_t)c0 * k, wblock, (int64_t)w * k);
+        if (W.bf16)
+            mf_bf16_to_float_n(W.bf16 + (int64_t)c0 * k, wblock, (int64_t)w * k);
+        else
+            mf_fp8_dequant_block_rows(W.fp8, W.scale, k, c0, w, wblock);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, w, k, 1.0f, A, (int)lda,
                     wblock, k, 0.0f, C + c0, (int)ldc);
     }
@@ -448,12 +500,15 @@ static void fwd_task(const fwd_ctx *c, const row_task *task, thread_scratch *ts)
     int64_t H = c->layer->cfg.hidden, I = c->layer->cfg.intermediate;
     int64_t r0 = task->row_begin;
     int m = task->row_end - task->row_begin;
-    const uint16_t *w13 = c->a->w13 + (int64_t)task->expert * 2 * I * H; /* [2I, H] */
-    const uint16_t *w2 = c->a->w2 + (int64_t)task->expert * H * I;       /* [H, I] */
+    const moefuse_fp8_weights *f8 = c->a->fp8_weights;
+    weight_src w13 = weight_of(c->layer, c->a->w13, c->a->w2, f8, W13, task->expert);
+    weight_src w2 = weight_of(c->layer, c->a->w13, c->a->w2, f8, W2, task->expert);
+    const int pow2 = c->layer->cfg.fp8_pow2_scales;
     float *xs = st->xs + r0 * H;        /* [m, H] */
     float *gu = st->gu + r0 * 2 * I;    /* [m, 2I] */
     float *act = st->act + r0 * I;      /* [m, I] */
 
+    if (f8) mf_fp8_fake_quant_rows(xs, m, H, H, pow2); /* x along H */
     gemm_a_wt(m, (int)(2 * I), (int)H, xs, H, w13, gu, 2 * I, ts->wblock, st->wblock_elems);
     for (int i = 0; i < m; i++) {
         float *gu_i = gu + i * 2 * I;   /* [2I] */
@@ -463,6 +518,7 @@ static void fwd_task(const fwd_ctx *c, const row_task *task, thread_scratch *ts)
         for (int64_t j = 0; j < I; j++) a_i[j] = swiglu(gu_i[j], gu_i[I + j]);
         round_row(a_i, ts->row16, I);
     }
+    if (f8) mf_fp8_fake_quant_rows(act, m, I, I, pow2); /* a along I */
     /* o rows overwrite the x rows, which gemm1 was the last to read. */
     gemm_a_wt(m, (int)H, (int)I, act, I, w2, xs, H, ts->wblock, st->wblock_elems);
     for (int i = 0; i < m; i++) {
@@ -553,14 +609,26 @@ typedef struct bwd_ctx {
 
 /* [g;u] (saved or recomputed), da' = dy W2_e, dp and the SwiGLU backward, p * dy,
  * dx slot rows = [dg;du] W13_e, for one piece of one expert's rows. */
+/* FP8: rows [m, cols] (contiguous) quantized along cols into the task's rows of aux
+ * (row stride cols), which are returned; the bf16 path takes the rows themselves. */
+static const float *operand_rows(const cpu_state *st, const moefuse_layer *layer,
+                                 const float *rows, int m, int64_t cols, int64_t r0) {
+    if (layer->cfg.precision != MOEFUSE_PRECISION_FP8_BLOCK) return rows;
+    float *q = st->aux + r0 * st->aux_ld; /* [m, cols] within rows r0 .. r0+m-1 of aux */
+    memcpy(q, rows, sizeof(float) * (size_t)(m * cols));
+    mf_fp8_fake_quant_rows(q, m, cols, cols, layer->cfg.fp8_pow2_scales);
+    return q;
+}
+
 static void bwd_task(const bwd_ctx *c, const row_task *task, thread_scratch *ts) {
     const cpu_state *st = c->st;
     const moefuse_bwd_args *a = c->a;
     int64_t H = c->layer->cfg.hidden, I = c->layer->cfg.intermediate;
     int64_t r0 = task->row_begin;
     int m = task->row_end - task->row_begin;
-    const uint16_t *w13 = a->w13 + (int64_t)task->expert * 2 * I * H; /* [2I, H] */
-    const uint16_t *w2 = a->w2 + (int64_t)task->expert * H * I;       /* [H, I] */
+    const moefuse_fp8_weights *f8 = a->fp8_weights;
+    const int e = task->expert;
+    weight_src w13 = weight_of(c->layer, a->w13, a->w2, f8, W13, e);   /* [2I, H] */
     const float *xs = st->xs + r0 * H;  /* [m, H] */
     float *dys = st->dys + r0 * H;      /* [m, H] */
     float *dxs = st->dxs + r0 * H;      /* [m, H] */
@@ -570,12 +638,19 @@ static void bwd_task(const bwd_ctx *c, const row_task *task, thread_scratch *ts)
     if (c->saved_gu) {
         mf_bf16_to_float_n(c->saved_gu + r0 * 2 * I, gu, m * 2 * I);
     } else {
-        /* The forward's very call (same piece, same blocks), so the same bits. */
-        gemm_a_wt(m, (int)(2 * I), (int)H, xs, H, w13, gu, 2 * I, ts->wblock,
-                  st->wblock_elems);
+        /* The forward's very call (same piece, same blocks), so the same bits; FP8 keeps
+         * xs whole for dW13 and quantizes a copy. */
+        gemm_a_wt(m, (int)(2 * I), (int)H, operand_rows(st, c->layer, xs, m, H, r0), H, w13,
+                  gu, 2 * I, ts->wblock, st->wblock_elems);
         for (int i = 0; i < m; i++) round_row(gu + i * 2 * I, ts->row16, 2 * I);
     }
-    gemm_a_w(m, (int)I, (int)H, dys, H, w2, act, I, ts->wblock, st->wblock_elems);
+    if (f8) /* dgrad2 from W2^T, K-major as on the GPU */
+        gemm_a_wt(m, (int)I, (int)H, operand_rows(st, c->layer, dys, m, H, r0), H,
+                  weight_of(c->layer, a->w13, a->w2, f8, W2T, e), act, I, ts->wblock,
+                  st->wblock_elems);
+    else
+        gemm_a_w(m, (int)I, (int)H, dys, H, a->w2 + (int64_t)e * H * I, act, I, ts->wblock,
+                 st->wblock_elems);
     /* da' to bf16, as the CUDA backend's dgrad2 hands it to its store warps. */
     for (int i = 0; i < m; i++) round_row(act + i * I, ts->row16, I);
 
@@ -603,7 +678,30 @@ static void bwd_task(const bwd_ctx *c, const row_task *task, thread_scratch *ts)
         float *dy_i = dys + i * H;      /* [H] */
         for (int64_t h = 0; h < H; h++) dy_i[h] *= p;
     }
-    gemm_a_w(m, (int)H, (int)(2 * I), gu, 2 * I, w13, dxs, H, ts->wblock, st->wblock_elems);
+    if (f8) /* dgrad1 from W13^T; gu stays whole for dW13 */
+        gemm_a_wt(m, (int)H, (int)(2 * I), operand_rows(st, c->layer, gu, m, 2 * I, r0), 2 * I,
+                  weight_of(c->layer, a->w13, a->w2, f8, W13T, e), dxs, H, ts->wblock,
+                  st->wblock_elems);
+    else
+        gemm_a_w(m, (int)H, (int)(2 * I), gu, 2 * I, w13.bf16, dxs, H, ts->wblock,
+                 st->wblock_elems);
+}
+
+/* FP8: the weight-gradient operands of expert e (x, p dy, a, [dg;du] rows) quantized in
+ * place in tiles of 128 rows from the expert's first row, per column; the GPU pads each
+ * expert to 128 rows with zeros, which change no amax. */
+static void quantize_token_tiles(const bwd_ctx *c, int e, thread_scratch *ts) {
+    const cpu_state *st = c->st;
+    const int64_t H = c->layer->cfg.hidden, I = c->layer->cfg.intermediate;
+    const int pow2 = c->layer->cfg.fp8_pow2_scales;
+    const int64_t r0 = c->pv.offsets[e], r1 = r0 + c->pv.counts[e];
+    for (int64_t t = r0; t < r1; t += MF_FP8_TILE) {
+        int64_t n = r1 - t < MF_FP8_TILE ? r1 - t : MF_FP8_TILE;
+        mf_fp8_fake_quant_cols(st->xs + t * H, n, H, H, pow2, ts->row);
+        mf_fp8_fake_quant_cols(st->dys + t * H, n, H, H, pow2, ts->row);
+        mf_fp8_fake_quant_cols(st->act + t * I, n, I, I, pow2, ts->row);
+        mf_fp8_fake_quant_cols(st->gu + t * 2 * I, n, 2 * I, 2 * I, pow2, ts->row);
+    }
 }
 
 /* One WGRAD_CHUNK-row piece of dW13_e (rows of 2I) or dW2_e (rows of H): a GEMM
@@ -696,6 +794,11 @@ static moefuse_status cpu_backward(moefuse_layer *layer, const moefuse_bwd_args 
 
 #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < num_tasks; i++) bwd_task(&c, &st->tasks[i], ts);
+
+        if (cfg->precision == MOEFUSE_PRECISION_FP8_BLOCK) {
+#pragma omp for schedule(dynamic, 1)
+            for (int e = 0; e < el; e++) quantize_token_tiles(&c, e, ts);
+        }
 
 #pragma omp for schedule(dynamic, 1) nowait
         for (int64_t i = 0; i < num_chunks; i++) wgrad_chunk(&c, i, ts);

@@ -73,27 +73,16 @@ static void fill_nan(double *a, int64_t n) {
     for (int64_t i = 0; i < n; i++) a[i] = NAN;
 }
 
-/* ---- slots grouped by expert --------------------------------------------------- */
+/* ---- slots grouped by expert (reference.h) --------------------------------------- */
 
-/* The routed slots sorted by expert, and within an expert by slot (t * K + k):
- * rows offsets[e] .. offsets[e+1]-1 belong to expert e, row r holds slot slots[r],
- * and row_of[slot] is its row (-1 when dropped). */
-typedef struct ref_groups {
-    int64_t *offsets;  /* [E + 1] */
-    int64_t *slots;    /* [T * K], first offsets[E] used */
-    int64_t *row_of;   /* [T * K] */
-    int64_t num_rows;  /* offsets[E] */
-} ref_groups;
-
-static void groups_free(ref_groups *g) {
+void mf_ref_groups_free(mf_ref_groups *g) {
     free(g->offsets);
     free(g->slots);
     free(g->row_of);
 }
 
-/* Returns 0 when an allocation failed. */
-static int groups_build(const mf_ref_shape *s, const int32_t *ids /* [T, K] */,
-                        ref_groups *g) {
+int mf_ref_groups_build(const mf_ref_shape *s, const int32_t *ids /* [T, K] */,
+                        mf_ref_groups *g) {
     const int E = s->num_experts;
     const int64_t n_slots = (int64_t)s->num_tokens * s->top_k;
     /* +1: malloc(0) may return NULL, which would read as a failure. */
@@ -101,7 +90,7 @@ static int groups_build(const mf_ref_shape *s, const int32_t *ids /* [T, K] */,
     g->slots = malloc(((size_t)n_slots + 1) * sizeof(int64_t));
     g->row_of = malloc(((size_t)n_slots + 1) * sizeof(int64_t));
     if (!g->offsets || !g->slots || !g->row_of) {
-        groups_free(g);
+        mf_ref_groups_free(g);
         return 0;
     }
     for (int64_t i = 0; i < n_slots; i++)
@@ -111,7 +100,7 @@ static int groups_build(const mf_ref_shape *s, const int32_t *ids /* [T, K] */,
     /* Counting sort; filling in slot order keeps each expert's rows in slot order. */
     int64_t *next = malloc(((size_t)E + 1) * sizeof(int64_t));
     if (!next) {
-        groups_free(g);
+        mf_ref_groups_free(g);
         return 0;
     }
     memcpy(next, g->offsets, (size_t)E * sizeof(int64_t));
@@ -129,7 +118,7 @@ static int groups_build(const mf_ref_shape *s, const int32_t *ids /* [T, K] */,
 }
 
 /* gu [rows, 2I] = W13_e x_t for expert e's rows, then a [rows, I] = silu(g) * u. */
-static void expert_gate_up(const mf_ref_shape *s, const ref_groups *g, int e,
+static void expert_gate_up(const mf_ref_shape *s, const mf_ref_groups *g, int e,
                            const double *x,    /* [T, H] */
                            const double *w13,  /* [E, 2I, H] */
                            double *gu,         /* [num_rows, 2I] */
@@ -157,8 +146,8 @@ void mf_ref_forward(const mf_ref_shape *s, const double *x, const int32_t *ids,
                     const double *p, const double *w13, const double *w2, double *y) {
     const int T = s->num_tokens, H = s->hidden, I = s->intermediate;
     const int E = s->num_experts, K = s->top_k;
-    ref_groups g;
-    if (!groups_build(s, ids, &g)) {
+    mf_ref_groups g;
+    if (!mf_ref_groups_build(s, ids, &g)) {
         fill_nan(y, (int64_t)T * H);
         return;
     }
@@ -200,7 +189,7 @@ done:
     free(gu);
     free(a);
     free(o);
-    groups_free(&g);
+    mf_ref_groups_free(&g);
 }
 
 /* ---- experts: backward --------------------------------------------------------- */
@@ -211,8 +200,8 @@ void mf_ref_backward(const mf_ref_shape *s, const double *x, const int32_t *ids,
                      double *dw2) {
     const int T = s->num_tokens, H = s->hidden, I = s->intermediate;
     const int E = s->num_experts, K = s->top_k;
-    ref_groups g;
-    if (!groups_build(s, ids, &g)) {
+    mf_ref_groups g;
+    if (!mf_ref_groups_build(s, ids, &g)) {
         fill_nan(dx, (int64_t)T * H);
         fill_nan(dp, (int64_t)T * K);
         fill_nan(dw13, (int64_t)E * 2 * I * H);
@@ -305,7 +294,7 @@ done:
     free(a);
     free(dap);
     free(dxr);
-    groups_free(&g);
+    mf_ref_groups_free(&g);
 }
 
 /* ---- Qwen3 routing ------------------------------------------------------------- */

@@ -48,6 +48,46 @@ void mf_ref_route_backward(int num_tokens, int num_experts, int top_k,
                            const double *logits, const int32_t *ids,
                            const double *dweights, double *dlogits);
 
+/* ---- the FP8 block recipe, emulated (src/cpu/reference_fp8.c) ------------------------
+ * The same math with every GEMM operand quantized as docs/decisions/fp8-block-recipe.md
+ * says (src/cpu/fp8.h: same tiles, scale rule, rounding; pow2 = power-of-two scales),
+ * and g, u, a, da', [dg; du] rounded to bf16 (through fp32) where the GPU rounds them.
+ * Each GEMM is sum over 128-blocks of K of (scale_a scale_b) (sum of code products): the
+ * products and the block sums are exact in fp64, the rest is fp64. x, dy and the
+ * weights must hold fp32 values (bf16 inputs are); outputs are not rounded. */
+void mf_ref_fp8_forward(const mf_ref_shape *s, int pow2, const double *x, const int32_t *ids,
+                        const double *p, const double *w13, const double *w2, double *y);
+void mf_ref_fp8_backward(const mf_ref_shape *s, int pow2, const double *x, const int32_t *ids,
+                         const double *p, const double *w13, const double *w2,
+                         const double *dy, double *dx, double *dp, double *dw13,
+                         double *dw2);
+
+/* One GEMM of the recipe, for stage-by-stage checks of a backend. A [m, k] is quantized
+ * in 1 x 128 tiles along k; W in 128 x 128 blocks, given as [n, k] (w_kn = 0: C = A W^T,
+ * gemm1 and gemm2) or as [k, n] (w_kn = 1: C = A W, dgrad2 and dgrad1, whose W^T blocks
+ * are W's transposed). C [m, n]. */
+void mf_ref_fp8_gemm(int64_t m, int64_t n, int64_t k, int pow2, const double *a,
+                     const double *w, int w_kn, double *c);
+/* The weight-gradient form: C [m, n] = A^T B over `rows` token rows, A [rows, m] and
+ * B [rows, n] both quantized per column in tiles of 128 rows. */
+void mf_ref_fp8_gemm_tokens(int64_t rows, int64_t m, int64_t n, int pow2, const double *a,
+                            const double *b, double *c);
+
+/* ---- shared by the two reference files ------------------------------------------------
+ * The routed slots sorted by expert, and within an expert by slot (t * K + k):
+ * rows offsets[e] .. offsets[e+1]-1 belong to expert e, row r holds slot slots[r],
+ * and row_of[slot] is its row (-1 when dropped). */
+typedef struct mf_ref_groups {
+    int64_t *offsets;  /* [E + 1] */
+    int64_t *slots;    /* [T * K], first offsets[E] used */
+    int64_t *row_of;   /* [T * K] */
+    int64_t num_rows;  /* offsets[E] */
+} mf_ref_groups;
+
+/* Returns 0 when an allocation failed. */
+int mf_ref_groups_build(const mf_ref_shape *s, const int32_t *ids, mf_ref_groups *g);
+void mf_ref_groups_free(mf_ref_groups *g);
+
 #ifdef __cplusplus
 }
 #endif

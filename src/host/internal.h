@@ -132,6 +132,12 @@ void mf_nccl_window_free(moefuse_comm *comm, void *ptr, void *handle);
 moefuse_status mf_nccl_peer_table(moefuse_comm *comm, void *const handles[MF_WIN_COUNT],
                                   void **device_table);
 
+/* ---- FP8 block-scaled weights (src/host/fp8_weights.c) --------------------------
+ * OK for NULL on a BF16 layer; on an FP8_BLOCK layer: shapes and scale rule the layer's,
+ * every array non-NULL and aligned. name: the argument, e.g. "fwd_args.fp8_weights". */
+moefuse_status mf_check_fp8_weights(const moefuse_layer *layer, const moefuse_fp8_weights *w,
+                                    const char *name);
+
 extern const mf_backend_ops mf_cpu_backend;  /* src/cpu/backend.c */
 /* NULL when the library was built without nvcc. */
 const mf_backend_ops *mf_cuda_backend(void);

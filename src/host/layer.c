@@ -81,14 +81,21 @@ static moefuse_status check_config(const moefuse_config *c, const moefuse_comm *
                        "config: max_tokens (%d) * top_k (%d) * num_ranks (%d) + 128 rows of "
                        "padding per local expert = %lld rows: expected <= INT32_MAX (%d)",
                        c->max_tokens, c->top_k, c->num_ranks, (long long)rows, INT32_MAX);
-    if (c->precision == MOEFUSE_PRECISION_FP8_BLOCK)
+    /* FP8 block scales: the CPU backend runs the recipe; the CUDA kernels are planned. */
+    if (c->precision == MOEFUSE_PRECISION_FP8_BLOCK && c->backend == MOEFUSE_BACKEND_CUDA)
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
-                       "config.precision = MOEFUSE_PRECISION_FP8_BLOCK: not built yet; "
-                       "expected MOEFUSE_PRECISION_BF16");
-    if (c->precision != MOEFUSE_PRECISION_BF16)
+                       "config.precision = MOEFUSE_PRECISION_FP8_BLOCK with "
+                       "MOEFUSE_BACKEND_CUDA: FP8 kernels not built yet; expected "
+                       "MOEFUSE_PRECISION_BF16, or MOEFUSE_BACKEND_CPU for FP8");
+    if (c->precision != MOEFUSE_PRECISION_BF16 && c->precision != MOEFUSE_PRECISION_FP8_BLOCK)
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
-                       "config.precision = %d: expected MOEFUSE_PRECISION_BF16 (0)",
-                       (int)c->precision);
+                       "config.precision = %d: expected MOEFUSE_PRECISION_BF16 (0) or "
+                       "MOEFUSE_PRECISION_FP8_BLOCK (1)", (int)c->precision);
+    if (c->fp8_pow2_scales != 0 &&
+        (c->fp8_pow2_scales != 1 || c->precision != MOEFUSE_PRECISION_FP8_BLOCK))
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                       "config.fp8_pow2_scales = %d: expected 0 or 1, and 0 unless "
+                       "config.precision = MOEFUSE_PRECISION_FP8_BLOCK", c->fp8_pow2_scales);
     if (c->backend != MOEFUSE_BACKEND_CPU && c->backend != MOEFUSE_BACKEND_CUDA)
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
                        "config.backend = %d: expected MOEFUSE_BACKEND_CPU (0) or "
@@ -292,10 +299,13 @@ static moefuse_status check_inputs(const moefuse_layer *layer, int T, const uint
     TRY(need_slots(ids, T, name));
     snprintf(name, sizeof name, "%s.weights", args);
     TRY(need_slots(weights, T, name));
-    snprintf(name, sizeof name, "%s.w13", args);
-    TRY(need_ptr(w13, name, (size_t)bf16_align(layer)));
-    snprintf(name, sizeof name, "%s.w2", args);
-    TRY(need_ptr(w2, name, (size_t)bf16_align(layer)));
+    /* FP8_BLOCK layers read the quantized weights instead (see mf_check_fp8_weights). */
+    if (layer->cfg.precision == MOEFUSE_PRECISION_BF16) {
+        snprintf(name, sizeof name, "%s.w13", args);
+        TRY(need_ptr(w13, name, (size_t)bf16_align(layer)));
+        snprintf(name, sizeof name, "%s.w2", args);
+        TRY(need_ptr(w2, name, (size_t)bf16_align(layer)));
+    }
     /* Device ids are checked by the GPU plan (see moefuse_layer_check). */
     if (layer->cfg.backend == MOEFUSE_BACKEND_CPU && T > 0)
         TRY(mf_check_ids(ids, T, layer->cfg.top_k, layer->cfg.num_experts));
@@ -314,6 +324,7 @@ moefuse_status moefuse_forward(moefuse_layer *layer, const moefuse_fwd_args *a, 
         return mf_fail(MOEFUSE_ERR_MISALIGNED, "fwd_args.saved = %p: expected 256-byte alignment",
                        a->saved);
     if (a->expert_counts) TRY(need_ptr(a->expert_counts, "fwd_args.expert_counts", 4));
+    TRY(mf_check_fp8_weights(layer, a->fp8_weights, "fwd_args.fp8_weights"));
     return layer->ops->forward(layer, a, stream);
 }
 
@@ -338,6 +349,7 @@ moefuse_status moefuse_backward(moefuse_layer *layer, const moefuse_bwd_args *a,
         return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
                        "bwd_args.accumulate = %d: expected 0 (write) or 1 (add)", a->accumulate);
     TRY(check_wgrad_outputs(layer, a));
+    TRY(mf_check_fp8_weights(layer, a->fp8_weights, "bwd_args.fp8_weights"));
     return layer->ops->backward(layer, a, stream);
 }
 
