@@ -84,8 +84,11 @@ if [ -z "$gpu" ]; then
 else
     gpu="${gpu%%,*} (driver${gpu#*,})"
 fi
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo "unknown")
-if [ "$commit" != unknown ] && ! git diff --quiet HEAD -- src include 2>/dev/null; then
+# MOEFUSE_BENCH_COMMIT names the commit where git cannot (a copy of the tree whose .git
+# is not its own, as on a lent GPU machine).
+commit=${MOEFUSE_BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "unknown")}
+if [ -z "${MOEFUSE_BENCH_COMMIT:-}" ] && [ "$commit" != unknown ] &&
+   ! git diff --quiet HEAD -- src include 2>/dev/null; then
     commit="$commit with local changes in src/ or include/"
 fi
 {
