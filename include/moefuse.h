@@ -92,7 +92,7 @@ typedef enum moefuse_precision {
     MOEFUSE_PRECISION_BF16 = 0,       /* bf16 operands, fp32 accumulation */
     /* e4m3 operands with fp32 scales per 1x128 tile (activations, their gradients),
      * 128x128 block (weights) or 128 tokens (weight-gradient operands); see "FP8 block
-     * scales" below and docs/decisions/fp8-block-recipe.md. CPU backend; the CUDA
+     * scales" below and docs/decisions/0018-fp8-block-recipe.md. CPU backend; the CUDA
      * backend refuses it at create (planned). */
     MOEFUSE_PRECISION_FP8_BLOCK = 1,
 } moefuse_precision;

@@ -41,7 +41,7 @@ double th_max_abs_diff(const double *a, const double *b, int64_t n);
 double th_bf16_tolerance(int roundings);
 
 /* ---- FP8 block recipe: an implementation against its fp64 emulation ------------------
- * (docs/decisions/fp8-block-recipe.md, "Tolerances"). Both quantize at the same points
+ * (docs/decisions/0018-fp8-block-recipe.md, "Tolerances"). Both quantize at the same points
  * with the same rule, so their only difference is the GEMMs' accumulation (`acc`:
  * th_acc_fp32 for fp32 math, th_acc_wgmma_fp8 for Hopper's FP8 tensor cores). A later
  * rounding turns a small difference d into a few whole steps: a value lies within |d|

@@ -40,7 +40,7 @@ Not supported (apply() or the forward says so):
   experts that went through TorchTitan's own ExpertParallel (its all-to-all hooks sit on
   the experts module): shard them with shard_experts instead.
 
-Expert parallelism (docs/decisions/torchtitan-expert-parallel.md): shard_experts makes
+Expert parallelism (docs/decisions/0019-torchtitan-expert-parallel.md): shard_experts makes
 TorchTitan's EP layout (w1, w2, w3 DTensors sharded on the experts over the EP mesh, the
 same state_dict and checkpoints as TorchTitan's EP) without its dispatch hooks, and apply
 with an ExpertParallelPlan gives each MoE's experts a moefuse.distributed layer: the

@@ -28,7 +28,7 @@
  * that stays in L2 while sgemm consumes it; the bf16 weights are read once per use
  * and no whole-expert fp32 copy ever goes to memory.
  *
- * FP8_BLOCK (docs/decisions/fp8-block-recipe.md): the same pipeline on quantized
+ * FP8_BLOCK (docs/decisions/0018-fp8-block-recipe.md): the same pipeline on quantized
  * values. Each GEMM's activation operand is quantized in place (or in `aux` where the
  * unquantized values are still needed) and replaced by decode(code) * scale, the weights
  * are decoded from the caller's FP8 copies (dgrad from W^T, as on the GPU), and the

@@ -1,4 +1,4 @@
-/* The FP8 block recipe, defined once (see docs/decisions/fp8-block-recipe.md): OCP E4M3
+/* The FP8 block recipe, defined once (see docs/decisions/0018-fp8-block-recipe.md): OCP E4M3
  * codes, fp32 scales per tile, quantization of a tile as encode(x / scale).
  *
  * E4M3: sign, 4 exponent bits (bias 7), 3 mantissa bits; largest finite 448 (0x7e),

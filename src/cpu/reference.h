@@ -49,7 +49,7 @@ void mf_ref_route_backward(int num_tokens, int num_experts, int top_k,
                            const double *dweights, double *dlogits);
 
 /* ---- the FP8 block recipe, emulated (src/cpu/reference_fp8.c) ------------------------
- * The same math with every GEMM operand quantized as docs/decisions/fp8-block-recipe.md
+ * The same math with every GEMM operand quantized as docs/decisions/0018-fp8-block-recipe.md
  * says (src/cpu/fp8.h: same tiles, scale rule, rounding; pow2 = power-of-two scales),
  * and g, u, a, da', [dg; du] rounded to bf16 (through fp32) where the GPU rounds them.
  * Each GEMM is sum over 128-blocks of K of (scale_a scale_b) (sum of code products): the

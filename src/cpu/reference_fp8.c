@@ -1,5 +1,5 @@
 /* The FP8 block recipe in fp64: the oracle of every FP8 backend (reference.h,
- * docs/decisions/fp8-block-recipe.md).
+ * docs/decisions/0018-fp8-block-recipe.md).
  *
  * Quantization goes through src/cpu/fp8.c, the one definition of the recipe; here a
  * quantized operand is its decoded codes (exact in fp64) and its scales, kept apart so

@@ -1,6 +1,6 @@
 /* FP8 block-scaled weights: sizing, the view into one buffer, their checks, and
  * moefuse_quantize_weights (on the host for the CPU backend). The recipe is src/cpu/fp8.c;
- * the layouts are in include/moefuse.h, the reasons in docs/decisions/fp8-block-recipe.md. */
+ * the layouts are in include/moefuse.h, the reasons in docs/decisions/0018-fp8-block-recipe.md. */
 #include "fp8.h"
 #include "internal.h"
 
