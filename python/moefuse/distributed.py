@@ -42,9 +42,10 @@ import torch
 
 from . import _lib
 from .modules import MoEExperts
-from .ops import (_BF16, _aligned_saved, _alloc_saved, _as_rows, _bf16_weight,
-                  _normalize_device, _on_device, _ptr, _row_stride, _stream, _wgrad_dtype,
-                  _ids_as_int32, _wgrad_fields, pipeline_from_env)
+from ._checks import (_BF16, _aligned_saved, _alloc_saved, _as_rows, _bf16_weight,
+                      _ids_as_int32, _normalize_device, _on_device, _ptr, _row_stride, _stream,
+                      _wgrad_dtype, _wgrad_fields)
+from .ops import pipeline_from_env
 
 _CUDA_MULTIPLE = 128  # H and I of the CUDA backend (moefuse.h)
 

@@ -43,7 +43,6 @@ the first step. The CPU backend checks ids before any work and raises at once.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import threading
 from typing import Optional
@@ -52,9 +51,14 @@ import torch
 
 from . import _lib
 
-_BF16 = torch.bfloat16
-_SAVED_ALIGN = 256  # bytes, what moefuse_fwd_args.saved asks for
-_CUDA_ALIGN = 16  # bytes, what the CUDA backend asks of bf16 tensors and row strides
+# The checks and conversions live in _checks.py; their names stay importable from here.
+from ._checks import (_BF16, _CUDA_ALIGN, _SAVED_ALIGN, _aligned_saved, _alloc_saved,
+                      _as_rows, _backend, _bf16_weight, _ids_as_int32, _normalize_device,
+                      _on_device, _ptr, _row_stride, _rows_ok, _shape_of, _stream,
+                      _validate_experts, _wgrad_dtype, _wgrad_fields)
+
+_REEXPORTED = (_CUDA_ALIGN, _SAVED_ALIGN, _ids_as_int32, _rows_ok)  # used in _checks.py only
+
 _MIN_TOKEN_BUCKET = 64
 
 
@@ -174,127 +178,6 @@ def backward_unsupported_reason(device) -> Optional[str]:
             return f"{err.status_name}: {err.message}"
         raise
     return None
-
-
-def _normalize_device(device: torch.device) -> torch.device:
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _on_device(device: torch.device):
-    if device.type == "cuda":
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
-
-
-def _stream(device: torch.device) -> int:
-    """cudaStream_t of the current stream as an int for CUDA, 0 (NULL) for the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.current_stream(device).cuda_stream
-    return 0
-
-
-def _backend(device: torch.device) -> _lib.Backend:
-    return _lib.Backend.CUDA if device.type == "cuda" else _lib.Backend.CPU
-
-
-def _rows_ok(t: torch.Tensor, hidden: int) -> bool:
-    """Whether a [T, H] bf16 tensor can be passed as is: unit column stride and a row
-    stride >= H (and, on CUDA, 16-byte aligned pointer and row stride)."""
-    if t.stride(1) != 1 or (t.shape[0] > 1 and t.stride(0) < hidden):
-        return False
-    if t.device.type == "cuda":
-        return t.data_ptr() % _CUDA_ALIGN == 0 and (t.stride(0) * 2) % _CUDA_ALIGN == 0
-    return True
-
-
-def _as_rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
-    """t if the library can read it in place, else a contiguous copy (a [T, H] copy
-    is cheap next to the experts' GEMMs; the result is the same)."""
-    return t if _rows_ok(t, hidden) else t.contiguous()
-
-
-def _row_stride(t: torch.Tensor, hidden: int) -> int:
-    return t.stride(0) if t.shape[0] > 1 else hidden
-
-
-def _ids_as_int32(ids: torch.Tensor, where: str) -> torch.Tensor:
-    """ids as int32, the library's type. int64 ids outside the int32 range would wrap
-    when narrowed (2^32 + 7 to expert 7, 2^32 - 1 to -1, a dropped slot): on the CPU they
-    raise ValueError here; on CUDA (no host synchronization), and under torch.compile
-    (which cannot branch on the ids' values without a graph break), they saturate to the
-    int32 bounds, which the library's check of ids rejects (on the CPU at once; on CUDA
-    in check_device_errors)."""
-    if ids.dtype == torch.int32:
-        return ids
-    lo, hi = torch.iinfo(torch.int32).min, torch.iinfo(torch.int32).max
-    if ids.device.type != "cpu" or torch.compiler.is_compiling():
-        return ids.clamp(lo, hi).to(torch.int32)
-    outside = (ids < lo) | (ids > hi)
-    if ids.numel() and bool(outside.any()):
-        t, k = (int(i) for i in outside.nonzero()[0])
-        raise ValueError(f"{where}: ids[{t}][{k}] = {int(ids[t, k])} is outside int32, so it "
-                         "is no expert id; expected -1 <= id < E")
-    return ids.to(torch.int32)
-
-
-def _bf16_weight(w: torch.Tensor) -> torch.Tensor:
-    return w if w.dtype == _BF16 else w.to(_BF16).contiguous()
-
-
-def _alloc_saved(num_bytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 tensor of num_bytes whose data pointer is 256-byte aligned.
-
-    The CUDA caching allocator hands out 512-byte aligned blocks; the CPU allocator
-    only 64, so there the buffer is a view into a slightly larger one."""
-    if device.type == "cuda":
-        buf = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-        if buf.data_ptr() % _SAVED_ALIGN == 0:
-            return buf
-    raw = torch.empty(num_bytes + _SAVED_ALIGN, dtype=torch.uint8, device=device)
-    offset = (-raw.data_ptr()) % _SAVED_ALIGN
-    return raw[offset:offset + num_bytes]
-
-
-def _aligned_saved(saved: torch.Tensor) -> torch.Tensor:
-    """The saved buffer, copied to an aligned one if something (a saved-tensor hook
-    that offloaded and brought it back) moved it off the 256-byte alignment."""
-    if saved.data_ptr() % _SAVED_ALIGN == 0:
-        return saved
-    copy = _alloc_saved(saved.numel(), saved.device)
-    copy.copy_(saved)
-    return copy
-
-
-def _wgrad_dtype(w13: torch.Tensor, w2: torch.Tensor) -> torch.dtype:
-    """The dtype the library writes the weight gradients in: bf16 when both weights are
-    bf16 (moefuse_bwd_args.dw13_bf16 / dw2_bf16: the fp32 gradients rounded to nearest
-    even, half the bytes, no cast), else fp32 (master weights; the pair is both or
-    neither, so mixed weights get fp32 and a cast)."""
-    return _BF16 if w13.dtype == _BF16 and w2.dtype == _BF16 else torch.float32
-
-
-def _wgrad_fields(dw13: torch.Tensor, dw2: torch.Tensor) -> dict:
-    """The BwdArgs pointers of the weight-gradient outputs, by their dtype: the bf16 pair
-    or the fp32 pair, the other NULL (the bf16 pair takes accumulate = 0 only)."""
-    if dw13.dtype == _BF16:
-        return dict(dw13=None, dw2=None, dw13_bf16=dw13.data_ptr(), dw2_bf16=dw2.data_ptr())
-    return dict(dw13=dw13.data_ptr(), dw2=dw2.data_ptr(), dw13_bf16=None, dw2_bf16=None)
-
-
-def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
-    """data_ptr for the args structs; None (NULL) for empty tensors."""
-    if t is None or t.numel() == 0:
-        return None
-    return t.data_ptr()
-
-
-def _shape_of(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor):
-    """(T, H, I, E, K) from the operand shapes."""
-    num_tokens, hidden = x.shape
-    num_experts, two_i, _ = w13.shape
-    return num_tokens, hidden, two_i // 2, num_experts, ids.shape[1]
 
 
 def saved_mode_for(recompute: bool, save_inputs: bool) -> _lib.SavedMode:
@@ -436,56 +319,6 @@ _experts_fwd.register_autograd(_experts_backward, setup_context=_experts_setup_c
 
 
 # ---- the experts op: public function ----------------------------------------------------
-
-
-def _validate_experts(x, ids, p, w13, w2) -> torch.Tensor:
-    """Raises TypeError / ValueError naming the argument; returns ids as int32."""
-    for name, t in (("x", x), ("ids", ids), ("p", p), ("w13", w13), ("w2", w2)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"moefuse.experts: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if x.dtype != _BF16:
-        raise TypeError(f"moefuse.experts: x must be bfloat16, got {x.dtype}")
-    if ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"moefuse.experts: ids must be int32 (or int64), got {ids.dtype}")
-    if p.dtype != torch.float32:
-        raise TypeError(f"moefuse.experts: p must be float32, got {p.dtype}")
-    for name, w in (("w13", w13), ("w2", w2)):
-        if w.dtype not in (_BF16, torch.float32):
-            raise TypeError(f"moefuse.experts: {name} must be bfloat16 (or float32 master "
-                            f"weights), got {w.dtype}")
-    if x.dim() != 2:
-        raise ValueError(f"moefuse.experts: x must be [T, H], got shape {tuple(x.shape)}")
-    T, H = x.shape
-    if ids.dim() != 2 or ids.shape[0] != T:
-        raise ValueError(f"moefuse.experts: ids must be [T={T}, K], got shape {tuple(ids.shape)}")
-    K = ids.shape[1]
-    if tuple(p.shape) != tuple(ids.shape):
-        raise ValueError(f"moefuse.experts: p must be [T={T}, K={K}] like ids, got shape "
-                         f"{tuple(p.shape)}")
-    if w13.dim() != 3 or w13.shape[2] != H or w13.shape[1] % 2 != 0:
-        raise ValueError(f"moefuse.experts: w13 must be [E, 2I, H={H}], got shape "
-                         f"{tuple(w13.shape)}")
-    E, two_i = w13.shape[0], w13.shape[1]
-    if tuple(w2.shape) != (E, H, two_i // 2):
-        raise ValueError(f"moefuse.experts: w2 must be [E={E}, H={H}, I={two_i // 2}] to match "
-                         f"w13 {tuple(w13.shape)}, got shape {tuple(w2.shape)}")
-    if E == 0 or H == 0 or two_i == 0 or K == 0 or K > E:
-        raise ValueError(f"moefuse.experts: expected E, H, I > 0 and 1 <= K <= E, got "
-                         f"E={E}, H={H}, I={two_i // 2}, K={K}")
-    device = x.device
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"moefuse.experts: tensors must be on the CPU or a CUDA device, got {device}")
-    for name, t in (("ids", ids), ("p", p), ("w13", w13), ("w2", w2)):
-        if t.device != device:
-            raise ValueError(f"moefuse.experts: {name} is on {t.device} but x is on {device}; "
-                             "all operands must be on one device")
-    for name, w in (("w13", w13), ("w2", w2)):
-        # A silent copy of every expert's weights per call would hide a layout mistake
-        # (a transposed view) behind a large slowdown.
-        if not w.is_contiguous():
-            raise ValueError(f"moefuse.experts: {name} must be contiguous (row-major "
-                             f"[E, out, in] like nn.Linear weights), got strides {w.stride()}")
-    return _ids_as_int32(ids, "moefuse.experts")
 
 
 def experts(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch.Tensor,
