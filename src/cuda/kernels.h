@@ -21,6 +21,54 @@ extern "C" {
 /* Rows of one sm90 GEMM tile: the plan's row block. */
 #define MF_SM90_BLOCK_M MF_ROW_BLOCK_M
 
+/* ---- the pieces of every expert GEMM's params --------------------------------------- */
+
+/* A call's expert-sorted rows, each local expert's segment padded to a multiple of 128.
+ * Row-block GEMMs read row_block_expert and num_rows (rows past it are not touched; padding
+ * rows in a block compute garbage nobody reads), the weight gradients expert_offsets. */
+typedef struct mf_rows {
+    const int32_t *row_block_expert;  /* [rows_cap / 128] local expert of each block */
+    const int32_t *expert_offsets;    /* [E_local + 1] segment starts, multiples of 128 */
+    const int32_t *num_rows;          /* device scalar: rows in use, multiple of 128 */
+    int rows_cap, num_local_experts;  /* a multiple of 128; E_local */
+} mf_rows;
+
+/* An input matrix of a GEMM, row-major as each params struct says; e4m3 values are
+ * code * scale, the fp32 scales laid out as DESIGN.md's FP8 recipe says (1x128: per row
+ * and 128 of K; 128x128 blocks: weights; 128 rows: the weight gradients' inputs). The
+ * bf16 kernels take MF_DTYPE_BF16 without scales: a zeroed mf_operand with data set. */
+typedef enum mf_dtype { MF_DTYPE_BF16 = 0, MF_DTYPE_E4M3 = 1 } mf_dtype;
+typedef enum mf_scale_layout {
+    MF_SCALES_NONE = 0, MF_SCALES_1X128 = 1, MF_SCALES_128X128 = 2, MF_SCALES_TOKENS_128 = 3
+} mf_scale_layout;
+typedef struct mf_operand {
+    const void *data;
+    mf_dtype dtype;
+    const float *scales;              /* NULL with MF_SCALES_NONE */
+    mf_scale_layout scale_layout;
+} mf_operand;
+
+/* Expert parallelism, rows still arriving (arrivals NULL: all there): before its first
+ * load of 128-row block b, the producer waits until arrivals[b] reaches target[b] (rows
+ * counted in by mf_ep_push_rows; wrap-safe), at most timeout_ns per block; one that runs
+ * out is recorded in state (MOEFUSE_ERR_TIMEOUT), fails the call, and ends the waits. */
+typedef struct mf_arrivals {
+    const uint32_t *arrivals, *target; /* [rows_cap / 128] each, in this rank's sync window */
+    struct mf_plan_state *state;      /* below */
+    int64_t timeout_ns;
+    int stage;                        /* mf_ep_stage the record names (forward or backward rows) */
+} mf_arrivals;
+
+/* Where a GEMM's output rows go: row r to combine[row_slot[r]], rows with row_slot -1
+ * (padding) nowhere. Expert parallelism: row_slot[r] = slot * R + source rank, and row r
+ * goes to combine_peers[source] (device table [R]) at its slot. */
+typedef struct mf_scatter {
+    const int32_t *row_slot;          /* [rows_cap] slot (t*K + k) of each row, -1 padding */
+    uint16_t *combine;                /* out [T*K, H] bf16, one row per slot */
+    uint16_t *const *combine_peers;   /* [R] replaces combine when set */
+    int num_ranks;                    /* R with combine_peers, else 0 */
+} mf_scatter;
+
 /* gemm1: act = bf16(silu(g) * u) of the bf16-rounded [g; u] = xs W13_e^T (the a dgrad2
  * recomputes, bit for bit), per 128-row block of expert e.
  * Rows past *num_rows are not touched. Padding rows inside a block compute garbage
@@ -155,7 +203,7 @@ typedef struct mf_dgrad1_params {
 cudaError_t mf_sm90_gemm1_dgrad_bwd_bf16(const mf_dgrad1_params *p, cudaStream_t stream);
 
 /* K-grouped weight gradient: for every local expert e, over its padded rows
- * [expert_offsets[e], expert_offsets[e+1]):
+ * [expert_offsets[e], expert_offsets[e+1]) (rows: expert_offsets, rows_cap, E_local):
  *     dw_e [M, N] = (accumulate ? dw_e : 0) + sum_r lhs[r, :]^T rhs[r, :]
  * in fp32, each output element owned by one CTA (no atomics: deterministic); or, into
  * dw_bf16 instead (write mode only), that fp32 sum rounded to nearest even.
@@ -164,17 +212,15 @@ cudaError_t mf_sm90_gemm1_dgrad_bwd_bf16(const mf_dgrad1_params *p, cudaStream_t
  * Both operands are MN-major (rows are the reduction). Experts without rows get zeros
  * (write mode) or are left as they are (accumulate). */
 typedef struct mf_wgrad_params {
-    const uint16_t *lhs;              /* [rows_cap, M] bf16 */
-    const uint16_t *rhs;              /* [rows_cap, N] bf16 */
-    const int32_t *expert_offsets;    /* [E_local + 1] device, multiples of 128 */
+    mf_rows rows;
+    mf_operand lhs, rhs;              /* [rows_cap, M], [rows_cap, N] */
     float *dw;                        /* [E_local, M, N] fp32, or NULL */
-    int rows_cap, m, n, num_local_experts, accumulate, num_sms;
     uint16_t *dw_bf16;                /* [E_local, M, N] bf16, when dw is NULL */
-    /* [E_local + 1] device, from mf_expert_order: the experts (heavy ones first, those
-     * without rows last), then how many have rows. Their tiles are handed out in this
-     * order, and with bf16 out the store warps write the zero tiles of experts without
-     * rows beside the GEMM tiles. NULL: expert 0 first, every tile through the GEMM.
-     * Same bits either way. */
+    int m, n, accumulate, num_sms;
+    /* [E_local + 1] device, from mf_expert_order: the experts (heavy first, those without
+     * rows last), then how many have rows. Tiles are handed out in this order; with bf16
+     * out the store warps write the zero tiles of experts without rows beside the GEMM
+     * tiles. NULL: expert 0 first, every tile through the GEMM. Same bits either way. */
     const int32_t *expert_order;
 } mf_wgrad_params;
 

@@ -311,7 +311,8 @@ static void check_wgrad(int M, int N, const std::vector<int> &counts) {
     float *d_dw = nullptr;
     CUDA_OK(cudaMalloc(&d_dw, ndw * 4));
     auto run = [&](int sms, int acc) {
-        mf_wgrad_params p = {d_l, d_r, d_off, d_dw, R, M, N, E, acc, sms};
+        mf_wgrad_params p = {{nullptr, d_off, nullptr, R, E}, {d_l}, {d_r}, d_dw, nullptr,
+                             M, N, acc, sms};
         return mf_sm90_wgrad_grouped_bf16(&p, 0);
     };
     CUDA_OK(cudaMemset(d_dw, 0xFF, ndw * 4));
@@ -359,7 +360,8 @@ static void check_wgrad(int M, int N, const std::vector<int> &counts) {
     CUDA_OK(mf_expert_order(d_off, E, d_order, 0));
     for (int sms : {num_sms(), 7}) {
         CUDA_OK(cudaMemset(d_dw, 0xFF, ndw * 4));
-        mf_wgrad_params po = {d_l, d_r, d_off, d_dw, R, M, N, E, 0, sms, nullptr, d_order};
+        mf_wgrad_params po = {{nullptr, d_off, nullptr, R, E}, {d_l}, {d_r}, d_dw, nullptr,
+                              M, N, 0, sms, d_order};
         CUDA_OK(mf_sm90_wgrad_grouped_bf16(&po, 0));
         CUDA_OK(cudaDeviceSynchronize());
         dw2 = dev_download(d_dw, ndw);
@@ -386,7 +388,8 @@ static void check_wgrad(int M, int N, const std::vector<int> &counts) {
     uint16_t *d_dwb = nullptr;
     CUDA_OK(cudaMalloc(&d_dwb, ndw * 2));
     CUDA_OK(cudaMemset(d_dwb, 0xFF, ndw * 2));
-    mf_wgrad_params pb = {d_l, d_r, d_off, nullptr, R, M, N, E, 0, num_sms(), d_dwb};
+    mf_wgrad_params pb = {{nullptr, d_off, nullptr, R, E}, {d_l}, {d_r}, nullptr, d_dwb,
+                          M, N, 0, num_sms()};
     CUDA_OK(mf_sm90_wgrad_grouped_bf16(&pb, 0));
     CUDA_OK(cudaDeviceSynchronize());
     std::vector<uint16_t> dwb = dev_download(d_dwb, ndw);
@@ -543,8 +546,10 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
 
     mf_dgrad2_params p2 = {dys, w2, gu, rbe, nr, slot, rw, dh, actp, dp, R, H, I, E, sms};
     mf_dgrad1_params p1 = {dh, w13, rbe, nr, slot, comb, R, H, I, E, sms};
-    mf_wgrad_params pw2 = {dys, actp, off, dw2, R, H, I, E, 0, sms};
-    mf_wgrad_params pw13 = {dh, xs, off, dw13, R, 2 * I, H, E, 0, sms};
+    /* operands: a zeroed mf_operand is bf16, unscaled */
+    const mf_rows segments = {nullptr, off, nullptr, R, E};
+    mf_wgrad_params pw2 = {segments, {dys}, {actp}, dw2, nullptr, H, I, 0, sms};
+    mf_wgrad_params pw13 = {segments, {dh}, {xs}, dw13, nullptr, 2 * I, H, 0, sms};
     mf_wgrad_params pw13a = pw13;
     pw13a.accumulate = 1;
     mf_wgrad_params pw2b = pw2, pw13b = pw13;   /* bf16 out: the store-warp instantiation */

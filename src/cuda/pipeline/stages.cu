@@ -22,6 +22,9 @@ void rows_and_sizes(const moefuse_layer *layer, const call_bufs &c, GemmParams *
     p->num_sms = s->plan.num_sms;
 }
 
+/* A bf16 input, unscaled. */
+mf_operand bf16(const void *data) { return mf_operand{data, MF_DTYPE_BF16, NULL, MF_SCALES_NONE}; }
+
 }  // namespace
 
 mf_gemm1_params gemm1_params(const moefuse_layer *layer, const call_bufs &c,
@@ -74,10 +77,10 @@ static mf_wgrad_params wgrad_common(const moefuse_layer *layer, const moefuse_bw
                                     int rows_cap) {
     const cuda_state *s = state_of(layer);
     mf_wgrad_params w = {};
-    w.expert_offsets = s->bwd_offsets;
+    w.rows.expert_offsets = s->bwd_offsets;
+    w.rows.rows_cap = rows_cap;
+    w.rows.num_local_experts = layer->num_local_experts;
     w.expert_order = s->expert_order;
-    w.rows_cap = rows_cap;
-    w.num_local_experts = layer->num_local_experts;
     w.accumulate = a->accumulate;
     w.num_sms = s->plan.num_sms;
     return w;
@@ -86,8 +89,8 @@ static mf_wgrad_params wgrad_common(const moefuse_layer *layer, const moefuse_bw
 mf_wgrad_params dw2_params(const moefuse_layer *layer, const moefuse_bwd_args *a, int rows_cap,
                            const uint16_t *dys) {
     mf_wgrad_params w = wgrad_common(layer, a, rows_cap);
-    w.lhs = dys;
-    w.rhs = state_of(layer)->act;
+    w.lhs = bf16(dys);
+    w.rhs = bf16(state_of(layer)->act);
     w.dw = a->dw2;
     w.dw_bf16 = a->dw2_bf16;
     w.m = layer->cfg.hidden;
@@ -98,8 +101,8 @@ mf_wgrad_params dw2_params(const moefuse_layer *layer, const moefuse_bwd_args *a
 mf_wgrad_params dw13_params(const moefuse_layer *layer, const moefuse_bwd_args *a,
                             int rows_cap, const uint16_t *xs) {
     mf_wgrad_params w = wgrad_common(layer, a, rows_cap);
-    w.lhs = state_of(layer)->dh;
-    w.rhs = xs;
+    w.lhs = bf16(state_of(layer)->dh);
+    w.rhs = bf16(xs);
     w.dw = a->dw13;
     w.dw_bf16 = a->dw13_bf16;
     w.m = 2 * layer->cfg.intermediate;

@@ -306,10 +306,11 @@ extern "C" cudaError_t mf_sm90_moe_fused_bwd_bf16(const mf_moe_fused_bwd_params 
         !mf_sm90_moe_fused_bwd_takes(d->hidden, d->intermediate))
         return cudaErrorInvalidValue;
     const int H = d->hidden, I = d->intermediate;
+    const mf_rows &r2 = w2->rows, &r13 = w13->rows;
     if (w2->m != H || w2->n != I || w13->m != 2 * I || w13->n != H ||
-        w2->rows_cap != d->rows_cap || w13->rows_cap != d->rows_cap ||
-        w2->num_local_experts != d->num_local_experts ||
-        w13->num_local_experts != d->num_local_experts || w2->num_sms != d->num_sms ||
+        r2.rows_cap != d->rows_cap || r13.rows_cap != d->rows_cap ||
+        r2.num_local_experts != d->num_local_experts ||
+        r13.num_local_experts != d->num_local_experts || w2->num_sms != d->num_sms ||
         w13->num_sms != d->num_sms)
         return cudaErrorInvalidValue;
     cudaError_t err;
