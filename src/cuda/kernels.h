@@ -102,27 +102,15 @@ cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p, cudaStream_t
 /* gemm2: combine[row_slot[r]] = bf16(p_r * (act_r W2_e^T)) for every row r < *num_rows
  * with row_slot[r] >= 0, p_r = row_weight[r]. */
 typedef struct mf_gemm2_params {
-    const uint16_t *act;              /* [rows_cap, I] bf16 */
-    const uint16_t *w2;               /* [E_local, H, I] bf16 */
-    const int32_t *row_block_expert;  /* [rows_cap / 128] */
-    const int32_t *num_rows;          /* device scalar */
-    const int32_t *row_slot;          /* [rows_cap] slot (t*K + k) of each row, -1 padding */
-    const float *row_weight;          /* [rows_cap] routing weight p of each row (one
-                                       * rank: written by the dispatch; EP: pushed with
-                                       * the rows). NOTE: one load per row before a tile's
-                                       * K loop; weights[row_slot[r]] there, two dependent
-                                       * loads, stall every tile (see
-                                       * docs/decisions/0005-token-major-dispatch) */
-    uint16_t *combine;                /* out [T*K, H] bf16, one row per slot */
-    int rows_cap;
-    int hidden;                       /* H */
-    int intermediate;                 /* I */
-    int num_local_experts;
-    int num_sms;
-    /* Expert parallelism (NULL / 0 for one rank): row_slot[r] = slot * R + source rank;
-     * row r goes to combine_peers[source] (device table [R]). */
-    uint16_t *const *combine_peers;   /* [R] replaces combine when set */
-    int num_ranks;
+    mf_rows rows;
+    mf_operand act, w2;               /* [rows_cap, I], [E_local, H, I] */
+    /* [rows_cap] routing weight p of each row (one rank: written by the dispatch; EP:
+     * pushed with the rows). NOTE: one load per row before a tile's K loop;
+     * weights[row_slot[r]], two dependent loads, stall every tile (see
+     * docs/decisions/0005-token-major-dispatch) */
+    const float *row_weight;
+    mf_scatter to;
+    int hidden, intermediate, num_sms;
 } mf_gemm2_params;
 
 cudaError_t mf_sm90_gemm2_combine_fwd_bf16(const mf_gemm2_params *p, cudaStream_t stream);
@@ -189,15 +177,10 @@ cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(const mf_dgrad2_params *p, cudaS
  * (W13_e is [2I, H]: B is MN-major). The reduce kernel then sums the K slots of a token
  * into dx, as in the forward. */
 typedef struct mf_dgrad1_params {
-    const uint16_t *dh;               /* [rows_cap, 2I] bf16 */
-    const uint16_t *w13;              /* [E_local, 2I, H] bf16 */
-    const int32_t *row_block_expert;  /* [rows_cap / 128] */
-    const int32_t *num_rows;          /* device scalar */
-    const int32_t *row_slot;          /* [rows_cap] */
-    uint16_t *combine;                /* out [T*K, H] bf16 */
-    int rows_cap, hidden, intermediate, num_local_experts, num_sms;
-    uint16_t *const *combine_peers;   /* EP: [R] replaces combine, as in mf_gemm2_params */
-    int num_ranks;
+    mf_rows rows;
+    mf_operand dh, w13;               /* [rows_cap, 2I], [E_local, 2I, H] */
+    mf_scatter to;
+    int hidden, intermediate, num_sms;
 } mf_dgrad1_params;
 
 cudaError_t mf_sm90_gemm1_dgrad_bwd_bf16(const mf_dgrad1_params *p, cudaStream_t stream);

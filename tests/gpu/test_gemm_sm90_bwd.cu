@@ -97,7 +97,8 @@ static void check_dgrad(int H, int I, const std::vector<int> &counts) {
                                R, H, I, E, sms};
         cudaError_t e = mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&p2, 0);
         if (e != cudaSuccess) return e;
-        mf_dgrad1_params p1 = {d_dh, d_w13, d_rbe, d_nr, d_slot, d_comb, R, H, I, E, sms};
+        const mf_rows rows = {d_rbe, nullptr, d_nr, R, E};   /* operands: bf16, unscaled */
+        mf_dgrad1_params p1 = {rows, {d_dh}, {d_w13}, {d_slot, d_comb}, H, I, sms};
         return mf_sm90_gemm1_dgrad_bwd_bf16(&p1, 0);
     };
     poison();
@@ -545,7 +546,8 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
     CUDA_OK(cudaDeviceSynchronize());
 
     mf_dgrad2_params p2 = {dys, w2, gu, rbe, nr, slot, rw, dh, actp, dp, R, H, I, E, sms};
-    mf_dgrad1_params p1 = {dh, w13, rbe, nr, slot, comb, R, H, I, E, sms};
+    const mf_rows rows = {rbe, nullptr, nr, R, E};
+    mf_dgrad1_params p1 = {rows, {dh}, {w13}, {slot, comb}, H, I, sms};
     /* operands: a zeroed mf_operand is bf16, unscaled */
     const mf_rows segments = {nullptr, off, nullptr, R, E};
     mf_wgrad_params pw2 = {segments, {dys}, {actp}, dw2, nullptr, H, I, 0, sms};

@@ -22,8 +22,26 @@ void rows_and_sizes(const moefuse_layer *layer, const call_bufs &c, GemmParams *
     p->num_sms = s->plan.num_sms;
 }
 
+/* The call's expert-sorted rows, as the row-block GEMMs read them. */
+mf_rows row_blocks(const moefuse_layer *layer, const call_bufs &c) {
+    mf_rows r = {};
+    r.row_block_expert = c.rbe;
+    r.num_rows = state_of(layer)->gemm_num_rows;
+    r.rows_cap = c.lay.rows_cap;
+    r.num_local_experts = layer->num_local_experts;
+    return r;
+}
+
 /* A bf16 input, unscaled. */
 mf_operand bf16(const void *data) { return mf_operand{data, MF_DTYPE_BF16, NULL, MF_SCALES_NONE}; }
+
+/* The sizes and grid every expert GEMM over the call's rows shares. */
+template <class GemmParams>
+void sizes(const moefuse_layer *layer, GemmParams *p) {
+    p->hidden = layer->cfg.hidden;
+    p->intermediate = layer->cfg.intermediate;
+    p->num_sms = state_of(layer)->plan.num_sms;
+}
 
 }  // namespace
 
@@ -40,10 +58,10 @@ mf_gemm1_params gemm1_params(const moefuse_layer *layer, const call_bufs &c,
 
 mf_gemm2_params gemm2_params(const moefuse_layer *layer, const call_bufs &c, const uint16_t *w2) {
     mf_gemm2_params g = {};
-    rows_and_sizes(layer, c, &g);
-    g.act = state_of(layer)->act;
-    g.w2 = w2;
-    g.row_slot = c.row_slot;
+    g.rows = row_blocks(layer, c);
+    sizes(layer, &g);
+    g.act = bf16(state_of(layer)->act);
+    g.w2 = bf16(w2);
     return g;
 }
 
@@ -65,10 +83,10 @@ mf_dgrad2_params dgrad2_params(const moefuse_layer *layer, const call_bufs &c,
 mf_dgrad1_params dgrad1_params(const moefuse_layer *layer, const call_bufs &c,
                                const uint16_t *w13) {
     mf_dgrad1_params d = {};
-    rows_and_sizes(layer, c, &d);
-    d.dh = state_of(layer)->dh;
-    d.w13 = w13;
-    d.row_slot = c.row_slot;
+    d.rows = row_blocks(layer, c);
+    sizes(layer, &d);
+    d.dh = bf16(state_of(layer)->dh);
+    d.w13 = bf16(w13);
     return d;
 }
 

@@ -162,13 +162,6 @@ struct row_arrivals {
     int num_sms;
 };
 
-/* Where gemm2 and dgrad1 write each row's slot row. */
-struct scatter_target {
-    uint16_t *combine;                /* this rank's combine workspace, or NULL */
-    uint16_t *const *combine_peers;   /* the source ranks' combine windows, or NULL */
-    int num_ranks;
-};
-
 /* The points of a call where the transports differ beyond the dispatch. */
 enum sync_point {
     kForwardCombined,    /* after gemm2: every rank's combine rows are in */
@@ -193,7 +186,9 @@ struct transport {
     moefuse_status (*dispatch)(moefuse_layer *layer, const token_rows &rows,
                                const call_bufs &c, cudaStream_t stream);
     row_arrivals (*arrivals)(const moefuse_layer *layer, const call_bufs &c, bool backward);
-    scatter_target (*scatter)(const moefuse_layer *layer);
+    /* where gemm2 and dgrad1 write each of c's rows: its slot row of this rank's combine
+     * workspace, or of its source rank's combine window */
+    mf_scatter (*scatter)(const moefuse_layer *layer, const call_bufs &c);
     moefuse_status (*sync)(moefuse_layer *layer, sync_point at, const call_bufs &c,
                            cudaStream_t stream);
     /* where the reduce of d p reads: dp_partial, parts, slot_row, ids */
@@ -215,8 +210,8 @@ moefuse_status check(moefuse_layer *layer, void *stream);
 
 /* ---- the stages' params (stages.cu), on the layer's workspaces ----------------------
  * The caller sets what differs by direction and transport:
- *   gemm2:  row_weight, the scatter target;  dgrad2: row_weight;  dgrad1: the scatter
- *   target; gemm1, dgrad2: the row arrivals (with_arrivals) */
+ *   gemm2:  row_weight, the scatter target (to);  dgrad2: row_weight;  dgrad1: the
+ *   scatter target; gemm1, dgrad2: the row arrivals (with_arrivals) */
 mf_gemm1_params gemm1_params(const moefuse_layer *layer, const call_bufs &c,
                              const uint16_t *w13, uint16_t *gate_up);
 mf_gemm2_params gemm2_params(const moefuse_layer *layer, const call_bufs &c, const uint16_t *w2);
@@ -242,13 +237,6 @@ void with_arrivals(GemmParams *p, const row_arrivals &w) {
     p->timeout_ns = w.timeout_ns;
     p->arrival_stage = w.stage;
     p->num_sms = w.num_sms;
-}
-
-template <class GemmParams>
-void with_scatter(GemmParams *p, const scatter_target &t) {
-    p->combine = t.combine;
-    p->combine_peers = t.combine_peers;
-    p->num_ranks = t.num_ranks;
 }
 
 }  // namespace pipeline

@@ -239,9 +239,10 @@ extern "C" cudaError_t mf_sm90_moe_fused_fwd_bf16(const mf_moe_fused_fwd_params 
     if (!gemm1_params_ok<P>(a) || !gemm2_params_ok<P>(b) ||
         !mf_sm90_moe_fused_fwd_takes(a->hidden, a->intermediate))
         return cudaErrorInvalidValue;
-    if (a->act != b->act || a->row_block_expert != b->row_block_expert ||
-        a->num_rows != b->num_rows || a->rows_cap != b->rows_cap || a->hidden != b->hidden ||
-        a->intermediate != b->intermediate || a->num_local_experts != b->num_local_experts ||
+    const mf_rows &rb = b->rows;
+    if (a->act != b->act.data || a->row_block_expert != rb.row_block_expert ||
+        a->num_rows != rb.num_rows || a->rows_cap != rb.rows_cap || a->hidden != b->hidden ||
+        a->intermediate != b->intermediate || a->num_local_experts != rb.num_local_experts ||
         a->num_sms != b->num_sms)
         return cudaErrorInvalidValue;
     if (a->rows_cap == 0) return cudaSuccess;

@@ -316,10 +316,11 @@ row_arrivals arrivals(const moefuse_layer *layer, const call_bufs &c, bool backw
     return w;
 }
 
-scatter_target scatter(const moefuse_layer *layer) {
+mf_scatter scatter(const moefuse_layer *layer, const call_bufs &c) {
     const cuda_state *s = state_of(layer);
-    return scatter_target{NULL, (uint16_t *const *)(s->peers + MF_WIN_COMBINE * s->num_ranks),
-                          s->num_ranks};
+    return mf_scatter{c.row_slot, NULL,
+                      (uint16_t *const *)(s->peers + MF_WIN_COMBINE * s->num_ranks),
+                      s->num_ranks};
 }
 
 moefuse_status sync(moefuse_layer *layer, sync_point at, const call_bufs &c,
