@@ -70,31 +70,14 @@ typedef struct mf_scatter {
 } mf_scatter;
 
 /* gemm1: act = bf16(silu(g) * u) of the bf16-rounded [g; u] = xs W13_e^T (the a dgrad2
- * recomputes, bit for bit), per 128-row block of expert e.
- * Rows past *num_rows are not touched. Padding rows inside a block compute garbage
- * that nobody reads. */
+ * recomputes, bit for bit), per 128-row block of expert e. */
 typedef struct mf_gemm1_params {
-    const uint16_t *xs;               /* [rows_cap, H] bf16, expert-sorted rows */
-    const uint16_t *w13;              /* [E_local, 2I, H] bf16 */
-    const int32_t *row_block_expert;  /* [rows_cap / 128] local expert of each block */
-    const int32_t *num_rows;          /* device scalar: rows in use, multiple of 128 */
+    mf_rows rows;
+    mf_operand xs, w13;               /* [rows_cap, H], [E_local, 2I, H] */
     uint16_t *act;                    /* out [rows_cap, I] bf16 */
     uint16_t *gate_up;                /* out [rows_cap, 2I] bf16 [g; u], or NULL */
-    int rows_cap;                     /* multiple of 128 */
-    int hidden;                       /* H */
-    int intermediate;                 /* I */
-    int num_local_experts;
-    int num_sms;                      /* persistent grid size */
-    /* Expert parallelism (NULL: the rows are all there): before its first TMA load of a
-     * 128-row block, the producer waits until arrivals[b] reaches arrival_target[b]
-     * (rows written into the block, counted by mf_ep_push_rows; wrap-safe), at most
-     * timeout_ns per block; a wait that runs out is recorded in state (MOEFUSE_ERR_TIMEOUT)
-     * and fails the call (its results are not used), and the kernel stops waiting. */
-    const uint32_t *arrivals;         /* [rows_cap / 128], in this rank's sync window */
-    const uint32_t *arrival_target;   /* [rows_cap / 128] */
-    struct mf_plan_state *state;      /* below */
-    int64_t timeout_ns;
-    int arrival_stage;                /* mf_ep_stage the record names (forward or backward rows) */
+    int hidden, intermediate, num_sms; /* H, I, persistent grid size */
+    mf_arrivals rows_in;
 } mf_gemm1_params;
 
 cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p, cudaStream_t stream);
@@ -122,8 +105,8 @@ cudaError_t mf_sm90_gemm2_combine_fwd_bf16(const mf_gemm2_params *p, cudaStream_
  * taken in groups of row blocks, by whichever CTA is free: gemm1 of group u, then gemm2
  * of group u - 1, so a gemm2 tile seldom waits and its act rows are still in L2. Takes
  * H % 256 == 0 and I % 128 == 0 (one tile shape for both GEMMs;
- * mf_sm90_moe_fused_fwd_takes); act, row_block_expert, num_rows, rows_cap, the sizes and
- * num_sms of the two params must agree. */
+ * mf_sm90_moe_fused_fwd_takes); gemm1's act and gemm2's act operand, the rows (blocks,
+ * num_rows, rows_cap, E_local), the sizes and num_sms of the two params must agree. */
 typedef struct mf_moe_fused_fwd_params {
     mf_gemm1_params gemm1;
     mf_gemm2_params gemm2;
@@ -149,24 +132,15 @@ cudaError_t mf_sm90_moe_fused_fwd_bf16(const mf_moe_fused_fwd_params *p, cudaStr
  *   act_p[r] = bf16(p * a)                                  (the A operand of dW2)
  * Rows with row_slot -1 (padding) get dh = 0, act_p = 0, dp_partial = 0. */
 typedef struct mf_dgrad2_params {
-    const uint16_t *dys;              /* [rows_cap, H] bf16 */
-    const uint16_t *w2;               /* [E_local, H, I] bf16 */
+    mf_rows rows;
+    mf_operand dys, w2;               /* [rows_cap, H], [E_local, H, I] */
     const uint16_t *gate_up;          /* [rows_cap, 2I] bf16 [g | u] */
-    const int32_t *row_block_expert;  /* [rows_cap / 128] */
-    const int32_t *num_rows;          /* device scalar */
     const int32_t *row_slot;          /* [rows_cap] */
     const float *row_weight;          /* [rows_cap] p of each row (as gemm2's) */
-    uint16_t *dh;                     /* out [rows_cap, 2I] bf16 */
-    uint16_t *act_p;                  /* out [rows_cap, I] bf16 */
+    uint16_t *dh, *act_p;             /* out [rows_cap, 2I], [rows_cap, I] bf16 */
     float *dp_partial;                /* out [rows_cap, mf_dgrad2_dp_parts(I)] fp32 */
-    int rows_cap, hidden, intermediate, num_local_experts, num_sms;
-    /* Expert parallelism (NULL: the rows are all there): the producer waits for each
-     * block's dys rows (and their row_slot and row_weight) as in mf_gemm1_params. */
-    const uint32_t *arrivals;
-    const uint32_t *arrival_target;
-    struct mf_plan_state *state;
-    int64_t timeout_ns;
-    int arrival_stage;
+    int hidden, intermediate, num_sms;
+    mf_arrivals rows_in;              /* dys rows, with their row_slot and row_weight */
 } mf_dgrad2_params;
 
 /* Column blocks of dgrad2 over I, i.e. the partial sums per row that make d p. */

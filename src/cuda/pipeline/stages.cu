@@ -9,19 +9,6 @@ namespace pipeline {
 
 namespace {
 
-/* The fields every expert GEMM over the call's rows shares: its row blocks, sizes, grid. */
-template <class GemmParams>
-void rows_and_sizes(const moefuse_layer *layer, const call_bufs &c, GemmParams *p) {
-    const cuda_state *s = state_of(layer);
-    p->row_block_expert = c.rbe;
-    p->num_rows = s->gemm_num_rows;
-    p->rows_cap = c.lay.rows_cap;
-    p->hidden = layer->cfg.hidden;
-    p->intermediate = layer->cfg.intermediate;
-    p->num_local_experts = layer->num_local_experts;
-    p->num_sms = s->plan.num_sms;
-}
-
 /* The call's expert-sorted rows, as the row-block GEMMs read them. */
 mf_rows row_blocks(const moefuse_layer *layer, const call_bufs &c) {
     mf_rows r = {};
@@ -48,9 +35,10 @@ void sizes(const moefuse_layer *layer, GemmParams *p) {
 mf_gemm1_params gemm1_params(const moefuse_layer *layer, const call_bufs &c,
                              const uint16_t *w13, uint16_t *gate_up) {
     mf_gemm1_params g = {};
-    rows_and_sizes(layer, c, &g);
-    g.xs = c.xs;
-    g.w13 = w13;
+    g.rows = row_blocks(layer, c);
+    sizes(layer, &g);
+    g.xs = bf16(c.xs);
+    g.w13 = bf16(w13);
     g.act = state_of(layer)->act;
     g.gate_up = gate_up;
     return g;
@@ -69,9 +57,10 @@ mf_dgrad2_params dgrad2_params(const moefuse_layer *layer, const call_bufs &c,
                                const uint16_t *w2, const uint16_t *gate_up) {
     const cuda_state *s = state_of(layer);
     mf_dgrad2_params d = {};
-    rows_and_sizes(layer, c, &d);
-    d.dys = c.dys;
-    d.w2 = w2;
+    d.rows = row_blocks(layer, c);
+    sizes(layer, &d);
+    d.dys = bf16(c.dys);
+    d.w2 = bf16(w2);
     d.gate_up = gate_up;
     d.row_slot = c.row_slot;
     d.dh = s->dh;

@@ -152,13 +152,10 @@ struct token_rows {
     int64_t dy_stride;
 };
 
-/* How a GEMM beside the dispatch waits for its rows: arrivals NULL, they are all there
- * (the params' fields stay as the builders left them). */
+/* How a GEMM beside the dispatch waits for its rows, on how many SMs: rows_in.arrivals
+ * NULL, they are all there (the params stay as the builders left them). */
 struct row_arrivals {
-    const uint32_t *arrivals, *target;
-    mf_plan_state *state;
-    int64_t timeout_ns;
-    int stage;                  /* mf_ep_stage */
+    mf_arrivals rows_in;
     int num_sms;
 };
 
@@ -230,12 +227,8 @@ mf_reduce_params reduce_params(const moefuse_layer *layer, const int32_t *ids, i
 
 template <class GemmParams>
 void with_arrivals(GemmParams *p, const row_arrivals &w) {
-    if (!w.arrivals) return;
-    p->arrivals = w.arrivals;
-    p->arrival_target = w.target;
-    p->state = w.state;
-    p->timeout_ns = w.timeout_ns;
-    p->arrival_stage = w.stage;
+    if (!w.rows_in.arrivals) return;
+    p->rows_in = w.rows_in;
     p->num_sms = w.num_sms;
 }
 
