@@ -68,13 +68,27 @@ static cudaError_t poison_outputs(Dev &d, const Layout &L, int H, int I) {
     return cudaMemset(d.combine, 0xFF, (size_t)L.num_slots * H * 2);
 }
 
+/* The layout's rows on the device (operands: a zeroed mf_operand is bf16, unscaled). */
+static mf_rows dev_rows(const Dev &d, const Layout &L) {
+    return mf_rows{d.rbe, nullptr, d.num_rows, L.rows_cap, L.E};
+}
+
+static mf_gemm1_params gemm1_params(Dev &d, const Layout &L, int H, int I, int sms,
+                                    bool gate_up) {
+    return mf_gemm1_params{dev_rows(d, L), {d.xs}, {d.w13}, d.act,
+                           gate_up ? d.gate_up : nullptr, H, I, sms};
+}
+
+static mf_gemm2_params gemm2_params(Dev &d, const Layout &L, int H, int I, int sms) {
+    return mf_gemm2_params{dev_rows(d, L), {d.act}, {d.w2}, d.row_weight,
+                           {d.row_slot, d.combine}, H, I, sms};
+}
+
 static mf_moe_fused_fwd_params fwd_params(Dev &d, const Layout &L, int H, int I, int sms,
                                           bool gate_up) {
     mf_moe_fused_fwd_params p = {};
-    p.gemm1 = {d.xs, d.w13, d.rbe, d.num_rows, d.act, gate_up ? d.gate_up : nullptr,
-               L.rows_cap, H, I, L.E, sms};
-    p.gemm2 = {d.act, d.w2, d.rbe, d.num_rows, d.row_slot, d.row_weight,
-               d.combine, L.rows_cap, H, I, L.E, sms};
+    p.gemm1 = gemm1_params(d, L, H, I, sms, gate_up);
+    p.gemm2 = gemm2_params(d, L, H, I, sms);
     p.act_ready = d.act_ready;
     return p;
 }
@@ -138,8 +152,8 @@ static void check_act_matches_dgrad2(Dev &d, const Layout &L, int H, int I,
     CUDA_OK(cudaMemset(act_p, 0xFF, (size_t)L.rows_cap * I * 2));
     const std::vector<float> one(L.rows_cap, 1.f);
     CUDA_OK(cudaMemcpy(ones, one.data(), one.size() * 4, cudaMemcpyHostToDevice));
-    mf_dgrad2_params p2 = {dys, d.w2, d.gate_up, d.rbe, d.num_rows, d.row_slot, ones,
-                           dh, act_p, dp, L.rows_cap, H, I, L.E, num_sms()};
+    mf_dgrad2_params p2 = {dev_rows(d, L), {dys}, {d.w2}, d.gate_up, d.row_slot, ones,
+                           dh, act_p, dp, H, I, num_sms()};
     CUDA_OK(mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&p2, 0));
     CUDA_OK(cudaDeviceSynchronize());
     std::vector<uint16_t> ap((size_t)L.rows_cap * I);
@@ -376,12 +390,10 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
     }
 
     /* Timing: 3 warm-ups, median of 20, CUDA events around each launch. */
-    mf_gemm1_params p1 = {d.xs, d.w13, d.rbe, d.num_rows, d.act, d.gate_up,
-                          L.rows_cap, H, I, E, sms};
+    mf_gemm1_params p1 = gemm1_params(d, L, H, I, sms, true);
     mf_gemm1_params p1n = p1;
     p1n.gate_up = nullptr;
-    mf_gemm2_params p2 = {d.act, d.w2, d.rbe, d.num_rows, d.row_slot, d.row_weight,
-                          d.combine, L.rows_cap, H, I, E, sms};
+    mf_gemm2_params p2 = gemm2_params(d, L, H, I, sms);
     const mf_moe_fused_fwd_params pf = fwd_params(d, L, H, I, sms, true);
     cudaEvent_t t0, t1;
     CUDA_OK(cudaEventCreate(&t0));

@@ -92,12 +92,13 @@ static void check_dgrad(int H, int I, const std::vector<int> &counts) {
         cudaMemset(d_comb, 0xFF, (size_t)L.num_slots * H * 2);
         cudaMemset(d_dp, 0xFF, (size_t)R * parts * 4);
     };
+    const mf_rows rows = {d_rbe, nullptr, d_nr, R, E};   /* operands: bf16, unscaled */
     auto run = [&](int sms) -> cudaError_t {
-        mf_dgrad2_params p2 = {d_dys, d_w2, d_gu, d_rbe, d_nr, d_slot, d_rw, d_dh, d_actp, d_dp,
-                               R, H, I, E, sms};
+        mf_dgrad2_params p2 = {rows, {d_dys}, {d_w2}, d_gu, d_slot, d_rw, d_dh, d_actp, d_dp,
+                               H, I, sms};
         cudaError_t e = mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&p2, 0);
         if (e != cudaSuccess) return e;
-        mf_dgrad1_params p1 = {d_dh, d_w13, d_rbe, d_nr, d_slot, d_comb, R, H, I, E, sms};
+        mf_dgrad1_params p1 = {rows, {d_dh}, {d_w13}, {d_slot, d_comb}, H, I, sms};
         return mf_sm90_gemm1_dgrad_bwd_bf16(&p1, 0);
     };
     poison();
@@ -211,13 +212,9 @@ static void check_dgrad(int H, int I, const std::vector<int> &counts) {
     uint32_t *d_arr = dev_upload(arrivals), *d_tgt = dev_upload(targets);
     mf_plan_state *d_state = dev_upload(std::vector<mf_plan_state>{state0});
     auto run_ep = [&](int64_t timeout_ns, cudaStream_t stream = 0) -> cudaError_t {
-        mf_dgrad2_params p2 = {d_dys, d_w2, d_gu, d_rbe, d_nr, d_slot, d_rw, d_dh, d_actp, d_dp,
-                               R, H, I, E, num_sms()};
-        p2.arrivals = d_arr;
-        p2.arrival_target = d_tgt;
-        p2.state = d_state;
-        p2.timeout_ns = timeout_ns;
-        p2.arrival_stage = MF_EP_STAGE_BWD_ROWS;
+        mf_dgrad2_params p2 = {rows, {d_dys}, {d_w2}, d_gu, d_slot, d_rw, d_dh, d_actp, d_dp,
+                               H, I, num_sms()};
+        p2.rows_in = {d_arr, d_tgt, d_state, timeout_ns, MF_EP_STAGE_BWD_ROWS};
         return mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(&p2, stream);
     };
     /* dh, act_p and dp_partial bitwise those of the run above, and the call not failed. */
@@ -311,7 +308,8 @@ static void check_wgrad(int M, int N, const std::vector<int> &counts) {
     float *d_dw = nullptr;
     CUDA_OK(cudaMalloc(&d_dw, ndw * 4));
     auto run = [&](int sms, int acc) {
-        mf_wgrad_params p = {d_l, d_r, d_off, d_dw, R, M, N, E, acc, sms};
+        mf_wgrad_params p = {{nullptr, d_off, nullptr, R, E}, {d_l}, {d_r}, d_dw, nullptr,
+                             M, N, acc, sms};
         return mf_sm90_wgrad_grouped_bf16(&p, 0);
     };
     CUDA_OK(cudaMemset(d_dw, 0xFF, ndw * 4));
@@ -359,7 +357,8 @@ static void check_wgrad(int M, int N, const std::vector<int> &counts) {
     CUDA_OK(mf_expert_order(d_off, E, d_order, 0));
     for (int sms : {num_sms(), 7}) {
         CUDA_OK(cudaMemset(d_dw, 0xFF, ndw * 4));
-        mf_wgrad_params po = {d_l, d_r, d_off, d_dw, R, M, N, E, 0, sms, nullptr, d_order};
+        mf_wgrad_params po = {{nullptr, d_off, nullptr, R, E}, {d_l}, {d_r}, d_dw, nullptr,
+                              M, N, 0, sms, d_order};
         CUDA_OK(mf_sm90_wgrad_grouped_bf16(&po, 0));
         CUDA_OK(cudaDeviceSynchronize());
         dw2 = dev_download(d_dw, ndw);
@@ -386,7 +385,8 @@ static void check_wgrad(int M, int N, const std::vector<int> &counts) {
     uint16_t *d_dwb = nullptr;
     CUDA_OK(cudaMalloc(&d_dwb, ndw * 2));
     CUDA_OK(cudaMemset(d_dwb, 0xFF, ndw * 2));
-    mf_wgrad_params pb = {d_l, d_r, d_off, nullptr, R, M, N, E, 0, num_sms(), d_dwb};
+    mf_wgrad_params pb = {{nullptr, d_off, nullptr, R, E}, {d_l}, {d_r}, nullptr, d_dwb,
+                          M, N, 0, num_sms()};
     CUDA_OK(mf_sm90_wgrad_grouped_bf16(&pb, 0));
     CUDA_OK(cudaDeviceSynchronize());
     std::vector<uint16_t> dwb = dev_download(d_dwb, ndw);
@@ -541,10 +541,12 @@ static void time_model(const char *name, int H, int I, int E, int tokens, int to
             *nr = dev_upload(std::vector<int32_t>{L.num_rows}), *off = dev_upload(L.offsets);
     CUDA_OK(cudaDeviceSynchronize());
 
-    mf_dgrad2_params p2 = {dys, w2, gu, rbe, nr, slot, rw, dh, actp, dp, R, H, I, E, sms};
-    mf_dgrad1_params p1 = {dh, w13, rbe, nr, slot, comb, R, H, I, E, sms};
-    mf_wgrad_params pw2 = {dys, actp, off, dw2, R, H, I, E, 0, sms};
-    mf_wgrad_params pw13 = {dh, xs, off, dw13, R, 2 * I, H, E, 0, sms};
+    /* operands: a zeroed mf_operand is bf16, unscaled */
+    const mf_rows rows = {rbe, nullptr, nr, R, E}, segments = {nullptr, off, nullptr, R, E};
+    mf_dgrad2_params p2 = {rows, {dys}, {w2}, gu, slot, rw, dh, actp, dp, H, I, sms};
+    mf_dgrad1_params p1 = {rows, {dh}, {w13}, {slot, comb}, H, I, sms};
+    mf_wgrad_params pw2 = {segments, {dys}, {actp}, dw2, nullptr, H, I, 0, sms};
+    mf_wgrad_params pw13 = {segments, {dh}, {xs}, dw13, nullptr, 2 * I, H, 0, sms};
     mf_wgrad_params pw13a = pw13;
     pw13a.accumulate = 1;
     mf_wgrad_params pw2b = pw2, pw13b = pw13;   /* bf16 out: the store-warp instantiation */

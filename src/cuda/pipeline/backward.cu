@@ -136,7 +136,7 @@ moefuse_status backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *s
                                 stream));
     const mf_wgrad_params dw2 = dw2_params(layer, a, c.lay.rows_cap, c.dys);
     mf_dgrad1_params d1 = dgrad1_params(layer, c, a->w13);
-    with_scatter(&d1, plan.net->scatter(layer));
+    d1.to = plan.net->scatter(layer, c);
     const mf_wgrad_params dw13 = dw13_params(layer, a, c.lay.rows_cap, c.xs);
     if (plan.fused_backward) {
         const mf_moe_fused_bwd_params fb = {dw2, d1, dw13, s->act_ready};

@@ -44,7 +44,7 @@ moefuse_status forward(moefuse_layer *layer, const moefuse_fwd_args *a, void *st
     with_arrivals(&g1, plan.net->arrivals(layer, c, false));
     mf_gemm2_params g2 = gemm2_params(layer, c, a->w2);
     g2.row_weight = s->row_weight;
-    with_scatter(&g2, plan.net->scatter(layer));
+    g2.to = plan.net->scatter(layer, c);
     if (plan.fused_forward) {
         // beside a push its gemm2 tiles run on the SMs the push leaves too
         g2.num_sms = g1.num_sms;

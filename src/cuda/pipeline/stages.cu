@@ -9,17 +9,25 @@ namespace pipeline {
 
 namespace {
 
-/* The fields every expert GEMM over the call's rows shares: its row blocks, sizes, grid. */
+/* The call's expert-sorted rows, as the row-block GEMMs read them. */
+mf_rows row_blocks(const moefuse_layer *layer, const call_bufs &c) {
+    mf_rows r = {};
+    r.row_block_expert = c.rbe;
+    r.num_rows = state_of(layer)->gemm_num_rows;
+    r.rows_cap = c.lay.rows_cap;
+    r.num_local_experts = layer->num_local_experts;
+    return r;
+}
+
+/* A bf16 input, unscaled. */
+mf_operand bf16(const void *data) { return mf_operand{data, MF_DTYPE_BF16, NULL, MF_SCALES_NONE}; }
+
+/* The sizes and grid every expert GEMM over the call's rows shares. */
 template <class GemmParams>
-void rows_and_sizes(const moefuse_layer *layer, const call_bufs &c, GemmParams *p) {
-    const cuda_state *s = state_of(layer);
-    p->row_block_expert = c.rbe;
-    p->num_rows = s->gemm_num_rows;
-    p->rows_cap = c.lay.rows_cap;
+void sizes(const moefuse_layer *layer, GemmParams *p) {
     p->hidden = layer->cfg.hidden;
     p->intermediate = layer->cfg.intermediate;
-    p->num_local_experts = layer->num_local_experts;
-    p->num_sms = s->plan.num_sms;
+    p->num_sms = state_of(layer)->plan.num_sms;
 }
 
 }  // namespace
@@ -27,9 +35,10 @@ void rows_and_sizes(const moefuse_layer *layer, const call_bufs &c, GemmParams *
 mf_gemm1_params gemm1_params(const moefuse_layer *layer, const call_bufs &c,
                              const uint16_t *w13, uint16_t *gate_up) {
     mf_gemm1_params g = {};
-    rows_and_sizes(layer, c, &g);
-    g.xs = c.xs;
-    g.w13 = w13;
+    g.rows = row_blocks(layer, c);
+    sizes(layer, &g);
+    g.xs = bf16(c.xs);
+    g.w13 = bf16(w13);
     g.act = state_of(layer)->act;
     g.gate_up = gate_up;
     return g;
@@ -37,10 +46,10 @@ mf_gemm1_params gemm1_params(const moefuse_layer *layer, const call_bufs &c,
 
 mf_gemm2_params gemm2_params(const moefuse_layer *layer, const call_bufs &c, const uint16_t *w2) {
     mf_gemm2_params g = {};
-    rows_and_sizes(layer, c, &g);
-    g.act = state_of(layer)->act;
-    g.w2 = w2;
-    g.row_slot = c.row_slot;
+    g.rows = row_blocks(layer, c);
+    sizes(layer, &g);
+    g.act = bf16(state_of(layer)->act);
+    g.w2 = bf16(w2);
     return g;
 }
 
@@ -48,9 +57,10 @@ mf_dgrad2_params dgrad2_params(const moefuse_layer *layer, const call_bufs &c,
                                const uint16_t *w2, const uint16_t *gate_up) {
     const cuda_state *s = state_of(layer);
     mf_dgrad2_params d = {};
-    rows_and_sizes(layer, c, &d);
-    d.dys = c.dys;
-    d.w2 = w2;
+    d.rows = row_blocks(layer, c);
+    sizes(layer, &d);
+    d.dys = bf16(c.dys);
+    d.w2 = bf16(w2);
     d.gate_up = gate_up;
     d.row_slot = c.row_slot;
     d.dh = s->dh;
@@ -62,10 +72,10 @@ mf_dgrad2_params dgrad2_params(const moefuse_layer *layer, const call_bufs &c,
 mf_dgrad1_params dgrad1_params(const moefuse_layer *layer, const call_bufs &c,
                                const uint16_t *w13) {
     mf_dgrad1_params d = {};
-    rows_and_sizes(layer, c, &d);
-    d.dh = state_of(layer)->dh;
-    d.w13 = w13;
-    d.row_slot = c.row_slot;
+    d.rows = row_blocks(layer, c);
+    sizes(layer, &d);
+    d.dh = bf16(state_of(layer)->dh);
+    d.w13 = bf16(w13);
     return d;
 }
 
@@ -74,10 +84,10 @@ static mf_wgrad_params wgrad_common(const moefuse_layer *layer, const moefuse_bw
                                     int rows_cap) {
     const cuda_state *s = state_of(layer);
     mf_wgrad_params w = {};
-    w.expert_offsets = s->bwd_offsets;
+    w.rows.expert_offsets = s->bwd_offsets;
+    w.rows.rows_cap = rows_cap;
+    w.rows.num_local_experts = layer->num_local_experts;
     w.expert_order = s->expert_order;
-    w.rows_cap = rows_cap;
-    w.num_local_experts = layer->num_local_experts;
     w.accumulate = a->accumulate;
     w.num_sms = s->plan.num_sms;
     return w;
@@ -86,8 +96,8 @@ static mf_wgrad_params wgrad_common(const moefuse_layer *layer, const moefuse_bw
 mf_wgrad_params dw2_params(const moefuse_layer *layer, const moefuse_bwd_args *a, int rows_cap,
                            const uint16_t *dys) {
     mf_wgrad_params w = wgrad_common(layer, a, rows_cap);
-    w.lhs = dys;
-    w.rhs = state_of(layer)->act;
+    w.lhs = bf16(dys);
+    w.rhs = bf16(state_of(layer)->act);
     w.dw = a->dw2;
     w.dw_bf16 = a->dw2_bf16;
     w.m = layer->cfg.hidden;
@@ -98,8 +108,8 @@ mf_wgrad_params dw2_params(const moefuse_layer *layer, const moefuse_bwd_args *a
 mf_wgrad_params dw13_params(const moefuse_layer *layer, const moefuse_bwd_args *a,
                             int rows_cap, const uint16_t *xs) {
     mf_wgrad_params w = wgrad_common(layer, a, rows_cap);
-    w.lhs = state_of(layer)->dh;
-    w.rhs = xs;
+    w.lhs = bf16(state_of(layer)->dh);
+    w.rhs = bf16(xs);
     w.dw = a->dw13;
     w.dw_bf16 = a->dw13_bf16;
     w.m = 2 * layer->cfg.intermediate;

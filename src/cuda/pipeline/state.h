@@ -152,21 +152,11 @@ struct token_rows {
     int64_t dy_stride;
 };
 
-/* How a GEMM beside the dispatch waits for its rows: arrivals NULL, they are all there
- * (the params' fields stay as the builders left them). */
+/* How a GEMM beside the dispatch waits for its rows, on how many SMs: rows_in.arrivals
+ * NULL, they are all there (the params stay as the builders left them). */
 struct row_arrivals {
-    const uint32_t *arrivals, *target;
-    mf_plan_state *state;
-    int64_t timeout_ns;
-    int stage;                  /* mf_ep_stage */
+    mf_arrivals rows_in;
     int num_sms;
-};
-
-/* Where gemm2 and dgrad1 write each row's slot row. */
-struct scatter_target {
-    uint16_t *combine;                /* this rank's combine workspace, or NULL */
-    uint16_t *const *combine_peers;   /* the source ranks' combine windows, or NULL */
-    int num_ranks;
 };
 
 /* The points of a call where the transports differ beyond the dispatch. */
@@ -193,7 +183,9 @@ struct transport {
     moefuse_status (*dispatch)(moefuse_layer *layer, const token_rows &rows,
                                const call_bufs &c, cudaStream_t stream);
     row_arrivals (*arrivals)(const moefuse_layer *layer, const call_bufs &c, bool backward);
-    scatter_target (*scatter)(const moefuse_layer *layer);
+    /* where gemm2 and dgrad1 write each of c's rows: its slot row of this rank's combine
+     * workspace, or of its source rank's combine window */
+    mf_scatter (*scatter)(const moefuse_layer *layer, const call_bufs &c);
     moefuse_status (*sync)(moefuse_layer *layer, sync_point at, const call_bufs &c,
                            cudaStream_t stream);
     /* where the reduce of d p reads: dp_partial, parts, slot_row, ids */
@@ -215,8 +207,8 @@ moefuse_status check(moefuse_layer *layer, void *stream);
 
 /* ---- the stages' params (stages.cu), on the layer's workspaces ----------------------
  * The caller sets what differs by direction and transport:
- *   gemm2:  row_weight, the scatter target;  dgrad2: row_weight;  dgrad1: the scatter
- *   target; gemm1, dgrad2: the row arrivals (with_arrivals) */
+ *   gemm2:  row_weight, the scatter target (to);  dgrad2: row_weight;  dgrad1: the
+ *   scatter target; gemm1, dgrad2: the row arrivals (with_arrivals) */
 mf_gemm1_params gemm1_params(const moefuse_layer *layer, const call_bufs &c,
                              const uint16_t *w13, uint16_t *gate_up);
 mf_gemm2_params gemm2_params(const moefuse_layer *layer, const call_bufs &c, const uint16_t *w2);
@@ -235,20 +227,9 @@ mf_reduce_params reduce_params(const moefuse_layer *layer, const int32_t *ids, i
 
 template <class GemmParams>
 void with_arrivals(GemmParams *p, const row_arrivals &w) {
-    if (!w.arrivals) return;
-    p->arrivals = w.arrivals;
-    p->arrival_target = w.target;
-    p->state = w.state;
-    p->timeout_ns = w.timeout_ns;
-    p->arrival_stage = w.stage;
+    if (!w.rows_in.arrivals) return;
+    p->rows_in = w.rows_in;
     p->num_sms = w.num_sms;
-}
-
-template <class GemmParams>
-void with_scatter(GemmParams *p, const scatter_target &t) {
-    p->combine = t.combine;
-    p->combine_peers = t.combine_peers;
-    p->num_ranks = t.num_ranks;
 }
 
 }  // namespace pipeline

@@ -50,7 +50,7 @@ cudaError_t launch(const mf_dgrad1_params *p, cudaStream_t stream) {
 extern "C" cudaError_t mf_sm90_gemm1_dgrad_bwd_bf16(const mf_dgrad1_params *p,
                                                     cudaStream_t stream) {
     if (!dgrad1_params_ok(p)) return cudaErrorInvalidValue;
-    if (p->rows_cap == 0) return cudaSuccess;
+    if (p->rows.rows_cap == 0) return cudaSuccess;
     if (p->hidden % 256 == 0) return launch<WideCfg>(p, stream);
     return launch<NarrowCfg>(p, stream);
 }

@@ -330,25 +330,26 @@ template <class Cfg>
 cudaError_t launch(const mf_dgrad2_params *p, cudaStream_t stream) {
     Dgrad2Args args;
     cudaError_t err;
-    if ((err = tensor_map_2d<Precision>(&args.map_dys, p->dys, (uint64_t)p->rows_cap,
+    if ((err = tensor_map_2d<Precision>(&args.map_dys, p->dys.data, (uint64_t)p->rows.rows_cap,
                                         p->hidden, p->hidden, kBlockM, Cfg::kBlockK)) !=
         cudaSuccess)
         return err;
-    if ((err = tensor_map_2d<Precision>(&args.map_w2, p->w2,
-                                        (uint64_t)p->num_local_experts * p->hidden,
+    if ((err = tensor_map_2d<Precision>(&args.map_w2, p->w2.data,
+                                        (uint64_t)p->rows.num_local_experts * p->hidden,
                                         p->intermediate, p->intermediate, Cfg::kBlockK,
                                         Cfg::kMnBoxCols)) != cudaSuccess)
         return err;
     args.gate_up = p->gate_up;
-    args.row_block_expert = p->row_block_expert;
-    args.num_rows = p->num_rows;
+    args.row_block_expert = p->rows.row_block_expert;
+    args.num_rows = p->rows.num_rows;
     args.row_slot = p->row_slot;
     args.row_weight = p->row_weight;
     args.dh = p->dh;
     args.act_p = p->act_p;
     args.dp_partial = p->dp_partial;
-    args.rows_in = {p->arrivals, p->arrival_target, p->state, p->timeout_ns, p->arrival_stage};
-    args.rows_cap = p->rows_cap;
+    const mf_arrivals &w = p->rows_in;
+    args.rows_in = {w.arrivals, w.target, w.state, w.timeout_ns, w.stage};
+    args.rows_cap = p->rows.rows_cap;
     args.hidden = p->hidden;
     args.intermediate = p->intermediate;
     args.dp_parts = p->intermediate / Cfg::BN;   /* = mf_dgrad2_dp_parts */
@@ -369,19 +370,18 @@ extern "C" int mf_dgrad2_dp_parts(int intermediate) {
 
 extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(const mf_dgrad2_params *p,
                                                            cudaStream_t stream) {
-    if (!p || !p->dys || !p->w2 || !p->gate_up || !p->row_block_expert || !p->num_rows ||
-        !p->row_slot || !p->row_weight || !p->dh || !p->act_p || !p->dp_partial ||
-        (p->arrivals && (!p->arrival_target || !p->state)))
+    if (!p || !bf16_operand(p->dys) || !bf16_operand(p->w2) || !p->gate_up ||
+        !row_blocks_ok(p->rows) || !p->row_slot || !p->row_weight || !p->dh || !p->act_p ||
+        !p->dp_partial || !arrivals_ok(p->rows_in))
         return cudaErrorInvalidValue;
-    if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % Precision::kBlockK ||
-        mf_dgrad2_dp_parts(p->intermediate) == 0 || p->num_local_experts <= 0 ||
-        p->num_sms <= 0)
+    if (p->hidden <= 0 || p->hidden % Precision::kBlockK ||
+        mf_dgrad2_dp_parts(p->intermediate) == 0 || p->num_sms <= 0)
         return cudaErrorInvalidValue;
     /* TMA sources and the 16-byte loads and stores of the store warps. */
-    if (misaligned16(p->dys, p->w2, p->gate_up, p->dh, p->act_p) ||
+    if (misaligned16(p->dys.data, p->w2.data, p->gate_up, p->dh, p->act_p) ||
         (reinterpret_cast<uintptr_t>(p->dp_partial) & 3u))
         return cudaErrorInvalidValue;
-    if (p->rows_cap == 0) return cudaSuccess;
+    if (p->rows.rows_cap == 0) return cudaSuccess;
     if (p->intermediate % WideCfg::BN == 0) return launch<WideCfg>(p, stream);
     return launch<NarrowCfg>(p, stream);
 }

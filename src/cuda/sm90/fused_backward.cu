@@ -306,14 +306,15 @@ extern "C" cudaError_t mf_sm90_moe_fused_bwd_bf16(const mf_moe_fused_bwd_params 
         !mf_sm90_moe_fused_bwd_takes(d->hidden, d->intermediate))
         return cudaErrorInvalidValue;
     const int H = d->hidden, I = d->intermediate;
+    const mf_rows &r2 = w2->rows, &rd = d->rows, &r13 = w13->rows;
     if (w2->m != H || w2->n != I || w13->m != 2 * I || w13->n != H ||
-        w2->rows_cap != d->rows_cap || w13->rows_cap != d->rows_cap ||
-        w2->num_local_experts != d->num_local_experts ||
-        w13->num_local_experts != d->num_local_experts || w2->num_sms != d->num_sms ||
+        r2.rows_cap != rd.rows_cap || r13.rows_cap != rd.rows_cap ||
+        r2.num_local_experts != rd.num_local_experts ||
+        r13.num_local_experts != rd.num_local_experts || w2->num_sms != d->num_sms ||
         w13->num_sms != d->num_sms)
         return cudaErrorInvalidValue;
     cudaError_t err;
-    if (d->rows_cap == 0) {   /* no rows: the weight gradients alone (zeros, or nothing) */
+    if (rd.rows_cap == 0) {   /* no rows: the weight gradients alone (zeros, or nothing) */
         if ((err = mf_sm90_wgrad_grouped_bf16(w2, stream)) != cudaSuccess) return err;
         return mf_sm90_wgrad_grouped_bf16(w13, stream);
     }

@@ -239,18 +239,19 @@ extern "C" cudaError_t mf_sm90_moe_fused_fwd_bf16(const mf_moe_fused_fwd_params 
     if (!gemm1_params_ok<P>(a) || !gemm2_params_ok<P>(b) ||
         !mf_sm90_moe_fused_fwd_takes(a->hidden, a->intermediate))
         return cudaErrorInvalidValue;
-    if (a->act != b->act || a->row_block_expert != b->row_block_expert ||
-        a->num_rows != b->num_rows || a->rows_cap != b->rows_cap || a->hidden != b->hidden ||
-        a->intermediate != b->intermediate || a->num_local_experts != b->num_local_experts ||
+    const mf_rows &ra = a->rows, &rb = b->rows;
+    if (a->act != b->act.data || ra.row_block_expert != rb.row_block_expert ||
+        ra.num_rows != rb.num_rows || ra.rows_cap != rb.rows_cap || a->hidden != b->hidden ||
+        a->intermediate != b->intermediate || ra.num_local_experts != rb.num_local_experts ||
         a->num_sms != b->num_sms)
         return cudaErrorInvalidValue;
-    if (a->rows_cap == 0) return cudaSuccess;
+    if (ra.rows_cap == 0) return cudaSuccess;
 
     FusedFwdArgs args;
     cudaError_t err;
     if ((err = gemm1_args_from<FusedCfg>(a, &args.g1)) != cudaSuccess) return err;
     if ((err = gemm2_args_from<FusedCfg>(b, &args.g2)) != cudaSuccess) return err;
-    const int blocks = a->rows_cap / kBlockM;
+    const int blocks = ra.rows_cap / kBlockM;
     args.act_ready = p->act_ready;
     args.tile_counter = reinterpret_cast<int *>(p->act_ready + blocks);
     /* G: about two waves of gemm1 tiles per group. */

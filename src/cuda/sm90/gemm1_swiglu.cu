@@ -45,7 +45,7 @@ cudaError_t launch(const mf_gemm1_params *p, cudaStream_t stream) {
 extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p,
                                                      cudaStream_t stream) {
     if (!gemm1_params_ok<Precision>(p)) return cudaErrorInvalidValue;
-    if (p->rows_cap == 0) return cudaSuccess;
+    if (p->rows.rows_cap == 0) return cudaSuccess;
     if (p->intermediate % 128 == 0) return launch<WideCfg>(p, stream);
     return launch<NarrowCfg>(p, stream);
 }

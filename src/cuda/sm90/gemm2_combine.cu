@@ -52,7 +52,7 @@ cudaError_t launch(const mf_gemm2_params *p, cudaStream_t stream) {
 extern "C" cudaError_t mf_sm90_gemm2_combine_fwd_bf16(const mf_gemm2_params *p,
                                                       cudaStream_t stream) {
     if (!gemm2_params_ok<Precision>(p)) return cudaErrorInvalidValue;
-    if (p->rows_cap == 0) return cudaSuccess;
+    if (p->rows.rows_cap == 0) return cudaSuccess;
     if (p->hidden % 256 == 0) return launch<WideCfg>(p, stream);
     return launch<NarrowCfg>(p, stream);
 }

@@ -41,26 +41,27 @@ __device__ __forceinline__ void wgrad_tile(const int32_t *order, int m_blocks, i
 
 /* What the wgrad kernels take of any shape (the tile width is picked after this). */
 inline bool wgrad_params_ok(const mf_wgrad_params *p) {
-    if (!p || !p->lhs || !p->rhs || !p->expert_offsets || !p->dw == !p->dw_bf16 ||
-        (p->dw_bf16 && p->accumulate))
+    if (!p || !bf16_operand(p->lhs) || !bf16_operand(p->rhs) || !p->rows.expert_offsets ||
+        !p->dw == !p->dw_bf16 || (p->dw_bf16 && p->accumulate))
         return false;
-    if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->m <= 0 || p->m % kBlockM || p->n <= 0 ||
-        p->n % 128 || p->num_local_experts <= 0 || p->num_sms <= 0)
+    const mf_rows &r = p->rows;
+    if (r.rows_cap < 0 || r.rows_cap % kBlockM || p->m <= 0 || p->m % kBlockM || p->n <= 0 ||
+        p->n % 128 || r.num_local_experts <= 0 || p->num_sms <= 0)
         return false;
-    return !misaligned16(p->lhs, p->rhs, p->dw, p->dw_bf16);
+    return !misaligned16(p->lhs.data, p->rhs.data, p->dw, p->dw_bf16);
 }
 
 template <class Cfg>
 cudaError_t wgrad_args_from(const mf_wgrad_params *p, WgradArgs *args) {
     cudaError_t err;
     using P = typename Cfg::Precision;
-    if ((err = tensor_map_2d<P>(&args->map_lhs, p->lhs, (uint64_t)p->rows_cap, p->m, p->m,
-                                Cfg::kBlockK, Cfg::kMnBoxCols)) != cudaSuccess)
+    if ((err = tensor_map_2d<P>(&args->map_lhs, p->lhs.data, (uint64_t)p->rows.rows_cap, p->m,
+                                p->m, Cfg::kBlockK, Cfg::kMnBoxCols)) != cudaSuccess)
         return err;
-    if ((err = tensor_map_2d<P>(&args->map_rhs, p->rhs, (uint64_t)p->rows_cap, p->n, p->n,
-                                Cfg::kBlockK, Cfg::kMnBoxCols)) != cudaSuccess)
+    if ((err = tensor_map_2d<P>(&args->map_rhs, p->rhs.data, (uint64_t)p->rows.rows_cap, p->n,
+                                p->n, Cfg::kBlockK, Cfg::kMnBoxCols)) != cudaSuccess)
         return err;
-    args->expert_offsets = p->expert_offsets;
+    args->expert_offsets = p->rows.expert_offsets;
     args->expert_order = p->expert_order;
     args->dw = p->dw;
     args->dw_bf16 = p->dw_bf16;
@@ -68,7 +69,7 @@ cudaError_t wgrad_args_from(const mf_wgrad_params *p, WgradArgs *args) {
     args->n = p->n;
     args->m_blocks = p->m / kBlockM;
     args->n_blocks = p->n / Cfg::BN;
-    args->num_experts = p->num_local_experts;
+    args->num_experts = p->rows.num_local_experts;
     args->accumulate = p->accumulate;
     return cudaSuccess;
 }
@@ -253,15 +254,14 @@ struct Dgrad1Load {
 
 /* What the dgrad1 kernels take of any shape (the tile width is picked after this). */
 inline bool dgrad1_params_ok(const mf_dgrad1_params *p) {
-    if (!p || !p->dh || !p->w13 || !p->row_block_expert || !p->num_rows || !p->row_slot ||
-        (!p->combine && !p->combine_peers) || (p->combine_peers && p->num_ranks < 1))
+    if (!p || !bf16_operand(p->dh) || !bf16_operand(p->w13) || !row_blocks_ok(p->rows) ||
+        !scatter_ok(p->to))
         return false;
-    if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % 128 ||
-        p->intermediate <= 0 || p->intermediate % 32 || p->num_local_experts <= 0 ||
+    if (p->hidden <= 0 || p->hidden % 128 || p->intermediate <= 0 || p->intermediate % 32 ||
         p->num_sms <= 0)
         return false;
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
-    return !misaligned16(p->dh, p->w13, p->combine);
+    return !misaligned16(p->dh.data, p->w13.data, p->to.combine);
 }
 
 template <class Cfg>
@@ -269,18 +269,18 @@ cudaError_t dgrad1_args_from(const mf_dgrad1_params *p, Dgrad1Args *args) {
     cudaError_t err;
     const int two_i = 2 * p->intermediate;
     using P = typename Cfg::Precision;
-    if ((err = tensor_map_2d<P>(&args->map_dh, p->dh, (uint64_t)p->rows_cap, two_i, two_i,
-                                kBlockM, Cfg::kBlockK)) != cudaSuccess)
+    if ((err = tensor_map_2d<P>(&args->map_dh, p->dh.data, (uint64_t)p->rows.rows_cap, two_i,
+                                two_i, kBlockM, Cfg::kBlockK)) != cudaSuccess)
         return err;
-    if ((err = tensor_map_2d<P>(&args->map_w13, p->w13, (uint64_t)p->num_local_experts * two_i,
-                                p->hidden, p->hidden, Cfg::kBlockK, Cfg::kMnBoxCols)) !=
-        cudaSuccess)
+    if ((err = tensor_map_2d<P>(&args->map_w13, p->w13.data,
+                                (uint64_t)p->rows.num_local_experts * two_i, p->hidden,
+                                p->hidden, Cfg::kBlockK, Cfg::kMnBoxCols)) != cudaSuccess)
         return err;
-    args->row_block_expert = p->row_block_expert;
-    args->num_rows = p->num_rows;
-    args->to = ScatterTarget{p->row_slot, nullptr, p->combine, p->combine_peers,
-                             p->num_ranks, p->hidden};
-    args->rows_cap = p->rows_cap;
+    args->row_block_expert = p->rows.row_block_expert;
+    args->num_rows = p->rows.num_rows;
+    args->to = ScatterTarget{p->to.row_slot, nullptr, p->to.combine, p->to.combine_peers,
+                             p->to.num_ranks, p->hidden};
+    args->rows_cap = p->rows.rows_cap;
     args->hidden = p->hidden;
     args->intermediate = p->intermediate;
     return cudaSuccess;

@@ -43,34 +43,34 @@ struct Gemm1Args {
  * after this). */
 template <class P>
 inline bool gemm1_params_ok(const mf_gemm1_params *p) {
-    if (!p || !p->xs || !p->w13 || !p->row_block_expert || !p->num_rows || !p->act ||
-        (p->arrivals && (!p->arrival_target || !p->state)))
+    if (!p || !bf16_operand(p->xs) || !bf16_operand(p->w13) || !row_blocks_ok(p->rows) ||
+        !p->act || !arrivals_ok(p->rows_in))
         return false;
-    if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % P::kBlockK ||
-        p->intermediate <= 0 || p->intermediate % 64 || p->num_local_experts <= 0 ||
-        p->num_sms <= 0)
+    if (p->hidden <= 0 || p->hidden % P::kBlockK || p->intermediate <= 0 ||
+        p->intermediate % 64 || p->num_sms <= 0)
         return false;
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
-    return !misaligned16(p->xs, p->w13, p->act, p->gate_up);
+    return !misaligned16(p->xs.data, p->w13.data, p->act, p->gate_up);
 }
 
 template <class Cfg>
 cudaError_t gemm1_args_from(const mf_gemm1_params *p, Gemm1Args *args) {
     cudaError_t err;
     using P = typename Cfg::Precision;
-    if ((err = tensor_map_2d<P>(&args->map_xs, p->xs, (uint64_t)p->rows_cap, p->hidden,
-                                p->hidden, kBlockM, Cfg::kBlockK)) != cudaSuccess)
+    if ((err = tensor_map_2d<P>(&args->map_xs, p->xs.data, (uint64_t)p->rows.rows_cap,
+                                p->hidden, p->hidden, kBlockM, Cfg::kBlockK)) != cudaSuccess)
         return err;
-    if ((err = tensor_map_2d<P>(&args->map_w13, p->w13,
-                                (uint64_t)p->num_local_experts * 2 * p->intermediate,
+    if ((err = tensor_map_2d<P>(&args->map_w13, p->w13.data,
+                                (uint64_t)p->rows.num_local_experts * 2 * p->intermediate,
                                 p->hidden, p->hidden, Cfg::BN / 2, Cfg::kBlockK)) != cudaSuccess)
         return err;
-    args->row_block_expert = p->row_block_expert;
-    args->num_rows = p->num_rows;
+    args->row_block_expert = p->rows.row_block_expert;
+    args->num_rows = p->rows.num_rows;
     args->act = reinterpret_cast<__nv_bfloat16 *>(p->act);
     args->gate_up = reinterpret_cast<__nv_bfloat16 *>(p->gate_up);
-    args->rows_in = {p->arrivals, p->arrival_target, p->state, p->timeout_ns, p->arrival_stage};
-    args->rows_cap = p->rows_cap;
+    const mf_arrivals &w = p->rows_in;
+    args->rows_in = {w.arrivals, w.target, w.state, w.timeout_ns, w.stage};
+    args->rows_cap = p->rows.rows_cap;
     args->hidden = p->hidden;
     args->intermediate = p->intermediate;
     return cudaSuccess;
@@ -176,35 +176,34 @@ struct Gemm2Args {
  * after this). */
 template <class P>
 inline bool gemm2_params_ok(const mf_gemm2_params *p) {
-    if (!p || !p->act || !p->w2 || !p->row_block_expert || !p->num_rows || !p->row_slot ||
-        !p->row_weight || (!p->combine && !p->combine_peers) ||
-        (p->combine_peers && p->num_ranks < 1))
+    if (!p || !bf16_operand(p->act) || !bf16_operand(p->w2) || !row_blocks_ok(p->rows) ||
+        !p->row_weight || !scatter_ok(p->to))
         return false;
-    if (p->rows_cap < 0 || p->rows_cap % kBlockM || p->hidden <= 0 || p->hidden % 128 ||
-        p->intermediate <= 0 || p->intermediate % P::kBlockK || p->num_local_experts <= 0 ||
-        p->num_sms <= 0)
+    if (p->hidden <= 0 || p->hidden % 128 || p->intermediate <= 0 ||
+        p->intermediate % P::kBlockK || p->num_sms <= 0)
         return false;
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
-    return !misaligned16(p->act, p->w2, p->combine);
+    return !misaligned16(p->act.data, p->w2.data, p->to.combine);
 }
 
 template <class Cfg>
 cudaError_t gemm2_args_from(const mf_gemm2_params *p, Gemm2Args *args) {
     cudaError_t err;
     using P = typename Cfg::Precision;
-    if ((err = tensor_map_2d<P>(&args->map_act, p->act, (uint64_t)p->rows_cap,
+    if ((err = tensor_map_2d<P>(&args->map_act, p->act.data, (uint64_t)p->rows.rows_cap,
                                 p->intermediate, p->intermediate, kBlockM, Cfg::kBlockK)) !=
         cudaSuccess)
         return err;
-    if ((err = tensor_map_2d<P>(&args->map_w2, p->w2, (uint64_t)p->num_local_experts * p->hidden,
+    if ((err = tensor_map_2d<P>(&args->map_w2, p->w2.data,
+                                (uint64_t)p->rows.num_local_experts * p->hidden,
                                 p->intermediate, p->intermediate, Cfg::BN, Cfg::kBlockK)) !=
         cudaSuccess)
         return err;
-    args->row_block_expert = p->row_block_expert;
-    args->num_rows = p->num_rows;
-    args->to = ScatterTarget{p->row_slot, p->row_weight, p->combine,
-                             p->combine_peers, p->num_ranks, p->hidden};
-    args->rows_cap = p->rows_cap;
+    args->row_block_expert = p->rows.row_block_expert;
+    args->num_rows = p->rows.num_rows;
+    args->to = ScatterTarget{p->to.row_slot, p->row_weight, p->to.combine,
+                             p->to.combine_peers, p->to.num_ranks, p->hidden};
+    args->rows_cap = p->rows.rows_cap;
     args->hidden = p->hidden;
     args->intermediate = p->intermediate;
     return cudaSuccess;

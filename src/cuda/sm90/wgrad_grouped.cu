@@ -99,9 +99,9 @@ cudaError_t launch(const mf_wgrad_params *p, cudaStream_t stream) {
 extern "C" cudaError_t mf_sm90_wgrad_grouped_bf16(const mf_wgrad_params *p,
                                                   cudaStream_t stream) {
     if (!wgrad_params_ok(p)) return cudaErrorInvalidValue;
-    if (p->rows_cap == 0) {
+    if (p->rows.rows_cap == 0) {
         if (p->accumulate) return cudaSuccess;
-        const size_t elems = (size_t)p->num_local_experts * p->m * p->n;
+        const size_t elems = (size_t)p->rows.num_local_experts * p->m * p->n;
         return p->dw ? cudaMemsetAsync(p->dw, 0, elems * 4, stream)
                      : cudaMemsetAsync(p->dw_bf16, 0, elems * 2, stream);
     }

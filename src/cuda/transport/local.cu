@@ -94,8 +94,8 @@ row_arrivals arrivals(const moefuse_layer *, const call_bufs &, bool) {
     return row_arrivals{};  // the dispatch ran before: every row is there
 }
 
-scatter_target scatter(const moefuse_layer *layer) {
-    return scatter_target{state_of(layer)->combine, NULL, 0};
+mf_scatter scatter(const moefuse_layer *layer, const call_bufs &c) {
+    return mf_scatter{c.row_slot, state_of(layer)->combine, NULL, 0};
 }
 
 moefuse_status sync(moefuse_layer *, sync_point, const call_bufs &, cudaStream_t) {

@@ -307,19 +307,20 @@ row_arrivals arrivals(const moefuse_layer *layer, const call_bufs &c, bool backw
     const cuda_state *s = state_of(layer);
     const int R = s->num_ranks, E = layer->cfg.num_experts;
     row_arrivals w = {};
-    w.arrivals = s->sync + mf_ep_arrivals_word(R, E);
-    w.target = s->sync + mf_ep_targets_word(R, E, c.lay.rows_cap / s->plan.block_m);
-    w.state = s->plan_state;
-    w.timeout_ns = timeout_ns(layer);
-    w.stage = backward ? MF_EP_STAGE_BWD_ROWS : MF_EP_STAGE_ROWS;
+    w.rows_in.arrivals = s->sync + mf_ep_arrivals_word(R, E);
+    w.rows_in.target = s->sync + mf_ep_targets_word(R, E, c.lay.rows_cap / s->plan.block_m);
+    w.rows_in.state = s->plan_state;
+    w.rows_in.timeout_ns = timeout_ns(layer);
+    w.rows_in.stage = backward ? MF_EP_STAGE_BWD_ROWS : MF_EP_STAGE_ROWS;
     w.num_sms = s->plan.beside_push_sms;
     return w;
 }
 
-scatter_target scatter(const moefuse_layer *layer) {
+mf_scatter scatter(const moefuse_layer *layer, const call_bufs &c) {
     const cuda_state *s = state_of(layer);
-    return scatter_target{NULL, (uint16_t *const *)(s->peers + MF_WIN_COMBINE * s->num_ranks),
-                          s->num_ranks};
+    return mf_scatter{c.row_slot, NULL,
+                      (uint16_t *const *)(s->peers + MF_WIN_COMBINE * s->num_ranks),
+                      s->num_ranks};
 }
 
 moefuse_status sync(moefuse_layer *layer, sync_point at, const call_bufs &c,

@@ -25,6 +25,7 @@
 #include <stdint.h>
 
 #include "check.h"
+#include "kernels.h"
 #include "sm90/common/mainloop.cuh"
 #include "sm90/common/store_warps.cuh"
 #include "sm90/common/tile_config.cuh"
@@ -197,6 +198,21 @@ struct ScatterRowsEpilogue {
 template <class... T>
 inline bool misaligned16(const T *...ptrs) {
     return ((reinterpret_cast<uintptr_t>(ptrs) & 15u) | ...) != 0;
+}
+
+/* The checks of the params' shared pieces (kernels.h) every launcher makes. */
+/* An input of the bf16 kernels: bf16, unscaled. */
+inline bool bf16_operand(const mf_operand &o) {
+    return o.data && o.dtype == MF_DTYPE_BF16 && !o.scales && o.scale_layout == MF_SCALES_NONE;
+}
+/* The row blocks of a row-block GEMM (row_block_expert, num_rows). */
+inline bool row_blocks_ok(const mf_rows &r) {
+    return r.row_block_expert && r.num_rows && r.rows_cap >= 0 && r.rows_cap % kBlockM == 0 &&
+           r.num_local_experts > 0;
+}
+inline bool arrivals_ok(const mf_arrivals &a) { return !a.arrivals || (a.target && a.state); }
+inline bool scatter_ok(const mf_scatter &t) {
+    return t.row_slot && (t.combine || t.combine_peers) && !(t.combine_peers && t.num_ranks < 1);
 }
 
 /* Raises the kernel's dynamic shared-memory limit and launches the persistent grid. */
