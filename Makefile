@@ -79,10 +79,12 @@ CUDA_STAMP := $(BUILD)/flags.cuda
 HOST_OBJ := $(HOST_SRC:%.c=$(BUILD)/%.o)
 LIB_OBJ  := $(HOST_OBJ) $(CUDA_OBJ)
 
-TEST_SRC  := $(wildcard tests/test_*.c)
+# tests/cpu/ and tests/api/test_validation.c: always; tests/api/test_cuda_*.c (the CUDA
+# backend through the public API) and tests/kernels/ (the kernels alone): with CUDA.
+TEST_SRC  := $(wildcard tests/cpu/test_*.c) tests/api/test_validation.c
 TEST_BIN  := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
-GPU_TEST_SRC := $(wildcard tests/gpu/test_*.c) $(wildcard tests/gpu/test_*.cu)
-GPU_TEST_BIN := $(if $(HAVE_CUDA),$(patsubst tests/gpu/%,$(BUILD)/tests/gpu/%,$(basename $(GPU_TEST_SRC))))
+GPU_TEST_SRC := $(wildcard tests/api/test_cuda_*.c) $(wildcard tests/kernels/test_*.cu)
+GPU_TEST_BIN := $(if $(HAVE_CUDA),$(patsubst tests/%,$(BUILD)/tests/%,$(basename $(GPU_TEST_SRC))))
 TOOLS     := $(BUILD)/moefuse_step
 BENCH_BIN := $(if $(HAVE_CUDA),$(BUILD)/bench/bench_forward_cuda $(BUILD)/tools/output_hashes)
 
@@ -108,41 +110,37 @@ $(BUILD)/libmoefuse.a: $(LIB_OBJ)
 	rm -f $@ && ar rcs $@ $^
 
 TEST_HARNESS := $(BUILD)/tests/harness.o $(BUILD)/tests/plan_check.o
-# The CPU tests' shared problems and reference comparison (it calls the public API, so
-# the GPU kernel tests, which link only the kernels they test, leave it out).
-CPU_FIXTURE  := $(BUILD)/tests/cpu_problem.o
-$(BUILD)/tests/%.o: tests/%.c tests/%.h src/host/internal.h $(HOST_STAMP)
+TEST_HDR     := $(wildcard tests/*.h tests/api/*.h) include/moefuse.h src/host/internal.h
+# The API tests' one fixture (tests/api/fixture.*): problems, poisoning, the reference
+# comparison; its device part (fixture_cuda.*) only with CUDA. It calls the public API,
+# so the kernel tests, which link only the kernels they test, leave it out.
+API_FIXTURE  := $(BUILD)/tests/api/fixture.o $(if $(HAVE_CUDA),$(BUILD)/tests/api/fixture_cuda.o)
+$(BUILD)/tests/%.o: tests/%.c $(TEST_HDR) $(HOST_STAMP)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests -c $< -o $@
+	$(CC) $(CFLAGS) -Itests -Itests/api -c $< -o $@
 
-$(BUILD)/tests/test_%: tests/test_%.c $(TEST_HARNESS) $(CPU_FIXTURE) $(BUILD)/libmoefuse.a $(HOST_STAMP)
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests $< $(TEST_HARNESS) $(CPU_FIXTURE) $(BUILD)/libmoefuse.a -o $@ \
-	    $(LDLIBS) $(CUDA_LIBS)
+define API_TEST_RULE
+$$(BUILD)/tests/$(1)/test_%: tests/$(1)/test_%.c $$(TEST_HDR) $$(TEST_HARNESS) $$(API_FIXTURE) \
+                            $$(BUILD)/libmoefuse.a $$(HOST_STAMP)
+	@mkdir -p $$(dir $$@)
+	$$(CC) $$(CFLAGS) -Itests -Itests/api $$< $$(TEST_HARNESS) $$(API_FIXTURE) \
+	    $$(BUILD)/libmoefuse.a -o $$@ $$(LDLIBS) $$(CUDA_LIBS)
+endef
+$(eval $(call API_TEST_RULE,cpu))
+$(eval $(call API_TEST_RULE,api))
 
-# Helpers shared by the GPU tests (not named test_*: they are no test of their own).
-GPU_TEST_UTIL_C  := $(BUILD)/tests/gpu/cuda_test_util.o
-GPU_TEST_UTIL_CU := $(BUILD)/tests/gpu/gemm_test_util.o
-$(GPU_TEST_UTIL_C): tests/gpu/cuda_test_util.c tests/gpu/cuda_test_util.h tests/harness.h \
-                    include/moefuse.h src/host/internal.h $(HOST_STAMP)
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests -c $< -o $@
-
-$(GPU_TEST_UTIL_CU): tests/gpu/gemm_test_util.cu tests/gpu/gemm_test_util.h tests/harness.h \
+# The kernel tests' helpers (not named test_*: they are no test of their own).
+KERNEL_TEST_UTIL := $(BUILD)/tests/kernels/gemm_test_util.o
+$(KERNEL_TEST_UTIL): tests/kernels/gemm_test_util.cu tests/kernels/gemm_test_util.h tests/harness.h \
                      src/cuda/kernels.h $(CUDA_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -Itests -c $< -o $@
 
-$(BUILD)/tests/gpu/test_%: tests/gpu/test_%.c tests/gpu/cuda_test_util.h $(GPU_TEST_UTIL_C) \
-                           $(TEST_HARNESS) $(BUILD)/libmoefuse.a $(HOST_STAMP)
+$(BUILD)/tests/kernels/test_%: tests/kernels/test_%.cu tests/kernels/gemm_test_util.h \
+                               $(KERNEL_TEST_UTIL) $(TEST_HARNESS) $(BUILD)/libmoefuse.a \
+                               $(HOST_STAMP) $(CUDA_STAMP)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests $< $(GPU_TEST_UTIL_C) $(TEST_HARNESS) $(BUILD)/libmoefuse.a -o $@ \
-	    $(LDLIBS) $(CUDA_LIBS)
-
-$(BUILD)/tests/gpu/test_%: tests/gpu/test_%.cu tests/gpu/gemm_test_util.h $(GPU_TEST_UTIL_CU) \
-                           $(TEST_HARNESS) $(BUILD)/libmoefuse.a $(HOST_STAMP) $(CUDA_STAMP)
-	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -Itests -Isrc/cpu $< $(GPU_TEST_UTIL_CU) $(TEST_HARNESS) \
+	$(NVCC) $(NVCCFLAGS) -Itests -Isrc/cpu $< $(KERNEL_TEST_UTIL) $(TEST_HARNESS) \
 	    $(BUILD)/libmoefuse.a -o $@ -Xcompiler -fopenmp -lopenblas -lm
 
 $(BUILD)/moefuse_step: tools/moefuse_step.c src/cpu/reference.h $(BUILD)/libmoefuse.a $(HOST_STAMP)

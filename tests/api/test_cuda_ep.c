@@ -52,7 +52,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cuda_test_util.h"
+#include "fixture_cuda.h"
 #include "harness.h"
 #include "moefuse.h"
 #ifdef MOEFUSE_HAVE_NCCL

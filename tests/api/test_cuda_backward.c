@@ -33,7 +33,7 @@
  *
  * Tolerances th_bf16_tolerance(n), n = the bf16 roundings on each path (x, dy, p and
  * the weights are exact inputs of both sides). g and u are rounded separately and each
- * enters the result on its own, so they count as two, as in tests/test_cpu_backend.c:
+ * enters the result on its own, so they count as two, as in tests/cpu/test_cpu_backend.c:
  *   dx        6: g, u saved as bf16, da' = W2^T dy as bf16 (dgrad2's store warps take it
  *                so), dh = [dg;du] as bf16, each slot's dx row as bf16 (combine), dx
  *                after the fp32 sum over k;
@@ -54,7 +54,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cuda_test_util.h"
+#include "fixture_cuda.h"
 #include "harness.h"
 #include "internal.h"
 #include "moefuse.h"

@@ -1,8 +1,9 @@
-/* What the CUDA layer tests (test_cuda_forward.c, test_cuda_backward.c) share: the model
- * shapes, the check macros, the sm_90 device check, random weight rows and random
- * routing. Plain C11; the bodies are in cuda_test_util.c. */
-#ifndef MOEFUSE_CUDA_TEST_UTIL_H
-#define MOEFUSE_CUDA_TEST_UTIL_H
+/* The device part of the API tests' fixture (built only with CUDA): what the CUDA
+ * backend tests (test_cuda_*.c) share: the model shapes, the check macros, the sm_90
+ * device check, random weight rows and random routing. Plain C11; the bodies are in
+ * fixture_cuda.c. */
+#ifndef MOEFUSE_TESTS_FIXTURE_CUDA_H
+#define MOEFUSE_TESTS_FIXTURE_CUDA_H
 
 #include <cuda_runtime.h>
 #include <stddef.h>

@@ -1,5 +1,5 @@
-/* The helpers of cuda_test_util.h. */
-#include "cuda_test_util.h"
+/* The helpers of fixture_cuda.h. */
+#include "fixture_cuda.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -28,7 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cuda_test_util.h"
+#include "fixture_cuda.h"
 #include "harness.h"
 #include "internal.h"
 #include "moefuse.h"
@@ -671,7 +671,7 @@ done:
 }
 
 /* The forward's saved buffer feeds the CUDA backward (checked in depth by
- * tests/gpu/test_cuda_backward.c): the call succeeds and writes every dx element. */
+ * tests/api/test_cuda_backward.c): the call succeeds and writes every dx element. */
 static void case_backward_runs(void) {
     if (!ready()) return;
     const int T = 7, K = F.m->K, H = F.m->H;
