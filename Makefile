@@ -111,23 +111,35 @@ $(BUILD)/libmoefuse.a: $(LIB_OBJ)
 
 TEST_HARNESS := $(BUILD)/tests/harness.o $(BUILD)/tests/plan_check.o
 TEST_HDR     := $(wildcard tests/*.h tests/api/*.h) include/moefuse.h src/host/internal.h
-# The API tests' one fixture (tests/api/fixture.*): problems, poisoning, the reference
-# comparison; its device part (fixture_cuda.*) only with CUDA. It calls the public API,
-# so the kernel tests, which link only the kernels they test, leave it out.
-API_FIXTURE  := $(BUILD)/tests/api/fixture.o $(if $(HAVE_CUDA),$(BUILD)/tests/api/fixture_cuda.o)
+# The API tests' one fixture: tests/api/fixture.* (shapes, problems, poisoning, the
+# reference comparison; tests/cpu/ uses it too) and, for the CUDA backend tests only,
+# its device part tests/api/fixture_cuda.*. It calls the public API, so the kernel
+# tests, which link only the kernels they test, leave it out.
+FIXTURE      := $(BUILD)/tests/api/fixture.o
+FIXTURE_CUDA := $(BUILD)/tests/api/fixture_cuda.o
 $(BUILD)/tests/%.o: tests/%.c $(TEST_HDR) $(HOST_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -Itests/api -c $< -o $@
 
 define API_TEST_RULE
-$$(BUILD)/tests/$(1)/test_%: tests/$(1)/test_%.c $$(TEST_HDR) $$(TEST_HARNESS) $$(API_FIXTURE) \
-                            $$(BUILD)/libmoefuse.a $$(HOST_STAMP)
+$$(BUILD)/tests/$(1)%: tests/$(1)%.c $$(TEST_HDR) $$(TEST_HARNESS) $(2) $$(BUILD)/libmoefuse.a \
+                      $$(HOST_STAMP)
 	@mkdir -p $$(dir $$@)
-	$$(CC) $$(CFLAGS) -Itests -Itests/api $$< $$(TEST_HARNESS) $$(API_FIXTURE) \
-	    $$(BUILD)/libmoefuse.a -o $$@ $$(LDLIBS) $$(CUDA_LIBS)
+	$$(CC) $$(CFLAGS) -Itests -Itests/api $$< $$(filter %.o,$$^) $$(BUILD)/libmoefuse.a -o $$@ \
+	    $$(LDLIBS) $$(CUDA_LIBS)
 endef
-$(eval $(call API_TEST_RULE,cpu))
-$(eval $(call API_TEST_RULE,api))
+$(eval $(call API_TEST_RULE,cpu/test_,$(FIXTURE)))
+$(eval $(call API_TEST_RULE,api/test_,$(FIXTURE)))
+$(eval $(call API_TEST_RULE,api/test_cuda_,$(FIXTURE_CUDA)))
+# A CUDA suite split over several binaries (test_cuda_<suite>.c, test_cuda_<suite>_*.c)
+# also links its own part of the fixture, tests/api/cuda_<suite>*.c.
+define API_SUITE_RULE
+$$(patsubst tests/%.c,$$(BUILD)/tests/%,$$(wildcard tests/api/test_cuda_$(1).c \
+                                                    tests/api/test_cuda_$(1)_*.c)): \
+    $$(patsubst tests/%.c,$$(BUILD)/tests/%.o,$$(wildcard tests/api/cuda_$(1)*.c))
+endef
+$(foreach s,$(patsubst tests/api/cuda_%.c,%,$(filter-out %_ref.c,$(wildcard tests/api/cuda_*.c))),\
+  $(eval $(call API_SUITE_RULE,$(s))))
 
 # The kernel tests' helpers (not named test_*: they are no test of their own).
 KERNEL_TEST_UTIL := $(BUILD)/tests/kernels/gemm_test_util.o

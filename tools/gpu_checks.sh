@@ -38,6 +38,9 @@ step test_cuda_forward_fused test_cuda_forward_fused.log \
 step test_cuda_backward test_cuda_backward.log build/tests/api/test_cuda_backward
 step test_cuda_backward_fused test_cuda_backward_fused.log \
     env MOEFUSE_TEST_PIPELINE=fused build/tests/api/test_cuda_backward
+step test_cuda_backward_modes test_cuda_backward_modes.log build/tests/api/test_cuda_backward_modes
+step test_cuda_backward_modes_fused test_cuda_backward_modes_fused.log \
+    env MOEFUSE_TEST_PIPELINE=fused build/tests/api/test_cuda_backward_modes
 step test_cuda_ep test_cuda_ep.log build/tests/api/test_cuda_ep
 step moefuse_step moefuse_step.log build/moefuse_step
 step moefuse_step_fused moefuse_step_fused.log build/moefuse_step --pipeline fused

@@ -17,6 +17,12 @@ typedef struct model {
     int H, I, E, K;
 } model;
 
+/* One case of a suite: its function and the words of its name. */
+typedef struct named_case {
+    void (*fn)(void);
+    const char *what;
+} named_case;
+
 /* Record a failed CUDA / moefuse call and jump to the caller's `done:` label. */
 #define CUDA_OK(call)                                                                      \
     do {                                                                                   \
