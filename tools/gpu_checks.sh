@@ -42,6 +42,8 @@ step test_cuda_backward_modes test_cuda_backward_modes.log build/tests/api/test_
 step test_cuda_backward_modes_fused test_cuda_backward_modes_fused.log \
     env MOEFUSE_TEST_PIPELINE=fused build/tests/api/test_cuda_backward_modes
 step test_cuda_ep test_cuda_ep.log build/tests/api/test_cuda_ep
+step test_cuda_ep_failures test_cuda_ep_failures.log build/tests/api/test_cuda_ep_failures
+step test_cuda_ep_iterations test_cuda_ep_iterations.log build/tests/api/test_cuda_ep_iterations
 step moefuse_step moefuse_step.log build/moefuse_step
 step moefuse_step_fused moefuse_step_fused.log build/moefuse_step --pipeline fused
 step bench bench.log tools/run_bench.sh

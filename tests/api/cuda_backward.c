@@ -26,7 +26,7 @@ int64_t n13(void) { return (int64_t)F.m->E * 2 * F.m->I * F.m->H; }
 int64_t n2(void) { return (int64_t)F.m->E * F.m->H * F.m->I; }
 
 moefuse_layer *make_layer(moefuse_saved_mode mode, moefuse_pipeline pipeline,
-                                 int max_tokens) {
+                          int max_tokens) {
     moefuse_config cfg;
     moefuse_config_init(&cfg, F.m->H, F.m->I, F.m->E, F.m->K, max_tokens);
     cfg.backend = MOEFUSE_BACKEND_CUDA;
@@ -212,7 +212,7 @@ moefuse_status run_fwd_bwd(moefuse_layer *layer, const inputs *in, int poison_dw
 /* The write-mode backward of `in` into the bf16 weight gradients d13 / d2 (no fp32 ones),
  * synchronized. */
 moefuse_status backward_dw_bf16_on(moefuse_layer *layer, const inputs *in, uint16_t *d13,
-                                          uint16_t *d2) {
+                                   uint16_t *d2) {
     moefuse_bwd_args b = bwd_args(in, 0);
     b.dw13 = NULL;
     b.dw2 = NULL;
