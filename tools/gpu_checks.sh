@@ -35,6 +35,9 @@ step test_dispatch_rows test_dispatch_rows.log build/tests/kernels/test_dispatch
 step test_cuda_forward test_cuda_forward.log build/tests/api/test_cuda_forward
 step test_cuda_forward_fused test_cuda_forward_fused.log \
     env MOEFUSE_TEST_PIPELINE=fused build/tests/api/test_cuda_forward
+step test_cuda_forward_bitwise test_cuda_forward_bitwise.log build/tests/api/test_cuda_forward_bitwise
+step test_cuda_forward_bitwise_fused test_cuda_forward_bitwise_fused.log \
+    env MOEFUSE_TEST_PIPELINE=fused build/tests/api/test_cuda_forward_bitwise
 step test_cuda_backward test_cuda_backward.log build/tests/api/test_cuda_backward
 step test_cuda_backward_fused test_cuda_backward_fused.log \
     env MOEFUSE_TEST_PIPELINE=fused build/tests/api/test_cuda_backward
