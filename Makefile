@@ -117,7 +117,12 @@ TEST_HDR     := $(wildcard tests/*.h tests/api/*.h) include/moefuse.h src/host/i
 # tests, which link only the kernels they test, leave it out.
 FIXTURE      := $(BUILD)/tests/api/fixture.o
 FIXTURE_CUDA := $(BUILD)/tests/api/fixture_cuda.o
-$(BUILD)/tests/%.o: tests/%.c $(TEST_HDR) $(HOST_STAMP)
+$(BUILD)/tests/%.o: tests/%.c $(wildcard tests/*.h) include/moefuse.h src/host/internal.h \
+                    $(HOST_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests -c $< -o $@
+
+$(BUILD)/tests/api/%.o: tests/api/%.c $(TEST_HDR) $(HOST_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -Itests/api -c $< -o $@
 

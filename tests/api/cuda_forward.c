@@ -302,21 +302,17 @@ static void detect_device(void) {
         printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
 }
 
+/* A model's fixture, made unless every case skips. */
+static void begin(const model *m) {
+    memset(&F, 0, sizeof F);
+    F.m = m;
+    if (!g_skip[0]) fixture_setup(m);
+}
+
 int forward_main(int argc, char **argv, const named_case *cases, int n) {
     th_seed_from_env_or_clock();
     detect_device();
-    for (size_t i = 0; i < sizeof kModels / sizeof kModels[0]; i++) {
-        const model *m = &kModels[i];
-        if (argc > 1 && !strstr(m->name, argv[1])) continue;
-        memset(&F, 0, sizeof F);
-        F.m = m;
-        if (!g_skip[0]) fixture_setup(m);
-        char name[128];
-        for (int c = 0; c < n; c++) {
-            snprintf(name, sizeof name, "cuda_forward %s %s", m->name, cases[c].what);
-            if (argc < 3 || strstr(cases[c].what, argv[2])) th_run(name, cases[c].fn);
-        }
-        fixture_teardown();
-    }
-    return th_finish();
+    const int n_models = (int)(sizeof kModels / sizeof kModels[0]);
+    return ct_run_models(argc, argv, "cuda_forward", kModels, n_models, begin, fixture_teardown,
+                         cases, n);
 }

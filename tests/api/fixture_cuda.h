@@ -23,6 +23,13 @@ typedef struct named_case {
     const char *what;
 } named_case;
 
+/* Runs a suite over models: for each model whose name contains argv[1] (when given),
+ * begin(m), every case whose words contain argv[2] (when given), named
+ * "<suite> <model> <words>", then end(). Returns th_finish(). */
+int ct_run_models(int argc, char **argv, const char *suite, const model *models, int n_models,
+                  void (*begin)(const model *m), void (*end)(void), const named_case *cases,
+                  int n_cases);
+
 /* Record a failed CUDA / moefuse call and jump to the caller's `done:` label. */
 #define CUDA_OK(call)                                                                      \
     do {                                                                                   \
