@@ -32,21 +32,15 @@ step build build.log make -j"$(nproc)" all || { tail -30 "$LOG_DIR/build.log"; e
 step test_gemm_sm90 test_gemm_fwd.log build/tests/kernels/test_gemm_sm90
 step test_gemm_sm90_bwd test_gemm_bwd.log build/tests/kernels/test_gemm_sm90_bwd
 step test_dispatch_rows test_dispatch_rows.log build/tests/kernels/test_dispatch_rows
-step test_cuda_forward test_cuda_forward.log build/tests/api/test_cuda_forward
-step test_cuda_forward_fused test_cuda_forward_fused.log \
-    env MOEFUSE_TEST_PIPELINE=fused build/tests/api/test_cuda_forward
-step test_cuda_forward_bitwise test_cuda_forward_bitwise.log build/tests/api/test_cuda_forward_bitwise
-step test_cuda_forward_bitwise_fused test_cuda_forward_bitwise_fused.log \
-    env MOEFUSE_TEST_PIPELINE=fused build/tests/api/test_cuda_forward_bitwise
-step test_cuda_backward test_cuda_backward.log build/tests/api/test_cuda_backward
-step test_cuda_backward_fused test_cuda_backward_fused.log \
-    env MOEFUSE_TEST_PIPELINE=fused build/tests/api/test_cuda_backward
-step test_cuda_backward_modes test_cuda_backward_modes.log build/tests/api/test_cuda_backward_modes
-step test_cuda_backward_modes_fused test_cuda_backward_modes_fused.log \
-    env MOEFUSE_TEST_PIPELINE=fused build/tests/api/test_cuda_backward_modes
-step test_cuda_ep test_cuda_ep.log build/tests/api/test_cuda_ep
-step test_cuda_ep_failures test_cuda_ep_failures.log build/tests/api/test_cuda_ep_failures
-step test_cuda_ep_iterations test_cuda_ep_iterations.log build/tests/api/test_cuda_ep_iterations
+# The CUDA API suites, staged (the default) and fused.
+for t in forward forward_bitwise backward backward_modes; do
+    step test_cuda_$t test_cuda_$t.log build/tests/api/test_cuda_$t
+    step test_cuda_${t}_fused test_cuda_${t}_fused.log \
+        env MOEFUSE_TEST_PIPELINE=fused build/tests/api/test_cuda_$t
+done
+for t in ep ep_failures ep_iterations; do
+    step test_cuda_$t test_cuda_$t.log build/tests/api/test_cuda_$t
+done
 step moefuse_step moefuse_step.log build/moefuse_step
 step moefuse_step_fused moefuse_step_fused.log build/moefuse_step --pipeline fused
 step bench bench.log tools/run_bench.sh
