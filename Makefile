@@ -79,10 +79,12 @@ CUDA_STAMP := $(BUILD)/flags.cuda
 HOST_OBJ := $(HOST_SRC:%.c=$(BUILD)/%.o)
 LIB_OBJ  := $(HOST_OBJ) $(CUDA_OBJ)
 
-TEST_SRC  := $(wildcard tests/test_*.c)
+# tests/cpu/ and tests/api/test_validation.c: always; tests/api/test_cuda_*.c (the CUDA
+# backend through the public API) and tests/kernels/ (the kernels alone): with CUDA.
+TEST_SRC  := $(wildcard tests/cpu/test_*.c) tests/api/test_validation.c
 TEST_BIN  := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
-GPU_TEST_SRC := $(wildcard tests/gpu/test_*.c) $(wildcard tests/gpu/test_*.cu)
-GPU_TEST_BIN := $(if $(HAVE_CUDA),$(patsubst tests/gpu/%,$(BUILD)/tests/gpu/%,$(basename $(GPU_TEST_SRC))))
+GPU_TEST_SRC := $(wildcard tests/api/test_cuda_*.c) $(wildcard tests/kernels/test_*.cu)
+GPU_TEST_BIN := $(if $(HAVE_CUDA),$(patsubst tests/%,$(BUILD)/tests/%,$(basename $(GPU_TEST_SRC))))
 TOOLS     := $(BUILD)/moefuse_step
 BENCH_BIN := $(if $(HAVE_CUDA),$(BUILD)/bench/bench_forward_cuda $(BUILD)/tools/output_hashes)
 
@@ -108,41 +110,54 @@ $(BUILD)/libmoefuse.a: $(LIB_OBJ)
 	rm -f $@ && ar rcs $@ $^
 
 TEST_HARNESS := $(BUILD)/tests/harness.o $(BUILD)/tests/plan_check.o
-# The CPU tests' shared problems and reference comparison (it calls the public API, so
-# the GPU kernel tests, which link only the kernels they test, leave it out).
-CPU_FIXTURE  := $(BUILD)/tests/cpu_problem.o
-$(BUILD)/tests/%.o: tests/%.c tests/%.h src/host/internal.h $(HOST_STAMP)
+TEST_HDR     := $(wildcard tests/*.h tests/api/*.h) include/moefuse.h src/host/internal.h
+# The API tests' one fixture: tests/api/fixture.* (shapes, problems, poisoning, the
+# reference comparison; tests/cpu/ uses it too) and, for the CUDA backend tests only,
+# its device part tests/api/fixture_cuda.*. It calls the public API, so the kernel
+# tests, which link only the kernels they test, leave it out.
+FIXTURE      := $(BUILD)/tests/api/fixture.o
+FIXTURE_CUDA := $(BUILD)/tests/api/fixture_cuda.o
+$(BUILD)/tests/%.o: tests/%.c $(wildcard tests/*.h) include/moefuse.h src/host/internal.h \
+                    $(HOST_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -c $< -o $@
 
-$(BUILD)/tests/test_%: tests/test_%.c $(TEST_HARNESS) $(CPU_FIXTURE) $(BUILD)/libmoefuse.a $(HOST_STAMP)
+$(BUILD)/tests/api/%.o: tests/api/%.c $(TEST_HDR) $(HOST_STAMP)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests $< $(TEST_HARNESS) $(CPU_FIXTURE) $(BUILD)/libmoefuse.a -o $@ \
-	    $(LDLIBS) $(CUDA_LIBS)
+	$(CC) $(CFLAGS) -Itests -Itests/api -c $< -o $@
 
-# Helpers shared by the GPU tests (not named test_*: they are no test of their own).
-GPU_TEST_UTIL_C  := $(BUILD)/tests/gpu/cuda_test_util.o
-GPU_TEST_UTIL_CU := $(BUILD)/tests/gpu/gemm_test_util.o
-$(GPU_TEST_UTIL_C): tests/gpu/cuda_test_util.c tests/gpu/cuda_test_util.h tests/harness.h \
-                    include/moefuse.h src/host/internal.h $(HOST_STAMP)
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests -c $< -o $@
+define API_TEST_RULE
+$$(BUILD)/tests/$(1)%: tests/$(1)%.c $$(TEST_HDR) $$(TEST_HARNESS) $(2) $$(BUILD)/libmoefuse.a \
+                      $$(HOST_STAMP)
+	@mkdir -p $$(dir $$@)
+	$$(CC) $$(CFLAGS) -Itests -Itests/api $$< $$(filter %.o,$$^) $$(BUILD)/libmoefuse.a -o $$@ \
+	    $$(LDLIBS) $$(CUDA_LIBS)
+endef
+$(eval $(call API_TEST_RULE,cpu/test_,$(FIXTURE)))
+$(eval $(call API_TEST_RULE,api/test_,$(FIXTURE)))
+$(eval $(call API_TEST_RULE,api/test_cuda_,$(FIXTURE_CUDA)))
+# A CUDA suite split over several binaries (test_cuda_<suite>.c, test_cuda_<suite>_*.c)
+# also links its own part of the fixture, tests/api/cuda_<suite>*.c.
+define API_SUITE_RULE
+$$(patsubst tests/%.c,$$(BUILD)/tests/%,$$(wildcard tests/api/test_cuda_$(1).c \
+                                                    tests/api/test_cuda_$(1)_*.c)): \
+    $$(patsubst tests/%.c,$$(BUILD)/tests/%.o,$$(wildcard tests/api/cuda_$(1)*.c))
+endef
+$(foreach s,$(patsubst tests/api/cuda_%.c,%,$(filter-out %_ref.c,$(wildcard tests/api/cuda_*.c))),\
+  $(eval $(call API_SUITE_RULE,$(s))))
 
-$(GPU_TEST_UTIL_CU): tests/gpu/gemm_test_util.cu tests/gpu/gemm_test_util.h tests/harness.h \
+# The kernel tests' helpers (not named test_*: they are no test of their own).
+KERNEL_TEST_UTIL := $(BUILD)/tests/kernels/gemm_test_util.o
+$(KERNEL_TEST_UTIL): tests/kernels/gemm_test_util.cu tests/kernels/gemm_test_util.h tests/harness.h \
                      src/cuda/kernels.h $(CUDA_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -Itests -c $< -o $@
 
-$(BUILD)/tests/gpu/test_%: tests/gpu/test_%.c tests/gpu/cuda_test_util.h $(GPU_TEST_UTIL_C) \
-                           $(TEST_HARNESS) $(BUILD)/libmoefuse.a $(HOST_STAMP)
+$(BUILD)/tests/kernels/test_%: tests/kernels/test_%.cu tests/kernels/gemm_test_util.h \
+                               $(KERNEL_TEST_UTIL) $(TEST_HARNESS) $(BUILD)/libmoefuse.a \
+                               $(HOST_STAMP) $(CUDA_STAMP)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests $< $(GPU_TEST_UTIL_C) $(TEST_HARNESS) $(BUILD)/libmoefuse.a -o $@ \
-	    $(LDLIBS) $(CUDA_LIBS)
-
-$(BUILD)/tests/gpu/test_%: tests/gpu/test_%.cu tests/gpu/gemm_test_util.h $(GPU_TEST_UTIL_CU) \
-                           $(TEST_HARNESS) $(BUILD)/libmoefuse.a $(HOST_STAMP) $(CUDA_STAMP)
-	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -Itests -Isrc/cpu $< $(GPU_TEST_UTIL_CU) $(TEST_HARNESS) \
+	$(NVCC) $(NVCCFLAGS) -Itests -Isrc/cpu $< $(KERNEL_TEST_UTIL) $(TEST_HARNESS) \
 	    $(BUILD)/libmoefuse.a -o $@ -Xcompiler -fopenmp -lopenblas -lm
 
 $(BUILD)/moefuse_step: tools/moefuse_step.c src/cpu/reference.h $(BUILD)/libmoefuse.a $(HOST_STAMP)

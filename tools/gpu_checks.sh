@@ -29,16 +29,18 @@ step() { # name, log file, command...
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 step build build.log make -j"$(nproc)" all || { tail -30 "$LOG_DIR/build.log"; exit 1; }
-step test_gemm_sm90 test_gemm_fwd.log build/tests/gpu/test_gemm_sm90
-step test_gemm_sm90_bwd test_gemm_bwd.log build/tests/gpu/test_gemm_sm90_bwd
-step test_dispatch_rows test_dispatch_rows.log build/tests/gpu/test_dispatch_rows
-step test_cuda_forward test_cuda_forward.log build/tests/gpu/test_cuda_forward
-step test_cuda_forward_fused test_cuda_forward_fused.log \
-    env MOEFUSE_TEST_PIPELINE=fused build/tests/gpu/test_cuda_forward
-step test_cuda_backward test_cuda_backward.log build/tests/gpu/test_cuda_backward
-step test_cuda_backward_fused test_cuda_backward_fused.log \
-    env MOEFUSE_TEST_PIPELINE=fused build/tests/gpu/test_cuda_backward
-step test_cuda_ep test_cuda_ep.log build/tests/gpu/test_cuda_ep
+step test_gemm_sm90 test_gemm_fwd.log build/tests/kernels/test_gemm_sm90
+step test_gemm_sm90_bwd test_gemm_bwd.log build/tests/kernels/test_gemm_sm90_bwd
+step test_dispatch_rows test_dispatch_rows.log build/tests/kernels/test_dispatch_rows
+# The CUDA API suites, staged (the default) and fused.
+for t in forward forward_bitwise backward backward_modes; do
+    step test_cuda_$t test_cuda_$t.log build/tests/api/test_cuda_$t
+    step test_cuda_${t}_fused test_cuda_${t}_fused.log \
+        env MOEFUSE_TEST_PIPELINE=fused build/tests/api/test_cuda_$t
+done
+for t in ep ep_failures ep_iterations; do
+    step test_cuda_$t test_cuda_$t.log build/tests/api/test_cuda_$t
+done
 step moefuse_step moefuse_step.log build/moefuse_step
 step moefuse_step_fused moefuse_step_fused.log build/moefuse_step --pipeline fused
 step bench bench.log tools/run_bench.sh
@@ -50,16 +52,16 @@ if [ "${1:-}" != quick ]; then
         step bench_train_step train_step.log python3 bench/bench_train_step.py --plot "$LOG_DIR/loss_curves.png"
     step sass sass.log bash -c 'for o in build/src/cuda/sm90_*.o; do
         echo "$o HGMMA=$(cuobjdump --dump-sass $o | grep -c HGMMA) LDL_STL=$(cuobjdump --dump-sass $o | grep -cE "LDL|STL")"; done'
-    step memcheck memcheck.log timeout 120 compute-sanitizer --error-exitcode 1 --tool memcheck build/tests/gpu/test_cuda_backward 30b "T=7"
+    step memcheck memcheck.log timeout 120 compute-sanitizer --error-exitcode 1 --tool memcheck build/tests/api/test_cuda_backward 30b "T=7"
     step memcheck_fused memcheck_fused.log timeout 120 env MOEFUSE_TEST_PIPELINE=fused \
-        compute-sanitizer --error-exitcode 1 --tool memcheck build/tests/gpu/test_cuda_forward 30b "T=512"
-    step racecheck racecheck.log timeout 140 compute-sanitizer --error-exitcode 1 --tool racecheck build/tests/gpu/test_gemm_sm90_bwd _bn
+        compute-sanitizer --error-exitcode 1 --tool memcheck build/tests/api/test_cuda_forward 30b "T=512"
+    step racecheck racecheck.log timeout 140 compute-sanitizer --error-exitcode 1 --tool racecheck build/tests/kernels/test_gemm_sm90_bwd _bn
     step racecheck_bwd_fused racecheck_bwd_fused.log timeout 140 env MOEFUSE_TEST_PIPELINE=fused \
-        compute-sanitizer --error-exitcode 1 --tool racecheck build/tests/gpu/test_cuda_backward 30b "T=7"
-    step racecheck_fwd racecheck_fwd.log timeout 140 compute-sanitizer --error-exitcode 1 --tool racecheck build/tests/gpu/test_gemm_sm90 paths
-    step memcheck_ep memcheck_ep.log timeout 150 compute-sanitizer --error-exitcode 1 --tool memcheck build/tests/gpu/test_cuda_ep "R=1 comm"
+        compute-sanitizer --error-exitcode 1 --tool racecheck build/tests/api/test_cuda_backward 30b "T=7"
+    step racecheck_fwd racecheck_fwd.log timeout 140 compute-sanitizer --error-exitcode 1 --tool racecheck build/tests/kernels/test_gemm_sm90 paths
+    step memcheck_ep memcheck_ep.log timeout 150 compute-sanitizer --error-exitcode 1 --tool memcheck build/tests/api/test_cuda_ep "R=1 comm"
     step memcheck_ep_fused memcheck_ep_fused.log timeout 150 compute-sanitizer --error-exitcode 1 \
-        --tool memcheck build/tests/gpu/test_cuda_ep "R=4 T={512,0,37,300} fused"
+        --tool memcheck build/tests/api/test_cuda_ep "R=4 T={512,0,37,300} fused"
 fi
 printf '%s\n' "${summary[@]}" | tee "$LOG_DIR/summary.txt"
 if [ -n "${OUT:-}" ]; then

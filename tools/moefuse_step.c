@@ -184,7 +184,7 @@ static int check_step(const step_data *d) {
     mf_ref_backward(&s, x, d->ids, p, w13, w2, dy, dx, dp, dw13, dw2);
     printf("check against the fp64 reference (%.0f ms):\n", now_ms() - t0);
     /* bf16 roundings on each path (inputs are exact bf16 in both; the same count as
-     * tests/test_cpu_backend.c): the backend keeps g and u in bf16, rounds a from
+     * tests/cpu/test_cpu_backend.c): the backend keeps g and u in bf16, rounds a from
      * them, rounds da' = dy W2_e, [dg;du] and the outputs y and dx.
      * y: g, u, a, y. dx: g, u, da', [dg;du], dx. dp: g, u, a, da'. dW13: g, u, da',
      * [dg;du]. dW2: g, u, a; plus d->cuda on dx and dW2. */

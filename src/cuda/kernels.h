@@ -1,7 +1,7 @@
 /* Launchers of the CUDA kernels (one kernel per .cu file): extern "C", plain params
  * structs. The internal header of the CUDA backend: the pipeline (src/cuda/pipeline/)
  * calls the GEMMs through the ops table of gemm_ops.h and the rest directly; the kernel
- * tests (tests/gpu/) and the stage benchmark (bench/bench_forward_cuda.c) call them
+ * tests (tests/kernels/) and the stage benchmark (bench/bench_forward_cuda.c) call them
  * directly too. Not installed; include/moefuse.h is the public contract. */
 #ifndef MOEFUSE_CUDA_KERNELS_H
 #define MOEFUSE_CUDA_KERNELS_H

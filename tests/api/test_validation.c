@@ -337,7 +337,7 @@ static int cuda_layer_possible(void) {
 }
 
 /* The comm of expert parallelism: its own checks, and those of a layer made with it.
- * (The CUDA backend's use of it is tested in tests/gpu/test_cuda_ep.c.) */
+ * (The CUDA backend's use of it is tested in tests/api/test_cuda_ep.c.) */
 static void test_comm_errors(void) {
     moefuse_comm *comm = (moefuse_comm *)0x1;
     CHECK(moefuse_comm_create_virtual(0, &comm) == MOEFUSE_ERR_INVALID_CONFIG, "0 ranks");

@@ -12,7 +12,7 @@
  *   dp   n = 4: g, u, a, da' (dp = <da', a> in fp32).
  *   dW2  n = 3: g, u, a (dW2 = (p dy)^T a in fp32).
  *   dW13 n = 4: g, u, da', [dg;du] (dW13 = [dg;du]^T x in fp32). */
-#include "cpu_problem.h"
+#include "fixture.h"
 
 #include <math.h>
 #include <stdio.h>

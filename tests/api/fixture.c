@@ -1,4 +1,4 @@
-#include "cpu_problem.h"
+#include "fixture.h"
 
 #include "reference.h"
 

@@ -1,5 +1,5 @@
-/* The helpers of cuda_test_util.h. */
-#include "cuda_test_util.h"
+/* The helpers of fixture_cuda.h. */
+#include "fixture_cuda.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -26,6 +26,23 @@ int ct_detect_sm90(char *skip, size_t skip_size, struct cudaDeviceProp *prop) {
         return 0;
     }
     return 1;
+}
+
+int ct_run_models(int argc, char **argv, const char *suite, const model *models, int n_models,
+                  void (*begin)(const model *m), void (*end)(void), const named_case *cases,
+                  int n_cases) {
+    for (int i = 0; i < n_models; i++) {
+        const model *m = &models[i];
+        if (argc > 1 && !strstr(m->name, argv[1])) continue;
+        begin(m);
+        char name[160];
+        for (int c = 0; c < n_cases; c++) {
+            snprintf(name, sizeof name, "%s %s %s", suite, m->name, cases[c].what);
+            if (argc < 3 || strstr(cases[c].what, argv[2])) th_run(name, cases[c].fn);
+        }
+        end();
+    }
+    return th_finish();
 }
 
 void ct_fill_rows(uint16_t *out, int64_t rows, int cols, double scale) {

@@ -1,8 +1,9 @@
-/* The CPU tests' shared fixture: model shapes, random problems (x, dy, routing, weights)
+/* The API tests' shared fixture (tests/cpu/ uses it too; its device part is
+ * fixture_cuda.h): model shapes, random problems (x, dy, routing, weights)
  * on fresh draws, poisoned outputs, the library calls, and the comparison with the fp64
  * reference (bf16 math or the FP8 recipe's emulation). */
-#ifndef MOEFUSE_TESTS_CPU_PROBLEM_H
-#define MOEFUSE_TESTS_CPU_PROBLEM_H
+#ifndef MOEFUSE_TESTS_FIXTURE_H
+#define MOEFUSE_TESTS_FIXTURE_H
 
 #include "harness.h"
 #include "moefuse.h"

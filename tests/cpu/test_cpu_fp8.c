@@ -6,7 +6,7 @@
  * th_gemm ...: the chain of each output below); determinism and recompute = saved.
  * The recipe's own error against the bf16 fp64 reference is printed, not checked: it
  * is a property of the recipe (docs/decisions/0018-fp8-block-recipe.md records it). */
-#include "cpu_problem.h"
+#include "fixture.h"
 #include "fp8.h"
 #include "reference.h"
 

@@ -1,8 +1,9 @@
-/* What the CUDA layer tests (test_cuda_forward.c, test_cuda_backward.c) share: the model
- * shapes, the check macros, the sm_90 device check, random weight rows and random
- * routing. Plain C11; the bodies are in cuda_test_util.c. */
-#ifndef MOEFUSE_CUDA_TEST_UTIL_H
-#define MOEFUSE_CUDA_TEST_UTIL_H
+/* The device part of the API tests' fixture (built only with CUDA): what the CUDA
+ * backend tests (test_cuda_*.c) share: the model shapes, the check macros, the sm_90
+ * device check, random weight rows and random routing. Plain C11; the bodies are in
+ * fixture_cuda.c. */
+#ifndef MOEFUSE_TESTS_FIXTURE_CUDA_H
+#define MOEFUSE_TESTS_FIXTURE_CUDA_H
 
 #include <cuda_runtime.h>
 #include <stddef.h>
@@ -15,6 +16,19 @@ typedef struct model {
     const char *name;
     int H, I, E, K;
 } model;
+
+/* One case of a suite: its function and the words of its name. */
+typedef struct named_case {
+    void (*fn)(void);
+    const char *what;
+} named_case;
+
+/* Runs a suite over models: for each model whose name contains argv[1] (when given),
+ * begin(m), every case whose words contain argv[2] (when given), named
+ * "<suite> <model> <words>", then end(). Returns th_finish(). */
+int ct_run_models(int argc, char **argv, const char *suite, const model *models, int n_models,
+                  void (*begin)(const model *m), void (*end)(void), const named_case *cases,
+                  int n_cases);
 
 /* Record a failed CUDA / moefuse call and jump to the caller's `done:` label. */
 #define CUDA_OK(call)                                                                      \
