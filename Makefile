@@ -126,16 +126,20 @@ $(BUILD)/tests/api/%.o: tests/api/%.c $(TEST_HDR) $(HOST_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -Itests/api -c $< -o $@
 
-define API_TEST_RULE
-$$(BUILD)/tests/$(1)%: tests/$(1)%.c $$(TEST_HDR) $$(TEST_HARNESS) $(2) $$(BUILD)/libmoefuse.a \
-                      $$(HOST_STAMP)
-	@mkdir -p $$(dir $$@)
-	$$(CC) $$(CFLAGS) -Itests -Itests/api $$< $$(filter %.o,$$^) $$(BUILD)/libmoefuse.a -o $$@ \
-	    $$(LDLIBS) $$(CUDA_LIBS)
-endef
-$(eval $(call API_TEST_RULE,cpu/test_,$(FIXTURE)))
-$(eval $(call API_TEST_RULE,api/test_,$(FIXTURE)))
-$(eval $(call API_TEST_RULE,api/test_cuda_,$(FIXTURE_CUDA)))
+# Static pattern rules (one rule a binary: two pattern rules that both match, as
+# api/test_% and api/test_cuda_%, would leave the choice to make).
+CPU_API_TEST_BIN  := $(TEST_BIN)
+CUDA_API_TEST_BIN := $(if $(HAVE_CUDA),$(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/api/test_cuda_*.c)))
+$(CPU_API_TEST_BIN): $(BUILD)/tests/%: tests/%.c $(TEST_HDR) $(TEST_HARNESS) $(FIXTURE) \
+                     $(BUILD)/libmoefuse.a $(HOST_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests -Itests/api $< $(filter %.o,$^) $(BUILD)/libmoefuse.a -o $@ \
+	    $(LDLIBS) $(CUDA_LIBS)
+$(CUDA_API_TEST_BIN): $(BUILD)/tests/%: tests/%.c $(TEST_HDR) $(TEST_HARNESS) $(FIXTURE_CUDA) \
+                      $(BUILD)/libmoefuse.a $(HOST_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests -Itests/api $< $(filter %.o,$^) $(BUILD)/libmoefuse.a -o $@ \
+	    $(LDLIBS) $(CUDA_LIBS)
 # A CUDA suite split over several binaries (test_cuda_<suite>.c, test_cuda_<suite>_*.c)
 # also links its own part of the fixture, tests/api/cuda_<suite>*.c.
 define API_SUITE_RULE
