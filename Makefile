@@ -153,7 +153,7 @@ $(foreach s,$(patsubst tests/api/cuda_%.c,%,$(filter-out %_ref.c,$(wildcard test
 # The kernel tests' helpers (not named test_*: they are no test of their own).
 KERNEL_TEST_UTIL := $(BUILD)/tests/kernels/gemm_test_util.o
 $(KERNEL_TEST_UTIL): tests/kernels/gemm_test_util.cu tests/kernels/gemm_test_util.h tests/harness.h \
-                     src/cuda/kernels.h $(CUDA_STAMP)
+                     src/cuda/kernels.h src/cuda/gemm_params.h $(CUDA_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -Itests -c $< -o $@
 
