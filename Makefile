@@ -140,6 +140,11 @@ $(CUDA_API_TEST_BIN): $(BUILD)/tests/%: tests/%.c $(TEST_HDR) $(TEST_HARNESS) $(
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -Itests/api $< $(filter %.o,$^) $(BUILD)/libmoefuse.a -o $@ \
 	    $(LDLIBS) $(CUDA_LIBS)
+# tests/cpu/'s helpers (cpu_test_util.*, not named test_*): linked into each tests/cpu/ binary.
+CPU_TEST_UTIL := $(BUILD)/tests/cpu/cpu_test_util.o
+$(CPU_TEST_UTIL): tests/cpu/cpu_test_util.h
+$(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/cpu/test_*.c)): $(CPU_TEST_UTIL) \
+                                                                     tests/cpu/cpu_test_util.h
 # A CUDA suite split over several binaries (test_cuda_<suite>.c, test_cuda_<suite>_*.c)
 # also links its own part of the fixture, tests/api/cuda_<suite>*.c.
 define API_SUITE_RULE
