@@ -140,6 +140,11 @@ $(CUDA_API_TEST_BIN): $(BUILD)/tests/%: tests/%.c $(TEST_HDR) $(TEST_HARNESS) $(
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -Itests/api $< $(filter %.o,$^) $(BUILD)/libmoefuse.a -o $@ \
 	    $(LDLIBS) $(CUDA_LIBS)
+# tests/cpu/'s helpers (cpu_test_util.*, not named test_*): linked into each tests/cpu/ binary.
+CPU_TEST_UTIL := $(BUILD)/tests/cpu/cpu_test_util.o
+$(CPU_TEST_UTIL): tests/cpu/cpu_test_util.h
+$(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/cpu/test_*.c)): $(CPU_TEST_UTIL) \
+                                                                     tests/cpu/cpu_test_util.h
 # A CUDA suite split over several binaries (test_cuda_<suite>.c, test_cuda_<suite>_*.c)
 # also links its own part of the fixture, tests/api/cuda_<suite>*.c.
 define API_SUITE_RULE
@@ -153,7 +158,7 @@ $(foreach s,$(patsubst tests/api/cuda_%.c,%,$(filter-out %_ref.c,$(wildcard test
 # The kernel tests' helpers (not named test_*: they are no test of their own).
 KERNEL_TEST_UTIL := $(BUILD)/tests/kernels/gemm_test_util.o
 $(KERNEL_TEST_UTIL): tests/kernels/gemm_test_util.cu tests/kernels/gemm_test_util.h tests/harness.h \
-                     src/cuda/kernels.h $(CUDA_STAMP)
+                     src/cuda/kernels.h src/cuda/gemm_params.h $(CUDA_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -Itests -c $< -o $@
 

@@ -3,8 +3,9 @@
 # build/) side by side, then runs each given command line ROUNDS times in both, taking
 # turns (this, other, this, ...), so that the power limit's clock changes fall on both
 # alike (docs/decisions/0013-power-limit-timing). A command line runs from the tree's root
-# with MOEFUSE_LIB pointing at that tree's library, so "build/tests/kernels/test_gemm_sm90_bwd
-# time_qwen3_30b" runs each tree's own binary. Correctness commands belong in the list too.
+# with MOEFUSE_LIB pointing at that tree's library, so
+# "build/tests/kernels/test_gemm_sm90_bwd_time time_qwen3_30b" runs each tree's own binary.
+# Correctness commands belong in the list too.
 #
 #   tools/ab_trees.sh OTHER ROUNDS 'command line' ['command line' ...]
 #

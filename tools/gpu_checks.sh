@@ -31,6 +31,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 step build build.log make -j"$(nproc)" all || { tail -30 "$LOG_DIR/build.log"; exit 1; }
 step test_gemm_sm90 test_gemm_fwd.log build/tests/kernels/test_gemm_sm90
 step test_gemm_sm90_bwd test_gemm_bwd.log build/tests/kernels/test_gemm_sm90_bwd
+step test_gemm_sm90_bwd_time test_gemm_bwd_time.log build/tests/kernels/test_gemm_sm90_bwd_time
 step test_dispatch_rows test_dispatch_rows.log build/tests/kernels/test_dispatch_rows
 # The CUDA API suites, staged (the default) and fused.
 for t in forward forward_bitwise backward backward_modes; do

@@ -1,6 +1,6 @@
 /* The GEMM operations of one (architecture, precision): what the pipeline launches for
  * each expert GEMM, picked once when a layer is created (mf_gemm_ops_find). The
- * pipeline builds the params of kernels.h and calls through a table, so a precision or
+ * pipeline builds the params of gemm_params.h and calls through a table, so a precision or
  * an architecture is a second table, not a second pipeline. */
 #ifndef MOEFUSE_CUDA_GEMM_OPS_H
 #define MOEFUSE_CUDA_GEMM_OPS_H

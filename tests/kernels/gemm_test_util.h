@@ -1,6 +1,7 @@
-/* What the sm_90a GEMM kernel tests (test_gemm_sm90.cu, test_gemm_sm90_bwd.cu) share:
- * bf16 conversions, the device check, the expert-sorted row layout the plan would build,
- * poison checks and the hash fill of the timing runs. Bodies in gemm_test_util.cu. */
+/* What the sm_90a GEMM kernel tests (test_gemm_sm90.cu, test_gemm_sm90_bwd.cu,
+ * test_gemm_sm90_bwd_time.cu) share: bf16 conversions, the device check, device copies of
+ * host vectors, the expert-sorted row layout the plan would build, poison checks and the
+ * hash fill of the timing runs. Bodies in gemm_test_util.cu, but for the two templates. */
 #ifndef MOEFUSE_GEMM_TEST_UTIL_H
 #define MOEFUSE_GEMM_TEST_UTIL_H
 
@@ -29,6 +30,22 @@ double bf2d(uint16_t v);
 /* A GPU with compute capability 9.0, or th_skip with the reason and 0. */
 int have_sm90(void);
 int num_sms(void);
+
+/* A device copy of v (16 bytes of slack past its end; nullptr when cudaMalloc fails), and
+ * n elements copied back. Templates, so their bodies are here. */
+template <class T>
+static T *dev_upload(const std::vector<T> &v) {
+    T *p = nullptr;
+    if (cudaMalloc((void **)&p, v.size() * sizeof(T) + 16) != cudaSuccess) return nullptr;
+    cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+    return p;
+}
+template <class T>
+static std::vector<T> dev_download(const T *p, size_t n) {
+    std::vector<T> v(n);
+    cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
+    return v;
+}
 
 /* ---- the routing layout the plan would build ------------------------------------------ */
 struct Layout {

@@ -200,7 +200,7 @@ inline bool misaligned16(const T *...ptrs) {
     return ((reinterpret_cast<uintptr_t>(ptrs) & 15u) | ...) != 0;
 }
 
-/* The checks of the params' shared pieces (kernels.h) every launcher makes. */
+/* The checks of the params' shared pieces (gemm_params.h) every launcher makes. */
 /* An input of the bf16 kernels: bf16, unscaled. */
 inline bool bf16_operand(const mf_operand &o) {
     return o.data && o.dtype == MF_DTYPE_BF16 && !o.scales && o.scale_layout == MF_SCALES_NONE;
