@@ -23,9 +23,10 @@ valid while
     entry (a post-step hook, registered at the first FP8 call);
   - both weights' storages are alive (an entry dies with its weights; it never holds them).
 So gradient accumulation over micro-batches, the backward of each forward and the
-recompute of activation checkpointing reuse one quantization. The one update it cannot
-see: writes through `w.data` (a tensor with its own version counter) outside an optimizer
-step; call layer_cache.fp8.clear() after those. The lookup runs inside the custom ops'
+recompute of activation checkpointing reuse one quantization. What it cannot see: writes
+through `w.data` (a tensor with its own version counter) outside a torch.optim step, and
+optimizers outside torch.optim that write in place without bumping the counters; call
+layer_cache.fp8.clear() after those. The lookup runs inside the custom ops'
 implementations, never in traced code, so torch.compile(fullgraph=True) sees no break.
 """
 
@@ -58,10 +59,6 @@ def resolve_precision(precision: str, fp8_pow2_scales: bool, where: str) -> tupl
     return int(PRECISIONS[precision]), fp8_pow2_scales
 
 
-def precision_name(precision: int) -> str:
-    return next(name for name, p in PRECISIONS.items() if p == precision)
-
-
 # ---- where FP8 does not run ---------------------------------------------------------------
 
 
@@ -78,6 +75,18 @@ def _gpu_words(device: torch.device) -> tuple[str, Optional[tuple[int, int]]]:
     return f"{device} ({torch.cuda.get_device_name(device)}, sm_{major}{minor})", (major, minor)
 
 
+def create_layer(cfg: _lib.Config, device: torch.device,
+                 comm: Optional[_lib.Comm] = None) -> _lib.Layer:
+    """_lib.Layer(cfg, comm) on `device`; Fp8UnsupportedError where the library refuses an
+    FP8 config, every other error as it is."""
+    try:
+        with _on_device(device):
+            return _lib.Layer(cfg, comm)
+    except _lib.MoefuseError as err:
+        raise_if_unsupported(err, cfg, device)
+        raise
+
+
 def raise_if_unsupported(err: _lib.MoefuseError, cfg: _lib.Config,
                          device: torch.device) -> None:
     """Raises Fp8UnsupportedError from err when err is moefuse_layer_create refusing an
@@ -90,14 +99,14 @@ def raise_if_unsupported(err: _lib.MoefuseError, cfg: _lib.Config,
         why = ("FP8 needs an sm_90 (Hopper) GPU or newer, and the FP8 kernels are not "
                "built for the GPU yet")
     elif cfg.backend == _lib.Backend.CUDA:
-        why = "the FP8 kernels are not built for the GPU yet"
+        why = ("the FP8 kernels are not built for the GPU yet; CUDA tensors take "
+               "precision='bf16'")
     else:
         why = "this library does not run it"
     raise Fp8UnsupportedError(
         err.function, err.status, err.status_name,
-        f"precision='fp8' on {words}: {why}; the CPU backend runs the FP8 recipe (CPU "
-        f"tensors), CUDA tensors take precision='bf16'. The library said: {err.message}"
-    ) from err
+        f"precision='fp8' on {words}: {why}. CPU tensors run the FP8 recipe (the CPU "
+        f"backend). The library said: {err.message}") from err
 
 
 # ---- quantized weights, once per optimizer step ----------------------------------------------

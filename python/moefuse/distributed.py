@@ -291,12 +291,7 @@ class ExpertParallelExperts(MoEExperts):
         cfg.precision, _ = _fp8.resolve_precision(self.precision, self.fp8_pow2_scales,
                                                   "ExpertParallelExperts")
         cfg.fp8_pow2_scales = int(self.fp8_pow2_scales)
-        try:
-            with _on_device(device):
-                layer = _lib.Layer(cfg, self.comm)
-        except _lib.MoefuseError as err:
-            _fp8.raise_if_unsupported(err, cfg, device)
-            raise
+        layer = _fp8.create_layer(cfg, device, self.comm)
         layer.device = device
         self._layer = layer
         return layer

@@ -31,8 +31,8 @@ current CUDA stream. The saved activations the backward needs live in a torch.ui
 tensor from PyTorch's allocator (moefuse_saved_bytes(T) bytes).
 
 Layers (moefuse_layer handles: the workspaces of one config) are cached per
-(H, I, E, K, device, saved mode, precision, pipeline, max_tokens bucket) in `layer_cache`,
-the one piece of module state (with the FP8 weights of layer_cache.fp8), and destroyed at
+(H, I, E, K, device, saved mode, precision, pipeline, max_tokens bucket) in `layer_cache`
+(with the FP8 weights, layer_cache.fp8), the one piece of module state, and destroyed at
 interpreter exit (or by layer_cache.clear()).
 The environment variable MOEFUSE_PIPELINE (staged, the default, or fused) picks how the
 CUDA forward runs its two expert GEMMs and the one-rank backward its dW2, dgrad1 and dW13
@@ -90,8 +90,7 @@ class LayerCache:
     """moefuse_layer handles keyed by (hidden, intermediate, num_experts, top_k, device,
     saved_mode, precision, fp8_pow2_scales, pipeline, max_tokens bucket). A forward and
     its backward use the same key, so the backward reads its saved buffer with the layer
-    that wrote it (both pipelines write the same saved format). `fp8` holds the quantized
-    weights of FP8 layers (_fp8.Fp8WeightCache)."""
+    that wrote it (both pipelines write the same saved format). `fp8`: FP8 weights."""
 
     def __init__(self):
         self._layers: dict[tuple, _lib.Layer] = {}
@@ -118,12 +117,7 @@ class LayerCache:
                 cfg.saved_mode = saved_mode
                 cfg.pipeline = pipeline
                 cfg.precision, cfg.fp8_pow2_scales = int(precision), int(fp8_pow2_scales)
-                try:
-                    with _on_device(device):
-                        layer = _lib.Layer(cfg)
-                except _lib.MoefuseError as err:
-                    _fp8.raise_if_unsupported(err, cfg, device)
-                    raise
+                layer = _fp8.create_layer(cfg, device)
                 layer.device = device
                 self._layers[key] = layer
             return layer
@@ -357,11 +351,8 @@ def experts(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch.Tens
              x (K * H * 2 bytes more per token), so the backward does not gather x
              again (CUDA; the CPU backend ignores it). Even so, fewer bytes than autograd
              through torch._grouped_mm keeps. Same results either way.
-        precision: "bf16" (default) or "fp8": every expert GEMM on e4m3 operands with
-             fp32 scales per 1x128 tile or 128x128 weight block (DeepSeek-V3's recipe,
-             docs/decisions/0018-fp8-block-recipe.md); the weights are quantized once
-             per optimizer step (_fp8.py). CPU tensors; CUDA tensors raise
-             Fp8UnsupportedError until the FP8 kernels are built.
+        precision: "bf16" (default) or "fp8": block-scaled e4m3 GEMM operands, the
+             weights quantized once per optimizer step (_fp8.py); CPU tensors only yet.
         fp8_pow2_scales: with precision="fp8", every scale a power of two.
 
     Returns:

@@ -22,7 +22,8 @@ multiplies both; a rounding to a grid of relative step s (2^-7 bf16, 2^-3 E4M3) 
 m1' = 2 m1, rms' = rms + sqrt(2 s m1) (a value within |d| of a rounding boundary moves by
 a step); an FP8 quantization adds the scale's shift (4 typical differences) before its
 rounding. The tolerance is twice the final rms, plus one bf16 rounding for y and dx (the
-library rounds them, the emulation does not) and for the bf16 gradients of bf16 weights. tests/cpu/test_cpu_fp8.c derives the same.
+library rounds them, the emulation does not) and for the bf16 gradients of bf16 weights.
+tests/cpu/test_cpu_fp8.c derives the same chains.
 """
 
 from __future__ import annotations
