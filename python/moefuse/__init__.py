@@ -3,6 +3,7 @@ from PyTorch. A ctypes binding of libmoefuse (include/moefuse.h) with torch ops 
 nn.Modules on top.
 
     moefuse.experts(x, ids, p, w13, w2) -> y        differentiable custom op
+                                                    (precision="bf16" or "fp8")
     moefuse.route(logits, top_k) -> (ids, weights)  Qwen3 routing, differentiable
     moefuse.MoEExperts, moefuse.MoefuseQwen3MoeBlock
     moefuse.ExpertParallelExperts, moefuse.nccl_comm_from_group  expert parallelism
@@ -14,6 +15,7 @@ The C library is found through MOEFUSE_LIB, else build/libmoefuse.so of the sour
 checkout, else a copy installed next to this package (see moefuse._lib).
 """
 
+from ._fp8 import Fp8UnsupportedError
 from ._lib import (EXPECTED_VERSION, Comm, LibraryNotFoundError, MoefuseError, Pipeline,
                    SavedMode, Status, is_available, library_path, version)
 from .distributed import (ExpertParallelExperts, load_local_experts, nccl_comm_from_group,
@@ -25,7 +27,8 @@ from .ops import (backward_unsupported_reason, check_device_errors, experts, lay
 __version__ = "0.3.0"
 
 __all__ = [
-    "EXPECTED_VERSION", "Comm", "ExpertParallelExperts", "LibraryNotFoundError", "MoEExperts",
+    "EXPECTED_VERSION", "Comm", "ExpertParallelExperts", "Fp8UnsupportedError",
+    "LibraryNotFoundError", "MoEExperts",
     "MoefuseError", "Pipeline", "SavedMode", "backward_unsupported_reason", "load_local_experts",
     "nccl_comm_from_group", "virtual_comm",
     "MoefuseQwen3MoeBlock", "Status", "check_device_errors", "experts",

@@ -65,6 +65,13 @@ class Pipeline(enum.IntEnum):
     FUSED = 1  # gemm1 and gemm2 in one persistent kernel
 
 
+class DType(enum.IntEnum):
+    """moefuse_dtype: the element type of the weights moefuse_quantize_weights reads."""
+
+    BF16 = 0
+    FP32 = 1
+
+
 # ---- struct mirrors ------------------------------------------------------------------
 # Enums are C ints. Data pointers are c_void_p (ABI-identical to the typed pointers of
 # the header, whose C type each comment gives) so callers pass tensor.data_ptr().
@@ -87,6 +94,26 @@ class Config(ctypes.Structure):
         ("num_threads", ctypes.c_int),  # CPU backend: 0 = all cores
         ("pipeline", ctypes.c_int),  # Pipeline
         ("fp8_pow2_scales", ctypes.c_int),  # FP8_BLOCK: 1 = power-of-two scales
+    ]
+
+
+class Fp8Weights(ctypes.Structure):
+    """moefuse_fp8_weights: W13, W2 and their transposes as e4m3 codes with one fp32 scale
+    per 128x128 block (nb(n) = ceil(n / 128)); moefuse_fp8_weights_view fills it."""
+
+    _fields_ = [
+        ("hidden", ctypes.c_int),  # H the arrays were sized for
+        ("intermediate", ctypes.c_int),  # I
+        ("num_local_experts", ctypes.c_int),  # E/R
+        ("pow2_scales", ctypes.c_int),  # config.fp8_pow2_scales of the layer
+        ("w13", ctypes.c_void_p),  # uint8_t* [E/R, 2I, H] e4m3
+        ("w13_scale", ctypes.c_void_p),  # float* [E/R, nb(2I), nb(H)]
+        ("w13t", ctypes.c_void_p),  # uint8_t* [E/R, H, 2I]
+        ("w13t_scale", ctypes.c_void_p),  # float* [E/R, nb(H), nb(2I)]
+        ("w2", ctypes.c_void_p),  # uint8_t* [E/R, H, I]
+        ("w2_scale", ctypes.c_void_p),  # float* [E/R, nb(H), nb(I)]
+        ("w2t", ctypes.c_void_p),  # uint8_t* [E/R, I, H]
+        ("w2t_scale", ctypes.c_void_p),  # float* [E/R, nb(I), nb(H)]
     ]
 
 
@@ -192,6 +219,12 @@ _SIGNATURES = {
     "moefuse_forward": (_STATUS, [LayerHandle, ctypes.POINTER(FwdArgs), ctypes.c_void_p]),
     "moefuse_backward": (_STATUS, [LayerHandle, ctypes.POINTER(BwdArgs), ctypes.c_void_p]),
     "moefuse_layer_check": (_STATUS, [LayerHandle, ctypes.c_void_p]),
+    "moefuse_fp8_weights_bytes": (_STATUS, [LayerHandle, ctypes.POINTER(ctypes.c_size_t)]),
+    "moefuse_fp8_weights_view": (
+        _STATUS, [LayerHandle, ctypes.c_void_p, ctypes.POINTER(Fp8Weights)]),
+    "moefuse_quantize_weights": (
+        _STATUS, [LayerHandle, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                  ctypes.POINTER(Fp8Weights), ctypes.c_void_p]),
     "moefuse_route_forward": (
         _STATUS, [ctypes.POINTER(RouteArgs), ctypes.c_int, ctypes.c_void_p]),
     "moefuse_route_backward": (

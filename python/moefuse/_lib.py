@@ -26,8 +26,8 @@ from typing import Optional
 # The C API's types (enums, structs, handles, signatures) live in _c_api.py; every name
 # stays importable from here.
 from ._c_api import (_SIGNATURES, _STATUS, EXPECTED_VERSION, Backend, BwdArgs, CommHandle,
-                     Config, FwdArgs, LayerHandle, Pipeline, Precision, RouteArgs,
-                     RouteBwdArgs, SavedMode, Status)
+                     Config, DType, Fp8Weights, FwdArgs, LayerHandle, Pipeline, Precision,
+                     RouteArgs, RouteBwdArgs, SavedMode, Status)
 
 _REEXPORTED = (_STATUS, Pipeline, Precision, SavedMode)  # used through _lib by the callers
 
@@ -304,6 +304,29 @@ class Layer(_Owner):
     def backward(self, args: BwdArgs, stream: int = 0) -> None:
         check("moefuse_backward",
               self._lib.moefuse_backward(self.handle, ctypes.byref(args), stream or None))
+
+    def fp8_weights_bytes(self) -> int:
+        """moefuse_fp8_weights_bytes: one buffer for all eight FP8 weight arrays."""
+        out = ctypes.c_size_t()
+        check("moefuse_fp8_weights_bytes",
+              self._lib.moefuse_fp8_weights_bytes(self.handle, ctypes.byref(out)))
+        return out.value
+
+    def fp8_weights_view(self, buffer: int) -> Fp8Weights:
+        """moefuse_fp8_weights_view: the arrays carved out of `buffer` (an address,
+        fp8_weights_bytes() bytes, 256-byte aligned); writes nothing into it."""
+        out = Fp8Weights()
+        check("moefuse_fp8_weights_view",
+              self._lib.moefuse_fp8_weights_view(self.handle, buffer, ctypes.byref(out)))
+        return out
+
+    def quantize_weights(self, dtype: DType, w13: int, w2: int, out: Fp8Weights,
+                         stream: int = 0) -> None:
+        """moefuse_quantize_weights: W13 and W2 (addresses of contiguous bf16 or fp32
+        arrays) into out's arrays, with this layer's scale rule."""
+        check("moefuse_quantize_weights",
+              self._lib.moefuse_quantize_weights(self.handle, int(dtype), w13, w2,
+                                                 ctypes.byref(out), stream or None))
 
     def check_ids(self, stream: int = 0) -> None:
         """moefuse_layer_check: waits for `stream`, raises the first device-side error

@@ -40,15 +40,15 @@ from typing import Optional, Union
 
 import torch
 
-from . import _lib
-from ._checks import (_BF16, _aligned_saved, _alloc_saved, _as_rows, _bf16_weight,
-                      _ids_as_int32, _normalize_device, _on_device, _ptr, _row_stride, _stream,
-                      _wgrad_dtype, _wgrad_fields)
+from . import _fp8, _lib
+from ._checks import (_BF16, _aligned_saved, _alloc_saved, _as_rows, _ids_as_int32,
+                      _normalize_device, _on_device, _ptr, _row_stride, _stream, _wgrad_dtype,
+                      _wgrad_fields)
 from ._comms import (_NCCL_SIGNATURES, NcclComm, NcclError, _check_timeout, _loaded_nccl_path,
                      _nccl_check, _NcclUniqueId, load_nccl, nccl_comm_from_group,
                      nccl_unsupported_reason, virtual_comm)
 from .modules import MoEExperts
-from .ops import pipeline_from_env
+from .ops import layer_cache, pipeline_from_env
 
 # The comms live in _comms.py; every name stays importable from here.
 _REEXPORTED = (_NCCL_SIGNATURES, NcclComm, NcclError, _check_timeout, _loaded_nccl_path,
@@ -104,15 +104,15 @@ class _ExpertParallelFn(torch.autograd.Function):
         T, H = x.shape
         device = x.device
         x = _as_rows(x, H)
-        w13_bf16, w2_bf16 = _bf16_weight(w13), _bf16_weight(w2)
+        weight_fields, _alive = _fp8.weight_args(layer, w13, w2, layer_cache.fp8)
         y = torch.empty((T, H), dtype=_BF16, device=device)
         # With R > 1 the saved buffer holds the rows this rank receives: not empty even
         # at T = 0, and every rank's backward needs one.
         saved = _alloc_saved(layer.saved_bytes(T), device) if need_saved else None
         args = _lib.FwdArgs(
             num_tokens=T, x=_ptr(x), x_stride=_row_stride(x, H), ids=_ptr(ids),
-            weights=_ptr(p), w13=w13_bf16.data_ptr(), w2=w2_bf16.data_ptr(), y=_ptr(y),
-            y_stride=H, saved=_ptr(saved), expert_counts=None)
+            weights=_ptr(p), y=_ptr(y), y_stride=H, saved=_ptr(saved), expert_counts=None,
+            **weight_fields)
         with layer.lock, _on_device(device):
             layer.forward(args, _stream(device))
         ctx.layer = layer
@@ -134,14 +134,13 @@ class _ExpertParallelFn(torch.autograd.Function):
         wgrad_dtype = _wgrad_dtype(w13, w2)
         dw13 = torch.empty(w13.shape, dtype=wgrad_dtype, device=device)
         dw2 = torch.empty(w2.shape, dtype=wgrad_dtype, device=device)
-        w13_bf16, w2_bf16 = _bf16_weight(w13), _bf16_weight(w2)
+        weight_fields, _alive = _fp8.weight_args(layer, w13, w2, layer_cache.fp8)
         saved = _aligned_saved(saved)
         args = _lib.BwdArgs(
             num_tokens=T, x=_ptr(x), x_stride=_row_stride(x, H), ids=_ptr(ids),
-            weights=_ptr(p), w13=w13_bf16.data_ptr(), w2=w2_bf16.data_ptr(),
-            saved=saved.data_ptr(), saved_bytes=saved.numel(), dy=_ptr(dy),
-            dy_stride=_row_stride(dy, H), dx=_ptr(dx),
-            dx_stride=H, dweights=_ptr(dp), accumulate=0, **_wgrad_fields(dw13, dw2))
+            weights=_ptr(p), saved=saved.data_ptr(), saved_bytes=saved.numel(), dy=_ptr(dy),
+            dy_stride=_row_stride(dy, H), dx=_ptr(dx), dx_stride=H, dweights=_ptr(dp),
+            accumulate=0, **_wgrad_fields(dw13, dw2), **weight_fields)
         # Always called, whatever needs a gradient: the other ranks' backwards wait for
         # this rank's.
         with layer.lock, _on_device(device):
@@ -156,8 +155,10 @@ class _ExpertParallelFn(torch.autograd.Function):
 
 
 def _check_module_config(hidden, intermediate, num_experts, top_k, max_tokens, comm, rank,
-                         num_ranks, dtype, saved_mode, pipeline) -> None:
+                         num_ranks, dtype, saved_mode, pipeline, precision,
+                         fp8_pow2_scales) -> None:
     """Raises TypeError / ValueError before anything touches the library."""
+    _fp8.resolve_precision(precision, fp8_pow2_scales, "ExpertParallelExperts")
     sizes = dict(hidden=hidden, intermediate=intermediate, num_experts=num_experts,
                  top_k=top_k, max_tokens=max_tokens)
     for name, v in sizes.items():
@@ -208,6 +209,8 @@ class ExpertParallelExperts(MoEExperts):
         down_proj:    W2 [E/R, H, I]
     bf16 by default; float32 works as master weights (cast to bf16 per call, gradients
     stay fp32). load_global_experts() copies this rank's shard of global weights in.
+    precision: "bf16" or "fp8" (with fp8_pow2_scales), as moefuse.experts(); FP8 raises
+    Fp8UnsupportedError when the layer is made until the FP8 kernels are built for the GPU.
     pipeline: how the forward runs its expert GEMMs (Pipeline.STAGED or FUSED, the same
     bits); None reads MOEFUSE_PIPELINE when the module is made (ops.pipeline_from_env).
 
@@ -228,12 +231,13 @@ class ExpertParallelExperts(MoEExperts):
                  dtype: torch.dtype = _BF16,
                  saved_mode: _lib.SavedMode = _lib.SavedMode.SAVE_ACTIVATIONS,
                  device: Optional[Union[torch.device, str]] = None,
-                 pipeline: Optional[_lib.Pipeline] = None):
+                 pipeline: Optional[_lib.Pipeline] = None, precision: str = "bf16",
+                 fp8_pow2_scales: bool = False):
         _check_module_config(hidden, intermediate, num_experts, top_k, max_tokens, comm, rank,
-                             num_ranks, dtype, saved_mode, pipeline)
+                             num_ranks, dtype, saved_mode, pipeline, precision, fp8_pow2_scales)
         super().__init__(num_experts // num_ranks, hidden, intermediate,
-                         recompute=saved_mode == _lib.SavedMode.RECOMPUTE, device=device,
-                         dtype=dtype)
+                         recompute=saved_mode == _lib.SavedMode.RECOMPUTE, precision=precision,
+                         fp8_pow2_scales=fp8_pow2_scales, device=device, dtype=dtype)
         self.num_experts = num_experts  # E over all ranks; the parameters hold E/R
         self.num_local_experts = num_experts // num_ranks
         self.top_k = top_k
@@ -284,8 +288,10 @@ class ExpertParallelExperts(MoEExperts):
         cfg.backend = _lib.Backend.CUDA
         cfg.saved_mode = self.saved_mode
         cfg.pipeline = self.pipeline
-        with _on_device(device):
-            layer = _lib.Layer(cfg, self.comm)
+        cfg.precision, _ = _fp8.resolve_precision(self.precision, self.fp8_pow2_scales,
+                                                  "ExpertParallelExperts")
+        cfg.fp8_pow2_scales = int(self.fp8_pow2_scales)
+        layer = _fp8.create_layer(cfg, device, self.comm)
         layer.device = device
         self._layer = layer
         return layer
@@ -358,4 +364,5 @@ class ExpertParallelExperts(MoEExperts):
                 f"{self.expert_range.stop - 1}), hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, top_k={self.top_k}, "
                 f"max_tokens={self.max_tokens}, rank={self.rank}, num_ranks={self.num_ranks}, "
-                f"saved_mode={self.saved_mode.name}, pipeline={self.pipeline.name}")
+                f"saved_mode={self.saved_mode.name}, pipeline={self.pipeline.name}, "
+                f"precision={self.precision!r}")

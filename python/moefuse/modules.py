@@ -18,7 +18,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from . import ops
+from . import _fp8, ops
 
 _BF16 = torch.bfloat16
 
@@ -59,7 +59,9 @@ class MoEExperts(nn.Module):
         down_proj:    W2 [E, H, I].
     Both bf16 by default; fp32 works too (master weights: cast to bf16 per call,
     gradients stay fp32). recompute and save_inputs choose what a forward keeps for its
-    backward, as moefuse.experts() documents.
+    backward, and precision ("bf16" or "fp8") and fp8_pow2_scales the GEMMs' operands,
+    as moefuse.experts() documents (with "fp8" the weights are quantized once per
+    optimizer step; the gradients stay those of the real weights).
 
     forward(x [T, H], ids [T, K], p [T, K]) -> y [T, H]:
         y_t = sum_k p[t,k] * W2_e (silu(g) * u),  [g; u] = W13_e x_t,  e = ids[t,k].
@@ -68,10 +70,12 @@ class MoEExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
-                 recompute: bool = False, save_inputs: bool = True,
+                 recompute: bool = False, save_inputs: bool = True, precision: str = "bf16",
+                 fp8_pow2_scales: bool = False,
                  device: Optional[Union[torch.device, str]] = None,
                  dtype: torch.dtype = _BF16):
         super().__init__()
+        _fp8.resolve_precision(precision, fp8_pow2_scales, type(self).__name__)
         for name, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
                         ("intermediate_size", intermediate_size)):
             if not isinstance(v, int) or isinstance(v, bool):
@@ -83,6 +87,8 @@ class MoEExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.recompute = recompute
         self.save_inputs = save_inputs
+        self.precision = precision
+        self.fp8_pow2_scales = fp8_pow2_scales
         self.gate_up_proj = nn.Parameter(torch.empty(
             num_experts, 2 * intermediate_size, hidden_size, device=device, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(
@@ -119,13 +125,15 @@ class MoEExperts(nn.Module):
         if p.is_floating_point() and p.dtype != torch.float32:
             p = p.to(torch.float32)
         y = ops.experts(x, ids, p, self.gate_up_proj, self.down_proj, recompute=self.recompute,
-                        save_inputs=self.save_inputs)
+                        save_inputs=self.save_inputs, precision=self.precision,
+                        fp8_pow2_scales=self.fp8_pow2_scales)
         return y if y.dtype == in_dtype else y.to(in_dtype)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, recompute={self.recompute}, "
-                f"save_inputs={self.save_inputs}")
+                f"save_inputs={self.save_inputs}, precision={self.precision!r}"
+                + (", fp8_pow2_scales=True" if self.fp8_pow2_scales else ""))
 
 
 class MoefuseQwen3MoeBlock(nn.Module):
@@ -139,16 +147,19 @@ class MoefuseQwen3MoeBlock(nn.Module):
     forward(hidden_states [B, S, H] or [T, H]) returns hidden_states of the same shape
     (the transformers >= 5 contract), or (hidden_states, router_logits [B*S, E]) when
     return_router_logits is True (the transformers 4.x contract). from_transformers()
-    picks the contract of the block it replaces.
+    picks the contract of the block it replaces. precision="fp8" (and fp8_pow2_scales)
+    runs the experts' GEMMs in FP8 (MoEExperts); the router stays as it is.
     """
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int,
                  num_experts_per_tok: int, norm_topk_prob: bool = True, *,
                  router: str = "torch", return_router_logits: bool = False,
-                 recompute: bool = False, save_inputs: bool = True,
+                 recompute: bool = False, save_inputs: bool = True, precision: str = "bf16",
+                 fp8_pow2_scales: bool = False,
                  device: Optional[Union[torch.device, str]] = None,
                  dtype: torch.dtype = _BF16):
         super().__init__()
+        _fp8.resolve_precision(precision, fp8_pow2_scales, type(self).__name__)
         if router not in ("torch", "moefuse"):
             raise ValueError(f"router must be 'torch' or 'moefuse', got {router!r}")
         if router == "moefuse" and not norm_topk_prob:
@@ -166,6 +177,7 @@ class MoefuseQwen3MoeBlock(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
         self.experts = MoEExperts(num_experts, hidden_size, moe_intermediate_size,
                                   recompute=recompute, save_inputs=save_inputs,
+                                  precision=precision, fp8_pow2_scales=fp8_pow2_scales,
                                   device=device, dtype=dtype)
 
     @classmethod
@@ -183,7 +195,8 @@ class MoefuseQwen3MoeBlock(nn.Module):
         Qwen3MoeSparseMoeBlock: the fused layout of transformers >= 5 (experts.gate_up_proj
         [E, 2I, H], experts.down_proj [E, H, I], gate.weight [E, H]) or the per-expert
         layout of 4.x (experts.{i}.gate_proj / up_proj / down_proj, gate nn.Linear).
-        The return contract follows the source block's version unless given in kwargs."""
+        The return contract follows the source block's version unless given in kwargs;
+        the other kwargs (precision="fp8", recompute, router, ...) are the constructor's."""
         gate_weight = block.gate.weight  # [E, H] in both layouts
         num_experts, hidden = gate_weight.shape
         experts = block.experts

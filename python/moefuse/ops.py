@@ -2,7 +2,8 @@
 
 Public functions (differentiable, torch.compile(fullgraph=True) friendly):
 
-    experts(x, ids, p, w13, w2, recompute=False, save_inputs=True) -> y
+    experts(x, ids, p, w13, w2, recompute=False, save_inputs=True, precision="bf16",
+            fp8_pow2_scales=False) -> y
         x    [T, H]      bf16
         ids  [T, K]      int32 (int64 is converted: it is what torch.topk returns);
                          expert id per slot, -1 = slot dropped
@@ -14,6 +15,8 @@ Public functions (differentiable, torch.compile(fullgraph=True) friendly):
       Gradients flow to x, p, w13 and w2, each weight's in its dtype: bf16 weights get
       bf16 gradients written by the library (the fp32 gradients rounded to nearest
       even, no cast afterwards), fp32 master weights fp32 gradients.
+      precision="fp8": every expert GEMM on block-scaled e4m3 operands, the weights
+      quantized once per optimizer step (_fp8.py; CPU tensors for now).
 
     route(logits, top_k) -> (ids int32 [T, K], weights fp32 [T, K])
         Qwen3 routing: softmax over E in fp32, top-K (ties: lower id), renormalize.
@@ -28,8 +31,9 @@ current CUDA stream. The saved activations the backward needs live in a torch.ui
 tensor from PyTorch's allocator (moefuse_saved_bytes(T) bytes).
 
 Layers (moefuse_layer handles: the workspaces of one config) are cached per
-(H, I, E, K, device, saved mode, pipeline, max_tokens bucket) in `layer_cache`, the one
-piece of module state, and destroyed at interpreter exit (or by layer_cache.clear()).
+(H, I, E, K, device, saved mode, precision, pipeline, max_tokens bucket) in `layer_cache`
+(with the FP8 weights, layer_cache.fp8), the one piece of module state, and destroyed at
+interpreter exit (or by layer_cache.clear()).
 The environment variable MOEFUSE_PIPELINE (staged, the default, or fused) picks how the
 CUDA forward runs its two expert GEMMs and the one-rank backward its dW2, dgrad1 and dW13
 (moefuse_config.pipeline; the same bits).
@@ -49,13 +53,13 @@ from typing import Optional
 
 import torch
 
-from . import _lib
+from . import _fp8, _lib
 
 # The checks and conversions live in _checks.py; their names stay importable from here.
 from ._checks import (_BF16, _CUDA_ALIGN, _SAVED_ALIGN, _aligned_saved, _alloc_saved,
-                      _as_rows, _backend, _bf16_weight, _ids_as_int32, _normalize_device,
-                      _on_device, _ptr, _row_stride, _rows_ok, _shape_of, _stream,
-                      _validate_experts, _wgrad_dtype, _wgrad_fields)
+                      _as_rows, _backend, _ids_as_int32, _normalize_device, _on_device, _ptr,
+                      _row_stride, _rows_ok, _shape_of, _stream, _validate_experts,
+                      _wgrad_dtype, _wgrad_fields)
 
 _REEXPORTED = (_CUDA_ALIGN, _SAVED_ALIGN, _ids_as_int32, _rows_ok)  # used in _checks.py only
 
@@ -84,22 +88,24 @@ def pipeline_from_env() -> _lib.Pipeline:
 
 class LayerCache:
     """moefuse_layer handles keyed by (hidden, intermediate, num_experts, top_k, device,
-    saved_mode, pipeline, max_tokens bucket). A forward and its backward use the same
-    key, so the backward reads its saved buffer with the layer that wrote it (both
-    pipelines write the same saved format)."""
+    saved_mode, precision, fp8_pow2_scales, pipeline, max_tokens bucket). A forward and
+    its backward use the same key, so the backward reads its saved buffer with the layer
+    that wrote it (both pipelines write the same saved format). `fp8`: FP8 weights."""
 
     def __init__(self):
         self._layers: dict[tuple, _lib.Layer] = {}
         self._lock = threading.Lock()
+        self.fp8 = _fp8.Fp8WeightCache()
 
     def get(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
-            num_tokens: int, device: torch.device, saved_mode: int) -> _lib.Layer:
+            num_tokens: int, device: torch.device, saved_mode: int, precision: int = 0,
+            fp8_pow2_scales: bool = False) -> _lib.Layer:
         saved_mode = _lib.SavedMode(saved_mode)
         bucket = token_bucket(num_tokens)
         device = _normalize_device(device)
         pipeline = pipeline_from_env()
         key = (hidden, intermediate, num_experts, top_k, str(device), int(saved_mode),
-               int(pipeline), bucket)
+               int(precision), bool(fp8_pow2_scales), int(pipeline), bucket)
         layer = self._layers.get(key)
         if layer is not None:
             return layer
@@ -110,8 +116,8 @@ class LayerCache:
                 cfg.backend = _lib.Backend.CUDA if device.type == "cuda" else _lib.Backend.CPU
                 cfg.saved_mode = saved_mode
                 cfg.pipeline = pipeline
-                with _on_device(device):
-                    layer = _lib.Layer(cfg)
+                cfg.precision, cfg.fp8_pow2_scales = int(precision), int(fp8_pow2_scales)
+                layer = _fp8.create_layer(cfg, device)
                 layer.device = device
                 self._layers[key] = layer
             return layer
@@ -127,6 +133,7 @@ class LayerCache:
         across library versions)."""
         with self._lock:
             layers, self._layers = list(self._layers.values()), {}
+        self.fp8.clear()
         for layer in layers:
             try:
                 with _on_device(layer.device):
@@ -204,8 +211,8 @@ def saved_bytes(num_tokens: int, hidden: int, intermediate: int, num_experts: in
 
 @torch.library.custom_op("moefuse::experts_fwd", mutates_args=())
 def _experts_fwd(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch.Tensor,
-                 w2: torch.Tensor, need_saved: bool,
-                 saved_mode: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 w2: torch.Tensor, need_saved: bool, saved_mode: int, precision: int = 0,
+                 fp8_pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [T, H] bf16, saved uint8 [saved_bytes(T)], empty when need_saved is False).
     Arguments already validated by experts()."""
     T, H, I, E, K = _shape_of(x, ids, w13)
@@ -213,28 +220,30 @@ def _experts_fwd(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch
     y = torch.empty((T, H), dtype=_BF16, device=device)
     if T == 0:
         return y, torch.empty(0, dtype=torch.uint8, device=device)
-    layer = layer_cache.get(H, I, E, K, T, device, saved_mode)
+    layer = layer_cache.get(H, I, E, K, T, device, saved_mode, precision, fp8_pow2_scales)
     x = _as_rows(x, H)
-    w13, w2 = _bf16_weight(w13), _bf16_weight(w2)
+    weight_fields, _alive = _fp8.weight_args(layer, w13, w2, layer_cache.fp8)
     saved = (_alloc_saved(layer.saved_bytes(T), device) if need_saved
              else torch.empty(0, dtype=torch.uint8, device=device))
     args = _lib.FwdArgs(
         num_tokens=T, x=x.data_ptr(), x_stride=_row_stride(x, H), ids=ids.data_ptr(),
-        weights=p.data_ptr(), w13=w13.data_ptr(), w2=w2.data_ptr(), y=y.data_ptr(),
-        y_stride=H, saved=_ptr(saved), expert_counts=None)
+        weights=p.data_ptr(), y=y.data_ptr(), y_stride=H, saved=_ptr(saved),
+        expert_counts=None, **weight_fields)
     with layer.lock, _on_device(device):
         layer.forward(args, _stream(device))
     return y, saved
 
 
 @_experts_fwd.register_fake
-def _experts_fwd_fake(x, ids, p, w13, w2, need_saved, saved_mode):
+def _experts_fwd_fake(x, ids, p, w13, w2, need_saved, saved_mode, precision=0,
+                      fp8_pow2_scales=False):
     T, H, I, E, K = _shape_of(x, ids, w13)
     y = x.new_empty((T, H), dtype=_BF16)
     if not need_saved:
         num_bytes = 0
     elif isinstance(T, int):
-        num_bytes = layer_cache.get(H, I, E, K, T, x.device, saved_mode).saved_bytes(T)
+        num_bytes = layer_cache.get(H, I, E, K, T, x.device, saved_mode, precision,
+                                    fp8_pow2_scales).saved_bytes(T)
     else:
         # Dynamic T: the size is a function of T and the config only, but that
         # function lives in C; an unbacked size says "known at run time".
@@ -247,9 +256,9 @@ def _experts_fwd_fake(x, ids, p, w13, w2, need_saved, saved_mode):
 
 @torch.library.custom_op("moefuse::experts_bwd", mutates_args=())
 def _experts_bwd(dy: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor,
-                 w13: torch.Tensor, w2: torch.Tensor, saved: torch.Tensor,
-                 saved_mode: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                           torch.Tensor]:
+                 w13: torch.Tensor, w2: torch.Tensor, saved: torch.Tensor, saved_mode: int,
+                 precision: int = 0, fp8_pow2_scales: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx [T, H] bf16, dp [T, K] fp32, dw13 [E, 2I, H], dw2 [E, H, I]); the weight
     gradients bf16 when w13 and w2 are bf16, else fp32 (_wgrad_dtype)."""
     T, H, I, E, K = _shape_of(x, ids, w13)
@@ -262,23 +271,23 @@ def _experts_bwd(dy: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, p: torch.
                 torch.zeros(w2.shape, dtype=wgrad_dtype, device=device))
     dw13 = torch.empty(w13.shape, dtype=wgrad_dtype, device=device)
     dw2 = torch.empty(w2.shape, dtype=wgrad_dtype, device=device)
-    layer = layer_cache.get(H, I, E, K, T, device, saved_mode)
+    layer = layer_cache.get(H, I, E, K, T, device, saved_mode, precision, fp8_pow2_scales)
     x, dy = _as_rows(x, H), _as_rows(dy.to(_BF16), H)
-    w13, w2 = _bf16_weight(w13), _bf16_weight(w2)
+    weight_fields, _alive = _fp8.weight_args(layer, w13, w2, layer_cache.fp8)
     saved = _aligned_saved(saved)
     args = _lib.BwdArgs(
         num_tokens=T, x=x.data_ptr(), x_stride=_row_stride(x, H), ids=ids.data_ptr(),
-        weights=p.data_ptr(), w13=w13.data_ptr(), w2=w2.data_ptr(), saved=saved.data_ptr(),
-        saved_bytes=saved.numel(), dy=dy.data_ptr(), dy_stride=_row_stride(dy, H),
-        dx=dx.data_ptr(), dx_stride=H,
-        dweights=dp.data_ptr(), accumulate=0, **_wgrad_fields(dw13, dw2))
+        weights=p.data_ptr(), saved=saved.data_ptr(), saved_bytes=saved.numel(),
+        dy=dy.data_ptr(), dy_stride=_row_stride(dy, H), dx=dx.data_ptr(), dx_stride=H,
+        dweights=dp.data_ptr(), accumulate=0, **_wgrad_fields(dw13, dw2), **weight_fields)
     with layer.lock, _on_device(device):
         layer.backward(args, _stream(device))
     return dx, dp, dw13, dw2
 
 
 @_experts_bwd.register_fake
-def _experts_bwd_fake(dy, x, ids, p, w13, w2, saved, saved_mode):
+def _experts_bwd_fake(dy, x, ids, p, w13, w2, saved, saved_mode, precision=0,
+                      fp8_pow2_scales=False):
     T, H, _, _, K = _shape_of(x, ids, w13)
     wgrad_dtype = _wgrad_dtype(w13, w2)
     return (x.new_empty((T, H), dtype=_BF16), x.new_empty((T, K), dtype=torch.float32),
@@ -287,11 +296,12 @@ def _experts_bwd_fake(dy, x, ids, p, w13, w2, saved, saved_mode):
 
 
 def _experts_setup_context(ctx, inputs, output):
-    x, ids, p, w13, w2, need_saved, saved_mode = inputs
+    x, ids, p, w13, w2, need_saved, saved_mode, precision, fp8_pow2_scales = inputs
     _, saved = output
     ctx.save_for_backward(x, ids, p, w13, w2, saved)
     ctx.need_saved = need_saved
     ctx.saved_mode = saved_mode
+    ctx.precision = (precision, fp8_pow2_scales)
     # saved never gets a gradient: without this, autograd would pass a zero-filled
     # uint8 tensor of its size (a fill of 0.4 GB per call on qwen3-30b-a3b at T = 16384).
     ctx.set_materialize_grads(False)
@@ -299,7 +309,7 @@ def _experts_setup_context(ctx, inputs, output):
 
 def _experts_backward(ctx, dy, _dsaved):
     if dy is None:   # y did not reach the loss: no gradient flows into the inputs
-        return None, None, None, None, None, None, None
+        return (None,) * 9
     if not ctx.need_saved:
         raise RuntimeError(
             "moefuse.experts: backward through a forward that kept nothing for it "
@@ -307,12 +317,12 @@ def _experts_backward(ctx, dy, _dsaved):
             "requires grad)")
     x, ids, p, w13, w2, saved = ctx.saved_tensors
     dx, dp, dw13, dw2 = torch.ops.moefuse.experts_bwd(dy, x, ids, p, w13, w2, saved,
-                                                      ctx.saved_mode)
+                                                      ctx.saved_mode, *ctx.precision)
     need = ctx.needs_input_grad
     # Already each weight's dtype (a no-op) unless one weight is bf16 and the other fp32.
     return (dx if need[0] else None, None, dp if need[2] else None,
             dw13.to(w13.dtype) if need[3] else None, dw2.to(w2.dtype) if need[4] else None,
-            None, None)
+            None, None, None, None)
 
 
 _experts_fwd.register_autograd(_experts_backward, setup_context=_experts_setup_context)
@@ -322,7 +332,8 @@ _experts_fwd.register_autograd(_experts_backward, setup_context=_experts_setup_c
 
 
 def experts(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch.Tensor,
-            w2: torch.Tensor, recompute: bool = False, save_inputs: bool = True) -> torch.Tensor:
+            w2: torch.Tensor, recompute: bool = False, save_inputs: bool = True,
+            precision: str = "bf16", fp8_pow2_scales: bool = False) -> torch.Tensor:
     """The routed experts: y_t = sum_k p[t,k] * W2_e silu-glu(W13_e x_t), e = ids[t,k].
 
     Args:
@@ -340,10 +351,15 @@ def experts(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch.Tens
              x (K * H * 2 bytes more per token), so the backward does not gather x
              again (CUDA; the CPU backend ignores it). Even so, fewer bytes than autograd
              through torch._grouped_mm keeps. Same results either way.
+        precision: "bf16" (default) or "fp8": block-scaled e4m3 GEMM operands, the
+             weights quantized once per optimizer step (_fp8.py); CPU tensors only yet.
+        fp8_pow2_scales: with precision="fp8", every scale a power of two.
 
     Returns:
         y [T, H] bf16.
     """
+    precision_id, fp8_pow2_scales = _fp8.resolve_precision(precision, fp8_pow2_scales,
+                                                           "moefuse.experts")
     ids = _validate_experts(x, ids, p, w13, w2).contiguous()
     p = p.contiguous()
     H = x.shape[1]
@@ -352,7 +368,8 @@ def experts(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch.Tens
     need_saved = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, p, w13, w2))
     y, _ = torch.ops.moefuse.experts_fwd(x, ids, p, w13, w2, need_saved,
-                                         int(saved_mode_for(recompute, save_inputs)))
+                                         int(saved_mode_for(recompute, save_inputs)),
+                                         precision_id, fp8_pow2_scales)
     return y
 
 

@@ -1,0 +1,231 @@
+"""FP8 block scales (MOEFUSE_PRECISION_FP8_BLOCK, DeepSeek-V3's recipe) from PyTorch: the
+precision option of the ops and modules, the error where FP8 does not run, and the cache
+of quantized weights. The recipe itself is the C library's (src/cpu/fp8.c; the reasons
+in docs/decisions/0018-fp8-block-recipe.md).
+
+    precision="bf16"  bf16 GEMM operands (the default)
+    precision="fp8"   every expert GEMM (forward, dgrad, wgrad) on e4m3 operands with fp32
+                      scales per 1x128 tile (activations) or 128x128 block (weights);
+                      fp8_pow2_scales=True rounds every scale up to a power of two
+Runs on CPU tensors (the CPU backend); CUDA tensors raise Fp8UnsupportedError until the
+FP8 kernels are built. y, dx, d p and the weight gradients keep their dtypes, and the
+weight gradients are of the real (bf16 or fp32) weights.
+
+Weights are quantized once per optimizer step, not per call. Fp8WeightCache (the `fp8`
+attribute of ops.layer_cache) keeps the quantized W13, W2 and their transposes of each
+weight pair, keyed by the pair's data pointers, shapes, dtypes and the scale rule, and
+valid while
+  - both version counters (tensor._version) are unchanged: every in-place update
+    (optimizer.step() of SGD, Adam, ..., or `with torch.no_grad(): w.copy_(...)`) bumps
+    them;
+  - no optimizer has stepped since: fused optimizers (AdamW(fused=True)) update in place
+    without bumping the counters, so a step of any torch.optim optimizer invalidates every
+    entry (a post-step hook, registered at the first FP8 call);
+  - both weights' storages are alive (an entry dies with its weights; it never holds them).
+So gradient accumulation over micro-batches, the backward of each forward and the
+recompute of activation checkpointing reuse one quantization. What it cannot see: writes
+through `w.data` (a tensor with its own version counter) outside a torch.optim step, and
+optimizers outside torch.optim that write in place without bumping the counters; call
+layer_cache.fp8.clear() after those. The lookup runs inside the custom ops'
+implementations, never in traced code, so torch.compile(fullgraph=True) sees no break.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from typing import Optional
+
+import torch
+
+from . import _lib
+from ._checks import _BF16, _alloc_saved, _bf16_weight, _on_device, _stream
+
+PRECISIONS = {"bf16": _lib.Precision.BF16, "fp8": _lib.Precision.FP8_BLOCK}
+
+
+def resolve_precision(precision: str, fp8_pow2_scales: bool, where: str) -> tuple[int, bool]:
+    """(moefuse_precision, fp8_pow2_scales) of the option; raises ValueError / TypeError
+    naming it."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        choices = ", ".join(repr(name) for name in PRECISIONS)
+        raise ValueError(f"{where}: precision={precision!r}: expected one of {choices}")
+    if not isinstance(fp8_pow2_scales, bool):
+        raise TypeError(f"{where}: fp8_pow2_scales must be a bool, got {fp8_pow2_scales!r}")
+    if fp8_pow2_scales and precision != "fp8":
+        raise ValueError(f"{where}: fp8_pow2_scales=True applies to precision='fp8', got "
+                         f"precision={precision!r}")
+    return int(PRECISIONS[precision]), fp8_pow2_scales
+
+
+# ---- where FP8 does not run ---------------------------------------------------------------
+
+
+class Fp8UnsupportedError(_lib.MoefuseError):
+    """precision='fp8' on a device where the library does not run it: status
+    MOEFUSE_ERR_UNSUPPORTED, a message saying why and what runs instead, the library's
+    own message at its end."""
+
+
+def _gpu_words(device: torch.device) -> tuple[str, Optional[tuple[int, int]]]:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return str(device), None
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{device} ({torch.cuda.get_device_name(device)}, sm_{major}{minor})", (major, minor)
+
+
+def create_layer(cfg: _lib.Config, device: torch.device,
+                 comm: Optional[_lib.Comm] = None) -> _lib.Layer:
+    """_lib.Layer(cfg, comm) on `device`; Fp8UnsupportedError where the library refuses an
+    FP8 config, every other error as it is."""
+    try:
+        with _on_device(device):
+            return _lib.Layer(cfg, comm)
+    except _lib.MoefuseError as err:
+        raise_if_unsupported(err, cfg, device)
+        raise
+
+
+def raise_if_unsupported(err: _lib.MoefuseError, cfg: _lib.Config,
+                         device: torch.device) -> None:
+    """Raises Fp8UnsupportedError from err when err is moefuse_layer_create refusing an
+    FP8 config (MOEFUSE_ERR_UNSUPPORTED); returns otherwise (the caller re-raises err)."""
+    if (cfg.precision != _lib.Precision.FP8_BLOCK
+            or err.status != _lib.Status.ERR_UNSUPPORTED):
+        return
+    words, capability = _gpu_words(device)
+    if capability is not None and capability < (9, 0):
+        why = ("FP8 needs an sm_90 (Hopper) GPU or newer, and the FP8 kernels are not "
+               "built for the GPU yet")
+    elif cfg.backend == _lib.Backend.CUDA:
+        why = ("the FP8 kernels are not built for the GPU yet; CUDA tensors take "
+               "precision='bf16'")
+    else:
+        why = "this library does not run it"
+    raise Fp8UnsupportedError(
+        err.function, err.status, err.status_name,
+        f"precision='fp8' on {words}: {why}. CPU tensors run the FP8 recipe (the CPU "
+        f"backend). The library said: {err.message}") from err
+
+
+# ---- quantized weights, once per optimizer step ----------------------------------------------
+
+_optimizer_steps = 0
+_hook_lock = threading.Lock()
+_hook = None
+
+
+def _count_optimizer_step(_optimizer, _args, _kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def _watch_optimizers() -> None:
+    """Registers the post-step hook of every torch.optim optimizer, once."""
+    global _hook
+    if _hook is None:
+        with _hook_lock:
+            if _hook is None:
+                from torch.optim.optimizer import register_optimizer_step_post_hook
+                _hook = register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+def _version(w: torch.Tensor) -> Optional[int]:
+    """The version counter; None for inference tensors, which have none (never cached)."""
+    try:
+        return w._version
+    except RuntimeError:
+        return None
+
+
+class _Entry:
+    """One weight pair's quantization (the struct, which holds its buffer), the state
+    (versions, optimizer steps) it was made at and weak references to the weights'
+    storages."""
+
+    __slots__ = ("state", "weights", "storages", "__weakref__")
+
+    def __init__(self, state, weights: _lib.Fp8Weights):
+        self.state, self.weights, self.storages = state, weights, ()
+
+    def alive(self) -> bool:
+        return all(ref() is not None for ref in self.storages)
+
+
+class Fp8WeightCache:
+    """Quantized weights keyed by the weight pair (see the module docstring)."""
+
+    def __init__(self):
+        self._entries: dict[tuple, _Entry] = {}
+        self._lock = threading.RLock()  # an entry's weakref callback may run inside a lookup
+
+    def get(self, layer: _lib.Layer, w13: torch.Tensor, w2: torch.Tensor) -> _lib.Fp8Weights:
+        """The FP8 weights of (w13, w2) for `layer` (an FP8 layer of their shapes), made
+        with moefuse_quantize_weights on the current stream when missing or stale. The
+        struct (and its buffer) stays valid until the entry is replaced or cleared; hold
+        the returned object during the call that reads it."""
+        _watch_optimizers()
+        key = (w13.data_ptr(), w2.data_ptr(), tuple(w13.shape), tuple(w2.shape), w13.dtype,
+               w2.dtype, str(w13.device), int(layer.cfg.fp8_pow2_scales))
+        versions = (_version(w13), _version(w2))
+        state = (*versions, _optimizer_steps)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.state == state and entry.alive():
+                return entry.weights
+        entry = self._quantize(layer, w13, w2, state)
+        if None not in versions:
+            self._store(key, entry, (w13, w2))
+        return entry.weights
+
+    def _quantize(self, layer: _lib.Layer, w13: torch.Tensor, w2: torch.Tensor,
+                  state) -> _Entry:
+        device = w13.device
+        both_bf16 = w13.dtype == _BF16 and w2.dtype == _BF16
+        # Read as they are: bf16, or fp32 master weights (a bf16 one of a mixed pair
+        # widened exactly), never rounded to bf16 first.
+        src13, src2 = ((w13, w2) if both_bf16 else
+                       (w13.to(torch.float32).contiguous(), w2.to(torch.float32).contiguous()))
+        dtype = _lib.DType.BF16 if both_bf16 else _lib.DType.FP32
+        buffer = _alloc_saved(layer.fp8_weights_bytes(), device)
+        weights = layer.fp8_weights_view(buffer.data_ptr())
+        weights.buffer = buffer  # the struct points into it: alive as long as the struct
+        with layer.lock, _on_device(device):
+            layer.quantize_weights(dtype, src13.data_ptr(), src2.data_ptr(), weights,
+                                   _stream(device))
+        return _Entry(state, weights)
+
+    def _store(self, key: tuple, entry: _Entry, tensors) -> None:
+        entry_ref = weakref.ref(entry)
+
+        def forget(_dead_storage, key=key, entry_ref=entry_ref):
+            with self._lock:
+                current = self._entries.get(key)
+                if current is not None and current is entry_ref():
+                    del self._entries[key]
+
+        entry.storages = tuple(weakref.ref(t.untyped_storage(), forget) for t in tensors)
+        with self._lock:
+            self._entries[key] = entry
+
+    def clear(self) -> None:
+        """Forgets every quantization (the next call of each weight pair quantizes)."""
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(entry.alive() for entry in self._entries.values())
+
+
+def weight_args(layer: _lib.Layer, w13: torch.Tensor, w2: torch.Tensor,
+                cache: Fp8WeightCache) -> tuple[dict, tuple]:
+    """The weight fields of FwdArgs / BwdArgs for the layer's precision, and what must
+    stay alive while the call reads them: bf16 w13 and w2 (fp32 master weights cast),
+    or the cached FP8 weights (w13 and w2 then NULL: not read)."""
+    if layer.cfg.precision == _lib.Precision.FP8_BLOCK:
+        fp8 = cache.get(layer, w13, w2)
+        return dict(w13=None, w2=None, fp8_weights=ctypes.addressof(fp8)), (fp8,)
+    w13, w2 = _bf16_weight(w13), _bf16_weight(w2)
+    return dict(w13=w13.data_ptr(), w2=w2.data_ptr(), fp8_weights=None), (w13, w2)
