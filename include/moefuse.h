@@ -110,7 +110,7 @@ typedef enum moefuse_saved_mode {
      * backward skips its second dispatch of x. Same bits as MOEFUSE_SAVE_ACTIVATIONS.
      * CUDA backend without a comm. A layer with a comm refuses it at create: there the
      * backward's push moves each x row together with its dy row in one kernel, and the
-     * received rows land in the comm's windows, not in the caller's buffer, so skipping
+     * received rows land in the layer's windows, not in the caller's buffer, so skipping
      * x needs a push of dy alone, which is not built. The CPU backend takes it as
      * MOEFUSE_SAVE_ACTIVATIONS (its gather of x is not worth keeping). */
     MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS = 2,
@@ -352,8 +352,9 @@ moefuse_status moefuse_layer_create(const moefuse_config *cfg, moefuse_comm *com
 /* Frees the layer. NULL is allowed. */
 moefuse_status moefuse_layer_destroy(moefuse_layer *layer);
 
-/* Bytes the forward writes into `saved` for T tokens (T <= max_tokens). With R > 1 the
- * gate_up rows are those this rank receives: sized for R * max_tokens * K rows. */
+/* Bytes the forward writes into `saved` for T tokens (T <= max_tokens). On a layer made
+ * with a comm (any R, one rank included) the gate_up rows are those this rank receives:
+ * sized for R * max_tokens * K rows whatever T is. */
 moefuse_status moefuse_saved_bytes(const moefuse_layer *layer, int num_tokens,
                                    size_t *bytes);
 

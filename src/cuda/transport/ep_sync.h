@@ -8,9 +8,9 @@
  *   counts [2][R][E]        int32, the counts of rank q for epoch parity b at
  *                           counts_at(b, q): written by rank q
  *   arrivals [blocks]       rows written into each 128-row receive block, by every rank
- *                           (forward pushes), never reset: they only grow
- *   targets [blocks]        this rank's running sum of 128 per block of every forward:
- *                           block b of a forward is complete when arrivals[b] reaches
+ *                           (every push, forward and backward), never reset: they only grow
+ *   targets [blocks]        this rank's running sum of 128 per block of every push
+ *                           (forward and backward): block b of a push is complete when arrivals[b] reaches
  *                           targets[b] (written by this rank only)
  *
  * Epochs: each forward and each backward adds one on every rank (all ranks make the

@@ -20,6 +20,7 @@
 #include <cuda.h>
 #include <stdint.h>
 
+#include "gemm_params.h"
 #include "sm90/ptx/mbarrier.cuh"
 #include "sm90/precision.cuh"
 
@@ -27,6 +28,8 @@ namespace mf {
 namespace sm90 {
 
 constexpr int kBlockM = 128;
+static_assert(kBlockM == MF_ROW_BLOCK_M,
+              "a GEMM row tile is one of the plan's row blocks (each within one expert)");
 constexpr int kConsumerWarpgroups = 2;
 constexpr int kThreads = (kConsumerWarpgroups + 1) * 128;
 constexpr int kProducerRegs = 40;
