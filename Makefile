@@ -140,6 +140,8 @@ $(CUDA_API_TEST_BIN): $(BUILD)/tests/%: tests/%.c $(TEST_HDR) $(TEST_HARNESS) $(
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -Itests/api $< $(filter %.o,$^) $(BUILD)/libmoefuse.a -o $@ \
 	    $(LDLIBS) $(CUDA_LIBS)
+# The FP8 suite compares with the fp64 emulation through the host fixture's problems.
+$(if $(HAVE_CUDA),$(BUILD)/tests/api/test_cuda_fp8): $(FIXTURE)
 # tests/cpu/'s helpers (cpu_test_util.*, not named test_*): linked into each tests/cpu/ binary.
 CPU_TEST_UTIL := $(BUILD)/tests/cpu/cpu_test_util.o
 $(CPU_TEST_UTIL): tests/cpu/cpu_test_util.h

@@ -3,7 +3,7 @@
 
 #include "gemm_ops.h"
 
-static const mf_gemm_ops *const kTables[] = {&mf_sm90_bf16_ops};
+static const mf_gemm_ops *const kTables[] = {&mf_sm90_bf16_ops, &mf_sm90_fp8_ops};
 
 extern "C" const mf_gemm_ops *mf_gemm_ops_find(int arch, int precision) {
     for (const mf_gemm_ops *t : kTables)

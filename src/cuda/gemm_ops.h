@@ -32,7 +32,8 @@ typedef struct mf_gemm_ops {
     /* d p partial sums per row that dgrad2 writes (its column blocks over I); < 1: dgrad2
      * takes no such I. */
     int (*dp_parts)(int intermediate);
-    /* nonzero when the fused kernels take these shapes (else the layer runs staged) */
+    /* nonzero when the fused kernels take these shapes (else the layer runs staged, and
+     * fused_forward / fused_backward may be NULL) */
     int (*fused_forward_takes)(int hidden, int intermediate);
     int (*fused_backward_takes)(int hidden, int intermediate);
 
@@ -49,6 +50,7 @@ typedef struct mf_gemm_ops {
 } mf_gemm_ops;
 
 extern const mf_gemm_ops mf_sm90_bf16_ops;  /* src/cuda/sm90/ops.cu */
+extern const mf_gemm_ops mf_sm90_fp8_ops;   /* the same, FP8 block scales (no fused kernels) */
 
 /* The table of (arch, precision) (gemm_ops.cu), arch < 0: of any architecture; NULL
  * when there is none. */

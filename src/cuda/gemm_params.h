@@ -81,6 +81,10 @@ typedef struct mf_gemm1_params {
 } mf_gemm1_params;
 
 cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p, cudaStream_t stream);
+/* The same in FP8 (H, I multiples of 128): xs e4m3 with MF_SCALES_1X128 scales
+ * [H / 128, rows_cap] (row r's scale of K block b at [b * rows_cap + r]), w13 e4m3 with
+ * MF_SCALES_128X128 scales [E_local, 2I / 128, H / 128]; act and gate_up bf16 as above. */
+cudaError_t mf_sm90_gemm1_swiglu_fwd_fp8(const mf_gemm1_params *p, cudaStream_t stream);
 
 /* gemm2: combine[row_slot[r]] = bf16(p_r * (act_r W2_e^T)) for every row r < *num_rows
  * with row_slot[r] >= 0, p_r = row_weight[r]. */
@@ -97,6 +101,9 @@ typedef struct mf_gemm2_params {
 } mf_gemm2_params;
 
 cudaError_t mf_sm90_gemm2_combine_fwd_bf16(const mf_gemm2_params *p, cudaStream_t stream);
+/* The same in FP8: act e4m3 with MF_SCALES_1X128 scales [I / 128, rows_cap], w2 e4m3 with
+ * MF_SCALES_128X128 scales [E_local, H / 128, I / 128]. */
+cudaError_t mf_sm90_gemm2_combine_fwd_fp8(const mf_gemm2_params *p, cudaStream_t stream);
 
 /* The fused forward: gemm1 and gemm2 in one persistent kernel (the same tiles as the two
  * kernels above, bit for bit). A gemm2 tile of a 128-row block starts once the gemm1
@@ -146,6 +153,12 @@ typedef struct mf_dgrad2_params {
 /* Column blocks of dgrad2 over I, i.e. the partial sums per row that make d p. */
 int mf_dgrad2_dp_parts(int intermediate);
 cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(const mf_dgrad2_params *p, cudaStream_t stream);
+/* The same in FP8 (H, I multiples of 128): dys e4m3 with MF_SCALES_1X128 scales
+ * [H / 128, rows_cap], w2 = W2^T e4m3 [E_local, I, H] (K-major) with MF_SCALES_128X128
+ * scales [E_local, I / 128, H / 128]; act_p = bf16(a), unweighted (the recipe's
+ * dW2 = (p dy)^T a); mf_dgrad2_dp_parts_fp8(I) partial sums per row. */
+int mf_dgrad2_dp_parts_fp8(int intermediate);
+cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_fp8(const mf_dgrad2_params *p, cudaStream_t stream);
 
 /* dgrad of gemm1: combine[row_slot[r]] = bf16(dh[r] W13_e) for rows with row_slot >= 0
  * (W13_e is [2I, H]: B is MN-major). The reduce kernel then sums the K slots of a token
@@ -158,6 +171,10 @@ typedef struct mf_dgrad1_params {
 } mf_dgrad1_params;
 
 cudaError_t mf_sm90_gemm1_dgrad_bwd_bf16(const mf_dgrad1_params *p, cudaStream_t stream);
+/* The same in FP8 (H multiple of 128, I of 64): dh e4m3 with MF_SCALES_1X128 scales
+ * [2I / 128, rows_cap], w13 = W13^T e4m3 [E_local, H, 2I] (K-major) with MF_SCALES_128X128
+ * scales [E_local, H / 128, 2I / 128]. */
+cudaError_t mf_sm90_gemm1_dgrad_bwd_fp8(const mf_dgrad1_params *p, cudaStream_t stream);
 
 /* K-grouped weight gradient: for every local expert e, over its padded rows
  * [expert_offsets[e], expert_offsets[e+1]) (rows: expert_offsets, rows_cap, E_local):
@@ -182,6 +199,11 @@ typedef struct mf_wgrad_params {
 } mf_wgrad_params;
 
 cudaError_t mf_sm90_wgrad_grouped_bf16(const mf_wgrad_params *p, cudaStream_t stream);
+/* The same in FP8: lhs and rhs are the transposed e4m3 copies lhs^T [M, rows_cap] and
+ * rhs^T [N, rows_cap] (K = rows contiguous) with MF_SCALES_TOKENS_128 scales
+ * [rows_cap / 128, M] and [rows_cap / 128, N] (per 128 rows of each expert segment and per
+ * column of lhs / rhs; mf_fp8_quantize_tokens writes both). */
+cudaError_t mf_sm90_wgrad_grouped_fp8(const mf_wgrad_params *p, cudaStream_t stream);
 
 /* The fused backward after dgrad2: dW2, dgrad1 and dW13 in one persistent kernel (the
  * same tiles as the kernels above, bit for bit). The tiles are taken in order, by

@@ -310,6 +310,58 @@ typedef struct mf_ep_push_dp_params {
 
 cudaError_t mf_ep_push_dp(const mf_ep_push_dp_params *p, cudaStream_t stream);
 
+/* ---- FP8 block recipe quantizers (simt/fp8_quant.cu; bit for bit src/cpu/fp8.c) ------ */
+
+/* 1 x 128 tiles along each row: codes [rows_cap, cols] (row stride cols), scales
+ * MN-major [cols / 128, scale_ld], the scale of (row r, tile b) at scales[b * scale_ld + r].
+ * Rows at or past *num_rows untouched (num_rows NULL: rows_cap). cols % 128 == 0. */
+typedef struct mf_quantize_fp8_rows_params {
+    const uint16_t *in;      /* bf16 [rows_cap, cols], row stride ld (a multiple of 4) */
+    int64_t ld;
+    int rows_cap;
+    const int32_t *num_rows; /* device scalar, or NULL */
+    int cols, pow2;          /* pow2: power-of-two scales */
+    uint8_t *codes;
+    float *scales;
+    int scale_ld;            /* >= rows_cap, a multiple of 4 (16-byte TMA rows) */
+} mf_quantize_fp8_rows_params;
+
+cudaError_t mf_quantize_fp8_rows(const mf_quantize_fp8_rows_params *p, cudaStream_t stream);
+
+/* Tiles of 128 tokens per column, transposed, for the weight-gradient GEMMs (K = tokens):
+ * the rows are expert-sorted, each expert's segment a multiple of 128, so every 128-row
+ * block is one tile. value = in[r, c] (times row_weight[r] in fp32 when set: p dy);
+ * codes_t [cols, rows_cap] (tokens contiguous), scales [rows_cap / 128, cols]. Blocks at
+ * or past *num_rows untouched. rows_cap % 128 == 0, cols % 8 == 0. */
+typedef struct mf_quantize_fp8_tokens_params {
+    const uint16_t *in;      /* bf16 [rows_cap, cols], row stride ld (a multiple of 8) */
+    int64_t ld;
+    int rows_cap;
+    const int32_t *num_rows; /* device scalar (a multiple of 128), or NULL */
+    int cols;
+    const float *row_weight; /* [rows_cap], or NULL */
+    int pow2;
+    uint8_t *codes_t;
+    float *scales;
+} mf_quantize_fp8_tokens_params;
+
+cudaError_t mf_quantize_fp8_tokens(const mf_quantize_fp8_tokens_params *p, cudaStream_t stream);
+
+/* Weights in 128 x 128 blocks, both orientations: w [E, rows, cols] (bf16, or fp32 with
+ * fp32 set) -> codes [E, rows, cols], scale [E, rows/128, cols/128], and codes_t
+ * [E, cols, rows], scale_t [E, cols/128, rows/128] (the same codes transposed, the same
+ * scales). rows and cols multiples of 128. */
+typedef struct mf_quantize_fp8_weights_params {
+    const void *w;
+    int fp32;
+    int num_experts, rows, cols, pow2;
+    uint8_t *codes, *codes_t;
+    float *scale, *scale_t;
+} mf_quantize_fp8_weights_params;
+
+cudaError_t mf_quantize_fp8_weights(const mf_quantize_fp8_weights_params *p,
+                                    cudaStream_t stream);
+
 /* Each kernel file's kernels loaded into the current context now (check.h,
  * mf_load_kernels: CUDA's lazy loading must not load one in the middle of a call); the
  * GEMMs' in gemm_params.h. */
@@ -323,6 +375,7 @@ cudaError_t mf_ep_exchange_counts_load(void);
 cudaError_t mf_ep_push_rows_load(void);
 cudaError_t mf_ep_push_dp_load(void);
 cudaError_t mf_ep_signal_wait_load(void);
+cudaError_t mf_quantize_fp8_load(void);
 
 #ifdef __cplusplus
 }

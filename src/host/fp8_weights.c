@@ -129,7 +129,6 @@ static void widen(moefuse_dtype dtype, const void *src, int64_t n, float *dst) {
 moefuse_status moefuse_quantize_weights(const moefuse_layer *layer, moefuse_dtype dtype,
                                         const void *w13, const void *w2,
                                         const moefuse_fp8_weights *out, void *stream) {
-    (void)stream;
     mf_clear_error();
     if (!layer) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "layer: expected a layer");
     if (layer->cfg.precision != MOEFUSE_PRECISION_FP8_BLOCK)
@@ -146,10 +145,8 @@ moefuse_status moefuse_quantize_weights(const moefuse_layer *layer, moefuse_dtyp
     if (st == MOEFUSE_OK) st = need_array(w2, "moefuse_quantize_weights", "w2", align);
     if (st == MOEFUSE_OK) st = mf_check_fp8_weights(layer, out, "out");
     if (st != MOEFUSE_OK) return st;
-    if (layer->cfg.backend != MOEFUSE_BACKEND_CPU)
-        return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
-                       "moefuse_quantize_weights: the CUDA backend's quantizer is not built "
-                       "yet; expected a MOEFUSE_BACKEND_CPU layer");
+    if (layer->ops->quantize_weights)  /* weights in the backend's (device) memory */
+        return layer->ops->quantize_weights(layer, dtype, w13, w2, out, stream);
 
     const int64_t E = layer->num_local_experts, H = layer->cfg.hidden;
     const int64_t I = layer->cfg.intermediate, I2 = 2 * I;

@@ -81,12 +81,6 @@ static moefuse_status check_config(const moefuse_config *c, const moefuse_comm *
                        "config: max_tokens (%d) * top_k (%d) * num_ranks (%d) + 128 rows of "
                        "padding per local expert = %lld rows: expected <= INT32_MAX (%d)",
                        c->max_tokens, c->top_k, c->num_ranks, (long long)rows, INT32_MAX);
-    /* FP8 block scales: the CPU backend runs the recipe; the CUDA kernels are planned. */
-    if (c->precision == MOEFUSE_PRECISION_FP8_BLOCK && c->backend == MOEFUSE_BACKEND_CUDA)
-        return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
-                       "config.precision = MOEFUSE_PRECISION_FP8_BLOCK with "
-                       "MOEFUSE_BACKEND_CUDA: FP8 kernels not built yet; expected "
-                       "MOEFUSE_PRECISION_BF16, or MOEFUSE_BACKEND_CPU for FP8");
     if (c->precision != MOEFUSE_PRECISION_BF16 && c->precision != MOEFUSE_PRECISION_FP8_BLOCK)
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
                        "config.precision = %d: expected MOEFUSE_PRECISION_BF16 (0) or "

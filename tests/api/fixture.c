@@ -383,3 +383,19 @@ done:
     free(y); free(dx); free(dp); free(dw13); free(dw2);
 }
 
+
+fp8_tols fp8_tolerances(shape s, int64_t rows, double (*acc)(int64_t)) {
+    const th_diff none = {0.0, 0.0};
+    th_diff gu = th_round(th_gemm(none, acc(s.H)), TH_BF16_STEP);    /* gemm1 -> bf16 g, u */
+    th_diff a = th_round(th_elementwise(gu, 2.0), TH_BF16_STEP);     /* bf16 silu(g) u */
+    th_diff o = th_gemm(th_quant_fp8(a), acc(s.I));                  /* gemm2 */
+    th_diff dap = th_round(th_gemm(none, acc(s.H)), TH_BF16_STEP);   /* dgrad2 -> bf16 da' */
+    th_diff dgu = th_round(th_elementwise(th_sum(dap, gu), 2.0), TH_BF16_STEP);
+    th_diff dxr = th_gemm(th_quant_fp8(dgu), acc(2 * s.I));          /* dgrad1 */
+    th_diff dp = th_gemm(th_sum(dap, a), acc(s.I));                  /* <da', a> */
+    th_diff dw2 = th_gemm(th_quant_fp8(a), acc(rows));               /* (p dy)^T a */
+    th_diff dw13 = th_gemm(th_quant_fp8(dgu), acc(rows));            /* [dg;du]^T x */
+    fp8_tols t = {2 * o.rms + th_bf16_tolerance(1), 2 * dxr.rms + th_bf16_tolerance(1),
+                  2 * dp.rms + 1e-6, 2 * dw13.rms + 1e-6, 2 * dw2.rms + 1e-6};
+    return t;
+}

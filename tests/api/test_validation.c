@@ -304,8 +304,6 @@ static void test_config_errors(void) {
     c = base; c.num_threads = -1; expect_config(MOEFUSE_ERR_INVALID_CONFIG, "config.num_threads", c);
     c = base; c.saved_mode = 7; expect_config(MOEFUSE_ERR_INVALID_CONFIG, "config.saved_mode", c);
     c = base; c.pipeline = (moefuse_pipeline)2; expect_config(MOEFUSE_ERR_INVALID_CONFIG, "config.pipeline", c);
-    c = base; c.precision = MOEFUSE_PRECISION_FP8_BLOCK; c.backend = MOEFUSE_BACKEND_CUDA;
-    expect_config(MOEFUSE_ERR_UNSUPPORTED, "FP8", c);
     c = base; c.fp8_pow2_scales = 1; expect_config(MOEFUSE_ERR_INVALID_CONFIG, "fp8_pow2_scales", c);
     c = base; c.precision = MOEFUSE_PRECISION_FP8_BLOCK; c.fp8_pow2_scales = 2;
     expect_config(MOEFUSE_ERR_INVALID_CONFIG, "fp8_pow2_scales", c);

@@ -15,28 +15,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- tolerances -------------------------------------------------------------------- */
-
-typedef struct tols { double y, dx, dp, dw13, dw2; } tols;
-
-/* Each output's chain of rounding points (harness.h), rows = the most rows of one
- * expert (the weight-gradient GEMMs' K); acc = the accumulation error of a GEMM. */
-static tols fp8_tolerances(shape s, int64_t rows, double (*acc)(int64_t)) {
-    const th_diff none = {0.0, 0.0};
-    th_diff gu = th_round(th_gemm(none, acc(s.H)), TH_BF16_STEP);    /* gemm1 -> bf16 g, u */
-    th_diff a = th_round(th_elementwise(gu, 2.0), TH_BF16_STEP);     /* bf16 silu(g) u */
-    th_diff o = th_gemm(th_quant_fp8(a), acc(s.I));                  /* gemm2 */
-    th_diff dap = th_round(th_gemm(none, acc(s.H)), TH_BF16_STEP);   /* dgrad2 -> bf16 da' */
-    th_diff dgu = th_round(th_elementwise(th_sum(dap, gu), 2.0), TH_BF16_STEP);
-    th_diff dxr = th_gemm(th_quant_fp8(dgu), acc(2 * s.I));          /* dgrad1 */
-    th_diff dp = th_gemm(th_sum(dap, a), acc(s.I));                  /* <da', a> */
-    th_diff dw2 = th_gemm(th_quant_fp8(a), acc(rows));               /* (p dy)^T a */
-    th_diff dw13 = th_gemm(th_quant_fp8(dgu), acc(rows));            /* [dg;du]^T x */
-    tols t = {2 * o.rms + th_bf16_tolerance(1), 2 * dxr.rms + th_bf16_tolerance(1),
-              2 * dp.rms + 1e-6, 2 * dw13.rms + 1e-6, 2 * dw2.rms + 1e-6};
-    return t;
-}
-
 static void check_err(const char *what, const err_acc *e, double tol) {
     double err = err_rel(e);
     CHECK(err <= tol, "%s: relative L2 error %.3e against the emulation > tolerance %.3e",
@@ -246,7 +224,7 @@ static void accuracy_reps(shape s, int T, int max_tokens, int64_t stride, routin
         free(f.buf);
         problem_free(&pb);
     }
-    tols t = fp8_tolerances(s, rows, th_acc_fp32);
+    fp8_tols t = fp8_tolerances(s, rows, th_acc_fp32);
     check_err("y", &emu.y, t.y);
     check_err("dx", &emu.dx, t.dx);
     check_err("dp", &emu.dp, t.dp);
@@ -452,7 +430,7 @@ static void gpu_gemm_rule_against_a_model(void) {
 static void print_gpu_tolerances(void) {
     const shape sh[2] = {QWEN3_30B, QWEN3_235B};
     for (int i = 0; i < 2; i++) {
-        tols t = fp8_tolerances(sh[i], 16384 * 8 / 128, th_acc_wgmma_fp8);
+        fp8_tols t = fp8_tolerances(sh[i], 16384 * 8 / 128, th_acc_wgmma_fp8);
         printf("    GPU vs emulation, %s: GEMM %.2e; layer y %.2e dx %.2e dp %.2e dW13 %.2e "
                "dW2 %.2e\n", sh[i].name, 2 * th_acc_wgmma_fp8(sh[i].H), t.y, t.dx, t.dp,
                t.dw13, t.dw2);

@@ -22,7 +22,9 @@
  *             slot, its partial sums in order
  *   dW13      local: here
  * With MOEFUSE_PIPELINE_FUSED (and shapes the fused kernel takes) dW2, dgrad1 and dW13
- * are one kernel (src/cuda/sm90/fused_backward.cu); the same bits. Every sum has one
+ * are one kernel (src/cuda/sm90/fused_backward.cu); the same bits. FP8: each GEMM's
+ * operands quantized right before it (pipeline/operands.cu), dgrad2 writes the unweighted
+ * a and dW2 reads p dy (the recipe's dW2 = (p dy)^T a). Every sum has one
  * owner and a fixed order: bitwise reproducible, no atomics. */
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -95,8 +97,10 @@ moefuse_status backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *s
     const call_bufs c = call_for(layer, T, plan.saved_mode, a->saved);
     if (T == 0 && !plan.rows_from_peers) {
         // no rows: the wgrad launcher writes zero gradients (accumulating: none)
-        const mf_wgrad_params dw2 = dw2_params(layer, a, 0, c.dys);
-        const mf_wgrad_params dw13 = dw13_params(layer, a, 0, c.xs);
+        mf_wgrad_params dw2 = dw2_params(layer, a, 0, c.dys);
+        mf_wgrad_params dw13 = dw13_params(layer, a, 0, c.xs);
+        MF_TRY(plan.operands->dw2(layer, c, a->fp8_weights, &dw2, stream));
+        MF_TRY(plan.operands->dw13(layer, c, a->fp8_weights, &dw13, stream));
         MF_CUDA_TRY(gemm->wgrad(&dw2, stream));
         MF_CUDA_TRY(gemm->wgrad(&dw13, stream));
         return MOEFUSE_OK;
@@ -117,6 +121,7 @@ moefuse_status backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *s
     if (plan.saved_mode == MOEFUSE_RECOMPUTE) {
         mf_gemm1_params g1 = gemm1_params(layer, c, a->w13, s->gate_up);
         with_arrivals(&g1, arrivals);
+        MF_TRY(plan.operands->gemm1(layer, c, a->fp8_weights, &g1, stream));
         MF_CUDA_TRY(gemm->gemm1(&g1, stream));
         gate_up = s->gate_up;
     }
@@ -126,6 +131,7 @@ moefuse_status backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *s
     mf_dgrad2_params d2 = dgrad2_params(layer, c, a->w2, gate_up);
     d2.row_weight = s->row_weight;
     with_arrivals(&d2, arrivals);
+    MF_TRY(plan.operands->dgrad2(layer, c, a->fp8_weights, &d2, stream));
     MF_CUDA_TRY(gemm->dgrad2(&d2, stream));
     MF_TRY(plan.net->sync(layer, kBackwardRowsIn, c, stream));
 
@@ -134,19 +140,22 @@ moefuse_status backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *s
     //      One fused kernel or one kernel each; the same bits ----
     MF_CUDA_TRY(mf_expert_order(s->bwd_offsets, layer->num_local_experts, s->expert_order,
                                 stream));
-    const mf_wgrad_params dw2 = dw2_params(layer, a, c.lay.rows_cap, c.dys);
+    mf_wgrad_params dw2 = dw2_params(layer, a, c.lay.rows_cap, c.dys);
     mf_dgrad1_params d1 = dgrad1_params(layer, c, a->w13);
     d1.to = plan.net->scatter(layer, c);
-    const mf_wgrad_params dw13 = dw13_params(layer, a, c.lay.rows_cap, c.xs);
+    mf_wgrad_params dw13 = dw13_params(layer, a, c.lay.rows_cap, c.xs);
     if (plan.fused_backward) {
         const mf_moe_fused_bwd_params fb = {dw2, d1, dw13, s->act_ready};
         MF_CUDA_TRY(gemm->fused_backward(&fb, stream));
     } else {
+        MF_TRY(plan.operands->dw2(layer, c, a->fp8_weights, &dw2, stream));
         MF_CUDA_TRY(gemm->wgrad(&dw2, stream));
+        MF_TRY(plan.operands->dgrad1(layer, c, a->fp8_weights, &d1, stream));
         MF_CUDA_TRY(gemm->dgrad1(&d1, stream));
     }
     MF_TRY(plan.net->sync(layer, kBackwardSentBack, c, stream));
     const bool dw13_staged = !plan.fused_backward;
+    if (dw13_staged) MF_TRY(plan.operands->dw13(layer, c, a->fp8_weights, &dw13, stream));
     if (dw13_staged && plan.dw13_before_wait) MF_CUDA_TRY(gemm->wgrad(&dw13, stream));
 
     // ---- 7. dx = sum of its K slot rows, fp32, k order; d p ----

@@ -8,6 +8,7 @@
  *   gemm2     act W2^T, rows scaled by p into their slot rows of the combine buffer
  *             (peers: the source rank's)
  *             (MOEFUSE_PIPELINE_FUSED: gemm1 and gemm2 in one kernel; the same bits)
+ *             (FP8: x rows and act quantized 1 x 128 before each GEMM, operands.cu)
  *   combined  peers: every rank's combine rows are in, the push joined
  *   reduce    y[t] = sum of its K slot rows, fp32, k order
  * On bad ids the plan sets the GEMMs' row count to 0 and fails the call: the later
@@ -51,7 +52,9 @@ moefuse_status forward(moefuse_layer *layer, const moefuse_fwd_args *a, void *st
         const mf_moe_fused_fwd_params fp = {g1, g2, s->act_ready};
         MF_CUDA_TRY(plan.gemm->fused_forward(&fp, stream));
     } else {
+        MF_TRY(plan.operands->gemm1(layer, c, a->fp8_weights, &g1, stream));
         MF_CUDA_TRY(plan.gemm->gemm1(&g1, stream));
+        MF_TRY(plan.operands->gemm2(layer, c, a->fp8_weights, &g2, stream));
         MF_CUDA_TRY(plan.gemm->gemm2(&g2, stream));
     }
 

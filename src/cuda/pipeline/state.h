@@ -23,20 +23,22 @@ namespace pipeline {
 
 struct cuda_state;
 struct transport;
+struct operand_prep;
 
 /* Every setting of a layer's calls, fixed at create; the pipeline reads these, never
  * whether a buffer was allocated. */
 struct exec_plan {
     const mf_gemm_ops *gemm;    /* the GEMMs of (architecture, precision) */
     const transport *net;       /* local (no comm) or peers */
+    const operand_prep *operands; /* what the GEMMs read: bf16 as is, or quantized to FP8 */
     /* peers: a rank's rows come from every rank, so the row buffers and the saved state
      * are sized by the receive capacity (R * max_tokens * K), a call with T = 0 still
      * serves the others, and the rows' sources are sent again by the backward instead of
      * being saved */
     bool rows_from_peers;
     bool fused_forward;         /* MOEFUSE_PIPELINE_FUSED and a shape the fused forward takes */
-    /* MOEFUSE_PIPELINE_FUSED and a shape the fused backward takes, with fused_forward:
-     * its scratch is the fused forward's act_ready */
+    /* MOEFUSE_PIPELINE_FUSED and a shape the fused backward takes (its scratch is
+     * act_ready too) */
     bool fused_backward;
     /* staged dW13 before the wait for the other ranks' dx rows (peers: it fills that
      * wait), else after the reduces (local: they read dgrad1's slot rows right after it) */
@@ -95,6 +97,13 @@ struct cuda_state {
     int32_t *send_row_slot;     /* [send_rows_cap] */
     int32_t *send_scalars;      /* [2]: num_rows, gemm rows of the send plan */
     int32_t *dest_base;         /* [E] */
+    /* FP8 (pipeline/operands.cu) */
+    uint8_t *fp8_rows;          /* [rows_cap, max(H, 2I)] a row GEMM's A, 1 x 128 codes */
+    float *fp8_row_scales;      /* [max(H, 2I) / 128, rows_cap rounded up to 4] */
+    uint8_t *fp8_lhs_t;         /* [max(H, 2I), rows_cap] a weight gradient's lhs^T */
+    float *fp8_lhs_scales;      /* [rows_cap / 128, max(H, 2I)] */
+    uint8_t *fp8_rhs_t;         /* [max(H, I), rows_cap] its rhs^T */
+    float *fp8_rhs_scales;      /* [rows_cap / 128, max(H, I)] */
 };
 
 inline cuda_state *state_of(const moefuse_layer *layer) { return (cuda_state *)layer->backend; }
@@ -204,6 +213,32 @@ call_bufs call_for(const moefuse_layer *layer, int num_tokens, moefuse_saved_mod
 moefuse_status forward(moefuse_layer *layer, const moefuse_fwd_args *a, void *stream);
 moefuse_status backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *stream);
 moefuse_status check(moefuse_layer *layer, void *stream);
+
+/* ---- operands ------------------------------------------------------------------------
+ * The layer's precision between the params builders (stages.cu) and each launch
+ * (pipeline/operands.cu): create allocates its workspaces; each hook makes the params'
+ * operands what the GEMM reads (bf16: unchanged; FP8: the quantized rows and weights,
+ * `w` the caller's quantized weights, NULL with bf16). */
+struct operand_prep {
+    moefuse_status (*create)(moefuse_layer *layer, cuda_state *s);
+    moefuse_status (*gemm1)(const moefuse_layer *layer, const call_bufs &c,
+                            const moefuse_fp8_weights *w, mf_gemm1_params *p, cudaStream_t stream);
+    moefuse_status (*gemm2)(const moefuse_layer *layer, const call_bufs &c,
+                            const moefuse_fp8_weights *w, mf_gemm2_params *p, cudaStream_t stream);
+    moefuse_status (*dgrad2)(const moefuse_layer *layer, const call_bufs &c,
+                             const moefuse_fp8_weights *w, mf_dgrad2_params *p,
+                             cudaStream_t stream);
+    moefuse_status (*dgrad1)(const moefuse_layer *layer, const call_bufs &c,
+                             const moefuse_fp8_weights *w, mf_dgrad1_params *p,
+                             cudaStream_t stream);
+    moefuse_status (*dw2)(const moefuse_layer *layer, const call_bufs &c,
+                          const moefuse_fp8_weights *w, mf_wgrad_params *p, cudaStream_t stream);
+    moefuse_status (*dw13)(const moefuse_layer *layer, const call_bufs &c,
+                           const moefuse_fp8_weights *w, mf_wgrad_params *p, cudaStream_t stream);
+};
+
+extern const operand_prep kBf16Operands;   /* pipeline/operands.cu */
+extern const operand_prep kFp8Operands;
 
 /* ---- the stages' params (stages.cu), on the layer's workspaces ----------------------
  * The caller sets what differs by direction and transport:

@@ -137,7 +137,9 @@ static void free_state(cuda_state *s) {
                     s->gemm_num_rows, s->plan_ws, s->act_ready, s->dh, s->dp_partial, s->gate_up,
                     s->bwd_offsets, s->expert_order, s->dys, s->row_slot, s->row_weight,
                     s->dp_slot, s->sync, s->peers, s->send_counts, s->send_offsets, s->send_rbe,
-                    s->send_slot_row, s->send_row_slot, s->send_scalars, s->dest_base};
+                    s->send_slot_row, s->send_row_slot, s->send_scalars, s->dest_base,
+                    s->fp8_rows, s->fp8_row_scales, s->fp8_lhs_t, s->fp8_lhs_scales,
+                    s->fp8_rhs_t, s->fp8_rhs_scales};
     for (void *b : bufs)
         if (b) cudaFree(b);
     free(s);
@@ -163,8 +165,9 @@ static moefuse_status pick_device(const moefuse_layer *layer, cuda_state *s) {
     const moefuse_config *c = &layer->cfg;
     if (!mf_gemm_ops_find(-1, c->precision))
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
-                       "config.precision = %d: the CUDA backend runs MOEFUSE_PRECISION_BF16 "
-                       "only so far", (int)c->precision);
+                       "config.precision = %d: this build's CUDA backend has no GEMMs of that "
+                       "precision; expected MOEFUSE_PRECISION_BF16 or MOEFUSE_PRECISION_FP8_BLOCK",
+                       (int)c->precision);
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);
     if (err != cudaSuccess || count == 0) {
@@ -206,11 +209,19 @@ static moefuse_status resolve_plan(const moefuse_layer *layer, cuda_state *s) {
                        "GEMM tiles take multiples of %d; expected both multiples of %d "
                        "(or MOEFUSE_BACKEND_CPU)", c->hidden, c->intermediate,
                        g->dim_multiple, g->dim_multiple);
+    p.operands = c->precision == MOEFUSE_PRECISION_FP8_BLOCK ? &kFp8Operands : &kBf16Operands;
+    if (c->precision == MOEFUSE_PRECISION_FP8_BLOCK && layer->comm)
+        return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
+                       "config.precision = MOEFUSE_PRECISION_FP8_BLOCK with a comm: FP8 rows do "
+                       "not travel through expert parallelism yet (the rows are quantized after "
+                       "they arrive, and the push overlaps the GEMMs); expected "
+                       "MOEFUSE_PRECISION_BF16 with a comm, or FP8 on one rank (comm NULL)");
     p.net = layer->comm ? &kPeers : &kLocal;
     p.rows_from_peers = layer->comm != NULL;
     p.fused_forward = c->pipeline == MOEFUSE_PIPELINE_FUSED &&
                       g->fused_forward_takes(c->hidden, c->intermediate);
-    p.fused_backward = p.fused_forward && g->fused_backward_takes(c->hidden, c->intermediate);
+    p.fused_backward = c->pipeline == MOEFUSE_PIPELINE_FUSED &&
+                       g->fused_backward_takes(c->hidden, c->intermediate);
     p.dw13_before_wait = p.rows_from_peers;
     p.saved_mode = c->saved_mode;
     p.block_m = g->block_m;
@@ -247,6 +258,7 @@ static moefuse_status load_kernels(const mf_gemm_ops *gemm) {
         {mf_ep_push_rows_load, "ep push rows"},
         {mf_ep_push_dp_load, "ep push dp"},
         {mf_ep_signal_wait_load, "ep signal"},
+        {mf_quantize_fp8_load, "fp8 quantize"},
     };
     const int others = (int)(sizeof kOthers / sizeof kOthers[0]);
     for (int i = 0; i < gemm->num_loaders + others; i++) {
@@ -307,6 +319,7 @@ static moefuse_status create_checked(moefuse_layer *layer, cuda_state *s) {
         MF_ALLOC_FIELD(s, gate_up, rows_cap * 2 * c->intermediate * 2);
     MF_ALLOC_FIELD(s, bwd_offsets, (int64_t)(EL + 1) * 4);
     MF_ALLOC_FIELD(s, expert_order, (int64_t)(EL + 1) * 4);
+    MF_TRY(plan.operands->create(layer, s));
     const mf_plan_state init = MF_PLAN_STATE_INIT;
     MF_CUDA_TRY(cudaMemcpy(s->plan_state, &init, sizeof init, cudaMemcpyHostToDevice));
     MF_CUDA_TRY(cudaMemset(s->gemm_num_rows, 0, sizeof(int32_t)));
@@ -338,8 +351,36 @@ static size_t saved_bytes(const moefuse_layer *layer, int num_tokens) {
     return layout_for(layer, num_tokens, state_of(layer)->plan.saved_mode).total;
 }
 
+/* W13 [E, 2I, H] and W2 [E, H, I] into the FP8 weights, both orientations, on the stream. */
+static moefuse_status quantize_weights(const moefuse_layer *layer, moefuse_dtype dtype,
+                                       const void *w13, const void *w2,
+                                       const moefuse_fp8_weights *out, void *stream) {
+    const moefuse_config *c = &layer->cfg;
+    mf_quantize_fp8_weights_params q = {};
+    q.fp32 = dtype == MOEFUSE_DTYPE_FP32;
+    q.num_experts = layer->num_local_experts;
+    q.pow2 = out->pow2_scales;
+    q.w = w13;
+    q.rows = 2 * c->intermediate;
+    q.cols = c->hidden;
+    q.codes = out->w13;
+    q.scale = out->w13_scale;
+    q.codes_t = out->w13t;
+    q.scale_t = out->w13t_scale;
+    MF_CUDA_TRY(mf_quantize_fp8_weights(&q, (cudaStream_t)stream));
+    q.w = w2;
+    q.rows = c->hidden;
+    q.cols = c->intermediate;
+    q.codes = out->w2;
+    q.scale = out->w2_scale;
+    q.codes_t = out->w2t;
+    q.scale_t = out->w2t_scale;
+    MF_CUDA_TRY(mf_quantize_fp8_weights(&q, (cudaStream_t)stream));
+    return MOEFUSE_OK;
+}
+
 static const mf_backend_ops kCudaOps = {
-    "cuda", create, destroy, saved_bytes, forward, backward, check,
+    "cuda", create, destroy, saved_bytes, forward, backward, check, quantize_weights,
 };
 
 }  // namespace pipeline

@@ -22,7 +22,7 @@ using namespace mf::sm90;
 
 template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
-    sm90_gemm1_dgrad_bwd_bf16_kernel(const __grid_constant__ Dgrad1Args args) {
+    sm90_gemm1_dgrad_bwd_kernel(const __grid_constant__ Dgrad1Args args) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     Dgrad1Load<Cfg> load{args, 0, 0, 0};
     ScatterRowsEpilogue<Cfg> epi{args.to, ring_from_smem<Cfg>(smem_raw), {}, {0.f, 0.f}};
@@ -33,13 +33,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 /* The two tile choices (the launcher picks one by the output width). */
 using WideCfg = TileConfig<Bf16, 256, 3, false, true, 0, 512>;
 using NarrowCfg = TileConfig<Bf16, 128, 6, false, true, 0, 256>;
+/* FP8: B = W13^T [E * H, 2I] K-major, BN = 128 (the promotion's second accumulator set),
+ * 5 stages of 32 KB + 512 bytes of row scales. */
+using Fp8Cfg = TileConfig<Fp8E4m3, 128, 5, false, false, 0, 256>;
 
 template <class Cfg>
 cudaError_t launch(const mf_dgrad1_params *p, cudaStream_t stream) {
     Dgrad1Args args;
     const cudaError_t err = dgrad1_args_from<Cfg>(p, &args);
     if (err != cudaSuccess) return err;
-    return launch_persistent(sm90_gemm1_dgrad_bwd_bf16_kernel<Cfg>, Cfg::kSmemBytes, p->num_sms, args, stream);
+    return launch_persistent(sm90_gemm1_dgrad_bwd_kernel<Cfg>, Cfg::kSmemBytes, p->num_sms, args, stream);
 }
 
 }  // namespace
@@ -49,12 +52,20 @@ cudaError_t launch(const mf_dgrad1_params *p, cudaStream_t stream) {
  * of 32 KB). */
 extern "C" cudaError_t mf_sm90_gemm1_dgrad_bwd_bf16(const mf_dgrad1_params *p,
                                                     cudaStream_t stream) {
-    if (!dgrad1_params_ok(p)) return cudaErrorInvalidValue;
+    if (!dgrad1_params_ok<Bf16>(p)) return cudaErrorInvalidValue;
     if (p->rows.rows_cap == 0) return cudaSuccess;
     if (p->hidden % 256 == 0) return launch<WideCfg>(p, stream);
     return launch<NarrowCfg>(p, stream);
 }
 
+extern "C" cudaError_t mf_sm90_gemm1_dgrad_bwd_fp8(const mf_dgrad1_params *p,
+                                                   cudaStream_t stream) {
+    if (!dgrad1_params_ok<Fp8E4m3>(p)) return cudaErrorInvalidValue;
+    if (p->rows.rows_cap == 0) return cudaSuccess;
+    return launch<Fp8Cfg>(p, stream);
+}
+
 extern "C" cudaError_t mf_sm90_gemm1_dgrad_bwd_load(void) {
-    return mf_load_kernels(sm90_gemm1_dgrad_bwd_bf16_kernel<WideCfg>, sm90_gemm1_dgrad_bwd_bf16_kernel<NarrowCfg>);
+    return mf_load_kernels(sm90_gemm1_dgrad_bwd_kernel<WideCfg>, sm90_gemm1_dgrad_bwd_kernel<NarrowCfg>,
+                           sm90_gemm1_dgrad_bwd_kernel<Fp8Cfg>);
 }

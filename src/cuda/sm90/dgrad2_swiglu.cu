@@ -61,6 +61,7 @@ struct Dgrad2Args {
     float *dp_partial;
     ep::RowArrivals rows_in;   /* EP: the blocks' dys rows arriving (arrivals null: none) */
     int rows_cap, hidden, intermediate, dp_parts;
+    BlockScales scales;        /* FP8: dys's row scales, W2^T's block scales */
 };
 
 /* The two tile choices (the launcher picks one by I), as dgrad1's: BN = 256 with 3 stages
@@ -71,6 +72,12 @@ constexpr int kStoreWarpRegs = 168;
 using Precision = Bf16;
 using WideCfg = ProducerRegs<TileConfig<Precision, 256, 3, false, true, 0, 512>, kStoreWarpRegs>;
 using NarrowCfg = ProducerRegs<TileConfig<Precision, 128, 5, false, true, 0, 256>, kStoreWarpRegs>;
+/* FP8: B = W2^T [E * I, H] K-major (no transposes for 8-bit wgmma), BN = 128 (the
+ * promotion's second accumulator set), 5 stages of 32 KB + 512 bytes of row scales.
+ * NOTE: the second set needs more than 168 consumer registers (4 bytes spilled at 168,
+ * ptxas CUDA 13): the store warps give 16 (152 each, 176 for the consumers). */
+constexpr int kFp8StoreWarpRegs = 152;
+using Fp8Cfg = ProducerRegs<TileConfig<Fp8E4m3, 128, 5, false, false, 0, 256>, kFp8StoreWarpRegs>;
 
 /* ---- producer: A rows of the block, then BN/64 boxes of W2_e rows k.. k+63. */
 template <class Cfg>
@@ -83,7 +90,7 @@ struct Dgrad2Load {
         if (args.rows_in.arrivals && !gave_up) gave_up = !ep::wait_block_rows(args.rows_in, m_block);
         const int e = args.row_block_expert[m_block];
         m_row = m_block * kBlockM;
-        w_row = e * args.hidden;
+        w_row = Cfg::kBMnMajor ? e * args.hidden : e * args.intermediate;
         n_col = n_block * Cfg::BN;
     }
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
@@ -94,9 +101,24 @@ struct Dgrad2Load {
          * NOTE: it pays with collapsed routing only (see
          * docs/decisions/0011-dgrad2-epilogue). */
         ptx::tma_load_2d(a, &args.map_dys, bar, k, m_row);
-        tma_load_mn_boxes_hint<Cfg, Cfg::BN / Cfg::kMnBoxCols>(b, &args.map_w2, bar, n_col,
-                                                               w_row + k,
-                                                               ptx::l2_policy_evict_last());
+        if constexpr (Cfg::kBMnMajor)
+            tma_load_mn_boxes_hint<Cfg, Cfg::BN / Cfg::kMnBoxCols>(b, &args.map_w2, bar, n_col,
+                                                                   w_row + k,
+                                                                   ptx::l2_policy_evict_last());
+        else   /* W2^T: BN rows of e's [I, H] */
+            ptx::tma_load_2d_hint(b, &args.map_w2, bar, k, w_row + n_col,
+                                  ptx::l2_policy_evict_last());
+    }
+    __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint8_t *a_scales,
+                                          uint64_t *bar) {
+        stage(kb, a, b, bar);
+        args.scales.load_a<Cfg>(a_scales, kb, m_row, bar);
+    }
+    /* Consumers (FP8): the tile's scale hook (one 128-row block of W2^T_e). */
+    __device__ __forceinline__ auto block_scale(int m_block, int n_block, int k_blocks) const {
+        const int64_t n =
+            (int64_t)args.row_block_expert[m_block] * args.intermediate + n_block * Cfg::BN;
+        return args.scales.tile<Cfg>(n, n, args.hidden, k_blocks);
     }
 };
 
@@ -111,6 +133,7 @@ struct SwigluBwdPair {
     float dp;                 /* da'_lo a_lo + da'_hi a_hi */
 };
 
+template <bool kActWeighted>
 __device__ __forceinline__ SwigluBwdPair swiglu_bwd_pair(uint32_t g2, uint32_t u2, uint32_t d2,
                                                          float p) {
     const float g0 = bf16_lo(g2), g1 = bf16_hi(g2), u0 = bf16_lo(u2), u1 = bf16_hi(u2);
@@ -121,7 +144,7 @@ __device__ __forceinline__ SwigluBwdPair swiglu_bwd_pair(uint32_t g2, uint32_t u
     const float da0 = p * d0, da1 = p * d1;
     const float ds0 = fmaf(f0.silu, 1.f - f0.s, f0.s), ds1 = fmaf(f1.silu, 1.f - f1.s, f1.s);
     return {pack_bf16x2_rn(da0 * u0 * ds0, da1 * u1 * ds1),
-            pack_bf16x2_rn(da0 * f0.silu, da1 * f1.silu), pack_bf16x2_rn(p * a0, p * a1),
+            pack_bf16x2_rn(da0 * f0.silu, da1 * f1.silu), kActWeighted ? pack_bf16x2_rn(p * a0, p * a1) : a2,
             fmaf(d1, a1, d0 * a0)};
 }
 
@@ -172,6 +195,8 @@ struct GroupSum {
 
 template <class Cfg>
 struct Dgrad2Epilogue {
+    /* act_p = bf16(p a) (bf16), or bf16(a) (FP8: the recipe's dW2 = (p dy)^T a) */
+    static constexpr bool kActWeighted = Cfg::kAScaleBytes == 0;
     /* A row's BN columns are kLanesPerRow lanes of kPieces 16-byte pieces (8 columns each,
      * the pieces BN / kPieces columns apart, so that one row offset serves them all); a warp
      * step covers kRowsPerStep rows, and each warp takes every kStoreWarps-th step: kSteps
@@ -265,10 +290,10 @@ struct Dgrad2Epilogue {
                 for (int j = 0; j < kPieces; ++j) {
                     const uint4 d = *reinterpret_cast<const uint4 *>(
                         d_base + r * Cfg::kEpiRowBytes + j * kPieceCols * 2);
-                    const SwigluBwdPair o0 = swiglu_bwd_pair(g[k][j].x, u[k][j].x, d.x, p);
-                    const SwigluBwdPair o1 = swiglu_bwd_pair(g[k][j].y, u[k][j].y, d.y, p);
-                    const SwigluBwdPair o2 = swiglu_bwd_pair(g[k][j].z, u[k][j].z, d.z, p);
-                    const SwigluBwdPair o3 = swiglu_bwd_pair(g[k][j].w, u[k][j].w, d.w, p);
+                    const SwigluBwdPair o0 = swiglu_bwd_pair<kActWeighted>(g[k][j].x, u[k][j].x, d.x, p);
+                    const SwigluBwdPair o1 = swiglu_bwd_pair<kActWeighted>(g[k][j].y, u[k][j].y, d.y, p);
+                    const SwigluBwdPair o2 = swiglu_bwd_pair<kActWeighted>(g[k][j].z, u[k][j].z, d.z, p);
+                    const SwigluBwdPair o3 = swiglu_bwd_pair<kActWeighted>(g[k][j].w, u[k][j].w, d.w, p);
                     dg[j] = make_uint4(o0.dg, o1.dg, o2.dg, o3.dg);
                     du[j] = make_uint4(o0.du, o1.du, o2.du, o3.du);
                     ap[j] = make_uint4(o0.act_p, o1.act_p, o2.act_p, o3.act_p);
@@ -318,7 +343,7 @@ struct Dgrad2Epilogue {
 
 template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
-    sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel(const __grid_constant__ Dgrad2Args args) {
+    sm90_gemm2_dgrad_swiglu_bwd_kernel(const __grid_constant__ Dgrad2Args args) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     Dgrad2Load<Cfg> load{args, 0, 0, 0, false};
     Dgrad2Epilogue<Cfg> epi{args, ring_from_smem<Cfg>(smem_raw), {}};
@@ -330,15 +355,19 @@ template <class Cfg>
 cudaError_t launch(const mf_dgrad2_params *p, cudaStream_t stream) {
     Dgrad2Args args;
     cudaError_t err;
-    if ((err = tensor_map_2d<Precision>(&args.map_dys, p->dys.data, (uint64_t)p->rows.rows_cap,
-                                        p->hidden, p->hidden, kBlockM, Cfg::kBlockK)) !=
-        cudaSuccess)
+    using P = typename Cfg::Precision;
+    if ((err = tensor_map_2d<P>(&args.map_dys, p->dys.data, (uint64_t)p->rows.rows_cap,
+                                p->hidden, p->hidden, kBlockM, Cfg::kBlockK)) != cudaSuccess)
         return err;
-    if ((err = tensor_map_2d<Precision>(&args.map_w2, p->w2.data,
-                                        (uint64_t)p->rows.num_local_experts * p->hidden,
-                                        p->intermediate, p->intermediate, Cfg::kBlockK,
-                                        Cfg::kMnBoxCols)) != cudaSuccess)
-        return err;
+    if (Cfg::kBMnMajor)
+        err = tensor_map_2d<P>(&args.map_w2, p->w2.data,
+                               (uint64_t)p->rows.num_local_experts * p->hidden, p->intermediate,
+                               p->intermediate, Cfg::kBlockK, Cfg::kMnBoxCols);
+    else   /* W2^T [E * I, H] */
+        err = tensor_map_2d<P>(&args.map_w2, p->w2.data,
+                               (uint64_t)p->rows.num_local_experts * p->intermediate, p->hidden,
+                               p->hidden, Cfg::BN, Cfg::kBlockK);
+    if (err != cudaSuccess) return err;
     args.gate_up = p->gate_up;
     args.row_block_expert = p->rows.row_block_expert;
     args.num_rows = p->rows.num_rows;
@@ -352,9 +381,10 @@ cudaError_t launch(const mf_dgrad2_params *p, cudaStream_t stream) {
     args.rows_cap = p->rows.rows_cap;
     args.hidden = p->hidden;
     args.intermediate = p->intermediate;
-    args.dp_parts = p->intermediate / Cfg::BN;   /* = mf_dgrad2_dp_parts */
+    args.dp_parts = p->intermediate / Cfg::BN;   /* = mf_dgrad2_dp_parts (FP8: _fp8) */
+    args.scales = block_scales_of(p->dys, p->w2, p->rows.rows_cap);
 
-    return launch_persistent(sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel<Cfg>, Cfg::kSmemBytes,
+    return launch_persistent(sm90_gemm2_dgrad_swiglu_bwd_kernel<Cfg>, Cfg::kSmemBytes,
                              p->num_sms, args, stream);
 }
 
@@ -368,25 +398,43 @@ extern "C" int mf_dgrad2_dp_parts(int intermediate) {
     return intermediate / NarrowCfg::BN;
 }
 
+/* What the dgrad2 kernels of precision P take; dp_parts: the tile width's partials. */
+template <class P>
+static bool dgrad2_params_ok(const mf_dgrad2_params *p, int dp_parts) {
+    if (!p || !operand_ok<P>(p->dys, MF_SCALES_1X128) || !operand_ok<P>(p->w2, MF_SCALES_128X128) ||
+        !p->gate_up || !row_blocks_ok(p->rows) || !p->row_slot || !p->row_weight || !p->dh ||
+        !p->act_p || !p->dp_partial || !arrivals_ok(p->rows_in))
+        return false;
+    if (p->hidden <= 0 || p->hidden % P::kBlockK || dp_parts == 0 || p->num_sms <= 0)
+        return false;
+    /* TMA sources and the 16-byte loads and stores of the store warps. */
+    return !misaligned16(p->dys.data, p->w2.data, p->gate_up, p->dh, p->act_p, p->dys.scales) &&
+           !(reinterpret_cast<uintptr_t>(p->dp_partial) & 3u);
+}
+
 extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_bf16(const mf_dgrad2_params *p,
                                                            cudaStream_t stream) {
-    if (!p || !bf16_operand(p->dys) || !bf16_operand(p->w2) || !p->gate_up ||
-        !row_blocks_ok(p->rows) || !p->row_slot || !p->row_weight || !p->dh || !p->act_p ||
-        !p->dp_partial || !arrivals_ok(p->rows_in))
-        return cudaErrorInvalidValue;
-    if (p->hidden <= 0 || p->hidden % Precision::kBlockK ||
-        mf_dgrad2_dp_parts(p->intermediate) == 0 || p->num_sms <= 0)
-        return cudaErrorInvalidValue;
-    /* TMA sources and the 16-byte loads and stores of the store warps. */
-    if (misaligned16(p->dys.data, p->w2.data, p->gate_up, p->dh, p->act_p) ||
-        (reinterpret_cast<uintptr_t>(p->dp_partial) & 3u))
+    if (!dgrad2_params_ok<Precision>(p, p ? mf_dgrad2_dp_parts(p->intermediate) : 0))
         return cudaErrorInvalidValue;
     if (p->rows.rows_cap == 0) return cudaSuccess;
     if (p->intermediate % WideCfg::BN == 0) return launch<WideCfg>(p, stream);
     return launch<NarrowCfg>(p, stream);
 }
 
+extern "C" int mf_dgrad2_dp_parts_fp8(int intermediate) {
+    return intermediate > 0 && intermediate % Fp8Cfg::BN == 0 ? intermediate / Fp8Cfg::BN : 0;
+}
+
+extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_fp8(const mf_dgrad2_params *p,
+                                                          cudaStream_t stream) {
+    if (!dgrad2_params_ok<Fp8E4m3>(p, p ? mf_dgrad2_dp_parts_fp8(p->intermediate) : 0))
+        return cudaErrorInvalidValue;
+    if (p->rows.rows_cap == 0) return cudaSuccess;
+    return launch<Fp8Cfg>(p, stream);
+}
+
 extern "C" cudaError_t mf_sm90_gemm2_dgrad_swiglu_load(void) {
-    return mf_load_kernels(sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel<WideCfg>,
-                           sm90_gemm2_dgrad_swiglu_bwd_bf16_kernel<NarrowCfg>);
+    return mf_load_kernels(sm90_gemm2_dgrad_swiglu_bwd_kernel<WideCfg>,
+                           sm90_gemm2_dgrad_swiglu_bwd_kernel<NarrowCfg>,
+                           sm90_gemm2_dgrad_swiglu_bwd_kernel<Fp8Cfg>);
 }

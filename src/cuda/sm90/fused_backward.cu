@@ -302,7 +302,7 @@ extern "C" cudaError_t mf_sm90_moe_fused_bwd_bf16(const mf_moe_fused_bwd_params 
     if (!p || !p->scratch) return cudaErrorInvalidValue;
     const mf_wgrad_params *w2 = &p->dw2, *w13 = &p->dw13;
     const mf_dgrad1_params *d = &p->dgrad1;
-    if (!wgrad_params_ok(w2) || !wgrad_params_ok(w13) || !dgrad1_params_ok(d) ||
+    if (!wgrad_params_ok<Bf16>(w2) || !wgrad_params_ok<Bf16>(w13) || !dgrad1_params_ok<Bf16>(d) ||
         !mf_sm90_moe_fused_bwd_takes(d->hidden, d->intermediate))
         return cudaErrorInvalidValue;
     const int H = d->hidden, I = d->intermediate;

@@ -17,7 +17,7 @@ using namespace mf::sm90;
 
 template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
-    sm90_gemm1_swiglu_fwd_bf16_kernel(const __grid_constant__ Gemm1Args args) {
+    sm90_gemm1_swiglu_fwd_kernel(const __grid_constant__ Gemm1Args args) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     Gemm1Load<Cfg> load{args, 0, 0, 0, false};
     Gemm1Epilogue<Cfg> epi{args, ring_from_smem<Cfg>(smem_raw), {}};
@@ -29,13 +29,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 using Precision = Bf16;
 using WideCfg = TileConfig<Precision, 256, 3, false, false, 0, 512>;
 using NarrowCfg = TileConfig<Precision, 128, 6, false, false, 0, 256>;
+/* FP8: BN = 128 (the promotion's second accumulator set, 64 + 64 registers), 5 stages
+ * of 32 KB + 512 bytes of row scales beside the 34 KB of epilogue buffers. */
+using Fp8Cfg = TileConfig<Fp8E4m3, 128, 5, false, false, 0, 256>;
 
 template <class Cfg>
 cudaError_t launch(const mf_gemm1_params *p, cudaStream_t stream) {
     Gemm1Args args;
     const cudaError_t err = gemm1_args_from<Cfg>(p, &args);
     if (err != cudaSuccess) return err;
-    return launch_persistent(sm90_gemm1_swiglu_fwd_bf16_kernel<Cfg>, Cfg::kSmemBytes, p->num_sms, args, stream);
+    return launch_persistent(sm90_gemm1_swiglu_fwd_kernel<Cfg>, Cfg::kSmemBytes, p->num_sms, args, stream);
 }
 
 }  // namespace
@@ -50,6 +53,13 @@ extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p,
     return launch<NarrowCfg>(p, stream);
 }
 
+extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_fp8(const mf_gemm1_params *p, cudaStream_t stream) {
+    if (!gemm1_params_ok<Fp8E4m3>(p)) return cudaErrorInvalidValue;
+    if (p->rows.rows_cap == 0) return cudaSuccess;
+    return launch<Fp8Cfg>(p, stream);
+}
+
 extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_load(void) {
-    return mf_load_kernels(sm90_gemm1_swiglu_fwd_bf16_kernel<WideCfg>, sm90_gemm1_swiglu_fwd_bf16_kernel<NarrowCfg>);
+    return mf_load_kernels(sm90_gemm1_swiglu_fwd_kernel<WideCfg>, sm90_gemm1_swiglu_fwd_kernel<NarrowCfg>,
+                           sm90_gemm1_swiglu_fwd_kernel<Fp8Cfg>);
 }

@@ -27,6 +27,9 @@ struct WgradArgs {
     float *dw;
     uint16_t *dw_bf16;
     int m, n, m_blocks, n_blocks, num_experts, accumulate;
+    /* FP8: lhs^T [M, rows_cap] and rhs^T [N, rows_cap] codes (K-major), their scales
+     * [rows_cap / 128, M] and [rows_cap / 128, N] */
+    const float *lhs_scales, *rhs_scales;
 };
 
 /* Tile i of the order: the ((i / (m_blocks n_blocks))-th expert of it, n fastest. */
@@ -39,28 +42,42 @@ __device__ __forceinline__ void wgrad_tile(const int32_t *order, int m_blocks, i
     n_block = t % n_blocks;
 }
 
-/* What the wgrad kernels take of any shape (the tile width is picked after this). */
+/* What the wgrad kernels of precision P take of any shape (the tile width is picked after
+ * this). */
+template <class P>
 inline bool wgrad_params_ok(const mf_wgrad_params *p) {
-    if (!p || !bf16_operand(p->lhs) || !bf16_operand(p->rhs) || !p->rows.expert_offsets ||
+    if (!p || !operand_ok<P>(p->lhs, MF_SCALES_TOKENS_128) ||
+        !operand_ok<P>(p->rhs, MF_SCALES_TOKENS_128) || !p->rows.expert_offsets ||
         !p->dw == !p->dw_bf16 || (p->dw_bf16 && p->accumulate))
         return false;
     const mf_rows &r = p->rows;
     if (r.rows_cap < 0 || r.rows_cap % kBlockM || p->m <= 0 || p->m % kBlockM || p->n <= 0 ||
         p->n % 128 || r.num_local_experts <= 0 || p->num_sms <= 0)
         return false;
-    return !misaligned16(p->lhs.data, p->rhs.data, p->dw, p->dw_bf16);
+    return !misaligned16(p->lhs.data, p->rhs.data, p->dw, p->dw_bf16, p->lhs.scales,
+                         p->rhs.scales);
 }
 
 template <class Cfg>
 cudaError_t wgrad_args_from(const mf_wgrad_params *p, WgradArgs *args) {
     cudaError_t err;
     using P = typename Cfg::Precision;
-    if ((err = tensor_map_2d<P>(&args->map_lhs, p->lhs.data, (uint64_t)p->rows.rows_cap, p->m,
-                                p->m, Cfg::kBlockK, Cfg::kMnBoxCols)) != cudaSuccess)
-        return err;
-    if ((err = tensor_map_2d<P>(&args->map_rhs, p->rhs.data, (uint64_t)p->rows.rows_cap, p->n,
-                                p->n, Cfg::kBlockK, Cfg::kMnBoxCols)) != cudaSuccess)
-        return err;
+    const uint64_t rows = (uint64_t)p->rows.rows_cap;
+    if (Cfg::kAMnMajor) {   /* bf16: the row-major operands, MN-major */
+        if ((err = tensor_map_2d<P>(&args->map_lhs, p->lhs.data, rows, p->m, p->m,
+                                    Cfg::kBlockK, Cfg::kMnBoxCols)) != cudaSuccess ||
+            (err = tensor_map_2d<P>(&args->map_rhs, p->rhs.data, rows, p->n, p->n,
+                                    Cfg::kBlockK, Cfg::kMnBoxCols)) != cudaSuccess)
+            return err;
+    } else {                /* FP8: the transposed copies, K-major */
+        if ((err = tensor_map_2d<P>(&args->map_lhs, p->lhs.data, p->m, rows, rows, kBlockM,
+                                    Cfg::kBlockK)) != cudaSuccess ||
+            (err = tensor_map_2d<P>(&args->map_rhs, p->rhs.data, p->n, rows, rows, Cfg::BN,
+                                    Cfg::kBlockK)) != cudaSuccess)
+            return err;
+    }
+    args->lhs_scales = p->lhs.scales;
+    args->rhs_scales = p->rhs.scales;
     args->expert_offsets = p->rows.expert_offsets;
     args->expert_order = p->expert_order;
     args->dw = p->dw;
@@ -115,8 +132,26 @@ struct WgradLoad {
     }
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
         const int row = row0 + kb * Cfg::kBlockK;
-        tma_load_mn_boxes<Cfg, kBlockM / Cfg::kMnBoxCols>(a, &args.map_lhs, bar, m_col, row);
-        tma_load_mn_boxes<Cfg, Cfg::BN / Cfg::kMnBoxCols>(b, &args.map_rhs, bar, n_col, row);
+        if constexpr (Cfg::kAMnMajor) {
+            tma_load_mn_boxes<Cfg, kBlockM / Cfg::kMnBoxCols>(a, &args.map_lhs, bar, m_col, row);
+            tma_load_mn_boxes<Cfg, Cfg::BN / Cfg::kMnBoxCols>(b, &args.map_rhs, bar, n_col, row);
+        } else {
+            ptx::tma_load_2d(a, &args.map_lhs, bar, row, m_col);
+            ptx::tma_load_2d(b, &args.map_rhs, bar, row, n_col);
+        }
+    }
+    /* FP8: the token block's scales of the tile's 128 lhs rows, then of its BN rhs rows. */
+    __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint8_t *scales,
+                                          uint64_t *bar) {
+        static_assert(Cfg::kAScaleBytes == (kBlockM + Cfg::BN) * 4, "both operands' row scales");
+        stage(kb, a, b, bar);
+        const int64_t t = (row0 + kb * Cfg::kBlockK) / 128;
+        ptx::bulk_load_g2s(scales, args.lhs_scales + t * args.m + m_col, kBlockM * 4, bar);
+        ptx::bulk_load_g2s(scales + kBlockM * 4, args.rhs_scales + t * args.n + n_col,
+                           Cfg::BN * 4, bar);
+    }
+    __device__ __forceinline__ PromoteRowScales<Cfg::kAccRegs> block_scale(int, int, int) const {
+        return {};
     }
 };
 
@@ -231,9 +266,11 @@ struct Dgrad1Args {
     const int32_t *num_rows;
     ScatterTarget to;
     int rows_cap, hidden, intermediate;
+    BlockScales scales;    /* FP8: dh's row scales, W13^T's block scales */
 };
 
-/* ---- producer: A rows of the block, then BN/64 boxes of W13_e rows k.. k+63 ---------- */
+/* ---- producer: A rows of the block, then BN/64 boxes of W13_e rows k.. k+63 (FP8: BN
+ * rows of W13^T_e [H, 2I], K-major, and the A rows' scales) ---------------------------- */
 template <class Cfg>
 struct Dgrad1Load {
     const Dgrad1Args &args;
@@ -242,26 +279,42 @@ struct Dgrad1Load {
     __device__ __forceinline__ void tile_begin(int m_block, int n_block) {
         const int e = args.row_block_expert[m_block];
         m_row = m_block * kBlockM;
-        w_row = e * 2 * args.intermediate;
+        w_row = Cfg::kBMnMajor ? e * 2 * args.intermediate : e * args.hidden;
         n_col = n_block * Cfg::BN;
     }
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
         const int k = kb * Cfg::kBlockK;
         ptx::tma_load_2d(a, &args.map_dh, bar, k, m_row);
-        tma_load_mn_boxes<Cfg, Cfg::BN / Cfg::kMnBoxCols>(b, &args.map_w13, bar, n_col, w_row + k);
+        if constexpr (Cfg::kBMnMajor)
+            tma_load_mn_boxes<Cfg, Cfg::BN / Cfg::kMnBoxCols>(b, &args.map_w13, bar, n_col, w_row + k);
+        else
+            ptx::tma_load_2d(b, &args.map_w13, bar, k, w_row + n_col);
+    }
+    __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint8_t *a_scales,
+                                          uint64_t *bar) {
+        stage(kb, a, b, bar);
+        args.scales.load_a<Cfg>(a_scales, kb, m_row, bar);
+    }
+    /* Consumers (FP8): the tile's scale hook (one 128-row block of W13^T_e). */
+    __device__ __forceinline__ auto block_scale(int m_block, int n_block, int k_blocks) const {
+        const int64_t n = (int64_t)args.row_block_expert[m_block] * args.hidden + n_block * Cfg::BN;
+        return args.scales.tile<Cfg>(n, n, 2 * args.intermediate, k_blocks);
     }
 };
 
-/* What the dgrad1 kernels take of any shape (the tile width is picked after this). */
+/* What the dgrad1 kernels of precision P take of any shape (the tile width is picked
+ * after this). */
+template <class P>
 inline bool dgrad1_params_ok(const mf_dgrad1_params *p) {
-    if (!p || !bf16_operand(p->dh) || !bf16_operand(p->w13) || !row_blocks_ok(p->rows) ||
-        !scatter_ok(p->to))
+    if (!p || !operand_ok<P>(p->dh, MF_SCALES_1X128) || !operand_ok<P>(p->w13, MF_SCALES_128X128) ||
+        !row_blocks_ok(p->rows) || !scatter_ok(p->to))
         return false;
-    if (p->hidden <= 0 || p->hidden % 128 || p->intermediate <= 0 || p->intermediate % 32 ||
-        p->num_sms <= 0)
+    const int i_multiple = P::kAScaleBytes ? 64 : 32;   /* K = 2I: whole K blocks */
+    if (p->hidden <= 0 || p->hidden % 128 || p->intermediate <= 0 ||
+        p->intermediate % i_multiple || p->num_sms <= 0)
         return false;
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
-    return !misaligned16(p->dh.data, p->w13.data, p->to.combine);
+    return !misaligned16(p->dh.data, p->w13.data, p->to.combine, p->dh.scales);
 }
 
 template <class Cfg>
@@ -272,10 +325,15 @@ cudaError_t dgrad1_args_from(const mf_dgrad1_params *p, Dgrad1Args *args) {
     if ((err = tensor_map_2d<P>(&args->map_dh, p->dh.data, (uint64_t)p->rows.rows_cap, two_i,
                                 two_i, kBlockM, Cfg::kBlockK)) != cudaSuccess)
         return err;
-    if ((err = tensor_map_2d<P>(&args->map_w13, p->w13.data,
-                                (uint64_t)p->rows.num_local_experts * two_i, p->hidden,
-                                p->hidden, Cfg::kBlockK, Cfg::kMnBoxCols)) != cudaSuccess)
-        return err;
+    if (Cfg::kBMnMajor)
+        err = tensor_map_2d<P>(&args->map_w13, p->w13.data,
+                               (uint64_t)p->rows.num_local_experts * two_i, p->hidden, p->hidden,
+                               Cfg::kBlockK, Cfg::kMnBoxCols);
+    else   /* W13^T [E * H, 2I] */
+        err = tensor_map_2d<P>(&args->map_w13, p->w13.data,
+                               (uint64_t)p->rows.num_local_experts * p->hidden, two_i, two_i,
+                               Cfg::BN, Cfg::kBlockK);
+    if (err != cudaSuccess) return err;
     args->row_block_expert = p->rows.row_block_expert;
     args->num_rows = p->rows.num_rows;
     args->to = ScatterTarget{p->to.row_slot, nullptr, p->to.combine, p->to.combine_peers,
@@ -283,6 +341,7 @@ cudaError_t dgrad1_args_from(const mf_dgrad1_params *p, Dgrad1Args *args) {
     args->rows_cap = p->rows.rows_cap;
     args->hidden = p->hidden;
     args->intermediate = p->intermediate;
+    args->scales = block_scales_of(p->dh, p->w13, p->rows.rows_cap);
     return cudaSuccess;
 }
 

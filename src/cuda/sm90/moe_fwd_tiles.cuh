@@ -37,20 +37,23 @@ struct Gemm1Args {
     __nv_bfloat16 *gate_up;
     ep::RowArrivals rows_in;         /* EP: the blocks' rows arriving (arrivals null: none) */
     int rows_cap, hidden, intermediate;
+    BlockScales scales;              /* FP8: xs's row scales, W13's block scales */
 };
 
 /* What the gemm1 kernels of precision P take of any shape (the tile width is picked
- * after this). */
+ * after this). FP8: whole 128-blocks of H and I (a tile's gate and up halves each within
+ * one weight block). */
 template <class P>
 inline bool gemm1_params_ok(const mf_gemm1_params *p) {
-    if (!p || !bf16_operand(p->xs) || !bf16_operand(p->w13) || !row_blocks_ok(p->rows) ||
-        !p->act || !arrivals_ok(p->rows_in))
+    if (!p || !operand_ok<P>(p->xs, MF_SCALES_1X128) || !operand_ok<P>(p->w13, MF_SCALES_128X128) ||
+        !row_blocks_ok(p->rows) || !p->act || !arrivals_ok(p->rows_in))
         return false;
+    const int i_multiple = P::kAScaleBytes ? 128 : 64;
     if (p->hidden <= 0 || p->hidden % P::kBlockK || p->intermediate <= 0 ||
-        p->intermediate % 64 || p->num_sms <= 0)
+        p->intermediate % i_multiple || p->num_sms <= 0)
         return false;
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
-    return !misaligned16(p->xs.data, p->w13.data, p->act, p->gate_up);
+    return !misaligned16(p->xs.data, p->w13.data, p->act, p->gate_up, p->xs.scales);
 }
 
 template <class Cfg>
@@ -73,10 +76,11 @@ cudaError_t gemm1_args_from(const mf_gemm1_params *p, Gemm1Args *args) {
     args->rows_cap = p->rows.rows_cap;
     args->hidden = p->hidden;
     args->intermediate = p->intermediate;
+    args->scales = block_scales_of(p->xs, p->w13, p->rows.rows_cap);
     return cudaSuccess;
 }
 
-/* Producer: A rows of the block, then the gate and up halves of B. */
+/* Producer: A rows of the block (and their scales), then the gate and up halves of B. */
 template <class Cfg>
 struct Gemm1Load {
     const Gemm1Args &args;
@@ -100,6 +104,17 @@ struct Gemm1Load {
         ptx::tma_load_2d(a, &args.map_xs, bar, k, m_row);
         ptx::tma_load_2d(b, &args.map_w13, bar, k, w_gate_row);
         ptx::tma_load_2d(b + Cfg::kBBytes / 2, &args.map_w13, bar, k, w_up_row);
+    }
+    __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint8_t *a_scales,
+                                          uint64_t *bar) {
+        stage(kb, a, b, bar);
+        args.scales.load_a<Cfg>(a_scales, kb, m_row, bar);
+    }
+    /* Consumers (FP8): the tile's scale hook (B's gate and up halves: two weight blocks). */
+    __device__ __forceinline__ auto block_scale(int m_block, int n_block, int k_blocks) const {
+        const int64_t gate = (int64_t)args.row_block_expert[m_block] * 2 * args.intermediate +
+                             n_block * (Cfg::BN / 2);
+        return args.scales.tile<Cfg>(gate, gate + args.intermediate, args.hidden, k_blocks);
     }
 };
 
@@ -170,20 +185,21 @@ struct Gemm2Args {
     const int32_t *num_rows;
     ScatterTarget to;
     int rows_cap, hidden, intermediate;
+    BlockScales scales;    /* FP8: act's row scales, W2's block scales */
 };
 
 /* What the gemm2 kernels of precision P take of any shape (the tile width is picked
  * after this). */
 template <class P>
 inline bool gemm2_params_ok(const mf_gemm2_params *p) {
-    if (!p || !bf16_operand(p->act) || !bf16_operand(p->w2) || !row_blocks_ok(p->rows) ||
-        !p->row_weight || !scatter_ok(p->to))
+    if (!p || !operand_ok<P>(p->act, MF_SCALES_1X128) || !operand_ok<P>(p->w2, MF_SCALES_128X128) ||
+        !row_blocks_ok(p->rows) || !p->row_weight || !scatter_ok(p->to))
         return false;
     if (p->hidden <= 0 || p->hidden % 128 || p->intermediate <= 0 ||
         p->intermediate % P::kBlockK || p->num_sms <= 0)
         return false;
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
-    return !misaligned16(p->act.data, p->w2.data, p->to.combine);
+    return !misaligned16(p->act.data, p->w2.data, p->to.combine, p->act.scales);
 }
 
 template <class Cfg>
@@ -206,10 +222,11 @@ cudaError_t gemm2_args_from(const mf_gemm2_params *p, Gemm2Args *args) {
     args->rows_cap = p->rows.rows_cap;
     args->hidden = p->hidden;
     args->intermediate = p->intermediate;
+    args->scales = block_scales_of(p->act, p->w2, p->rows.rows_cap);
     return cudaSuccess;
 }
 
-/* Producer: A rows of the block, BN rows of W2_e. */
+/* Producer: A rows of the block (and their scales), BN rows of W2_e. */
 template <class Cfg>
 struct Gemm2Load {
     const Gemm2Args &args;
@@ -224,6 +241,16 @@ struct Gemm2Load {
         const int k = kb * Cfg::kBlockK;
         ptx::tma_load_2d(a, &args.map_act, bar, k, m_row);
         ptx::tma_load_2d(b, &args.map_w2, bar, k, w_row);
+    }
+    __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint8_t *a_scales,
+                                          uint64_t *bar) {
+        stage(kb, a, b, bar);
+        args.scales.load_a<Cfg>(a_scales, kb, m_row, bar);
+    }
+    /* Consumers (FP8): the tile's scale hook (one 128-row block of W2_e). */
+    __device__ __forceinline__ auto block_scale(int m_block, int n_block, int k_blocks) const {
+        const int64_t n = (int64_t)args.row_block_expert[m_block] * args.hidden + n_block * Cfg::BN;
+        return args.scales.tile<Cfg>(n, n, args.intermediate, k_blocks);
     }
 };
 

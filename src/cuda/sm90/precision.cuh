@@ -98,6 +98,115 @@ struct Bf16 {
     }
 };
 
+/* E4M3 with fp32 block scales (docs/decisions/0018-fp8-block-recipe.md): a stage is one
+ * 128-wide K block, the scale block of both operands; A's 128 row scales of the block ride
+ * with the stage (kAScaleBytes, bulk-copied by the kernel's Load). Its block-scale hook
+ * is the kernel's (PromoteBlockScale below), which knows where B's scales are. */
+struct Fp8E4m3 {
+    using Element = uint8_t;
+    static constexpr int kElementBytes = 1;
+    static constexpr int kBlockK = kSwizzleBytes / kElementBytes;
+    static constexpr CUtensorMapDataType kMapType = CU_TENSOR_MAP_DATA_TYPE_UINT8;
+    static constexpr int kInstrK = 32;
+    static constexpr bool kMnMajorOperands = false;
+    static constexpr int kAScaleBytes = 128 * 4;   /* kBlockM row scales of one K block */
+
+    template <int N, int kTransA, int kTransB>
+    static __device__ __forceinline__ void mma(float (&d)[N / 2], uint64_t desc_a,
+                                               uint64_t desc_b, int scale_d) {
+        static_assert(N == 128 || N == 256, "wgmma wrappers exist for N = 128 and 256");
+        static_assert(!kTransA && !kTransB, "e4m3 wgmma takes K-major operands only");
+        if constexpr (N == 256)
+            ptx::wgmma_m64n256k32_e4m3_ss(d, desc_a, desc_b, scale_d);
+        else
+            ptx::wgmma_m64n128k32_e4m3_ss(d, desc_a, desc_b, scale_d);
+    }
+};
+
+/* The weight gradients' FP8 (K = tokens): both operands scaled per 128 tokens and per
+ * row of the operand (A's M, B's N), so B's BN scales of a K block ride with the stage
+ * too, after A's 128. */
+struct Fp8E4m3TokenScaled : Fp8E4m3 {
+    static constexpr int kAScaleBytes = 2 * 128 * 4;   /* A's 128 rows, then B's (BN = 128) */
+};
+
+/* The FP8 scale hooks: every K block's wgmmas start from zero in `part` (the tensor cores'
+ * FP8 sums keep ~14 bits), and once they are done (no group left in flight) the block is
+ * promoted into the fp32 accumulators: acc (+)= part * (scale_a[row] * scale_b), A's row
+ * scales from the stage's scale slot. Thread t of a consumer warpgroup holds rows
+ * 16 (t / 32) + (t % 32) / 4 and + 8 of the warpgroup's 64: accumulator 4c + 2h + j is
+ * row half h, column 8c + 2 (t % 4) + j. */
+template <int kAccRegs>
+struct PromoteScales {
+    static constexpr int kGroupsInFlight = 0;
+    float part[kAccRegs];
+
+    template <class Acc>
+    __device__ __forceinline__ Acc &mma_acc(Acc &) {
+        return part;
+    }
+    __device__ __forceinline__ int accumulate(int, int k) const { return k > 0 ? 1 : 0; }
+    /* This thread's two rows' scales of the K block in `slot`. */
+    static __device__ __forceinline__ float2 row_scales(const uint8_t *slot) {
+        const int t = threadIdx.x % 128;
+        const float *sa = reinterpret_cast<const float *>(slot) + (threadIdx.x / 128) * 64 +
+                          (t / 32) * 16 + (t % 32) / 4;
+        return make_float2(sa[0], sa[8]);
+    }
+    template <class Acc>
+    __device__ __forceinline__ void promote(Acc &acc, int i, float scale, int kb) const {
+        acc[i] = kb > 0 ? fmaf(part[i], scale, acc[i]) : part[i] * scale;
+    }
+};
+
+/* Weights' 128 x 128 block scales: B's per K block and per half of the tile's columns (one
+ * weight block each: gemm1's gate and up halves lie in two), loaded from global memory one
+ * K block ahead. */
+template <int kAccRegs>
+struct PromoteBlockScale : PromoteScales<kAccRegs> {
+    const float *b_left, *b_right;   /* [num_k_blocks]: B's scales of the two column halves */
+    int num_k_blocks;
+    float next_left, next_right;
+
+    __device__ __forceinline__ PromoteBlockScale(const float *left, const float *right, int k_blocks)
+        : b_left(left), b_right(right), num_k_blocks(k_blocks) {
+        next_left = k_blocks > 0 ? __ldg(left) : 0.f;
+        next_right = k_blocks > 0 ? __ldg(right) : 0.f;
+    }
+    template <class Acc>
+    __device__ __forceinline__ void after_k_block(Acc &acc, const uint8_t *slot, int kb) {
+        const float2 sa = PromoteScales<kAccRegs>::row_scales(slot);
+        const float left = next_left, right = next_right;
+        if (kb + 1 < num_k_blocks) {
+            next_left = __ldg(b_left + kb + 1);
+            next_right = __ldg(b_right + kb + 1);
+        }
+        const float s[2][2] = {{sa.x * left, sa.y * left}, {sa.x * right, sa.y * right}};
+#pragma unroll
+        for (int i = 0; i < kAccRegs; ++i)
+            this->promote(acc, i, s[i >= kAccRegs / 2][(i / 2) % 2], kb);
+    }
+};
+
+/* Per-row scales of both operands (Fp8E4m3TokenScaled): B's column scales from the slot,
+ * after A's 128. */
+template <int kAccRegs>
+struct PromoteRowScales : PromoteScales<kAccRegs> {
+    template <class Acc>
+    __device__ __forceinline__ void after_k_block(Acc &acc, const uint8_t *slot, int kb) {
+        const float2 sa = PromoteScales<kAccRegs>::row_scales(slot);
+        const float *sb = reinterpret_cast<const float *>(slot) + 128 + 2 * (threadIdx.x % 4);
+#pragma unroll
+        for (int c = 0; c < kAccRegs / 4; ++c) {
+            const float2 b = *reinterpret_cast<const float2 *>(sb + 8 * c);
+            this->promote(acc, 4 * c, sa.x * b.x, kb);
+            this->promote(acc, 4 * c + 1, sa.x * b.y, kb);
+            this->promote(acc, 4 * c + 2, sa.y * b.x, kb);
+            this->promote(acc, 4 * c + 3, sa.y * b.y, kb);
+        }
+    }
+};
+
 /* Host: the TMA map of a row-major matrix of P's elements (sm90/tensor_map.h), copied in
  * boxes of box_rows x box_cols elements with the 128-byte swizzle. */
 template <class P>

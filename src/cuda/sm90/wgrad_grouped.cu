@@ -68,7 +68,7 @@ struct WgradScheduler {
 
 template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
-    sm90_wgrad_grouped_bf16_kernel(const __grid_constant__ WgradArgs args) {
+    sm90_wgrad_grouped_kernel(const __grid_constant__ WgradArgs args) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     WgradLoad<Cfg> load{args, 0, 0, 0};
     const WgradScheduler<Cfg> sched(args, Cfg::kStoreWarps);
@@ -83,35 +83,50 @@ using WideBf16Cfg = TileConfig<Bf16, 256, 3, true, true, 0, 512>;
 using NarrowBf16Cfg = ProducerRegs<TileConfig<Bf16, 128, 6, true, true, 0, 256>, 48>;
 using WideF32Cfg = TileConfig<Bf16, 256, 4, true, true>;
 using NarrowF32Cfg = TileConfig<Bf16, 128, 6, true, true>;
+/* FP8: lhs^T and rhs^T K-major (no transposes for 8-bit wgmma), BN = 128 (the promotion's
+ * second accumulator set); a stage 32 KB + 1 KB of both operands' row scales. */
+using Fp8Bf16Cfg = ProducerRegs<TileConfig<Fp8E4m3TokenScaled, 128, 5, false, false, 0, 256>, 48>;
+using Fp8F32Cfg = TileConfig<Fp8E4m3TokenScaled, 128, 6, false, false>;
 
 template <class Cfg>
 cudaError_t launch(const mf_wgrad_params *p, cudaStream_t stream) {
     WgradArgs args;
     const cudaError_t err = wgrad_args_from<Cfg>(p, &args);
     if (err != cudaSuccess) return err;
-    return launch_persistent(sm90_wgrad_grouped_bf16_kernel<Cfg>, Cfg::kSmemBytes, p->num_sms, args, stream);
+    return launch_persistent(sm90_wgrad_grouped_kernel<Cfg>, Cfg::kSmemBytes, p->num_sms, args, stream);
 }
 
 }  // namespace
 
 /* Tile choice: BN = 256 when N allows it, else BN = 128. fp32 out: 4 stages of 48 KB or
  * 6 of 32 KB; bf16 out, with the store warps' buffers: 3 of 48 KB or 6 of 32 KB. */
+/* No rows at all: zero gradients in write mode, nothing when accumulating. */
+static cudaError_t wgrad_without_rows(const mf_wgrad_params *p, cudaStream_t stream) {
+    if (p->accumulate) return cudaSuccess;
+    const size_t elems = (size_t)p->rows.num_local_experts * p->m * p->n;
+    return p->dw ? cudaMemsetAsync(p->dw, 0, elems * 4, stream)
+                 : cudaMemsetAsync(p->dw_bf16, 0, elems * 2, stream);
+}
+
 extern "C" cudaError_t mf_sm90_wgrad_grouped_bf16(const mf_wgrad_params *p,
                                                   cudaStream_t stream) {
-    if (!wgrad_params_ok(p)) return cudaErrorInvalidValue;
-    if (p->rows.rows_cap == 0) {
-        if (p->accumulate) return cudaSuccess;
-        const size_t elems = (size_t)p->rows.num_local_experts * p->m * p->n;
-        return p->dw ? cudaMemsetAsync(p->dw, 0, elems * 4, stream)
-                     : cudaMemsetAsync(p->dw_bf16, 0, elems * 2, stream);
-    }
+    if (!wgrad_params_ok<Bf16>(p)) return cudaErrorInvalidValue;
+    if (p->rows.rows_cap == 0) return wgrad_without_rows(p, stream);
     if (p->dw_bf16) return p->n % 256 == 0 ? launch<WideBf16Cfg>(p, stream)
                                            : launch<NarrowBf16Cfg>(p, stream);
     return p->n % 256 == 0 ? launch<WideF32Cfg>(p, stream) : launch<NarrowF32Cfg>(p, stream);
 }
 
+extern "C" cudaError_t mf_sm90_wgrad_grouped_fp8(const mf_wgrad_params *p,
+                                                 cudaStream_t stream) {
+    if (!wgrad_params_ok<Fp8E4m3TokenScaled>(p)) return cudaErrorInvalidValue;
+    if (p->rows.rows_cap == 0) return wgrad_without_rows(p, stream);
+    return p->dw_bf16 ? launch<Fp8Bf16Cfg>(p, stream) : launch<Fp8F32Cfg>(p, stream);
+}
+
 extern "C" cudaError_t mf_sm90_wgrad_grouped_load(void) {
     return mf_load_kernels(
-        sm90_wgrad_grouped_bf16_kernel<WideBf16Cfg>, sm90_wgrad_grouped_bf16_kernel<NarrowBf16Cfg>,
-        sm90_wgrad_grouped_bf16_kernel<WideF32Cfg>, sm90_wgrad_grouped_bf16_kernel<NarrowF32Cfg>);
+        sm90_wgrad_grouped_kernel<WideBf16Cfg>, sm90_wgrad_grouped_kernel<NarrowBf16Cfg>,
+        sm90_wgrad_grouped_kernel<WideF32Cfg>, sm90_wgrad_grouped_kernel<NarrowF32Cfg>,
+        sm90_wgrad_grouped_kernel<Fp8Bf16Cfg>, sm90_wgrad_grouped_kernel<Fp8F32Cfg>);
 }

@@ -99,17 +99,64 @@ __device__ __forceinline__ void run_grouped_gemm_roles(uint8_t *smem_raw,
     }
 }
 
-/* The kernels with one operand layout. */
+/* The kernels with one operand layout. A scaled precision (FP8) promotes every K block
+ * with the scale hook the Load makes per tile (load.block_scale(m_block, n_block,
+ * k_blocks): where the tile's scales are). */
 template <class Cfg, class Sched, class Load, class Epi>
 __device__ __forceinline__ void run_grouped_gemm_sched(uint8_t *smem_raw,
                                                        const CUtensorMap *map_a,
                                                        const CUtensorMap *map_b,
                                                        const Sched &sched, Load &load,
                                                        Epi &epi) {
-    run_grouped_gemm_roles<Cfg>(smem_raw, map_a, map_b, sched, load, epi,
-                                [](const Ring<Cfg> &ring, const Sched &s, Epi &e) {
-                                    consumer_role<Cfg>(ring, s, e);
-                                });
+    if constexpr (Cfg::kAScaleBytes == 0) {
+        run_grouped_gemm_roles<Cfg>(smem_raw, map_a, map_b, sched, load, epi,
+                                    [](const Ring<Cfg> &ring, const Sched &s, Epi &e) {
+                                        consumer_role<Cfg>(ring, s, e);
+                                    });
+    } else {
+        run_grouped_gemm_roles<Cfg>(
+            smem_raw, map_a, map_b, sched, load, epi,
+            [&](const Ring<Cfg> &ring, const Sched &s, Epi &e) {
+                consumer_role<Cfg>(ring, s, e,
+                                   [&](int m_block, int n_block, RingPos<Cfg> &pos,
+                                       float (&acc)[Cfg::kAccRegs], int k_blocks) {
+                                       auto scale = load.block_scale(m_block, n_block, k_blocks);
+                                       k_loop<Cfg>(ring, pos, acc, k_blocks, scale);
+                                   });
+            });
+    }
+}
+
+/* ---- FP8 block scales of a row-block GEMM (gemm_params.h) ------------------------------
+ * A's 1 x 128 row scales [K / 128, a_ld] (a tile's 128 row scales of K block kb are 512
+ * contiguous bytes, bulk-copied with the stage), B's 128 x 128 weight-block scales
+ * [E * N / 128, K / 128] (a weight block's K-block scales contiguous). Null for bf16. */
+struct BlockScales {
+    const float *a;
+    int64_t a_ld;
+    const float *b;
+
+    template <class Cfg>
+    __device__ __forceinline__ void load_a(uint8_t *dst, int kb, int m_row, uint64_t *bar) const {
+        ptx::bulk_load_g2s(dst, a + kb * a_ld + m_row, Cfg::kAScaleBytes, bar);
+    }
+    /* The K-block scales of the weight block holding weight row n (all experts' rows in
+     * order), K = k. */
+    __device__ __forceinline__ const float *b_row(int64_t n, int k) const {
+        return b + (n / 128) * (k / 128);
+    }
+    /* The hook of a tile whose B columns are weight rows n_left.. (left half) and
+     * n_right.. (right half). */
+    template <class Cfg>
+    __device__ __forceinline__ PromoteBlockScale<Cfg::kAccRegs> tile(int64_t n_left,
+                                                                    int64_t n_right, int k,
+                                                                    int k_blocks) const {
+        return PromoteBlockScale<Cfg::kAccRegs>(b_row(n_left, k), b_row(n_right, k), k_blocks);
+    }
+};
+
+inline BlockScales block_scales_of(const mf_operand &a, const mf_operand &b, int rows_cap) {
+    return BlockScales{a.scales, (int64_t)(rows_cap + 3) / 4 * 4, b.scales};
 }
 
 /* Row-block GEMMs (gemm1, gemm2, dgrad1, dgrad2): tiles (128-row block, n block), a
@@ -204,6 +251,12 @@ inline bool misaligned16(const T *...ptrs) {
 /* An input of the bf16 kernels: bf16, unscaled. */
 inline bool bf16_operand(const mf_operand &o) {
     return o.data && o.dtype == MF_DTYPE_BF16 && !o.scales && o.scale_layout == MF_SCALES_NONE;
+}
+/* An input of precision P's kernels: bf16 unscaled, or e4m3 with scales in `layout`. */
+template <class P>
+inline bool operand_ok(const mf_operand &o, mf_scale_layout layout) {
+    if constexpr (P::kAScaleBytes == 0) return bf16_operand(o);
+    return o.data && o.dtype == MF_DTYPE_E4M3 && o.scales && o.scale_layout == layout;
 }
 /* The row blocks of a row-block GEMM (row_block_expert, num_rows). */
 inline bool row_blocks_ok(const mf_rows &r) {

@@ -2,7 +2,7 @@
  * tiles with the 128-byte swizzle, the fence/commit/wait protocol, and the m64nN
  * instructions with both operands in shared memory and fp32 accumulators: one asm
  * statement per N (MF_WGMMA_M64N*_SS), a wrapper per precision (bf16: k16, each operand
- * K-major or MN-major through the transpose immediates). Which wrapper a tile runs is
+ * K-major or MN-major through the transpose immediates; e4m3: k32, K-major only). Which wrapper a tile runs is
  * its precision's (sm90/precision.cuh). Inline device helpers only. */
 #pragma once
 
@@ -123,6 +123,18 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16_ss(float (&d)[64], uint64_
                                                         uint64_t desc_b, int scale_d) {
     MF_WGMMA_M64N128_SS("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
                         ", 1, 1, %67, %68", "n"(kTransA), "n"(kTransB));
+}
+
+/* e4m3: D[64 x N] (+)= A[64 x 32] * B[N x 32]^T, both K-major (8-bit types have no
+ * transpose immediates). */
+__device__ __forceinline__ void wgmma_m64n256k32_e4m3_ss(float (&d)[128], uint64_t desc_a,
+                                                        uint64_t desc_b, int scale_d) {
+    MF_WGMMA_M64N256_SS("wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3", ", 1, 1");
+}
+
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3_ss(float (&d)[64], uint64_t desc_a,
+                                                        uint64_t desc_b, int scale_d) {
+    MF_WGMMA_M64N128_SS("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", ", 1, 1");
 }
 
 __device__ __forceinline__ void wgmma_fence_operand(float (&d)[128]) {
