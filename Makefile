@@ -86,7 +86,8 @@ TEST_BIN  := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
 GPU_TEST_SRC := $(wildcard tests/api/test_cuda_*.c) $(wildcard tests/kernels/test_*.cu)
 GPU_TEST_BIN := $(if $(HAVE_CUDA),$(patsubst tests/%,$(BUILD)/tests/%,$(basename $(GPU_TEST_SRC))))
 TOOLS     := $(BUILD)/moefuse_step
-BENCH_BIN := $(if $(HAVE_CUDA),$(BUILD)/bench/bench_forward_cuda $(BUILD)/tools/output_hashes)
+BENCH_BIN := $(if $(HAVE_CUDA),$(BUILD)/bench/bench_forward_cuda $(BUILD)/bench/bench_precision_cuda \
+                             $(BUILD)/tools/output_hashes)
 
 .SECONDARY:
 .PHONY: all lib test test-c test-gpu test-python fuzz run bench clean
