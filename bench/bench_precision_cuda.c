@@ -5,7 +5,8 @@
  * moefuse_quantize_weights alone (once per optimizer step). Both Qwen3 shapes at
  * T = 4096 and 16384; routing uniform random top-K, input sets rotating (together
  * larger than L2), weights N(0, 1/fan-in) bf16. Public API only. Prints one line per
- * case and, with a file argument, the table as markdown.
+ * case and, with a file argument, the table as markdown. MOEFUSE_BENCH_CASE=model:T runs
+ * that case alone (for a profiler).
  *
  * Build: make (build/bench/bench_precision_cuda when nvcc is found). */
 #include <cuda_runtime.h>
@@ -162,6 +163,8 @@ int main(int argc, char **argv) {
 
     for (size_t mi = 0; mi < sizeof models / sizeof models[0]; mi++) {
         const model *m = &models[mi];
+        const char *only = getenv("MOEFUSE_BENCH_CASE");
+        if (only && strncmp(only, m->name, strlen(m->name)) != 0) continue;
         const int Tmax = Ts[1], K = m->K;
         const int64_t n13 = (int64_t)m->E * 2 * m->I * m->H, n2 = (int64_t)m->E * m->H * m->I;
         uint16_t *pool_h = pool_make(1.0 / sqrt(m->H)), *pool_i = pool_make(1.0 / sqrt(m->I));
@@ -194,6 +197,7 @@ int main(int argc, char **argv) {
 
         for (size_t ti = 0; ti < sizeof Ts / sizeof Ts[0]; ti++) {
             const int T = Ts[ti];
+            if (only && strchr(only, ':') && atoi(strchr(only, ':') + 1) != T) continue;
             const size_t xb = (size_t)T * m->H * 2;
             int nsets = (int)((4 * (size_t)l2 + xb - 1) / xb);
             nsets = nsets < 2 ? 2 : nsets;
