@@ -316,7 +316,7 @@ cudaError_t mf_ep_push_dp(const mf_ep_push_dp_params *p, cudaStream_t stream);
  * MN-major [cols / 128, scale_ld], the scale of (row r, tile b) at scales[b * scale_ld + r].
  * Rows at or past *num_rows untouched (num_rows NULL: rows_cap). cols % 128 == 0. */
 typedef struct mf_quantize_fp8_rows_params {
-    const uint16_t *in;      /* bf16 [rows_cap, cols], row stride ld (a multiple of 4) */
+    const uint16_t *in;      /* bf16 [rows_cap, cols], row stride ld (a multiple of 8) */
     int64_t ld;
     int rows_cap;
     const int32_t *num_rows; /* device scalar, or NULL */

@@ -13,8 +13,8 @@
  *
  * Floors (H200, ~4 TB/s read + write): rows and tokens move 2 + 1 + 4/128 bytes per
  * element (bf16 in, code and scale out): qwen3-30b-a3b's x rows at T = 16384 (139k rows
- * x 2048) 0.86 GB, ~0.21 ms. Rows: one warp per 1 x 128 tile, 8 bytes per lane (a 256-byte
- * row piece), its amax by shuffles, 4 codes per lane written as one word. Tokens: a CTA
+ * x 2048) 0.86 GB, ~0.21 ms. Rows: 16 lanes per 1 x 128 tile, 16 bytes each, its amax by
+ * shuffles, 8 codes per lane written as one 8-byte word. Tokens: a CTA
  * per 128 rows x 64 columns, staged in shared memory as fp32 (the product with p formed
  * once), column amax by 4 threads per column, codes written transposed, 4 tokens per
  * word. Weights run once per optimizer step: a CTA per block reads it twice (amax, then
@@ -39,25 +39,39 @@ __device__ __forceinline__ float bf16_bits(uint32_t w, int hi) {
 /* ---- rows: 1 x 128 ------------------------------------------------------------------ */
 
 constexpr int kRowsWarps = 8;
+constexpr int kTilesPerWarp = 2;   /* a tile is 16 lanes of 8 values (one 16-byte load) */
+
+/* The 8 bf16 of a 16-byte piece as floats. */
+__device__ __forceinline__ void unpack8(const uint4 v, float (&x)[8]) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = bf16_bits(w[j / 2], j % 2);
+}
 
 __global__ void __launch_bounds__(kRowsWarps * 32)
     fp8_quantize_rows_kernel(const mf_quantize_fp8_rows_params p) {
     const int tiles = p.cols / 128;
     const int rows = p.num_rows ? *p.num_rows : p.rows_cap;
-    const int lane = threadIdx.x % 32;
-    const int64_t warp = (int64_t)blockIdx.x * kRowsWarps + threadIdx.x / 32;
-    const int64_t stride = (int64_t)gridDim.x * kRowsWarps;
-    for (int64_t w = warp; w < (int64_t)rows * tiles; w += stride) {
+    const int lane = threadIdx.x % 32, half = lane / 16, l16 = lane % 16;
+    const int64_t total = (int64_t)rows * tiles;
+    const int64_t stride = (int64_t)gridDim.x * kRowsWarps * kTilesPerWarp;
+    for (int64_t w = ((int64_t)blockIdx.x * kRowsWarps + threadIdx.x / 32) * kTilesPerWarp + half;
+         w < total; w += stride) {
         const int64_t r = w / tiles;
         const int b = (int)(w % tiles);
-        const uint2 v = *reinterpret_cast<const uint2 *>(p.in + r * p.ld + b * 128 + 4 * lane);
-        const float x0 = bf16_bits(v.x, 0), x1 = bf16_bits(v.x, 1);
-        const float x2 = bf16_bits(v.y, 0), x3 = bf16_bits(v.y, 1);
-        float m = amax_fold(amax_fold(amax_fold(amax_fold(0.0f, x0), x1), x2), x3);
-        const float scale = tile_scale(warp_amax(m), p.pow2);
-        *reinterpret_cast<uint32_t *>(p.codes + r * p.cols + b * 128 + 4 * lane) =
-            quantize4(x0, x1, x2, x3, scale);
-        if (lane == 0) p.scales[(int64_t)b * p.scale_ld + r] = scale;
+        float x[8];
+        unpack8(*reinterpret_cast<const uint4 *>(p.in + r * p.ld + b * 128 + 8 * l16), x);
+        float m = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = amax_fold(m, x[j]);
+        const unsigned tile_lanes = half ? 0xffff0000u : 0x0000ffffu;   /* this tile's 16 */
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) m = amax_fold(m, __shfl_xor_sync(tile_lanes, m, o));
+        const float scale = tile_scale(m, p.pow2);
+        *reinterpret_cast<uint2 *>(p.codes + r * p.cols + b * 128 + 8 * l16) =
+            make_uint2(quantize4(x[0], x[1], x[2], x[3], scale),
+                       quantize4(x[4], x[5], x[6], x[7], scale));
+        if (l16 == 0) p.scales[(int64_t)b * p.scale_ld + r] = scale;
     }
 }
 
@@ -82,10 +96,7 @@ __global__ void __launch_bounds__(kTokThreads)
         const int c = c0 + piece * 8;
         float x[8];
         if (c < p.cols) {
-            const uint4 v = *reinterpret_cast<const uint4 *>(p.in + (r0 + r) * p.ld + c);
-            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int j = 0; j < 8; ++j) x[j] = bf16_bits(w[j / 2], j % 2);
+            unpack8(*reinterpret_cast<const uint4 *>(p.in + (r0 + r) * p.ld + c), x);
             if (p.row_weight) {
                 const float pw = p.row_weight[r0 + r];
 #pragma unroll
@@ -186,11 +197,12 @@ extern "C" cudaError_t mf_quantize_fp8_rows(const mf_quantize_fp8_rows_params *p
                                             cudaStream_t stream) {
     if (!p || !p->in || !p->codes || !p->scales || p->cols <= 0 || p->cols % 128 ||
         p->rows_cap < 0 || p->scale_ld < p->rows_cap || p->scale_ld % 4 || p->ld < p->cols ||
-        p->ld % 4)
+        p->ld % 8)
         return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
-    const int64_t warps = (int64_t)p->rows_cap * (p->cols / 128);
-    fp8_quantize_rows_kernel<<<grid_for(warps, kRowsWarps), kRowsWarps * 32, 0, stream>>>(*p);
+    const int64_t tiles = (int64_t)p->rows_cap * (p->cols / 128);
+    fp8_quantize_rows_kernel<<<grid_for(tiles, kRowsWarps * kTilesPerWarp), kRowsWarps * 32, 0,
+                               stream>>>(*p);
     return cudaGetLastError();
 }
 

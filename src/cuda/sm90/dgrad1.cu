@@ -33,9 +33,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 /* The two tile choices (the launcher picks one by the output width). */
 using WideCfg = TileConfig<Bf16, 256, 3, false, true, 0, 512>;
 using NarrowCfg = TileConfig<Bf16, 128, 6, false, true, 0, 256>;
-/* FP8: B = W13^T [E * H, 2I] K-major, BN = 128 (the promotion's second accumulator set),
- * 5 stages of 32 KB + 512 bytes of row scales. */
-using Fp8Cfg = TileConfig<Fp8E4m3, 128, 5, false, false, 0, 256>;
+/* FP8: B = W13^T [E * H, 2I] K-major; BN = 256 as bf16's (the promotion runs per 128-wide
+ * half: 64 part registers beside acc's 128), 3 stages of 48 KB + 512 bytes of row scales;
+ * BN = 128 when H takes no 256. */
+using Fp8WideCfg = TileConfig<Fp8E4m3, 256, 3, false, false, 0, 512>;
+using Fp8NarrowCfg = TileConfig<Fp8E4m3, 128, 5, false, false, 0, 256>;
 
 template <class Cfg>
 cudaError_t launch(const mf_dgrad1_params *p, cudaStream_t stream) {
@@ -62,10 +64,12 @@ extern "C" cudaError_t mf_sm90_gemm1_dgrad_bwd_fp8(const mf_dgrad1_params *p,
                                                    cudaStream_t stream) {
     if (!dgrad1_params_ok<Fp8E4m3>(p)) return cudaErrorInvalidValue;
     if (p->rows.rows_cap == 0) return cudaSuccess;
-    return launch<Fp8Cfg>(p, stream);
+    if (p->hidden % 256 == 0) return launch<Fp8WideCfg>(p, stream);
+    return launch<Fp8NarrowCfg>(p, stream);
 }
 
 extern "C" cudaError_t mf_sm90_gemm1_dgrad_bwd_load(void) {
     return mf_load_kernels(sm90_gemm1_dgrad_bwd_kernel<WideCfg>, sm90_gemm1_dgrad_bwd_kernel<NarrowCfg>,
-                           sm90_gemm1_dgrad_bwd_kernel<Fp8Cfg>);
+                           sm90_gemm1_dgrad_bwd_kernel<Fp8WideCfg>,
+                           sm90_gemm1_dgrad_bwd_kernel<Fp8NarrowCfg>);
 }

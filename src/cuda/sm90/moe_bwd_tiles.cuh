@@ -295,10 +295,10 @@ struct Dgrad1Load {
         stage(kb, a, b, bar);
         args.scales.load_a<Cfg>(a_scales, kb, m_row, bar);
     }
-    /* Consumers (FP8): the tile's scale hook (one 128-row block of W13^T_e). */
+    /* Consumers (FP8): the tile's scale hook (W13^T_e rows: one or two 128-row blocks). */
     __device__ __forceinline__ auto block_scale(int m_block, int n_block, int k_blocks) const {
         const int64_t n = (int64_t)args.row_block_expert[m_block] * args.hidden + n_block * Cfg::BN;
-        return args.scales.tile<Cfg>(n, n, 2 * args.intermediate, k_blocks);
+        return args.scales.tile<Cfg>(n, n + Cfg::BN / 2, 2 * args.intermediate, k_blocks);
     }
 };
 

@@ -130,22 +130,21 @@ struct Fp8E4m3TokenScaled : Fp8E4m3 {
     static constexpr int kAScaleBytes = 2 * 128 * 4;   /* A's 128 rows, then B's (BN = 128) */
 };
 
-/* The FP8 scale hooks: every K block's wgmmas start from zero in `part` (the tensor cores'
- * FP8 sums keep ~14 bits), and once they are done (no group left in flight) the block is
- * promoted into the fp32 accumulators: acc (+)= part * (scale_a[row] * scale_b), A's row
- * scales from the stage's scale slot. Thread t of a consumer warpgroup holds rows
- * 16 (t / 32) + (t % 32) / 4 and + 8 of the warpgroup's 64: accumulator 4c + 2h + j is
- * row half h, column 8c + 2 (t % 4) + j. */
+/* The FP8 scale hooks (mainloop.cuh, k_loop_promoted): every K block's wgmmas start
+ * from zero in `part` (the tensor cores' FP8 sums keep ~14 bits), kParts pieces of the
+ * tile's columns in turn (BN = 256: two m64n128 halves, part 64 registers beside acc's
+ * 128), and once a piece is done it is promoted into the fp32 accumulators:
+ * acc (+)= part * (scale_a[row] * scale_b), A's row scales from the stage's scale slot.
+ * Thread t of a consumer warpgroup holds rows 16 (t / 32) + (t % 32) / 4 and + 8 of the
+ * warpgroup's 64: accumulator 4c + 2h + j is row half h, column 8c + 2 (t % 4) + j; piece
+ * p's part register i is accumulator p * kPartRegs + i. */
 template <int kAccRegs>
 struct PromoteScales {
     static constexpr int kGroupsInFlight = 0;
-    float part[kAccRegs];
+    static constexpr int kPartRegs = kAccRegs < 64 ? kAccRegs : 64;
+    static constexpr int kParts = kAccRegs / kPartRegs;
+    float part[kPartRegs];
 
-    template <class Acc>
-    __device__ __forceinline__ Acc &mma_acc(Acc &) {
-        return part;
-    }
-    __device__ __forceinline__ int accumulate(int, int k) const { return k > 0 ? 1 : 0; }
     /* This thread's two rows' scales of the K block in `slot`. */
     static __device__ __forceinline__ float2 row_scales(const uint8_t *slot) {
         const int t = threadIdx.x % 128;
@@ -154,37 +153,45 @@ struct PromoteScales {
         return make_float2(sa[0], sa[8]);
     }
     template <class Acc>
-    __device__ __forceinline__ void promote(Acc &acc, int i, float scale, int kb) const {
-        acc[i] = kb > 0 ? fmaf(part[i], scale, acc[i]) : part[i] * scale;
+    __device__ __forceinline__ void promote_one(Acc &acc, int piece, int i, float scale,
+                                                int kb) const {
+        float &a = acc[piece * kPartRegs + i];
+        a = kb > 0 ? fmaf(part[i], scale, a) : part[i] * scale;
     }
 };
 
 /* Weights' 128 x 128 block scales: B's per K block and per half of the tile's columns (one
- * weight block each: gemm1's gate and up halves lie in two), loaded from global memory one
- * K block ahead. */
+ * weight block each: gemm1's gate and up halves lie in two, as do a 256-wide tile's), loaded
+ * from global memory one K block ahead. */
 template <int kAccRegs>
 struct PromoteBlockScale : PromoteScales<kAccRegs> {
+    using Base = PromoteScales<kAccRegs>;
     const float *b_left, *b_right;   /* [num_k_blocks]: B's scales of the two column halves */
     int num_k_blocks;
-    float next_left, next_right;
+    float left, right, next_left, next_right;
 
-    __device__ __forceinline__ PromoteBlockScale(const float *left, const float *right, int k_blocks)
-        : b_left(left), b_right(right), num_k_blocks(k_blocks) {
-        next_left = k_blocks > 0 ? __ldg(left) : 0.f;
-        next_right = k_blocks > 0 ? __ldg(right) : 0.f;
+    __device__ __forceinline__ PromoteBlockScale(const float *l, const float *r, int k_blocks)
+        : b_left(l), b_right(r), num_k_blocks(k_blocks) {
+        next_left = k_blocks > 0 ? __ldg(l) : 0.f;
+        next_right = k_blocks > 0 ? __ldg(r) : 0.f;
     }
     template <class Acc>
-    __device__ __forceinline__ void after_k_block(Acc &acc, const uint8_t *slot, int kb) {
-        const float2 sa = PromoteScales<kAccRegs>::row_scales(slot);
-        const float left = next_left, right = next_right;
-        if (kb + 1 < num_k_blocks) {
-            next_left = __ldg(b_left + kb + 1);
-            next_right = __ldg(b_right + kb + 1);
+    __device__ __forceinline__ void promote(Acc &acc, const uint8_t *slot, int kb, int piece) {
+        if (piece == 0) {   /* this block's B scales; the next block's loads issued */
+            left = next_left;
+            right = next_right;
+            if (kb + 1 < num_k_blocks) {
+                next_left = __ldg(b_left + kb + 1);
+                next_right = __ldg(b_right + kb + 1);
+            }
         }
-        const float s[2][2] = {{sa.x * left, sa.y * left}, {sa.x * right, sa.y * right}};
+        const float2 sa = Base::row_scales(slot);
 #pragma unroll
-        for (int i = 0; i < kAccRegs; ++i)
-            this->promote(acc, i, s[i >= kAccRegs / 2][(i / 2) % 2], kb);
+        for (int i = 0; i < Base::kPartRegs; ++i) {
+            const bool right_half = piece * Base::kPartRegs + i >= kAccRegs / 2;
+            const float sb = right_half ? right : left;
+            this->promote_one(acc, piece, i, ((i / 2) % 2 ? sa.y : sa.x) * sb, kb);
+        }
     }
 };
 
@@ -192,17 +199,19 @@ struct PromoteBlockScale : PromoteScales<kAccRegs> {
  * after A's 128. */
 template <int kAccRegs>
 struct PromoteRowScales : PromoteScales<kAccRegs> {
+    using Base = PromoteScales<kAccRegs>;
     template <class Acc>
-    __device__ __forceinline__ void after_k_block(Acc &acc, const uint8_t *slot, int kb) {
-        const float2 sa = PromoteScales<kAccRegs>::row_scales(slot);
-        const float *sb = reinterpret_cast<const float *>(slot) + 128 + 2 * (threadIdx.x % 4);
+    __device__ __forceinline__ void promote(Acc &acc, const uint8_t *slot, int kb, int piece) {
+        const float2 sa = Base::row_scales(slot);
+        const float *sb = reinterpret_cast<const float *>(slot) + 128 +
+                          piece * (Base::kPartRegs * 2) + 2 * (threadIdx.x % 4);
 #pragma unroll
-        for (int c = 0; c < kAccRegs / 4; ++c) {
+        for (int c = 0; c < Base::kPartRegs / 4; ++c) {
             const float2 b = *reinterpret_cast<const float2 *>(sb + 8 * c);
-            this->promote(acc, 4 * c, sa.x * b.x, kb);
-            this->promote(acc, 4 * c + 1, sa.x * b.y, kb);
-            this->promote(acc, 4 * c + 2, sa.y * b.x, kb);
-            this->promote(acc, 4 * c + 3, sa.y * b.y, kb);
+            this->promote_one(acc, piece, 4 * c, sa.x * b.x, kb);
+            this->promote_one(acc, piece, 4 * c + 1, sa.x * b.y, kb);
+            this->promote_one(acc, piece, 4 * c + 2, sa.y * b.x, kb);
+            this->promote_one(acc, piece, 4 * c + 3, sa.y * b.y, kb);
         }
     }
 };

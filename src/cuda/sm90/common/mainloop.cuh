@@ -144,6 +144,51 @@ __device__ __forceinline__ void end_k_loop(const Ring<Cfg> &ring, float (&acc)[C
     }
 }
 
+/* The K loop of a promoting scale hook (FP8; kGroupsInFlight 0): each K block's wgmmas
+ * run into the hook's part registers, kParts pieces of the tile's columns one after the
+ * other (BN = 256: two halves of m64n128, so that acc and part fit the registers: 128 +
+ * 64), each waited for and promoted into acc (scale.promote(acc, scales, kb, piece)); the
+ * stage goes back to the producer as soon as its last piece is promoted. The other
+ * consumer warpgroup's wgmmas keep the tensor cores busy meanwhile. */
+template <class Cfg, class Scale>
+__device__ __forceinline__ void k_loop_promoted(const Ring<Cfg> &ring, RingPos<Cfg> &pos,
+                                                float (&acc)[Cfg::kAccRegs], int num_k_blocks,
+                                                Scale &scale) {
+    using P = typename Cfg::Precision;
+    using DescA = OperandDesc<P, false, Cfg::kMnBoxBytes>;
+    using DescB = OperandDesc<P, false, Cfg::kMnBoxBytes>;
+    constexpr int kPieceN = Cfg::BN / Scale::kParts;
+    static_assert(!Cfg::kAMnMajor && !Cfg::kBMnMajor, "promoted K loops take K-major operands");
+    static_assert(kPieceN / 2 == Scale::kPartRegs, "a piece is one m64 wgmma of the part's width");
+    const int wg = threadIdx.x / 128;
+    for (int kb = 0; kb < num_k_blocks; ++kb) {
+        ptx::mbar_wait(&ring.full[pos.stage], pos.phase);
+        const uint64_t da = DescA::make(ring.a(pos.stage) + wg * Cfg::kAWarpgroupBytes);
+        const uint64_t db = DescB::make(ring.b(pos.stage));
+#pragma unroll
+        for (int piece = 0; piece < Scale::kParts; ++piece) {
+            ptx::wgmma_fence_operand(scale.part);
+            ptx::wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < Cfg::kBlockK / P::kInstrK; ++k)
+                P::template mma<kPieceN, 0, 0>(
+                    scale.part, da + DescA::kStepK * k,
+                    db + ((piece * kPieceN * Cfg::kRowBytes) >> 4) + DescB::kStepK * k,
+                    k > 0 ? 1 : 0);
+            ptx::wgmma_commit();
+            ptx::wgmma_wait<0>();
+            ptx::wgmma_fence_operand(scale.part);
+            scale.promote(acc, ring.a_scales(pos.stage), kb, piece);
+        }
+        if (threadIdx.x % 32 == 0) ptx::mbar_arrive(&ring.empty[pos.stage]);
+        pos.advance();
+    }
+    if (num_k_blocks == 0) {
+#pragma unroll
+        for (int i = 0; i < Cfg::kAccRegs; ++i) acc[i] = 0.f;
+    }
+}
+
 /* A tile's whole K loop from ring position pos (advanced past it) into acc, with the
  * precision's per-K-block scale hook (a scaled precision's kernel passes its own, which
  * loaded the tile's B scales first). */
@@ -151,12 +196,16 @@ template <class Cfg, class Scale>
 __device__ __forceinline__ void k_loop(const Ring<Cfg> &ring, RingPos<Cfg> &pos,
                                        float (&acc)[Cfg::kAccRegs], int num_k_blocks,
                                        Scale &scale) {
-    int prev_stage = 0;
-    for (int kb = 0; kb < num_k_blocks; ++kb) {
-        issue_k_block<Cfg>(ring, pos, acc, kb, scale);
-        retire_k_block<Cfg>(ring, pos, acc, kb, prev_stage, scale);
+    if constexpr (Scale::kGroupsInFlight == 0) {
+        k_loop_promoted<Cfg>(ring, pos, acc, num_k_blocks, scale);
+    } else {
+        int prev_stage = 0;
+        for (int kb = 0; kb < num_k_blocks; ++kb) {
+            issue_k_block<Cfg>(ring, pos, acc, kb, scale);
+            retire_k_block<Cfg>(ring, pos, acc, kb, prev_stage, scale);
+        }
+        end_k_loop<Cfg>(ring, acc, num_k_blocks, prev_stage);
     }
-    end_k_loop<Cfg>(ring, acc, num_k_blocks, prev_stage);
 }
 
 /* The same for a precision whose hook has no data (bf16: none at all). */

@@ -1,0 +1,173 @@
+/* The FP8 quantizers (src/cuda/simt/fp8_quant.cu) bit for bit against the recipe's CPU
+ * definition (src/cpu/fp8.c):
+ *   - the hardware encoder (cvt.rn.satfinite.e4m3x2.f32) against the integer one on every
+ *     one of the 2^32 fp32 inputs;
+ *   - rows (1 x 128, MN-major scales) and tokens (128 rows per column, transposed, with and
+ *     without each row's p) on random bf16 rows with zeros, an all-zero tile, subnormals,
+ *     values far beyond 448, infinities and NaN, both scale rules, num_rows < rows_cap:
+ *     codes and scale bits equal, everything past num_rows left as poisoned.
+ * The weights' quantizer is checked through moefuse_quantize_weights against the CPU
+ * backend (tests/api/test_cuda_fp8.c). */
+#include <math.h>
+#include <string.h>
+
+#include <vector>
+
+#include "fp8.h"
+#include "fp8_recipe.cuh"
+#include "gemm_test_util.h"
+#include "kernels.h"
+
+namespace {
+
+__global__ void encoders_agree_kernel(unsigned long long *mismatches, uint32_t *first) {
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (1ull << 32);
+         i += stride) {
+        const float v = __uint_as_float((uint32_t)i);
+        const uint8_t want = mf::fp8::e4m3_encode(v);
+        const uint16_t got = mf::fp8::e4m3x2_encode(v, -v);
+        const uint8_t want_neg = mf::fp8::e4m3_encode(-v);
+        if ((got & 0xff) != want || (got >> 8) != want_neg) {
+            if (atomicAdd(mismatches, 1ull) == 0) *first = (uint32_t)i;
+        }
+    }
+}
+
+void encoders_agree(void) {
+    if (!have_sm90()) return;
+    unsigned long long *bad;
+    uint32_t *first;
+    CUDA_OK(cudaMalloc(&bad, 8));
+    CUDA_OK(cudaMalloc(&first, 4));
+    CUDA_OK(cudaMemset(bad, 0, 8));
+    encoders_agree_kernel<<<num_sms() * 8, 256>>>(bad, first);
+    CUDA_OK(cudaDeviceSynchronize());
+    unsigned long long n = 0;
+    uint32_t f = 0;
+    CUDA_OK(cudaMemcpy(&n, bad, 8, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(&f, first, 4, cudaMemcpyDeviceToHost));
+    CHECK(n == 0, "cvt.rn.satfinite.e4m3x2 differs from the recipe's encoder on %llu inputs "
+                  "(e.g. 0x%08x)", n, f);
+    cudaFree(bad);
+    cudaFree(first);
+}
+
+/* rows x cols bf16 of N(0, 1) scaled per row, with the special values of the recipe. */
+std::vector<uint16_t> special_rows(int rows, int cols) {
+    std::vector<uint16_t> v((size_t)rows * cols);
+    for (int r = 0; r < rows; r++) {
+        const double s = ldexp(1.0, (int)(th_uniform() * 40) - 20);
+        for (int c = 0; c < cols; c++) v[(size_t)r * cols + c] = f2bf((float)(th_normal() * s));
+    }
+    const uint16_t specials[] = {0x0000, 0x8000, 0x0001, 0x8003, 0x7f80, 0xff80, 0x7fc0,
+                                 0x4780 /* 65536 */, 0xc6fa, 0x43e0 /* 448 */, 0x43e8};
+    for (int i = 0; i < 64; i++) {
+        const size_t at = (size_t)(th_uniform() * (double)v.size()) % v.size();
+        v[at] = specials[i % (int)(sizeof specials / sizeof specials[0])];
+    }
+    for (int c = 0; c < 128 && c < cols; c++) v[(size_t)(rows / 2) * cols + c] = 0;   /* a zero tile */
+    return v;
+}
+
+void rows_case(int rows_cap, int num_rows, int cols, int pow2) {
+    const int ld = (rows_cap + 3) / 4 * 4, tiles = cols / 128;
+    std::vector<uint16_t> in = special_rows(rows_cap, cols);
+    std::vector<float> f(in.size());
+    for (size_t i = 0; i < in.size(); i++) f[i] = (float)bf2d(in[i]);
+    std::vector<uint8_t> want((size_t)rows_cap * cols, 0xab);
+    std::vector<float> want_s((size_t)tiles * ld);
+    memset(want_s.data(), 0xab, want_s.size() * 4);
+    mf_fp8_quantize_rows(f.data(), num_rows, cols, cols, pow2, want.data(), want_s.data(), 1, ld);
+
+    uint16_t *d_in = dev_upload(in);
+    int32_t *d_rows = dev_upload(std::vector<int32_t>{num_rows});
+    uint8_t *d_codes;
+    float *d_scales;
+    CUDA_OK(cudaMalloc(&d_codes, want.size()));
+    CUDA_OK(cudaMalloc(&d_scales, want_s.size() * 4));
+    CUDA_OK(cudaMemset(d_codes, 0xab, want.size()));
+    CUDA_OK(cudaMemset(d_scales, 0xab, want_s.size() * 4));
+    mf_quantize_fp8_rows_params p = {d_in, cols, rows_cap, d_rows, cols, pow2, d_codes, d_scales, ld};
+    CUDA_OK(mf_quantize_fp8_rows(&p, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<uint8_t> got = dev_download(d_codes, want.size());
+    std::vector<float> got_s = dev_download(d_scales, want_s.size());
+    size_t bad = 0, bad_s = 0;
+    for (size_t i = 0; i < want.size(); i++) bad += got[i] != want[i];
+    bad_s = memcmp(got_s.data(), want_s.data(), want_s.size() * 4) != 0;
+    CHECK(bad == 0 && bad_s == 0, "rows %d/%d x %d pow2=%d: %zu codes differ, scales %s", num_rows,
+          rows_cap, cols, pow2, bad, bad_s ? "differ" : "equal");
+    cudaFree(d_in); cudaFree(d_rows); cudaFree(d_codes); cudaFree(d_scales);
+}
+
+void tokens_case(int rows_cap, int num_rows, int cols, int pow2, bool weighted) {
+    std::vector<uint16_t> in = special_rows(rows_cap, cols);
+    std::vector<float> pw(rows_cap);
+    for (int r = 0; r < rows_cap; r++) pw[r] = (float)(th_uniform() * 2.0);
+    std::vector<uint8_t> want((size_t)cols * rows_cap, 0xab);
+    std::vector<float> want_s((size_t)rows_cap / 128 * cols);
+    memset(want_s.data(), 0xab, want_s.size() * 4);
+    std::vector<float> col(128);
+    for (int t = 0; t < num_rows / 128; t++)
+        for (int c = 0; c < cols; c++) {
+            for (int i = 0; i < 128; i++) {
+                const int r = t * 128 + i;
+                const float x = (float)bf2d(in[(size_t)r * cols + c]);
+                col[i] = weighted ? pw[r] * x : x;
+            }
+            want_s[(size_t)t * cols + c] = mf_fp8_quantize_tile(
+                col.data(), 128, 1, pow2, want.data() + (size_t)c * rows_cap + t * 128, 1);
+        }
+    uint16_t *d_in = dev_upload(in);
+    float *d_pw = dev_upload(pw);
+    int32_t *d_rows = dev_upload(std::vector<int32_t>{num_rows});
+    uint8_t *d_codes;
+    float *d_scales;
+    CUDA_OK(cudaMalloc(&d_codes, want.size()));
+    CUDA_OK(cudaMalloc(&d_scales, want_s.size() * 4));
+    CUDA_OK(cudaMemset(d_codes, 0xab, want.size()));
+    CUDA_OK(cudaMemset(d_scales, 0xab, want_s.size() * 4));
+    mf_quantize_fp8_tokens_params p = {d_in, cols, rows_cap, d_rows, cols,
+                                       weighted ? d_pw : nullptr, pow2, d_codes, d_scales};
+    CUDA_OK(mf_quantize_fp8_tokens(&p, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<uint8_t> got = dev_download(d_codes, want.size());
+    std::vector<float> got_s = dev_download(d_scales, want_s.size());
+    size_t bad = 0;
+    for (size_t i = 0; i < want.size(); i++) bad += got[i] != want[i];
+    const bool bad_s = memcmp(got_s.data(), want_s.data(), want_s.size() * 4) != 0;
+    CHECK(bad == 0 && !bad_s, "tokens %d/%d x %d pow2=%d p=%d: %zu codes differ, scales %s",
+          num_rows, rows_cap, cols, pow2, (int)weighted, bad, bad_s ? "differ" : "equal");
+    cudaFree(d_in); cudaFree(d_pw); cudaFree(d_rows); cudaFree(d_codes); cudaFree(d_scales);
+}
+
+void rows_match(void) {
+    if (!have_sm90()) return;
+    for (int pow2 = 0; pow2 < 2; pow2++) {
+        rows_case(128, 128, 128, pow2);
+        rows_case(384, 257, 768, pow2);
+        rows_case(4096, 3968, 2048, pow2);
+        rows_case(512, 0, 4096, pow2);
+    }
+}
+
+void tokens_match(void) {
+    if (!have_sm90()) return;
+    for (int pow2 = 0; pow2 < 2; pow2++)
+        for (int w = 0; w < 2; w++) {
+            tokens_case(128, 128, 128, pow2, w);
+            tokens_case(384, 256, 776, pow2, w);
+            tokens_case(2048, 1920, 2048, pow2, w);
+        }
+}
+
+}  // namespace
+
+int main() {
+    th_seed_from_env_or_clock();
+    th_run("fp8: the hardware encoder = the recipe's on all 2^32 fp32 inputs", encoders_agree);
+    th_run("fp8: rows quantizer = mf_fp8_quantize_rows (specials, both scale rules)", rows_match);
+    th_run("fp8: tokens quantizer = per-column tiles of 128 rows (p dy too)", tokens_match);
+    return th_finish();
+}
