@@ -134,7 +134,12 @@ struct Fp8E4m3TokenScaled : Fp8E4m3 {
  * from zero in `part` (the tensor cores' FP8 sums keep ~14 bits), kParts pieces of the
  * tile's columns in turn (BN = 256: two m64n128 halves, part 64 registers beside acc's
  * 128), and once a piece is done it is promoted into the fp32 accumulators:
- * acc (+)= part * (scale_a[row] * scale_b), A's row scales from the stage's scale slot.
+ * acc += part * (scale_a[row] * scale_b), A's row scales from the stage's scale slot.
+ * NOTE: the promotion is one fma per accumulator and block with the row x column scale
+ * products formed once per piece; with a select between a first-block multiply and the
+ * fma, and the products per element, it took longer than the other warpgroup's wgmmas
+ * (about 200 instructions per 128 cycles of tensor work) and the FP8 GEMMs ran at half
+ * their tensor rate (ncu, H200).
  * Thread t of a consumer warpgroup holds rows 16 (t / 32) + (t % 32) / 4 and + 8 of the
  * warpgroup's 64: accumulator 4c + 2h + j is row half h, column 8c + 2 (t % 4) + j; piece
  * p's part register i is accumulator p * kPartRegs + i. */
@@ -152,11 +157,12 @@ struct PromoteScales {
                           (t / 32) * 16 + (t % 32) / 4;
         return make_float2(sa[0], sa[8]);
     }
+    /* acc starts at 0 (k_loop_promoted), so every block is one fma: the first gives
+     * part * scale. */
     template <class Acc>
-    __device__ __forceinline__ void promote_one(Acc &acc, int piece, int i, float scale,
-                                                int kb) const {
+    __device__ __forceinline__ void promote_one(Acc &acc, int piece, int i, float scale) const {
         float &a = acc[piece * kPartRegs + i];
-        a = kb > 0 ? fmaf(part[i], scale, a) : part[i] * scale;
+        a = fmaf(part[i], scale, a);
     }
 };
 
@@ -186,12 +192,12 @@ struct PromoteBlockScale : PromoteScales<kAccRegs> {
             }
         }
         const float2 sa = Base::row_scales(slot);
+        /* [column half][row half] */
+        const float s[2][2] = {{sa.x * left, sa.y * left}, {sa.x * right, sa.y * right}};
 #pragma unroll
-        for (int i = 0; i < Base::kPartRegs; ++i) {
-            const bool right_half = piece * Base::kPartRegs + i >= kAccRegs / 2;
-            const float sb = right_half ? right : left;
-            this->promote_one(acc, piece, i, ((i / 2) % 2 ? sa.y : sa.x) * sb, kb);
-        }
+        for (int i = 0; i < Base::kPartRegs; ++i)
+            this->promote_one(acc, piece, i,
+                              s[piece * Base::kPartRegs + i >= kAccRegs / 2][(i / 2) % 2]);
     }
 };
 
@@ -201,17 +207,17 @@ template <int kAccRegs>
 struct PromoteRowScales : PromoteScales<kAccRegs> {
     using Base = PromoteScales<kAccRegs>;
     template <class Acc>
-    __device__ __forceinline__ void promote(Acc &acc, const uint8_t *slot, int kb, int piece) {
+    __device__ __forceinline__ void promote(Acc &acc, const uint8_t *slot, int, int piece) {
         const float2 sa = Base::row_scales(slot);
         const float *sb = reinterpret_cast<const float *>(slot) + 128 +
                           piece * (Base::kPartRegs * 2) + 2 * (threadIdx.x % 4);
 #pragma unroll
         for (int c = 0; c < Base::kPartRegs / 4; ++c) {
             const float2 b = *reinterpret_cast<const float2 *>(sb + 8 * c);
-            this->promote_one(acc, piece, 4 * c, sa.x * b.x, kb);
-            this->promote_one(acc, piece, 4 * c + 1, sa.x * b.y, kb);
-            this->promote_one(acc, piece, 4 * c + 2, sa.y * b.x, kb);
-            this->promote_one(acc, piece, 4 * c + 3, sa.y * b.y, kb);
+            this->promote_one(acc, piece, 4 * c, sa.x * b.x);
+            this->promote_one(acc, piece, 4 * c + 1, sa.x * b.y);
+            this->promote_one(acc, piece, 4 * c + 2, sa.y * b.x);
+            this->promote_one(acc, piece, 4 * c + 3, sa.y * b.y);
         }
     }
 };

@@ -161,6 +161,8 @@ __device__ __forceinline__ void k_loop_promoted(const Ring<Cfg> &ring, RingPos<C
     static_assert(!Cfg::kAMnMajor && !Cfg::kBMnMajor, "promoted K loops take K-major operands");
     static_assert(kPieceN / 2 == Scale::kPartRegs, "a piece is one m64 wgmma of the part's width");
     const int wg = threadIdx.x / 128;
+#pragma unroll
+    for (int i = 0; i < Cfg::kAccRegs; ++i) acc[i] = 0.f;   /* the promotions add to it */
     for (int kb = 0; kb < num_k_blocks; ++kb) {
         ptx::mbar_wait(&ring.full[pos.stage], pos.phase);
         const uint64_t da = DescA::make(ring.a(pos.stage) + wg * Cfg::kAWarpgroupBytes);
@@ -182,10 +184,6 @@ __device__ __forceinline__ void k_loop_promoted(const Ring<Cfg> &ring, RingPos<C
         }
         if (threadIdx.x % 32 == 0) ptx::mbar_arrive(&ring.empty[pos.stage]);
         pos.advance();
-    }
-    if (num_k_blocks == 0) {
-#pragma unroll
-        for (int i = 0; i < Cfg::kAccRegs; ++i) acc[i] = 0.f;
     }
 }
 
