@@ -6,7 +6,8 @@
  * T = 4096 and 16384; routing uniform random top-K, input sets rotating (together
  * larger than L2), weights N(0, 1/fan-in) bf16. Public API only. Prints one line per
  * case and, with a file argument, the table as markdown. MOEFUSE_BENCH_CASE=model:T runs
- * that case alone (for a profiler).
+ * that case alone (for a profiler). MOEFUSE_FP8_PEAK_TFLOPS (bench/fp8_peak.py, measured in
+ * the same run by make bench) adds FP8's fwd+bwd share of the dense FP8 matmul peak.
  *
  * Build: make (build/bench/bench_precision_cuda when nvcc is found). */
 #include <cuda_runtime.h>
@@ -141,14 +142,20 @@ int main(int argc, char **argv) {
     FILE *md = argc > 1 ? fopen(argv[1], "w") : NULL;
     struct cudaDeviceProp prop;
     TRYC(cudaGetDeviceProperties(&prop, 0));
+    const char *peak_env = getenv("MOEFUSE_FP8_PEAK_TFLOPS");
+    const double peak = peak_env ? atof(peak_env) : 0.0;
     if (md) {
+        if (peak > 0)
+            fprintf(md, "Dense FP8 matmul peak measured in this run (torch._scaled_mm, 8192^3 "
+                        "e4m3): %.1f TFLOP/s.\n\n", peak);
         fprintf(md, "%s; forward and backward (fp32 weight gradients) of one layer, bf16 and FP8 "
                     "samples interleaved, CUDA events, median of %d; TFLOP/s with 6 T K H I forward, "
                     "twice that backward; weight quantization: moefuse_quantize_weights alone.\n\n",
                 prop.name, kReps);
         fprintf(md, "| model | T | bf16 fwd ms | fp8 fwd ms | fwd x | bf16 bwd ms | fp8 bwd ms | bwd x "
                     "| bf16 fwd+bwd ms | fp8 fwd+bwd ms | fwd+bwd x | fp8 fwd+bwd TFLOP/s | "
-                    "quantize weights ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+                    "fp8 %%peak | quantize weights ms |\n"
+                    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     }
     printf("%-16s %6s %9s %9s %6s %9s %9s %6s %9s %9s %6s %8s %8s\n", "model", "T", "bf16_fwd",
            "fp8_fwd", "x", "bf16_bwd", "fp8_bwd", "x", "bf16_sum", "fp8_sum", "x", "fp8_TF/s",
@@ -270,10 +277,10 @@ int main(int argc, char **argv) {
                    med[0][1] / med[1][1], med[0][2], med[1][2], med[0][2] / med[1][2], tf, quant_ms);
             if (md)
                 fprintf(md, "| %s | %d | %.3f | %.3f | %.2f | %.3f | %.3f | %.2f | %.3f | %.3f | "
-                            "%.2f | %.1f | %.3f |\n",
+                            "%.2f | %.1f | %.1f | %.3f |\n",
                         m->name, T, med[0][0], med[1][0], med[0][0] / med[1][0], med[0][1],
                         med[1][1], med[0][1] / med[1][1], med[0][2], med[1][2],
-                        med[0][2] / med[1][2], tf, quant_ms);
+                        med[0][2] / med[1][2], tf, peak > 0 ? 100.0 * tf / peak : 0.0, quant_ms);
             fflush(stdout);
             for (int s = 0; s < nsets; s++) {
                 cudaFree(x[s]); cudaFree(dy[s]); cudaFree(ids[s]); cudaFree(p[s]);

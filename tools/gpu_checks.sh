@@ -33,6 +33,8 @@ step test_gemm_sm90 test_gemm_fwd.log build/tests/kernels/test_gemm_sm90
 step test_gemm_sm90_bwd test_gemm_bwd.log build/tests/kernels/test_gemm_sm90_bwd
 step test_gemm_sm90_bwd_time test_gemm_bwd_time.log build/tests/kernels/test_gemm_sm90_bwd_time
 step test_dispatch_rows test_dispatch_rows.log build/tests/kernels/test_dispatch_rows
+step test_fp8_quant test_fp8_quant.log build/tests/kernels/test_fp8_quant
+step test_cuda_fp8 test_cuda_fp8.log build/tests/api/test_cuda_fp8
 # The CUDA API suites, staged (the default) and fused.
 for t in forward forward_bitwise backward backward_modes; do
     step test_cuda_$t test_cuda_$t.log build/tests/api/test_cuda_$t

@@ -7,6 +7,7 @@
 #     with each variant sustained at the GPU's power limit (--sustained).
 #  2. build/bench/bench_forward_cuda: the forward, staged and fused, and its small stages
 #     alone.
+#  3. build/bench/bench_precision_cuda: forward and backward in FP8 against bf16.
 # Each benchmark also writes its table as markdown under build/bench/results/; the script
 # then rewrites bench/RESULTS.md from them, headed by the GPU, the date and the commit.
 # Where no benchmark ran (no GPU: each prints SKIP), bench/RESULTS.md is left as it is.
@@ -65,6 +66,18 @@ if [ -x build/bench/bench_forward_cuda ]; then
         }' "$MD_DIR/forward_cuda.txt" > "$MD_DIR/4_forward_cuda.md"
 else
     echo "SKIP bench_forward_cuda: built only when nvcc is found"
+fi
+
+if [ -x build/bench/bench_precision_cuda ]; then
+    MOEFUSE_FP8_PEAK_TFLOPS=$(python3 bench/fp8_peak.py 2>/dev/null || true) \
+        build/bench/bench_precision_cuda "$MD_DIR/precision.txt.md"
+    if [ -s "$MD_DIR/precision.txt.md" ]; then
+        { echo "### bench_precision_cuda: the layer in FP8 (block scales) against bf16"
+          echo
+          cat "$MD_DIR/precision.txt.md"; } > "$MD_DIR/5_precision_cuda.md"
+    fi
+else
+    echo "SKIP bench_precision_cuda: built only when nvcc is found"
 fi
 
 # bench/RESULTS.md from the tables that were written (empty ones are left out)

@@ -318,17 +318,26 @@ static void zero_tokens(void) {
     moefuse_layer_destroy(layer);
 }
 
-int main(void) {
+/* Runs the cases whose name contains argv[1] (all without one: a sanitizer run picks a
+ * small case). */
+int main(int argc, char **argv) {
+    static const struct {
+        const char *name;
+        void (*fn)(void);
+    } cases[] = {
+        {"cuda fp8: device-quantized weights = the CPU backend's, bf16/fp32, pow2", quantized_weights_equal_cpu},
+        {"cuda fp8: qwen3-30b-a3b H/I/K E=16 T=1 vs emulation", qwen3_30b_t1},
+        {"cuda fp8: qwen3-30b-a3b H/I/K E=16 T=7, saved modes equal", qwen3_30b_t7},
+        {"cuda fp8: qwen3-30b-a3b H/I/K E=16 T=64 pow2, saved modes equal", qwen3_30b_t64_pow2},
+        {"cuda fp8: qwen3-235b-a22b H/I/K E=16 T=16 vs emulation", qwen3_235b_t16},
+        {"cuda fp8: all tokens on one expert (300 rows)", one_expert},
+        {"cuda fp8: most experts empty, pow2", few_experts},
+        {"cuda fp8: dropped slots, saved modes equal", dropped},
+        {"cuda fp8: T = 0", zero_tokens},
+    };
     th_seed_from_env_or_clock();
-    th_run("cuda fp8: device-quantized weights = the CPU backend's, bf16/fp32, pow2", quantized_weights_equal_cpu);
-    th_run("cuda fp8: qwen3-30b-a3b H/I/K E=16 T=1 vs emulation", qwen3_30b_t1);
-    th_run("cuda fp8: qwen3-30b-a3b H/I/K E=16 T=7, saved modes equal", qwen3_30b_t7);
-    th_run("cuda fp8: qwen3-30b-a3b H/I/K E=16 T=64 pow2, saved modes equal", qwen3_30b_t64_pow2);
-    th_run("cuda fp8: qwen3-235b-a22b H/I/K E=16 T=16 vs emulation", qwen3_235b_t16);
-    th_run("cuda fp8: all tokens on one expert (300 rows)", one_expert);
-    th_run("cuda fp8: most experts empty, pow2", few_experts);
-    th_run("cuda fp8: dropped slots, saved modes equal", dropped);
-    th_run("cuda fp8: T = 0", zero_tokens);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        if (argc < 2 || strstr(cases[i].name, argv[1])) th_run(cases[i].name, cases[i].fn);
     problem_pool_free();
     return th_finish();
 }
