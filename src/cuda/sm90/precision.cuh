@@ -126,8 +126,9 @@ struct Fp8E4m3 {
 /* The weight gradients' FP8 (K = tokens): both operands scaled per 128 tokens and per
  * row of the operand (A's M, B's N), so B's BN scales of a K block ride with the stage
  * too, after A's 128. */
+template <int BN>
 struct Fp8E4m3TokenScaled : Fp8E4m3 {
-    static constexpr int kAScaleBytes = 2 * 128 * 4;   /* A's 128 rows, then B's (BN = 128) */
+    static constexpr int kAScaleBytes = (128 + BN) * 4;   /* A's 128 rows, then B's BN */
 };
 
 /* The FP8 scale hooks (mainloop.cuh, k_loop_promoted): every K block's wgmmas start

@@ -83,10 +83,14 @@ using WideBf16Cfg = TileConfig<Bf16, 256, 3, true, true, 0, 512>;
 using NarrowBf16Cfg = ProducerRegs<TileConfig<Bf16, 128, 6, true, true, 0, 256>, 48>;
 using WideF32Cfg = TileConfig<Bf16, 256, 4, true, true>;
 using NarrowF32Cfg = TileConfig<Bf16, 128, 6, true, true>;
-/* FP8: lhs^T and rhs^T K-major (no transposes for 8-bit wgmma), BN = 128 (the promotion's
- * second accumulator set); a stage 32 KB + 1 KB of both operands' row scales. */
-using Fp8Bf16Cfg = ProducerRegs<TileConfig<Fp8E4m3TokenScaled, 128, 5, false, false, 0, 256>, 48>;
-using Fp8F32Cfg = TileConfig<Fp8E4m3TokenScaled, 128, 6, false, false>;
+/* FP8: lhs^T and rhs^T K-major (no transposes for 8-bit wgmma), the widths and stage
+ * counts of bf16's (the promotion runs per 128-wide half), each stage with both operands'
+ * row scales (1.5 KB at BN = 256). */
+using Fp8WideBf16Cfg = TileConfig<Fp8E4m3TokenScaled<256>, 256, 3, false, false, 0, 512>;
+using Fp8NarrowBf16Cfg =
+    ProducerRegs<TileConfig<Fp8E4m3TokenScaled<128>, 128, 5, false, false, 0, 256>, 48>;
+using Fp8WideF32Cfg = TileConfig<Fp8E4m3TokenScaled<256>, 256, 4, false, false>;
+using Fp8NarrowF32Cfg = TileConfig<Fp8E4m3TokenScaled<128>, 128, 6, false, false>;
 
 template <class Cfg>
 cudaError_t launch(const mf_wgrad_params *p, cudaStream_t stream) {
@@ -119,14 +123,17 @@ extern "C" cudaError_t mf_sm90_wgrad_grouped_bf16(const mf_wgrad_params *p,
 
 extern "C" cudaError_t mf_sm90_wgrad_grouped_fp8(const mf_wgrad_params *p,
                                                  cudaStream_t stream) {
-    if (!wgrad_params_ok<Fp8E4m3TokenScaled>(p)) return cudaErrorInvalidValue;
+    if (!wgrad_params_ok<Fp8E4m3>(p)) return cudaErrorInvalidValue;
     if (p->rows.rows_cap == 0) return wgrad_without_rows(p, stream);
-    return p->dw_bf16 ? launch<Fp8Bf16Cfg>(p, stream) : launch<Fp8F32Cfg>(p, stream);
+    if (p->dw_bf16) return p->n % 256 == 0 ? launch<Fp8WideBf16Cfg>(p, stream)
+                                           : launch<Fp8NarrowBf16Cfg>(p, stream);
+    return p->n % 256 == 0 ? launch<Fp8WideF32Cfg>(p, stream) : launch<Fp8NarrowF32Cfg>(p, stream);
 }
 
 extern "C" cudaError_t mf_sm90_wgrad_grouped_load(void) {
     return mf_load_kernels(
         sm90_wgrad_grouped_kernel<WideBf16Cfg>, sm90_wgrad_grouped_kernel<NarrowBf16Cfg>,
         sm90_wgrad_grouped_kernel<WideF32Cfg>, sm90_wgrad_grouped_kernel<NarrowF32Cfg>,
-        sm90_wgrad_grouped_kernel<Fp8Bf16Cfg>, sm90_wgrad_grouped_kernel<Fp8F32Cfg>);
+        sm90_wgrad_grouped_kernel<Fp8WideBf16Cfg>, sm90_wgrad_grouped_kernel<Fp8NarrowBf16Cfg>,
+        sm90_wgrad_grouped_kernel<Fp8WideF32Cfg>, sm90_wgrad_grouped_kernel<Fp8NarrowF32Cfg>);
 }
