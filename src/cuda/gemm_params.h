@@ -74,22 +74,16 @@ typedef struct mf_scatter {
 typedef struct mf_gemm1_params {
     mf_rows rows;
     mf_operand xs, w13;               /* [rows_cap, H], [E_local, 2I, H] */
-    uint16_t *act;                    /* out [rows_cap, I] bf16 (bf16 kernels) */
+    uint16_t *act;                    /* out [rows_cap, I] bf16 */
     uint16_t *gate_up;                /* out [rows_cap, 2I] bf16 [g; u], or NULL */
     int hidden, intermediate, num_sms; /* H, I, persistent grid size */
     mf_arrivals rows_in;
-    /* FP8 kernels: act quantized 1 x 128 instead (gemm2's A operand), codes [rows_cap, I]
-     * and scales [I / 128, rows_cap], from the bf16-rounded act */
-    uint8_t *act_codes;
-    float *act_scales;
-    int act_pow2;                     /* their scale rule: power-of-two scales */
 } mf_gemm1_params;
 
 cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p, cudaStream_t stream);
 /* The same in FP8 (H, I multiples of 128): xs e4m3 with MF_SCALES_1X128 scales
  * [H / 128, rows_cap] (row r's scale of K block b at [b * rows_cap + r]), w13 e4m3 with
- * MF_SCALES_128X128 scales [E_local, 2I / 128, H / 128]; gate_up bf16 as above, act
- * into act_codes / act_scales (the epilogue holds a row's 128 act columns of a tile). */
+ * MF_SCALES_128X128 scales [E_local, 2I / 128, H / 128]; act and gate_up bf16 as above. */
 cudaError_t mf_sm90_gemm1_swiglu_fwd_fp8(const mf_gemm1_params *p, cudaStream_t stream);
 
 /* gemm2: combine[row_slot[r]] = bf16(p_r * (act_r W2_e^T)) for every row r < *num_rows

@@ -3,9 +3,8 @@
  * makes them the operands its GEMMs read, right before the launch:
  *   bf16  the rows and the weights as they are: nothing to do;
  *   FP8   (docs/decisions/0018-fp8-block-recipe.md) each A operand quantized 1 x 128
- *         along its K into the layer's row codes (x for gemm1, dy for dgrad2, [dg; du]
- *         for dgrad1: one buffer, used in turn; a for gemm2 by gemm1's epilogue, into
- *         its own), the weight gradients'
+ *         along its K into the layer's row codes (x for gemm1, a for gemm2, dy for
+ *         dgrad2, [dg; du] for dgrad1: one buffer, used in turn), the weight gradients'
  *         operands quantized in tiles of 128 tokens and transposed (p dy and a for dW2,
  *         [dg; du] and x for dW13: two buffers, used in turn), and the weights the
  *         caller quantized (W for the forward, W^T for the dgrads).
@@ -13,8 +12,7 @@
  * (about 3 bytes per element moved: read bf16, write the code; the scales add 1/32):
  * the dispatch and the epilogues that hold these tiles could write them instead.
  *
- * FP8 workspaces, bytes per row of rows_cap (W = max(H, 2I)): row codes W + 4W/128, act
- * codes I + 4I/128;
+ * FP8 workspaces, bytes per row of rows_cap (W = max(H, 2I)): row codes W + 4W/128;
  * token codes (max(H, 2I) + max(H, I)) (1 + 4/128). qwen3-30b-a3b: 2,112 + 4,224 B,
  * qwen3-235b-a22b: 4,224 + 8,448 B (against the bf16 workspaces' ~12.8 / 25.6 KB). */
 #include <cuda_runtime.h>
@@ -51,8 +49,6 @@ moefuse_status fp8_create(moefuse_layer *layer, cuda_state *s) {
     const int64_t row_cols = max_int(c->hidden, 2 * c->intermediate);
     const int64_t lhs_cols = max_int(c->hidden, 2 * c->intermediate);   /* p dy, [dg; du] */
     const int64_t rhs_cols = max_int(c->hidden, c->intermediate);       /* a, x */
-    MF_ALLOC_FIELD(s, fp8_act, rows_cap * c->intermediate);
-    MF_ALLOC_FIELD(s, fp8_act_scales, c->intermediate / 128 * ld * 4);
     MF_ALLOC_FIELD(s, fp8_rows, rows_cap * row_cols);
     MF_ALLOC_FIELD(s, fp8_row_scales, row_cols / 128 * ld * 4);
     MF_ALLOC_FIELD(s, fp8_lhs_t, rows_cap * lhs_cols);
@@ -108,24 +104,17 @@ mf_operand weight(const uint8_t *codes, const float *scales) {
     return mf_operand{codes, MF_DTYPE_E4M3, scales, MF_SCALES_128X128};
 }
 
-/* gemm1's epilogue quantizes act itself (a tile holds a row's 128 act columns) into the
- * layer's act codes, gemm2's A operand. */
 moefuse_status fp8_gemm1(const moefuse_layer *layer, const call_bufs &c,
                          const moefuse_fp8_weights *w, mf_gemm1_params *p, cudaStream_t stream) {
-    const cuda_state *s = state_of(layer);
     p->w13 = weight(w->w13, w->w13_scale);
-    p->act_codes = s->fp8_act;
-    p->act_scales = s->fp8_act_scales;
-    p->act_pow2 = layer->cfg.fp8_pow2_scales;
     return quantized_rows(layer, c, (const uint16_t *)p->xs.data, p->hidden, stream, &p->xs);
 }
 
-moefuse_status fp8_gemm2(const moefuse_layer *layer, const call_bufs &, const moefuse_fp8_weights *w,
-                         mf_gemm2_params *p, cudaStream_t) {
-    const cuda_state *s = state_of(layer);
+moefuse_status fp8_gemm2(const moefuse_layer *layer, const call_bufs &c,
+                         const moefuse_fp8_weights *w, mf_gemm2_params *p, cudaStream_t stream) {
     p->w2 = weight(w->w2, w->w2_scale);
-    p->act = mf_operand{s->fp8_act, MF_DTYPE_E4M3, s->fp8_act_scales, MF_SCALES_1X128};
-    return MOEFUSE_OK;
+    return quantized_rows(layer, c, (const uint16_t *)p->act.data, p->intermediate, stream,
+                          &p->act);
 }
 
 /* dgrad2 reads W2^T (its FP8 kernel writes the unweighted a for dW2 = (p dy)^T a). */

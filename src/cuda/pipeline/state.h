@@ -98,8 +98,6 @@ struct cuda_state {
     int32_t *send_scalars;      /* [2]: num_rows, gemm rows of the send plan */
     int32_t *dest_base;         /* [E] */
     /* FP8 (pipeline/operands.cu) */
-    uint8_t *fp8_act;           /* [rows_cap, I] gemm2's A, 1 x 128 codes (gemm1's epilogue) */
-    float *fp8_act_scales;      /* [I / 128, rows_cap rounded up to 4] */
     uint8_t *fp8_rows;          /* [rows_cap, max(H, 2I)] a row GEMM's A, 1 x 128 codes */
     float *fp8_row_scales;      /* [max(H, 2I) / 128, rows_cap rounded up to 4] */
     uint8_t *fp8_lhs_t;         /* [max(H, 2I), rows_cap] a weight gradient's lhs^T */

@@ -138,8 +138,8 @@ static void free_state(cuda_state *s) {
                     s->bwd_offsets, s->expert_order, s->dys, s->row_slot, s->row_weight,
                     s->dp_slot, s->sync, s->peers, s->send_counts, s->send_offsets, s->send_rbe,
                     s->send_slot_row, s->send_row_slot, s->send_scalars, s->dest_base,
-                    s->fp8_act, s->fp8_act_scales, s->fp8_rows, s->fp8_row_scales,
-                    s->fp8_lhs_t, s->fp8_lhs_scales, s->fp8_rhs_t, s->fp8_rhs_scales};
+                    s->fp8_rows, s->fp8_row_scales, s->fp8_lhs_t, s->fp8_lhs_scales,
+                    s->fp8_rhs_t, s->fp8_rhs_scales};
     for (void *b : bufs)
         if (b) cudaFree(b);
     free(s);

@@ -29,11 +29,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 using Precision = Bf16;
 using WideCfg = TileConfig<Precision, 256, 3, false, false, 0, 512>;
 using NarrowCfg = TileConfig<Precision, 128, 6, false, false, 0, 256>;
-/* FP8: BN = 256 (the promotion runs per 128-wide half: 64 part registers beside acc's
- * 128; I % 128 == 0, so a tile holds a row's 128 act columns, which its epilogue
- * quantizes), 3 stages of 48 KB + 512 bytes of row scales. The store warps' quantization
- * spills at 40 registers: 56 (224 for the consumers). */
-using Fp8Cfg = ProducerRegs<TileConfig<Fp8E4m3, 256, 3, false, false, 0, 512>, 56>;
+/* FP8: the same tile widths (the promotion runs per 128-wide half: 64 part registers
+ * beside acc's 128), a stage 48 KB (BN = 256, 3 stages) or 32 KB (BN = 128, 5), each with
+ * 512 bytes of row scales. */
+using Fp8WideCfg = TileConfig<Fp8E4m3, 256, 3, false, false, 0, 512>;
+using Fp8NarrowCfg = TileConfig<Fp8E4m3, 128, 5, false, false, 0, 256>;
 
 template <class Cfg>
 cudaError_t launch(const mf_gemm1_params *p, cudaStream_t stream) {
@@ -58,10 +58,12 @@ extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p,
 extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_fp8(const mf_gemm1_params *p, cudaStream_t stream) {
     if (!gemm1_params_ok<Fp8E4m3>(p)) return cudaErrorInvalidValue;
     if (p->rows.rows_cap == 0) return cudaSuccess;
-    return launch<Fp8Cfg>(p, stream);
+    if (p->intermediate % 128 == 0) return launch<Fp8WideCfg>(p, stream);
+    return launch<Fp8NarrowCfg>(p, stream);
 }
 
 extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_load(void) {
     return mf_load_kernels(sm90_gemm1_swiglu_fwd_kernel<WideCfg>, sm90_gemm1_swiglu_fwd_kernel<NarrowCfg>,
-                           sm90_gemm1_swiglu_fwd_kernel<Fp8Cfg>);
+                           sm90_gemm1_swiglu_fwd_kernel<Fp8WideCfg>,
+                           sm90_gemm1_swiglu_fwd_kernel<Fp8NarrowCfg>);
 }

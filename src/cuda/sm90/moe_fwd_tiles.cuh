@@ -21,7 +21,6 @@
 #include "transport/ep_wait.cuh"
 #include "kernels.h"
 #include "sm90/common/grouped_gemm.cuh"
-#include "fp8_recipe.cuh"
 #include "swiglu.cuh"
 
 namespace mf {
@@ -36,8 +35,6 @@ struct Gemm1Args {
     const int32_t *num_rows;
     __nv_bfloat16 *act;
     __nv_bfloat16 *gate_up;
-    uint8_t *act_codes;    /* FP8: act quantized 1 x 128 ([rows_cap, I], scales [I/128, ld]) */
-    float *act_scales;
     ep::RowArrivals rows_in;         /* EP: the blocks' rows arriving (arrivals null: none) */
     int rows_cap, hidden, intermediate;
     BlockScales scales;              /* FP8: xs's row scales, W13's block scales */
@@ -48,18 +45,15 @@ struct Gemm1Args {
  * one weight block). */
 template <class P>
 inline bool gemm1_params_ok(const mf_gemm1_params *p) {
-    const bool act_ok = P::kAScaleBytes ? p && p->act_codes && p->act_scales : p && p->act;
     if (!p || !operand_ok<P>(p->xs, MF_SCALES_1X128) || !operand_ok<P>(p->w13, MF_SCALES_128X128) ||
-        !row_blocks_ok(p->rows) || !act_ok || !arrivals_ok(p->rows_in))
+        !row_blocks_ok(p->rows) || !p->act || !arrivals_ok(p->rows_in))
         return false;
     const int i_multiple = P::kAScaleBytes ? 128 : 64;
     if (p->hidden <= 0 || p->hidden % P::kBlockK || p->intermediate <= 0 ||
         p->intermediate % i_multiple || p->num_sms <= 0)
         return false;
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
-    return !misaligned16(p->xs.data, p->w13.data, p->act, p->gate_up, p->xs.scales,
-                         p->act_scales) &&
-           !(reinterpret_cast<uintptr_t>(p->act_codes) & 3u);
+    return !misaligned16(p->xs.data, p->w13.data, p->act, p->gate_up, p->xs.scales);
 }
 
 template <class Cfg>
@@ -77,14 +71,12 @@ cudaError_t gemm1_args_from(const mf_gemm1_params *p, Gemm1Args *args) {
     args->num_rows = p->rows.num_rows;
     args->act = reinterpret_cast<__nv_bfloat16 *>(p->act);
     args->gate_up = reinterpret_cast<__nv_bfloat16 *>(p->gate_up);
-    args->act_codes = p->act_codes;
-    args->act_scales = p->act_scales;
     const mf_arrivals &w = p->rows_in;
     args->rows_in = {w.arrivals, w.target, w.state, w.timeout_ns, w.stage};
     args->rows_cap = p->rows.rows_cap;
     args->hidden = p->hidden;
     args->intermediate = p->intermediate;
-    args->scales = block_scales_of(p->xs, p->w13, p->rows.rows_cap, p->act_pow2);
+    args->scales = block_scales_of(p->xs, p->w13, p->rows.rows_cap);
     return cudaSuccess;
 }
 
@@ -151,20 +143,6 @@ struct Gemm1Epilogue {
         handoff.stage<false>(ring, buf, [&](uint8_t *b) { write_rows(acc, b); });
     }
 
-    /* FP8: a row's 128 act columns of the tile (one warp, 4 each: BN = 256) quantized
-     * 1 x 128 from their bf16 values, as the row quantizer would (fp8_recipe.cuh). */
-    __device__ __forceinline__ void store_act_fp8(int64_t row, int col, uint2 act) {
-        static_assert(Cfg::BN / 2 == 128, "a warp step is one row's 1 x 128 tile");
-        const float a[4] = {bf16_lo(act.x), bf16_hi(act.x), bf16_lo(act.y), bf16_hi(act.y)};
-        float m = 0.f;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) m = fp8::amax_fold(m, a[j]);
-        const float scale = fp8::tile_scale(fp8::warp_amax(m), args.scales.pow2);
-        *reinterpret_cast<uint32_t *>(args.act_codes + row * args.intermediate + col) =
-            fp8::quantize4(a[0], a[1], a[2], a[3], scale);
-        if (threadIdx.x % 32 == 0) args.act_scales[(col / 128) * args.scales.a_ld + row] = scale;
-    }
-
     /* Store warps: each lane takes 4 columns of a row (8 bytes of g, 8 of u, 8 of act),
      * so a warp covers 32 / (BN/8) rows per step and every store is a whole row piece. */
     __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf) {
@@ -187,11 +165,8 @@ struct Gemm1Epilogue {
             const float a2 = swiglu(bf16_lo(g.y), bf16_lo(u.y)).a;
             const float a3 = swiglu(bf16_hi(g.y), bf16_hi(u.y)).a;
             const int64_t row = row0 + r;
-            const uint2 act = make_uint2(pack_bf16x2_rn(a0, a1), pack_bf16x2_rn(a2, a3));
-            if constexpr (Cfg::kAScaleBytes > 0)
-                store_act_fp8(row, col, act);
-            else
-                *reinterpret_cast<uint2 *>(args.act + row * I + col) = act;
+            *reinterpret_cast<uint2 *>(args.act + row * I + col) =
+                make_uint2(pack_bf16x2_rn(a0, a1), pack_bf16x2_rn(a2, a3));
             if (args.gate_up) {
                 __nv_bfloat16 *gu_row = args.gate_up + row * 2 * I + col;
                 *reinterpret_cast<uint2 *>(gu_row) = g;

@@ -135,7 +135,6 @@ struct BlockScales {
     const float *a;
     int64_t a_ld;
     const float *b;
-    int pow2;   /* the layer's scale rule, for an epilogue that quantizes its output */
 
     template <class Cfg>
     __device__ __forceinline__ void load_a(uint8_t *dst, int kb, int m_row, uint64_t *bar) const {
@@ -156,9 +155,8 @@ struct BlockScales {
     }
 };
 
-inline BlockScales block_scales_of(const mf_operand &a, const mf_operand &b, int rows_cap,
-                                   int pow2 = 0) {
-    return BlockScales{a.scales, (int64_t)(rows_cap + 3) / 4 * 4, b.scales, pow2};
+inline BlockScales block_scales_of(const mf_operand &a, const mf_operand &b, int rows_cap) {
+    return BlockScales{a.scales, (int64_t)(rows_cap + 3) / 4 * 4, b.scales};
 }
 
 /* Row-block GEMMs (gemm1, gemm2, dgrad1, dgrad2): tiles (128-row block, n block), a
