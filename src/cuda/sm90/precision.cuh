@@ -1,48 +1,28 @@
 /* Precision traits of the sm_90a tile code: what the operands' precision decides in the
  * ring, the producer, the consumers' K loop and the host's tensor maps. The tile code
- * takes one as TileConfig's first parameter (TileConfig<Bf16, BN, STAGES, ...>); Bf16 is
- * the one built.
+ * takes one as TileConfig's first parameter (TileConfig<Bf16, BN, STAGES, ...>): Bf16,
+ * Fp8E4m3 (E4M3 with 1 x 128 / 128 x 128 fp32 scales, docs/decisions/0018 and 0021) and
+ * Fp8E4m3TokenScaled<BN> (the weight gradients: both operands scaled per 128 tokens).
  *
  * A precision P provides:
  *   Element, kElementBytes   an operand element in shared memory and global memory
  *   kBlockK                  K of one ring stage: one 128-byte swizzle row of elements
+ *                            (FP8: 128, one scale block)
  *   kMapType                 the TMA tensor-map data type (tensor_map_2d<P>)
  *   kInstrK                  K of one wgmma instruction (a stage issues kBlockK / kInstrK)
- *   kMnMajorOperands         whether an operand may be MN-major (wgmma's transpose bits)
+ *   kMnMajorOperands         whether an operand may be MN-major (wgmma's transpose bits;
+ *                            8-bit types have none: dgrad reads W^T, wgrad token-major
+ *                            copies)
  *   mma<N, kTransA, kTransB> the m64nN wgmma of one kInstrK step, both operands in shared
  *                            memory, fp32 accumulators (ptx/wgmma.cuh)
- *   kAScaleBytes             per stage: A's scales, landing beside the stage (0: none)
- *   BlockScale               the consumers' per-K-block scale hook (NoBlockScale: none)
- *
- * The plan for FP8 E4M3 with 1x128 / 128x128 scales (DESIGN.md section 3), the hook points
- * the mainloop already has:
- *  - Fp8E4m3: Element __nv_fp8_e4m3, 1 byte, kBlockK = 128 (a stage is one scale block of
- *    K), kInstrK = 32, kMapType UINT8, kMnMajorOperands false (no transpose bits for 8-bit
- *    types: TileConfig refuses MN-major operands; dgrad takes W^T made with the weights,
- *    wgrad token-major copies made where a kernel holds the tile), mma = two wrappers
- *    m64n{128,256}k32 .f32.e4m3.e4m3 on MF_WGMMA_M64N*_SS with TAIL ", 1, 1".
- *  - A scales (1x128: per row, per 128 of K) arrive with the rows: with kAScaleBytes > 0
- *    producer_role passes the FP8 Load's stage() the stage's scale slot (Ring::a_scales),
- *    where it TMAs the 128 rows' scales of K block kb (stored [K / 128, rows]: one box of
- *    128 floats, so mf_tensor_map_2d gains a swizzle argument: none for scales), counted
- *    by the same full barrier (kStageTxBytes).
- *  - B scales (128x128: one per block) are few: the FP8 kernel's BlockScale object, run by
- *    the consumers through consumer_role's tile_k_loop(m_block, n_block, ...), reads the
- *    tile's K/128 x (columns' 128-blocks) of them once per tile (tile_begin; gemm1's gate
- *    and up halves lie in two blocks of W13) and passes itself to k_loop.
- *  - Promotion every 128 of K: the FP8 BlockScale holds a second accumulator set; its
- *    mma_acc() aims a K block's wgmmas there, accumulate(kb, k) is k > 0 (each block starts
- *    fresh in the tensor cores, whose fp8 sums keep ~14 bits), kGroupsInFlight = 0, and
- *    after_k_block() (the block's wgmmas done, its stage still held) sets (kb = 0) or adds
- *    part * (scale_a[row] * scale_b[column block]) into acc, the fp32 sum the epilogue
- *    sees. Two consumer warpgroups hide the promotion, one promoting while the other's
- *    wgmmas run. The stage goes back one block later than it could (k_loop releases
- *    block kb - 1): a later refinement, not a copy of the loop.
- *    NOTE: the second set costs BN/2 registers per consumer thread: BN = 128 (64 + 64)
- *    fits the consumers' 232; BN = 256 (128 + 128) does not, so FP8 tiles are 128 wide
- *    (a stage holds as many bytes as bf16's: 128 of K at 1 byte).
- * MXFP8 (sm_100, 1x32 UE8M0 scales) has its own mainloop behind the same ops table; of
- * these traits it would share the element and tensor-map entries. */
+ *   kAScaleBytes             per stage: the scales riding with it (the kernel's Load
+ *                            bulk-copies them into Ring::a_scales with the stage; 0: none)
+ *   BlockScale               bf16's per-K-block hook (NoBlockScale: nothing to do)
+ * A scaled precision's kernels get their hook from the Load per tile
+ * (load.block_scale(m_block, n_block, k_blocks)): PromoteBlockScale (weights) or
+ * PromoteRowScales (weight gradients), run by mainloop.cuh's k_loop_promoted.
+ * MXFP8 (sm_100, 1x32 UE8M0 scales) would have its own mainloop behind the same ops table;
+ * of these traits it would share the element and tensor-map entries. */
 #pragma once
 
 #include <cuda.h>
