@@ -171,15 +171,18 @@ def draw_case(tokens, shape: dict, routing: str, device, seed: int, num_sets: in
     return prob, inputs
 
 
-def make_module(comm, shape: dict, tokens, saved_mode: str, device, prob):
+def make_module(comm, shape: dict, tokens, saved_mode: str, device, prob, routing: str):
     """This rank's ExpertParallelExperts over comm (max_tokens: the largest T of any
-    rank) with prob's experts. Collective."""
+    rank) with prob's experts. Collective. The one-rank routing sends a rank R times the
+    balanced load: its receive capacity is then R (the worst case), else the default."""
     import moefuse
 
+    world = dist.get_world_size()
     module = moefuse.ExpertParallelExperts(
         shape["hidden"], shape["intermediate"], shape["num_experts"], shape["top_k"],
-        max(1, max(tokens)), comm, dist.get_rank(), dist.get_world_size(),
-        saved_mode=moefuse.SavedMode[SAVED_MODES[saved_mode]], device=device)
+        max(1, max(tokens)), comm, dist.get_rank(), world,
+        saved_mode=moefuse.SavedMode[SAVED_MODES[saved_mode]], device=device,
+        recv_capacity_factor=world if routing == "one-rank" else 0.0)
     module.load_global_experts(prob["w13"], prob["w2"])
     return module
 
@@ -200,7 +203,7 @@ def run_case(comm, device: torch.device, model: str, tokens, routing: str, args,
     label = _label(model, tokens, dist.get_world_size(), routing)
     failed = 0
     with contextlib.closing(make_module(comm, shape, tokens, args.saved_mode, device,
-                                        prob)) as module:
+                                        prob, routing)) as module:
         if opts.check:
             failed += report_check(module, prob, opts.experts, label)
         if args.check_r1:
@@ -234,14 +237,15 @@ def expect_timeout(module) -> Optional[str]:
 
 
 @contextlib.contextmanager
-def module_on_new_comm(timeout_ms: int, shape: dict, tokens, saved_mode: str, device, prob):
+def module_on_new_comm(timeout_ms: int, shape: dict, tokens, saved_mode: str, device, prob,
+                       routing: str):
     """make_module over a new NCCL comm of the world; on exit closes the module, then the
     comm (collective, as making them was)."""
     from moefuse import distributed
 
     with contextlib.closing(distributed.nccl_comm_from_group(timeout_ms=timeout_ms)) as comm:
         with contextlib.closing(make_module(comm, shape, tokens, saved_mode, device,
-                                            prob)) as module:
+                                            prob, routing)) as module:
             yield module
 
 
@@ -257,7 +261,8 @@ def timeout_test(device: torch.device, model: str, tokens, routing: str, args, o
     x, p, ids, _ = inputs
 
     def new_module(timeout_ms: int):
-        return module_on_new_comm(timeout_ms, shape, tokens, args.saved_mode, device, prob)
+        return module_on_new_comm(timeout_ms, shape, tokens, args.saved_mode, device, prob,
+                                  routing)
 
     # Every rank but the last runs a forward; the last never comes, so the others' waits
     # for it run out.

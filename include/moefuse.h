@@ -34,7 +34,8 @@
  *
  * A layer owns workspaces: calls on one layer must be ordered (one host thread at a
  * time; on the CUDA backend, one stream or streams ordered by events). Use one layer
- * per concurrent stream. Every call returns a status; on any status other than
+ * per concurrent stream; layers made with one comm share buffers and must not run
+ * concurrently at all (see "expert parallelism"). Every call returns a status; on any status other than
  * MOEFUSE_OK, moefuse_last_error() says which argument was wrong and what was
  * expected, and no output has been touched. The library never exits or aborts.
  *
@@ -60,7 +61,7 @@ extern "C" {
 #endif
 
 #define MOEFUSE_VERSION_MAJOR 0
-#define MOEFUSE_VERSION_MINOR 4
+#define MOEFUSE_VERSION_MINOR 5
 #define MOEFUSE_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH */
 #define MOEFUSE_VERSION                                                         \
@@ -81,6 +82,7 @@ typedef enum moefuse_status {
     MOEFUSE_ERR_NCCL = 11,            /* NCCL reported an error */
     MOEFUSE_ERR_TIMEOUT = 12,         /* a bounded wait for a peer ran out */
     MOEFUSE_ERR_SAVED_STATE = 13,     /* saved buffer not written by a matching forward */
+    MOEFUSE_ERR_CAPACITY = 14,        /* a rank was routed more rows than it can receive */
 } moefuse_status;
 
 typedef enum moefuse_backend {
@@ -138,8 +140,8 @@ typedef struct moefuse_config {
     int num_experts;    /* E, total over all ranks, > 0, divisible by num_ranks */
     int top_k;          /* K, 1 <= K <= E */
     int max_tokens;     /* largest T any call on this rank will pass, > 0;
-                           max_tokens * top_k * num_ranks rows (what a rank may receive),
-                           each expert's padded to 128, must stay below 2^31 */
+                           max_tokens * top_k * num_ranks rows, each expert's padded to
+                           128, must stay below 2^31 */
     int num_ranks;      /* R, >= 1; R > 1 needs a moefuse_comm */
     int rank;           /* 0 <= rank < R */
     moefuse_precision precision;
@@ -150,9 +152,21 @@ typedef struct moefuse_config {
     /* MOEFUSE_PRECISION_FP8_BLOCK: 1 = every scale rounded up to a power of two (exact
      * rescaling), 0 = amax / 448; must be 0 with MOEFUSE_PRECISION_BF16 */
     int fp8_pow2_scales;
+    /* With a comm: the rows a rank can receive in one call, as a multiple of the
+     * balanced load max_tokens * top_k (0 = the default 2.0; else >= 1.0; above R it
+     * is R, the worst case). The receive windows and the saved buffer are sized by it
+     * (plus each local expert's padding to 128 rows), not by R * max_tokens * K: at
+     * R = 8 the worst case is 4x the default. A call whose routing sends a rank more
+     * rows fails on every rank with MOEFUSE_ERR_CAPACITY (see "expert parallelism").
+     * Why 2.0: a router trained with a load-balancing loss keeps each rank's load
+     * within a few percent of the mean once trained and well under 2x early on; see
+     * docs/decisions/0022-shared-windows-and-receive-capacity. Ignored without a comm
+     * (one rank receives exactly T * K rows). */
+    double recv_capacity_factor;
 } moefuse_config;
 
-/* Fill a config with the defaults (R = 1, bf16, CPU, saved activations, staged). */
+/* Fill a config with the defaults (R = 1, bf16, CPU, saved activations, staged, receive
+ * capacity 0 = the default). */
 void moefuse_config_init(moefuse_config *cfg, int hidden, int intermediate,
                          int num_experts, int top_k, int max_tokens);
 
@@ -293,9 +307,17 @@ const char *moefuse_last_error(void);
  * local experts' only). Every rank calls the same sequence of forwards and backwards
  * on its layer; each call's tokens go to the ranks that hold their experts and come
  * back through the combine, all inside the calls' kernels (no host synchronization).
- * Each rank may pass a different T (0 included); config.max_tokens must be the same
- * on every rank. A rank receives up to R * max_tokens * K rows, so its workspaces and
- * its saved buffer (gate_up of received rows) are sized for that many rows.
+ * Each rank may pass a different T (0 included); config.max_tokens and
+ * config.recv_capacity_factor must be the same on every rank. A rank receives up to
+ * its capacity, recv_capacity_factor * max_tokens * K rows (default 2x the balanced
+ * load, at most R * max_tokens * K): its receive windows, its per-call scratch and its
+ * saved buffer (gate_up of received rows) are sized for that many rows plus each local
+ * expert's padding to 128 (moefuse_layer_memory reports the bytes). A call whose
+ * routing sends some rank more rows than its capacity fails on every rank alike: the
+ * count exchange shows every rank the same counts, so no rank sends a row, writes y,
+ * saved or expert_counts, and moefuse_layer_check returns MOEFUSE_ERR_CAPACITY on every
+ * rank, naming the rank, its experts, the rows asked and the capacity. Nothing is
+ * dropped silently; the next call works (no re-creation needed).
  *
  * Every wait for a peer is bounded by the comm's timeout: when it runs out, that call
  * writes no output and moefuse_layer_check returns MOEFUSE_ERR_TIMEOUT naming the
@@ -309,15 +331,31 @@ const char *moefuse_last_error(void);
  * (MOEFUSE_ERR_SAVED_STATE there) fails that backward on every rank: the others report
  * MOEFUSE_ERR_TIMEOUT naming that rank.
  *
- * A comm is made once and given to moefuse_layer_create of every rank's layer (with
- * config.num_ranks = R and config.rank = r); a call needs all R layers created. A
- * virtual comm takes one layer per rank; an NCCL comm takes any number of layers (one
- * per MoE layer of a model), created and destroyed on all ranks in the same order. A
- * one-rank comm runs the expert-parallel kernels with R = 1 (same results as no comm).
- * Create and destroy layers while no call on the comm is in flight. */
+ * A comm is made once and given to moefuse_layer_create of every rank's layers (with
+ * config.num_ranks = R and config.rank = r): any number of layers per rank (one per MoE
+ * layer of a model), created and destroyed on all ranks in the same order with the same
+ * configs but config.rank; a call on a layer needs every rank's layer of that order
+ * created. A one-rank comm runs the expert-parallel kernels with R = 1 (same results as
+ * no comm). Create and destroy layers while no call on the comm is in flight.
+ *
+ * Shared buffers: the receive windows (the rows, the combine slots, the flags) and the
+ * per-call scratch sized by the capacity belong to the comm, one set per rank, shared
+ * by that rank's layers and sized by the largest of them. A layer created later that
+ * needs more grows them at its create (with NCCL a collective re-registration of the
+ * windows on every rank, at the same point of every rank's sequence of creates); they
+ * are freed with the rank's last layer. So the layers of one comm must run in stream
+ * order on each rank: two layers of one comm must not run concurrently (on different
+ * streams without events between them, or from two host threads); the library does not
+ * detect it (a stream switch is legal when ordered by events, and looks the same).
+ * Forwards and backwards of different layers may interleave in any order (a layer's
+ * backward after other layers' forwards, several forwards of one layer before their
+ * backwards): everything a backward needs from its forward is in the caller's saved
+ * buffer (the plan, the receive layout, the saved activations); the backward sends the
+ * rows, their sources and their p again, and nothing of a forward is read from the
+ * shared buffers by a later call. */
 
-/* R virtual ranks inside this process on the current GPU (for tests): each rank's
- * layer has its own buffers and its own stream; give each rank's calls their own
+/* R virtual ranks inside this process on the current GPU (for tests): each rank has its
+ * own buffers and each rank's layer its own stream; give each rank's calls their own
  * stream and launch all ranks' calls before waiting for any (their kernels wait on
  * each other). The GEMMs of each rank use SMs / R blocks, so all ranks are resident.
  * Each rank uses two streams (its caller's and one of its own); layer creation asks for
@@ -345,7 +383,13 @@ moefuse_status moefuse_comm_destroy(moefuse_comm *comm);
 
 /* Checks cfg, allocates the layer's workspaces for cfg->max_tokens.
  * comm: NULL for one rank without expert-parallel kernels; else the comm of all R
- * ranks (see above). */
+ * ranks (see above). With an NCCL comm, the create is collective: every rank's layer
+ * allocates what it needs locally first, the ranks then agree (an all-reduce) that all
+ * of them succeeded, and only then register windows; a rank that failed makes every
+ * rank's create fail with a message naming it, instead of leaving the others waiting.
+ * The config checks before any allocation (the fields, config.rank against the comm,
+ * num_experts against the comm's other layers) are not agreed on: a config refused on
+ * one rank only leaves the others waiting, so pass the same config on every rank. */
 moefuse_status moefuse_layer_create(const moefuse_config *cfg, moefuse_comm *comm,
                                     moefuse_layer **out);
 
@@ -354,9 +398,43 @@ moefuse_status moefuse_layer_destroy(moefuse_layer *layer);
 
 /* Bytes the forward writes into `saved` for T tokens (T <= max_tokens). On a layer made
  * with a comm (any R, one rank included) the gate_up rows are those this rank receives:
- * sized for R * max_tokens * K rows whatever T is. */
+ * sized for its receive capacity (config.recv_capacity_factor) whatever T is. */
 moefuse_status moefuse_saved_bytes(const moefuse_layer *layer, int num_tokens,
                                    size_t *bytes);
+
+/* ---- memory ---------------------------------------------------------------------------
+ * Device bytes of a layer, for capacity planning. Set struct_size = sizeof(moefuse_memory)
+ * before the call; the library fills the fields of its version that fit in struct_size
+ * (so a caller built against an older header keeps working) and sets version. */
+#define MOEFUSE_MEMORY_VERSION 1
+typedef struct moefuse_memory {
+    size_t struct_size;          /* in: sizeof(moefuse_memory) */
+    int version;                 /* out: MOEFUSE_MEMORY_VERSION of the library */
+    int shared_layers;           /* this rank's layers sharing the comm's buffers; 0 with no comm */
+    int64_t recv_capacity_rows;  /* rows this rank may receive per call (no comm: max_tokens * K) */
+    int64_t rows_cap;            /* the expert-sorted buffers' rows: the capacity and each
+                                    local expert's padding to 128, in whole 128-row blocks */
+    /* with a comm: this rank's buffers on the comm, shared by its layers */
+    size_t comm_window_bytes;    /* the symmetric windows (rows, combine slots, flags) */
+    size_t comm_scratch_bytes;   /* the per-call scratch sized by the capacity */
+    size_t layer_window_bytes;   /* what this layer alone needs of comm_window_bytes */
+    size_t layer_scratch_bytes;  /* what this layer alone needs of comm_scratch_bytes */
+    /* the layer's own device workspaces (without a comm, its row buffers and scratch too) */
+    size_t workspace_bytes;
+    /* the forward-to-backward state of one call at max_tokens: moefuse_saved_bytes(max_tokens),
+     * the caller's buffer, one per forward in flight */
+    size_t saved_bytes;
+} moefuse_memory;
+
+/* Fills *out for a created layer. The CPU backend reports saved_bytes alone. */
+moefuse_status moefuse_layer_memory(const moefuse_layer *layer, moefuse_memory *out);
+
+/* What moefuse_layer_memory would report for a CUDA layer of this config (backend
+ * MOEFUSE_BACKEND_CUDA), made with a comm of cfg->num_ranks ranks (with_comm 1; config
+ * num_ranks 1 and with_comm 0 for a layer without one) as its rank's largest layer, with
+ * shared_layers = 1. Needs no GPU: for planning, and for the tables of bench/. */
+moefuse_status moefuse_memory_estimate(const moefuse_config *cfg, int with_comm,
+                                       moefuse_memory *out);
 
 /* y = routed experts of x (see the math above). stream: a cudaStream_t for the CUDA
  * backend, ignored (NULL) for the CPU backend. Several forwards may be in flight

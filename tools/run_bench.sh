@@ -8,9 +8,12 @@
 #  2. build/bench/bench_forward_cuda: the forward, staged and fused, and its small stages
 #     alone.
 #  3. build/bench/bench_precision_cuda: forward and backward in FP8 against bf16.
+#  4. bench/ep_memory.py: the MoE layers' device memory per GPU with expert parallelism
+#     (R = 8, T = 16384), computed by the library's arithmetic (no GPU needed).
 # Each benchmark also writes its table as markdown under build/bench/results/; the script
 # then rewrites bench/RESULTS.md from them, headed by the GPU, the date and the commit.
-# Where no benchmark ran (no GPU: each prints SKIP), bench/RESULTS.md is left as it is.
+# Where no timed benchmark ran (no GPU: each prints SKIP), bench/RESULTS.md is left as it
+# is (the computed memory table alone does not rewrite it).
 # Why three tables: docs/decisions/0013-power-limit-timing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,6 +70,7 @@ if [ -x build/bench/bench_forward_cuda ]; then
 else
     echo "SKIP bench_forward_cuda: built only when nvcc is found"
 fi
+python3 bench/ep_memory.py --markdown "$MD_DIR/5_ep_memory.md"
 
 if [ -x build/bench/bench_precision_cuda ]; then
     MOEFUSE_FP8_PEAK_TFLOPS=$(python3 bench/fp8_peak.py 2>/dev/null || true) \
@@ -82,10 +86,13 @@ fi
 
 # bench/RESULTS.md from the tables that were written (empty ones are left out)
 parts=()
+timed=0
 for f in "$MD_DIR"/[0-9]_*.md; do
-    [ -s "$f" ] && parts+=("$f")
+    [ -s "$f" ] || continue
+    parts+=("$f")
+    [ "$f" = "$MD_DIR/5_ep_memory.md" ] || timed=$((timed + 1))
 done
-if [ ${#parts[@]} -eq 0 ]; then
+if [ "$timed" -eq 0 ]; then
     echo "bench/RESULTS.md not rewritten: no benchmark ran"
     exit 0
 fi

@@ -11,7 +11,7 @@ import enum
 # The MOEFUSE_VERSION (MAJOR * 10000 + MINOR * 100 + PATCH) whose structs this file
 # mirrors. While MAJOR is 0 a MINOR change may change the structs, so MAJOR and MINOR
 # must match exactly; PATCH may differ.
-EXPECTED_VERSION = 400
+EXPECTED_VERSION = 500
 
 
 class Status(enum.IntEnum):
@@ -31,6 +31,7 @@ class Status(enum.IntEnum):
     ERR_NCCL = 11
     ERR_TIMEOUT = 12
     ERR_SAVED_STATE = 13
+    ERR_CAPACITY = 14  # a rank was routed more rows than its receive capacity
 
 
 class Backend(enum.IntEnum):
@@ -94,6 +95,31 @@ class Config(ctypes.Structure):
         ("num_threads", ctypes.c_int),  # CPU backend: 0 = all cores
         ("pipeline", ctypes.c_int),  # Pipeline
         ("fp8_pow2_scales", ctypes.c_int),  # FP8_BLOCK: 1 = power-of-two scales
+        # with a comm: rows a rank can receive per call, as a multiple of max_tokens * K
+        # (0 = the default 2.0; else >= 1; above R it is R)
+        ("recv_capacity_factor", ctypes.c_double),
+    ]
+
+
+MEMORY_VERSION = 1  # MOEFUSE_MEMORY_VERSION
+
+
+class Memory(ctypes.Structure):
+    """moefuse_memory: a layer's device bytes (moefuse_layer_memory, moefuse_memory_estimate).
+    struct_size must be set to ctypes.sizeof(Memory) before the call."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("version", ctypes.c_int),
+        ("shared_layers", ctypes.c_int),  # this rank's layers sharing the comm's buffers
+        ("recv_capacity_rows", ctypes.c_int64),  # rows this rank may receive per call
+        ("rows_cap", ctypes.c_int64),  # with each local expert's padding, whole 128-row blocks
+        ("comm_window_bytes", ctypes.c_size_t),  # this rank's windows on the comm (shared)
+        ("comm_scratch_bytes", ctypes.c_size_t),  # its per-call scratch on the comm (shared)
+        ("layer_window_bytes", ctypes.c_size_t),  # what this layer alone needs of the windows
+        ("layer_scratch_bytes", ctypes.c_size_t),  # ... of the scratch
+        ("workspace_bytes", ctypes.c_size_t),  # the layer's own device workspaces
+        ("saved_bytes", ctypes.c_size_t),  # forward-to-backward state of one call at max_tokens
     ]
 
 
@@ -216,6 +242,9 @@ _SIGNATURES = {
     "moefuse_layer_destroy": (_STATUS, [LayerHandle]),
     "moefuse_saved_bytes": (
         _STATUS, [LayerHandle, ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)]),
+    "moefuse_layer_memory": (_STATUS, [LayerHandle, ctypes.POINTER(Memory)]),
+    "moefuse_memory_estimate": (
+        _STATUS, [ctypes.POINTER(Config), ctypes.c_int, ctypes.POINTER(Memory)]),
     "moefuse_forward": (_STATUS, [LayerHandle, ctypes.POINTER(FwdArgs), ctypes.c_void_p]),
     "moefuse_backward": (_STATUS, [LayerHandle, ctypes.POINTER(BwdArgs), ctypes.c_void_p]),
     "moefuse_layer_check": (_STATUS, [LayerHandle, ctypes.c_void_p]),

@@ -25,11 +25,12 @@ from typing import Optional
 
 # The C API's types (enums, structs, handles, signatures) live in _c_api.py; every name
 # stays importable from here.
-from ._c_api import (_SIGNATURES, _STATUS, EXPECTED_VERSION, Backend, BwdArgs, CommHandle,
-                     Config, DType, Fp8Weights, FwdArgs, LayerHandle, Pipeline, Precision,
-                     RouteArgs, RouteBwdArgs, SavedMode, Status)
+from ._c_api import (_SIGNATURES, _STATUS, EXPECTED_VERSION, MEMORY_VERSION, Backend, BwdArgs,
+                     CommHandle, Config, DType, Fp8Weights, FwdArgs, LayerHandle, Memory,
+                     Pipeline, Precision, RouteArgs, RouteBwdArgs, SavedMode, Status)
 
-_REEXPORTED = (_STATUS, Pipeline, Precision, SavedMode)  # used through _lib by the callers
+# used through _lib by the callers
+_REEXPORTED = (_STATUS, MEMORY_VERSION, Pipeline, Precision, SavedMode)
 
 
 class MoefuseError(RuntimeError):
@@ -182,6 +183,20 @@ def config_init(hidden: int, intermediate: int, num_experts: int, top_k: int,
     return cfg
 
 
+def memory_dict(m: Memory) -> dict:
+    """The fields of a Memory past its header, by name."""
+    return {name: getattr(m, name) for name, _ in Memory._fields_ if name != "struct_size"}
+
+
+def memory_estimate(cfg: Config, with_comm: bool) -> dict:
+    """moefuse_memory_estimate: what a CUDA layer of cfg (backend CUDA) would report as its
+    rank's largest layer on a comm (with_comm) or without one; needs no GPU."""
+    out = Memory(struct_size=ctypes.sizeof(Memory))
+    check("moefuse_memory_estimate",
+          load().moefuse_memory_estimate(ctypes.byref(cfg), int(with_comm), ctypes.byref(out)))
+    return memory_dict(out)
+
+
 def comm_create_virtual(num_ranks: int) -> CommHandle:
     """moefuse_comm_create_virtual: a new handle of num_ranks ranks in this process."""
     handle = CommHandle()
@@ -219,11 +234,12 @@ class Comm(_Owner):
     """Owns one moefuse_comm handle (expert parallelism) and the layers made with it.
 
     Comm.virtual(R) makes R ranks inside this process; an NCCL comm comes from
-    moefuse.distributed.nccl_comm_from_group. A virtual comm holds one Layer per rank
-    (the library's rule), keyed by rank; an NCCL comm any number (one per MoE layer of
-    a model), keyed by creation order. The comm keeps them alive: close() destroys the
-    layers still open, in key order, then the comm. For an NCCL comm that is collective
-    (every rank calls close() together), as creating the layers was."""
+    moefuse.distributed.nccl_comm_from_group. Either holds any number of Layers per rank
+    (one per MoE layer of a model; they share the rank's windows and scratch, so their
+    calls run in stream order), keyed by creation order. The comm keeps them alive:
+    close() destroys the layers still open, in creation order, then the comm. For an NCCL
+    comm that is collective (every rank calls close() together), as creating the layers
+    was."""
 
     _what = "comm"
 
@@ -233,7 +249,7 @@ class Comm(_Owner):
         self.num_ranks = num_ranks
         self.rank = rank  # this process's rank for an NCCL comm; None for virtual ranks
         self.layers: dict[int, "Layer"] = {}
-        self._next_key = 0  # NCCL: creation order of the layers
+        self._next_key = 0  # creation order of the layers
 
     @classmethod
     def virtual(cls, num_ranks: int) -> "Comm":
@@ -273,9 +289,6 @@ class Layer(_Owner):
     def __init__(self, cfg: Config, comm: Optional[Comm] = None):
         self.cfg = cfg
         self._lib = load()
-        if comm is not None and comm.rank is None and cfg.rank in comm.layers:
-            raise ValueError(f"the virtual comm already has a layer for rank {cfg.rank}; one "
-                             "layer per rank (close the old one, or make another comm)")
         handle = LayerHandle()
         check("moefuse_layer_create",
               self._lib.moefuse_layer_create(ctypes.byref(cfg),
@@ -284,10 +297,7 @@ class Layer(_Owner):
         self._handle = handle
         self.comm = comm
         if comm is not None:
-            if comm.rank is None:
-                self._comm_key = cfg.rank
-            else:
-                self._comm_key, comm._next_key = comm._next_key, comm._next_key + 1
+            self._comm_key, comm._next_key = comm._next_key, comm._next_key + 1
             comm.layers[self._comm_key] = self
         self.lock = threading.Lock()
 
@@ -296,6 +306,12 @@ class Layer(_Owner):
         check("moefuse_saved_bytes",
               self._lib.moefuse_saved_bytes(self.handle, num_tokens, ctypes.byref(out)))
         return out.value
+
+    def memory(self) -> dict:
+        """moefuse_layer_memory as a dict of its fields (bytes and rows)."""
+        out = Memory(struct_size=ctypes.sizeof(Memory))
+        check("moefuse_layer_memory", self._lib.moefuse_layer_memory(self.handle, ctypes.byref(out)))
+        return memory_dict(out)
 
     def forward(self, args: FwdArgs, stream: int = 0) -> None:
         check("moefuse_forward",

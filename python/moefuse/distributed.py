@@ -12,6 +12,10 @@ kernels (include/moefuse.h, "expert parallelism").
         nn.Module with this rank's experts only: W13 [E/R, 2I, H], W2 [E/R, H, I];
         forward(x [T, H] bf16, ids [T, K] global expert ids, p [T, K] fp32) -> y [T, H].
     load_local_experts(w13_global, w2_global, rank, num_ranks) -> (w13, w2) of the rank.
+    memory_estimate(hidden, intermediate, num_experts, top_k, max_tokens, num_ranks, ...)
+        -> dict: the device bytes of such a layer (windows and scratch shared by the
+        comm's layers, its own workspaces, saved bytes per call), without a GPU;
+        ExpertParallelExperts.memory() reports a made layer's.
 
 Sharding is contiguous: rank r holds experts r*E/R .. (r+1)*E/R - 1. Each rank passes
 its own tokens (T may differ per rank, 0 included; T <= max_tokens, which is the same
@@ -24,11 +28,13 @@ that skips a call leaves the others waiting until the comm's timeout.
 
 Nothing synchronizes the host: a bad expert id or a peer that never came shows up in
 module.check() (it waits for the current stream), as MoefuseError with
-MOEFUSE_ERR_EXPERT_ID / MOEFUSE_ERR_DUPLICATE_EXPERT or MOEFUSE_ERR_TIMEOUT. After a
-timeout, close() every rank's module (the next forward makes a fresh layer).
+MOEFUSE_ERR_EXPERT_ID / MOEFUSE_ERR_DUPLICATE_EXPERT, MOEFUSE_ERR_CAPACITY (a rank was
+routed more rows than its receive capacity: that call wrote nothing on any rank, the next
+one works) or MOEFUSE_ERR_TIMEOUT. After a timeout, close() every rank's module (the next
+forward makes a fresh layer).
 
-One comm serves one module per rank (the library keeps one layer per rank and comm):
-make a comm for each MoE layer of a model.
+One comm serves every MoE layer of a model: the modules made with it share each rank's
+receive windows and scratch (sized for the largest), so they run on one stream.
 
 The comms are made in _comms.py (re-exported here); this file shards the experts and
 holds the module and its autograd function.
@@ -151,6 +157,28 @@ class _ExpertParallelFn(torch.autograd.Function):
                 None, None)
 
 
+# ---- memory ----------------------------------------------------------------------------------
+
+
+def memory_estimate(hidden: int, intermediate: int, num_experts: int, top_k: int,
+                    max_tokens: int, num_ranks: int,
+                    saved_mode: _lib.SavedMode = _lib.SavedMode.SAVE_ACTIVATIONS,
+                    recv_capacity_factor: float = 0.0,
+                    pipeline: _lib.Pipeline = _lib.Pipeline.STAGED) -> dict:
+    """moefuse_memory_estimate of an ExpertParallelExperts layer with this config, the
+    largest of its rank's layers on the comm (shared_layers = 1): a dict of
+    recv_capacity_rows, rows_cap, comm_window_bytes, comm_scratch_bytes (shared by every
+    layer of the comm), workspace_bytes (each layer's own) and saved_bytes (each forward's
+    saved activations, until its backward). No GPU needed."""
+    cfg = _lib.config_init(hidden, intermediate, num_experts, top_k, max_tokens)
+    cfg.num_ranks = num_ranks
+    cfg.backend = _lib.Backend.CUDA
+    cfg.saved_mode = saved_mode
+    cfg.pipeline = pipeline
+    cfg.recv_capacity_factor = recv_capacity_factor
+    return _lib.memory_estimate(cfg, True)
+
+
 # ---- the module -------------------------------------------------------------------------------
 
 
@@ -222,8 +250,15 @@ class ExpertParallelExperts(MoEExperts):
 
     Collective: every rank of the comm runs the same sequence of forwards and backwards
     (see the module docstring), and creates and closes its module together with the
-    others. The library layer (workspaces sized for R * max_tokens * K received rows) is
-    made here when the parameters are on CUDA, else at the first forward.
+    others. The library layer is made here when the parameters are on CUDA, else at the
+    first forward. The modules of one comm (one per MoE layer of a model) share each
+    rank's receive windows and scratch, sized for the largest of them, so they run on one
+    stream (their forwards and backwards may interleave in any order).
+    recv_capacity_factor: the rows a rank can receive per call, as a multiple of the
+    balanced load max_tokens * top_k (0 = the library's default 2.0; >= 1); a routing
+    that sends a rank more fails the call on every rank (check() raises ERR_CAPACITY).
+    The windows, scratch and saved activations are sized by it; memory() reports them
+    and memory_estimate() computes them without a GPU.
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
@@ -232,9 +267,16 @@ class ExpertParallelExperts(MoEExperts):
                  saved_mode: _lib.SavedMode = _lib.SavedMode.SAVE_ACTIVATIONS,
                  device: Optional[Union[torch.device, str]] = None,
                  pipeline: Optional[_lib.Pipeline] = None, precision: str = "bf16",
-                 fp8_pow2_scales: bool = False):
+                 fp8_pow2_scales: bool = False, recv_capacity_factor: float = 0.0):
         _check_module_config(hidden, intermediate, num_experts, top_k, max_tokens, comm, rank,
                              num_ranks, dtype, saved_mode, pipeline, precision, fp8_pow2_scales)
+        if isinstance(recv_capacity_factor, bool) or not isinstance(recv_capacity_factor,
+                                                                    (int, float)):
+            raise TypeError("ExpertParallelExperts: recv_capacity_factor must be a number, got "
+                            f"{type(recv_capacity_factor).__name__}")
+        if recv_capacity_factor != 0 and not recv_capacity_factor >= 1:
+            raise ValueError("ExpertParallelExperts: recv_capacity_factor must be 0 (the "
+                             f"default) or >= 1, got {recv_capacity_factor}")
         super().__init__(num_experts // num_ranks, hidden, intermediate,
                          recompute=saved_mode == _lib.SavedMode.RECOMPUTE, precision=precision,
                          fp8_pow2_scales=fp8_pow2_scales, device=device, dtype=dtype)
@@ -246,6 +288,7 @@ class ExpertParallelExperts(MoEExperts):
         self.rank = rank
         self.num_ranks = num_ranks
         self.saved_mode = _lib.SavedMode(saved_mode)
+        self.recv_capacity_factor = float(recv_capacity_factor)
         # the forward's expert GEMMs (the same bits either way); None: MOEFUSE_PIPELINE
         self.pipeline = pipeline_from_env() if pipeline is None else _lib.Pipeline(pipeline)
         self._layer: Optional[_lib.Layer] = None
@@ -291,6 +334,7 @@ class ExpertParallelExperts(MoEExperts):
         cfg.precision, _ = _fp8.resolve_precision(self.precision, self.fp8_pow2_scales,
                                                   "ExpertParallelExperts")
         cfg.fp8_pow2_scales = int(self.fp8_pow2_scales)
+        cfg.recv_capacity_factor = self.recv_capacity_factor
         layer = _fp8.create_layer(cfg, device, self.comm)
         layer.device = device
         self._layer = layer
@@ -339,12 +383,21 @@ class ExpertParallelExperts(MoEExperts):
             t.requires_grad for t in (x, p, w13, w2))
         return _ExpertParallelFn.apply(x, ids, p.contiguous(), w13, w2, layer, need_saved)
 
+    def memory(self) -> Optional[dict]:
+        """The layer's moefuse_layer_memory (bytes and rows by field name), None before the
+        layer is made."""
+        layer = self._layer
+        if layer is None or layer.closed:
+            return None
+        return layer.memory()
+
     def check(self) -> None:
         """Waits for the current stream and raises MoefuseError for the first device-side
         error of this rank's calls since the last check: a bad expert id
-        (MOEFUSE_ERR_EXPERT_ID, MOEFUSE_ERR_DUPLICATE_EXPERT) or a peer that did not come
-        within the comm's timeout (MOEFUSE_ERR_TIMEOUT; then close() every rank's module).
-        No-op before the first forward."""
+        (MOEFUSE_ERR_EXPERT_ID, MOEFUSE_ERR_DUPLICATE_EXPERT), a routing over a rank's
+        receive capacity (MOEFUSE_ERR_CAPACITY, the same on every rank) or a peer that did
+        not come within the comm's timeout (MOEFUSE_ERR_TIMEOUT; then close() every rank's
+        module). No-op before the first forward."""
         layer = self._layer
         if layer is None or layer.closed:
             return

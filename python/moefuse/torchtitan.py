@@ -167,8 +167,11 @@ class ExpertParallelPlan:
     """This rank's part of moefuse's expert parallelism, for apply(expert_parallel=...).
 
     comms: one moefuse comm per MoE of the model, in named_modules() order
-        (distributed.nccl_comm_from_group over the EP mesh's group, made once per layer;
-        distributed.virtual_comm in tests), each of num_ranks ranks.
+        (distributed.nccl_comm_from_group over the EP mesh's group; distributed.virtual_comm
+        in tests), each of num_ranks ranks. The same comm may be given for every layer:
+        its layers then share each rank's receive windows and scratch (sized for the
+        largest layer), which a model of 48-94 MoE layers needs to fit; separate comms
+        give each layer its own.
     rank, num_ranks: this rank in the EP group; its experts are rank*E/R .. (rank+1)*E/R-1.
     max_tokens: the most tokens (batch * sequence) one rank passes to one MoE, the same
         on every rank (sizes the library's receive buffers).

@@ -7,17 +7,13 @@ import os
 import pytest
 import torch
 
+from bench_helpers import import_bench
+
 pytestmark = pytest.mark.usefixtures("library")
 
 
 def _bench_ep():
-    import importlib
-    import pathlib
-    import sys
-    bench = pathlib.Path(__file__).resolve().parents[2] / "bench"
-    if str(bench) not in sys.path:
-        sys.path.insert(0, str(bench))
-    return importlib.import_module("bench_ep")
+    return import_bench("bench_ep")
 
 
 def test_bench_ep_test_modes_are_its_own_options():

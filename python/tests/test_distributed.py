@@ -94,12 +94,36 @@ def _closed_comm():
     (dict(saved_mode=_lib.SavedMode.SAVE_ACTIVATIONS_AND_INPUTS), ValueError,
      "SAVE_ACTIVATIONS_AND_INPUTS is for one rank"),
     (dict(pipeline="fused"), ValueError, "pipeline must be a moefuse Pipeline or None"),
+    (dict(recv_capacity_factor=0.5), ValueError, "recv_capacity_factor must be 0"),
+    (dict(recv_capacity_factor="2"), TypeError, "recv_capacity_factor must be a number"),
 ])
 def test_module_refuses_bad_config(overrides, error, message):
     if callable(overrides.get("comm")):
         overrides = dict(overrides, comm=overrides["comm"]())
     with pytest.raises(error, match=message):
         make_module(**overrides)
+
+
+def test_memory_estimate_of_qwen3_30b_at_r8():
+    """The library's arithmetic (no GPU): qwen3-30b-a3b, R = 8, T = 16384, capacity 2x the
+    balanced T * K rows, each of the 16 local experts padded to 128 rows."""
+    m = moefuse.memory_estimate(2048, 768, 128, 8, 16384, 8)
+    rows = (2 * 16384 * 8 + 16 * 127 + 127) // 128 * 128
+    assert m["version"] == _lib.MEMORY_VERSION and m["shared_layers"] == 1
+    assert (m["recv_capacity_rows"], m["rows_cap"]) == (2 * 16384 * 8, rows)
+    assert m["comm_window_bytes"] == m["layer_window_bytes"] == 2_703_794_496
+    assert m["saved_bytes"] == 812_131_328  # gate_up [rows, 2I] bf16 and the plan
+    assert m["comm_scratch_bytes"] == rows * (768 * 2 + 2 * 768 * 2 + 3 * 4)
+    worst = moefuse.memory_estimate(2048, 768, 128, 8, 16384, 8, recv_capacity_factor=8)
+    assert worst["recv_capacity_rows"] == 8 * 16384 * 8
+    assert worst["saved_bytes"] > 3.9 * m["saved_bytes"]
+    with pytest.raises(moefuse.MoefuseError, match="recv_capacity_factor"):
+        moefuse.memory_estimate(2048, 768, 128, 8, 16384, 8, recv_capacity_factor=0.5)
+
+
+def test_module_takes_the_capacity_and_reports_no_memory_before_its_layer():
+    m = make_module(recv_capacity_factor=1.5)
+    assert m.recv_capacity_factor == 1.5 and m.memory() is None
 
 
 def test_module_refuses_another_rank_of_an_nccl_comm():

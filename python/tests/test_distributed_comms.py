@@ -85,27 +85,27 @@ def _config(num_ranks: int, backend: _lib.Backend) -> _lib.Config:
     return cfg
 
 
-def test_comm_keeps_one_layer_per_rank_and_closes_them_first():
-    """Bookkeeping of Comm.layers, with stand-ins for layers (real ones need a GPU)."""
+def test_comm_keeps_its_layers_and_closes_them_first():
+    """Bookkeeping of Comm.layers (any number per rank, by creation order), with stand-ins
+    for layers (real ones need a GPU)."""
     closed = []
 
     class StandIn:
-        def __init__(self, comm, rank):
-            self.comm, self.rank = comm, rank
-            comm.layers[rank] = self
+        def __init__(self, comm, name):
+            self.comm, self.name = comm, name
+            self.key, comm._next_key = comm._next_key, comm._next_key + 1
+            comm.layers[self.key] = self
 
         def close(self):
-            closed.append(self.rank)
-            self.comm.layers.pop(self.rank)
+            closed.append(self.name)
+            self.comm.layers.pop(self.key)
 
     comm = stand_in_comm(2)
-    StandIn(comm, 1)
-    StandIn(comm, 0)
-    cfg = _config(2, _lib.Backend.CUDA)
-    with pytest.raises(ValueError, match="already has a layer for rank 0"):
-        _lib.Layer(cfg, comm)  # refused before the library is asked
+    for name in ("rank 1 layer 0", "rank 0 layer 0", "rank 1 layer 1"):
+        StandIn(comm, name)
     comm.close()
-    assert closed == [0, 1] and comm.layers == {} and comm.closed
+    assert closed == ["rank 1 layer 0", "rank 0 layer 0", "rank 1 layer 1"]
+    assert comm.layers == {} and comm.closed
 
 
 def test_layer_with_a_comm_needs_the_cuda_backend():

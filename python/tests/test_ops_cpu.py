@@ -70,7 +70,8 @@ def header_struct_fields(text: str, name: str) -> list[str]:
 @pytest.mark.parametrize("c_name, mirror", [
     ("moefuse_config", _lib.Config), ("moefuse_fwd_args", _lib.FwdArgs),
     ("moefuse_bwd_args", _lib.BwdArgs), ("moefuse_route_args", _lib.RouteArgs),
-    ("moefuse_route_bwd_args", _lib.RouteBwdArgs), ("moefuse_fp8_weights", _lib.Fp8Weights)])
+    ("moefuse_route_bwd_args", _lib.RouteBwdArgs), ("moefuse_fp8_weights", _lib.Fp8Weights),
+    ("moefuse_memory", _lib.Memory)])
 def test_struct_mirrors_follow_header(c_name, mirror):
     """The ctypes mirrors name the header's fields in the header's order."""
     if not HEADER.is_file():

@@ -1,6 +1,7 @@
-/* The comm of expert parallelism: which ranks' layers exist and where their windows
- * are. Pure bookkeeping on the host; the CUDA backend builds the device peer tables
- * from it (src/cuda/transport/peers.cu) and the kernels do the transport. */
+/* The comm of expert parallelism: how many layers each rank has on it and each rank's
+ * pool of shared buffers (internal.h, mf_pool). Bookkeeping on the host; the CUDA
+ * backend allocates the pools and builds the device peer tables
+ * (src/cuda/transport/ep_pool.cu) and the kernels do the transport. */
 #include "internal.h"
 
 #include <stdlib.h>
@@ -83,19 +84,21 @@ moefuse_status moefuse_comm_set_timeout_ms(moefuse_comm *comm, int timeout_ms) {
     return MOEFUSE_OK;
 }
 
+int mf_comm_num_layers(const moefuse_comm *comm) {
+    int n = 0;
+    for (int r = 0; r < comm->num_ranks; r++) n += comm->pools[r].num_layers;
+    return n;
+}
+
 moefuse_status moefuse_comm_destroy(moefuse_comm *comm) {
     mf_clear_error();
     if (!comm) return MOEFUSE_OK;
-    if (comm->num_attached != 0) {
-        for (int r = 0; r < comm->num_ranks; r++)
-            if (comm->layers[r])
-                return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
-                               "moefuse_comm_destroy: rank %d's layer still exists; expected "
-                               "every layer of the comm destroyed first", r);
-        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
-                       "moefuse_comm_destroy: %d layers of the comm still exist; expected "
-                       "every layer of the comm destroyed first", comm->num_attached);
-    }
+    for (int r = 0; r < comm->num_ranks; r++)
+        if (comm->pools[r].num_layers != 0)
+            return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                           "moefuse_comm_destroy: rank %d still has %d layers on the comm; "
+                           "expected every layer of the comm destroyed first",
+                           r, comm->pools[r].num_layers);
 #ifdef MOEFUSE_HAVE_NCCL
     if (comm->kind == MF_COMM_NCCL) mf_nccl_comm_release(comm);
 #endif
@@ -103,51 +106,24 @@ moefuse_status moefuse_comm_destroy(moefuse_comm *comm) {
     return MOEFUSE_OK;
 }
 
-/* Virtual ranks: one layer per rank, whose windows the peer tables are made of. NCCL:
- * any number of layers (the peers' windows come from NCCL), counted. */
-moefuse_status mf_comm_attach(moefuse_comm *comm, int rank, moefuse_layer *layer,
-                              void *const windows[MF_WIN_COUNT], size_t sync_bytes,
-                              void *peer_table) {
-    if (comm->kind == MF_COMM_NCCL) {
-        comm->num_attached++;
-        return MOEFUSE_OK;
-    }
-    if (comm->layers[rank])
-        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
-                       "config.rank = %d: this comm already has a layer for rank %d; expected "
-                       "one layer per rank (destroy the old one first)", rank, rank);
-    comm->layers[rank] = layer;
-    memcpy(comm->windows[rank], windows, sizeof comm->windows[rank]);
-    comm->sync_bytes[rank] = sync_bytes;
-    comm->peer_table[rank] = peer_table;
-    comm->num_attached++;
-    return MOEFUSE_OK;
-}
-
-void mf_comm_detach(moefuse_comm *comm, int rank) {
-    if (comm->kind == MF_COMM_NCCL) {
-        comm->num_attached--;
-        return;
-    }
-    if (!comm->layers[rank]) return;
-    comm->layers[rank] = NULL;
-    memset(comm->windows[rank], 0, sizeof comm->windows[rank]);
-    comm->peer_table[rank] = NULL;
-    comm->num_attached--;
-}
-
-int mf_comm_complete(const moefuse_comm *comm) {
-    return comm->kind == MF_COMM_NCCL || comm->num_attached == comm->num_ranks;
-}
-
-moefuse_status mf_comm_check_ready(const moefuse_comm *comm, const char *call) {
+moefuse_status mf_comm_check_ready(const moefuse_comm *comm, const moefuse_layer *layer,
+                                   const char *call) {
     /* NCCL: the other ranks' layers are theirs; their creation was collective with ours */
-    if (mf_comm_complete(comm)) return MOEFUSE_OK;
-    for (int r = 0; r < comm->num_ranks; r++)
-        if (!comm->layers[r])
+    if (comm->kind == MF_COMM_NCCL) return MOEFUSE_OK;
+    for (int r = 0; r < comm->num_ranks; r++) {
+        const mf_pool *p = &comm->pools[r];
+        if (p->num_layers == 0)
             return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
                            "%s: rank %d of the comm has no layer; expected every rank's layer "
                            "created (moefuse_layer_create with config.rank = %d) before a call",
                            call, r, r);
+        for (int w = 0; w < MF_WIN_COUNT; w++)
+            if (p->bytes[w] < layer->pool_need[w])
+                return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                               "%s: rank %d's windows on the comm hold %zu bytes (window %d), "
+                               "this layer needs %zu; expected every rank's layers created "
+                               "with the same configs in the same order before a call",
+                               call, r, p->bytes[w], w, layer->pool_need[w]);
+    }
     return MOEFUSE_OK;
 }

@@ -6,10 +6,13 @@
  *                             once); a device communicator (ncclDevCommCreate, no
  *                             multicast asked) whose LSA team, the ranks reachable
  *                             by NVLink load/store, holds every rank.
- *   windows                   ncclMemAlloc + ncclCommWindowRegister (symmetric,
- *                             collective: every rank's layer create makes the same
- *                             registrations in the same order); zeroed before the
- *                             registration, so no peer can write into it earlier.
+ *   agreement                 an all-reduce of every rank's create outcome before any
+ *                             registration, so one rank's failure fails every rank's
+ *                             create instead of leaving them in a collective.
+ *   windows                   ncclMemAlloc (zeroed, local, before the agreement) +
+ *                             ncclCommWindowRegister (symmetric, collective: every rank's
+ *                             layer create makes the same registrations in the same
+ *                             order), so no peer can write into a window earlier.
  *   peer table                one kernel: ncclGetPeerPointer of every window for
  *                             every rank, into the layer's device table.
  * Across nodes (no LSA path) the same places would take NCCL GIN puts: planned. */
@@ -126,10 +129,20 @@ extern "C" moefuse_status moefuse_comm_create_nccl(void *nccl_comm, moefuse_comm
         free(c);
         return mf_fail(MOEFUSE_ERR_NO_MEMORY, "moefuse_comm_create_nccl: out of host memory");
     }
+    void *vote = NULL;
+    const cudaError_t ve = cudaMalloc(&vote, sizeof(int));
+    if (ve != cudaSuccess) {
+        cudaGetLastError();
+        free(dev);
+        free(c);
+        return mf_fail(MOEFUSE_ERR_NO_MEMORY, "moefuse_comm_create_nccl: cudaMalloc of the "
+                       "create-time vote (%zu bytes): %s", sizeof(int), cudaGetErrorString(ve));
+    }
     ncclDevCommRequirements reqs;
     memset(&reqs, 0, sizeof reqs);  // no multimem (NVLS), no barriers, no GIN
     const ncclResult_t r = ncclDevCommCreate(comm, &reqs, dev);
     if (r != ncclSuccess) {
+        cudaFree(vote);
         free(dev);
         free(c);
         return mf_fail(MOEFUSE_ERR_NCCL, "moefuse_comm_create_nccl: ncclDevCommCreate: %s (%s)",
@@ -138,6 +151,7 @@ extern "C" moefuse_status moefuse_comm_create_nccl(void *nccl_comm, moefuse_comm
     if (dev->lsaSize != R) {
         const int lsa = dev->lsaSize;
         ncclDevCommDestroy(comm, dev);
+        cudaFree(vote);
         free(dev);
         free(c);
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
@@ -152,6 +166,7 @@ extern "C" moefuse_status moefuse_comm_create_nccl(void *nccl_comm, moefuse_comm
     c->nccl_comm = comm;
     c->nccl_rank = rank;
     c->nccl_dev_comm = dev;
+    c->nccl_vote = vote;
     *out = c;
     return MOEFUSE_OK;
 }
@@ -160,15 +175,31 @@ extern "C" void mf_nccl_comm_release(moefuse_comm *c) {
     ncclDevCommDestroy((ncclComm_t)c->nccl_comm, (ncclDevComm *)c->nccl_dev_comm);
     free(c->nccl_dev_comm);
     c->nccl_dev_comm = NULL;
+    cudaFree(c->nccl_vote);
+    c->nccl_vote = NULL;
 }
 
-extern "C" moefuse_status mf_nccl_window_alloc(moefuse_comm *c, size_t bytes, void **ptr,
-                                               void **handle) {
+extern "C" moefuse_status mf_nccl_agree(moefuse_comm *c, int failed, int *any_failed) {
     ncclComm_t comm = (ncclComm_t)c->nccl_comm;
-    const size_t size = (bytes + NCCL_WIN_REQUIRED_ALIGNMENT - 1) /
-                        NCCL_WIN_REQUIRED_ALIGNMENT * NCCL_WIN_REQUIRED_ALIGNMENT;
+    const int mine = failed ? c->nccl_rank + 1 : 0;
+    *any_failed = 0;
+    /* the legacy stream: ordered after the create's allocations and memsets */
+    MF_CUDA_TRY(cudaMemcpy(c->nccl_vote, &mine, sizeof mine, cudaMemcpyHostToDevice));
+    MF_NCCL_TRY(comm, ncclAllReduce(c->nccl_vote, c->nccl_vote, 1, ncclInt32, ncclMax, comm, 0));
+    MF_CUDA_TRY(cudaStreamSynchronize(0));
+    MF_CUDA_TRY(cudaMemcpy(any_failed, c->nccl_vote, sizeof *any_failed, cudaMemcpyDeviceToHost));
+    return MOEFUSE_OK;
+}
+
+static size_t window_size(size_t bytes) {
+    return (bytes + NCCL_WIN_REQUIRED_ALIGNMENT - 1) / NCCL_WIN_REQUIRED_ALIGNMENT *
+           NCCL_WIN_REQUIRED_ALIGNMENT;
+}
+
+extern "C" moefuse_status mf_nccl_window_alloc(moefuse_comm *c, size_t bytes, void **ptr) {
+    ncclComm_t comm = (ncclComm_t)c->nccl_comm;
+    const size_t size = window_size(bytes);
     *ptr = NULL;
-    *handle = NULL;
     MF_NCCL_TRY(comm, ncclMemAlloc(ptr, size));
     cudaError_t e = cudaMemset(*ptr, 0, size);
     if (e == cudaSuccess) e = cudaDeviceSynchronize();
@@ -178,17 +209,22 @@ extern "C" moefuse_status mf_nccl_window_alloc(moefuse_comm *c, size_t bytes, vo
         return mf_fail(MOEFUSE_ERR_CUDA, "moefuse_layer_create: zeroing a window: %s",
                        cudaGetErrorString(e));
     }
+    return MOEFUSE_OK;
+}
+
+extern "C" moefuse_status mf_nccl_window_register(moefuse_comm *c, void *ptr, size_t bytes,
+                                                  void **handle) {
+    ncclComm_t comm = (ncclComm_t)c->nccl_comm;
+    const size_t size = window_size(bytes);
     ncclWindow_t win = NULL;
-    const ncclResult_t r = ncclCommWindowRegister(comm, *ptr, size, &win, NCCL_WIN_COLL_SYMMETRIC);
-    if (r != ncclSuccess || !win) {
-        ncclMemFree(*ptr);
-        *ptr = NULL;
+    *handle = NULL;
+    const ncclResult_t r = ncclCommWindowRegister(comm, ptr, size, &win, NCCL_WIN_COLL_SYMMETRIC);
+    if (r != ncclSuccess || !win)
         return mf_fail(MOEFUSE_ERR_NCCL,
                        "moefuse_layer_create: a window of %zu bytes did not register "
                        "(ncclCommWindowRegister: %s, %s); expected every rank to create its "
-                       "layer with the same config at the same time",
+                       "layers with the same configs in the same order",
                        size, ncclGetErrorString(r), ncclGetLastError(comm));
-    }
     *handle = win;
     return MOEFUSE_OK;
 }

@@ -32,7 +32,7 @@ cudaError_t mf_expert_order(const int32_t *expert_offsets, int num_experts, int3
  * until moefuse_layer_check reads and clears it; the rest is per call. */
 typedef struct mf_plan_error {
     int32_t code;    /* 0, MOEFUSE_ERR_EXPERT_ID or MOEFUSE_ERR_DUPLICATE_EXPERT; EP also
-                        MOEFUSE_ERR_TIMEOUT and MOEFUSE_ERR_TOO_MANY_TOKENS */
+                        MOEFUSE_ERR_TIMEOUT and MOEFUSE_ERR_CAPACITY */
     int32_t token;   /* the smallest bad token of the first failed call; EP: the peer */
     int32_t slot;    /* k of the bad id; EP: the stage (mf_ep_stage) */
     int32_t value;   /* the bad id; EP: the flag value seen */
@@ -215,9 +215,15 @@ typedef enum mf_ep_stage {
  * slot order: the order of the one-rank plan on the ranks' concatenated tokens. */
 typedef struct mf_ep_exchange_params {
     int rank, num_ranks, num_experts, num_local_experts;
+    int rows_cap;                 /* rows of the receive buffers, multiple of 128 */
     /* also: arrival_target[b] += 128 for every receive block b of this call (the rows
-     * gemm1 waits for), in the sync window (mf_ep_targets_word) */
-    int rows_cap;                 /* receive capacity, multiple of 128 */
+     * gemm1 waits for): the sync window's targets (mf_ep_targets_word, placed by the
+     * blocks of the largest layer sharing the window) */
+    uint32_t *arrival_target;
+    /* rows a receiver may take (config.recv_capacity_factor); more on any receiver fails
+     * the call on every rank (MOEFUSE_ERR_CAPACITY: peer = the receiver, value = its
+     * rows, expected = the capacity) */
+    int recv_capacity;
     const int32_t *send_counts;   /* [E] */
     mf_plan_state *state;         /* call_failed in (bad ids) and out; error record */
     void *const *peers;

@@ -50,6 +50,24 @@ moefuse_status mf_plan_build(const int32_t *ids, int num_tokens, int top_k, int 
 /* Only the id checks of mf_plan_build. */
 moefuse_status mf_check_ids(const int32_t *ids, int num_tokens, int top_k, int num_experts);
 
+/* The buffers of a rank on a comm (see "expert parallelism" below). */
+enum {
+    MF_WIN_XS = 0,       /* received x rows        [rows_cap, H] bf16 */
+    MF_WIN_DYS,          /* received dy rows       [rows_cap, H] bf16 */
+    MF_WIN_ROW_SLOT,     /* received rows' source  [rows_cap] int32: slot * R + rank */
+    MF_WIN_ROW_WEIGHT,   /* received rows' p       [rows_cap] fp32 */
+    MF_WIN_COMBINE,      /* slot rows of y or dx   [max_tokens * K, H] bf16 */
+    MF_WIN_DP,           /* d p of each slot       [max_tokens * K] fp32 */
+    MF_WIN_SYNC,         /* epoch, flags, count matrix (see src/cuda/transport/ep_sync.h) */
+    MF_WIN_COUNT,
+    /* the pool's scratch, not windows: a call's intermediate rows (src/cuda/pipeline) */
+    MF_POOL_ACT = MF_WIN_COUNT, /* [rows_cap, I] bf16 */
+    MF_POOL_DH,          /* [rows_cap, 2I] bf16 */
+    MF_POOL_DP_PARTIAL,  /* [rows_cap, dp_parts] fp32 */
+    MF_POOL_GATE_UP,     /* [rows_cap, 2I] bf16, layers with MOEFUSE_RECOMPUTE only */
+    MF_POOL_COUNT
+};
+
 /* ---- the layer and its backends (src/host/layer.c) ------------------------------ */
 
 typedef struct mf_backend_ops {
@@ -70,6 +88,9 @@ typedef struct mf_backend_ops {
     moefuse_status (*quantize_weights)(const moefuse_layer *layer, moefuse_dtype dtype,
                                        const void *w13, const void *w2,
                                        const moefuse_fp8_weights *out, void *stream);
+    /* moefuse_layer_memory's fields past the header; NULL: the backend has no device
+     * memory (only saved_bytes is reported) */
+    void (*memory)(const moefuse_layer *layer, moefuse_memory *out);
 } mf_backend_ops;
 
 struct moefuse_layer {
@@ -79,63 +100,126 @@ struct moefuse_layer {
     const mf_backend_ops *ops;
     void *backend;            /* the backend's own state */
     moefuse_comm *comm;       /* NULL for R = 1 */
+    size_t pool_need[MF_POOL_COUNT]; /* with a comm: what this layer needs of its rank's pool */
 };
 
 /* ---- expert parallelism: the comm (src/comm/comm.c) -------------------------------
- * Each rank's layer owns "windows": buffers its peers write into (received rows,
- * combine slots, flags). The comm keeps every rank's window base pointers, so a
- * backend can build the table of peer pointers its kernels use. Virtual ranks: the
+ * Each rank owns "windows": buffers its peers write into (received rows, combine
+ * slots, flags), and per-call scratch as large as its receive capacity. Both belong to
+ * the comm, one pool per rank, shared by every layer of that rank on the comm: calls on
+ * the comm run in stream order (moefuse.h), so one layer's call never overlaps
+ * another's, and what a backward needs from its forward is in the caller's saved buffer,
+ * never in the pool. A pool is sized by the largest layer created on it (a later, larger
+ * layer grows it at create) and freed with the rank's last layer. Virtual ranks: the
  * windows are plain allocations of one GPU. NCCL: symmetric windows registered with the
- * caller's communicator, one rank (layer) per process (src/comm/nccl_comm.cu). */
-enum {
-    MF_WIN_XS = 0,       /* received x rows        [rows_cap, H] bf16 */
-    MF_WIN_DYS,          /* received dy rows       [rows_cap, H] bf16 */
-    MF_WIN_ROW_SLOT,     /* received rows' source  [rows_cap] int32: slot * R + rank */
-    MF_WIN_ROW_WEIGHT,   /* received rows' p       [rows_cap] fp32 */
-    MF_WIN_COMBINE,      /* slot rows of y or dx   [max_tokens * K, H] bf16 */
-    MF_WIN_DP,           /* d p of each slot       [max_tokens * K] fp32 */
-    MF_WIN_SYNC,         /* epoch, flags, count matrix (see src/cuda/transport/ep_sync.h) */
-    MF_WIN_COUNT
-};
-
+ * caller's communicator, one rank per process (src/comm/nccl_comm.cu). */
 enum { MF_COMM_VIRTUAL = 1, MF_COMM_NCCL = 2 };
 #define MF_MAX_RANKS 64
+
+/* One rank's buffers shared by its layers (allocated by src/cuda/transport/ep_pool.cu). */
+typedef struct mf_pool {
+    int num_layers;                     /* the rank's layers on the comm; 0: no pool */
+    size_t bytes[MF_POOL_COUNT];        /* each buffer's size: the largest layer's need */
+    void *buf[MF_POOL_COUNT];
+    void *win_handle[MF_WIN_COUNT];     /* NCCL: each window's ncclWindow_t */
+    void *peer_table;                   /* device [MF_WIN_COUNT][R]: every rank's windows */
+} mf_pool;
 
 struct moefuse_comm {
     int kind;                           /* MF_COMM_VIRTUAL or MF_COMM_NCCL */
     int num_ranks;
     int timeout_ms;
-    int num_attached;                   /* layers of this process on the comm */
     void *nccl_comm;                    /* NCCL: the caller's ncclComm_t */
     int nccl_rank;                      /* NCCL: this process's rank */
     void *nccl_dev_comm;                /* NCCL: ncclDevComm (host copy) */
-    moefuse_layer *layers[MF_MAX_RANKS];               /* NULL: rank not created */
-    void *windows[MF_MAX_RANKS][MF_WIN_COUNT];         /* each rank's window bases */
-    size_t sync_bytes[MF_MAX_RANKS];                   /* size of each MF_WIN_SYNC */
-    void *peer_table[MF_MAX_RANKS];   /* each rank's device table [MF_WIN_COUNT][R] */
+    void *nccl_vote;                    /* NCCL: device int of the create-time agreement */
+    int num_experts;                    /* E of every layer on the comm (set by the first) */
+    mf_pool pools[MF_MAX_RANKS];        /* virtual: every rank's; NCCL: this process's */
 };
 
-/* Records rank's layer and windows (virtual ranks: one layer per rank; NCCL: counts the
- * layers); the caller (a backend) then refreshes the peer tables when mf_comm_complete
- * says every rank is in. mf_comm_detach undoes one attach. */
-moefuse_status mf_comm_attach(moefuse_comm *comm, int rank, moefuse_layer *layer,
-                              void *const windows[MF_WIN_COUNT], size_t sync_bytes,
-                              void *peer_table);
-void mf_comm_detach(moefuse_comm *comm, int rank);
-/* Every rank's layer is in: all R for virtual ranks; always for NCCL (the other
- * ranks' layers are in their processes, created collectively with this one). */
-int mf_comm_complete(const moefuse_comm *comm);
-/* MOEFUSE_OK when every rank's layer exists; else names the first missing rank. */
-moefuse_status mf_comm_check_ready(const moefuse_comm *comm, const char *call);
+/* Layers of the comm in this process (every rank's for virtual ranks). */
+int mf_comm_num_layers(const moefuse_comm *comm);
+/* MOEFUSE_OK when every rank's pool holds what `layer` needs of it (virtual: every rank
+ * has a layer as large; NCCL: the other ranks' were created collectively with this one);
+ * else names the first rank that lacks it. */
+moefuse_status mf_comm_check_ready(const moefuse_comm *comm, const moefuse_layer *layer,
+                                   const char *call);
 
 /* NCCL comms (src/comm/nccl_comm.cu, built when NCCL's device API headers and libnccl
  * are found): windows, their peer table, and the comm's own release. */
 void mf_nccl_comm_release(moefuse_comm *comm);
-moefuse_status mf_nccl_window_alloc(moefuse_comm *comm, size_t bytes, void **ptr,
-                                    void **handle);
+/* A window's memory (zeroed) before any collective; its registration (collective) once
+ * every rank agreed (mf_nccl_agree); both undone by mf_nccl_window_free. */
+moefuse_status mf_nccl_window_alloc(moefuse_comm *comm, size_t bytes, void **ptr);
+moefuse_status mf_nccl_window_register(moefuse_comm *comm, void *ptr, size_t bytes,
+                                       void **handle);
 void mf_nccl_window_free(moefuse_comm *comm, void *ptr, void *handle);
+/* Collective: *any_failed = the largest (rank + 1) of the ranks passing failed != 0, 0
+ * when none did. Every rank's layer create calls it once, whatever its own outcome, so a
+ * rank that failed locally makes every rank fail instead of leaving them waiting in the
+ * window registration. */
+moefuse_status mf_nccl_agree(moefuse_comm *comm, int failed, int *any_failed);
 moefuse_status mf_nccl_peer_table(moefuse_comm *comm, void *const handles[MF_WIN_COUNT],
                                   void **device_table);
+
+/* ---- the CUDA backend's buffer sizes (src/host/sizing.c) ---------------------------
+ * One arithmetic for what a CUDA layer allocates, what its saved buffer holds, and what
+ * moefuse_layer_memory and moefuse_memory_estimate report; it needs no GPU. */
+#define MF_ROWS_BLOCK 128              /* each expert's rows padded to it (the GEMM row tile) */
+#define MF_RECV_CAPACITY_DEFAULT 2.0   /* config.recv_capacity_factor 0 (moefuse.h) */
+
+/* Saved buffer sections (byte offsets), each at a 256-byte boundary (see
+ * src/cuda/pipeline/workspace.cu). */
+typedef struct mf_saved_layout {
+    size_t header, counts, offsets, row_block_expert, slot_row, row_slot, gate_up, xs, total;
+    int rows_cap;
+} mf_saved_layout;
+
+/* What the sizes take from the CUDA kernels: dgrad2's d p partials per row, the plan's
+ * tokens per chunk, sizeof(mf_plan_state). A build without CUDA uses the same rules
+ * (mf_cuda_tiles in layer.c). */
+typedef struct mf_tiles {
+    int dp_parts;
+    int chunk_tokens;
+    size_t plan_state_bytes;
+} mf_tiles;
+mf_tiles mf_cuda_tiles(int top_k, int intermediate);
+
+typedef struct mf_sizes {
+    int peers;                 /* a comm: rows come from every rank */
+    int64_t recv_capacity;     /* rows this rank may receive per call, before padding */
+    int rows_cap;              /* rows of the expert-sorted buffers: the capacity and each
+                                  local expert's padding, in whole row blocks */
+    int send_rows_cap;         /* peers: rows of the send plan */
+    /* Buffers sized by rows_cap, indexed by MF_WIN_* / MF_POOL_*: with a comm, what this
+     * layer needs of its rank's pool (shared); without, the layer's own (xs, combine,
+     * row_weight and the scratch; the other windows 0) */
+    size_t rows_bufs[MF_POOL_COUNT];
+    /* the layer's own */
+    size_t slot_rank, chunk_base, plan_state, gemm_num_rows, plan_ws, act_ready;
+    size_t bwd_offsets, expert_order;
+    size_t send_counts, send_offsets, send_rbe, send_slot_row, send_row_slot, send_scalars,
+        dest_base;             /* peers only, else 0 */
+    size_t saved;              /* moefuse_saved_bytes(max_tokens) */
+} mf_sizes;
+
+/* Rows a rank may receive per call: without a comm T*K; with one,
+ * recv_capacity_factor (0: MF_RECV_CAPACITY_DEFAULT) * max_tokens * K rounded up, at
+ * most R * max_tokens * K (what every rank routing everything to it sends). */
+int64_t mf_recv_capacity(const moefuse_config *c, int peers, int num_tokens);
+/* Rows of an expert-sorted buffer for `slots` rows over `experts` local experts: each
+ * expert's segment padded to MF_ROWS_BLOCK, the sum rounded to a whole block. */
+int mf_padded_rows(int64_t slots, int experts);
+mf_saved_layout mf_saved_layout_of(const moefuse_config *c, int peers, int num_tokens,
+                                   moefuse_saved_mode mode);
+mf_sizes mf_sizes_of(const moefuse_config *c, int peers, mf_tiles tiles);
+/* The layer's own bytes of s (every field after rows_bufs, and rows_bufs without a comm). */
+size_t mf_sizes_own(const mf_sizes *s);
+size_t mf_sizes_sum(const size_t *bytes, int from, int to);
+/* moefuse_memory's fields from the sizes of a layer and its rank's pool (pool: the
+ * pool's bytes, or z->rows_bufs for a layer alone), src/host/layer.c. */
+void mf_memory_from_sizes(const mf_sizes *z, const size_t *pool, int shared_layers,
+                          moefuse_memory *m);
 
 /* ---- FP8 block-scaled weights (src/host/fp8_weights.c) --------------------------
  * OK for NULL on a BF16 layer; on an FP8_BLOCK layer: shapes and scale rule the layer's,

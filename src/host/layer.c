@@ -2,12 +2,25 @@
  * Everything here runs before any work, so a bad call touches no output. */
 #include "internal.h"
 
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #ifndef MOEFUSE_HAVE_CUDA
 const mf_backend_ops *mf_cuda_backend(void) { return NULL; }
+
+/* The rules of the CUDA kernels (sm90/dgrad2_swiglu.cu mf_dgrad2_dp_parts: BN = 256 when
+ * I allows it, else 128; simt/moe_plan.cu chunk_tokens: 2048 slots per chunk;
+ * sizeof(mf_plan_state) in kernels.h), for the sizes a build without CUDA reports.
+ * The CUDA build takes them from the kernels (workspace.cu). */
+mf_tiles mf_cuda_tiles(int top_k, int intermediate) {
+    mf_tiles t;
+    t.dp_parts = intermediate % 256 == 0 ? intermediate / 256 : intermediate / 128;
+    t.chunk_tokens = top_k >= 2048 ? 1 : 2048 / top_k;
+    t.plan_state_bytes = 48;
+    return t;
+}
 #endif
 
 void moefuse_config_init(moefuse_config *cfg, int hidden, int intermediate, int num_experts,
@@ -30,7 +43,8 @@ void moefuse_config_init(moefuse_config *cfg, int hidden, int intermediate, int 
 
 /* ---- config ---------------------------------------------------------------------- */
 
-static moefuse_status check_config(const moefuse_config *c, const moefuse_comm *comm) {
+/* The fields alone, as for a layer with a comm of c->num_ranks ranks. */
+static moefuse_status check_fields(const moefuse_config *c) {
 #define POSITIVE(field)                                                                  \
     if (c->field <= 0)                                                                   \
         return mf_fail(MOEFUSE_ERR_INVALID_CONFIG, "config." #field " = %d: expected > 0",  \
@@ -94,6 +108,20 @@ static moefuse_status check_config(const moefuse_config *c, const moefuse_comm *
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
                        "config.backend = %d: expected MOEFUSE_BACKEND_CPU (0) or "
                        "MOEFUSE_BACKEND_CUDA (1)", (int)c->backend);
+    /* !(x >= 1) also refuses NaN */
+    if (c->recv_capacity_factor != 0 && !(c->recv_capacity_factor >= 1.0 &&
+                                          c->recv_capacity_factor <= 1e6))
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                       "config.recv_capacity_factor = %g: expected 0 (the default, %.1f) or a "
+                       "multiple of the balanced load max_tokens * top_k in [1, 1e6] (above "
+                       "num_ranks it is num_ranks)",
+                       c->recv_capacity_factor, MF_RECV_CAPACITY_DEFAULT);
+    return MOEFUSE_OK;
+}
+
+static moefuse_status check_config(const moefuse_config *c, const moefuse_comm *comm) {
+    moefuse_status st = check_fields(c);
+    if (st != MOEFUSE_OK) return st;
     if (c->num_ranks > 1 && comm == NULL)
         return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
                        "config.num_ranks = %d with comm = NULL: expected a moefuse_comm of %d "
@@ -106,6 +134,13 @@ static moefuse_status check_config(const moefuse_config *c, const moefuse_comm *
         return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
                        "config.rank = %d: this process is rank %d of the NCCL communicator; "
                        "expected the same", c->rank, comm->nccl_rank);
+    /* checked before any allocation: the layers' flags, counts and arrival counters share
+     * one window per rank, laid out by E */
+    if (comm != NULL && mf_comm_num_layers(comm) > 0 && comm->num_experts != c->num_experts)
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                       "config.num_experts = %d: the comm's other layers have %d; expected the "
+                       "same on every layer of a comm (they share its windows)",
+                       c->num_experts, comm->num_experts);
     if (comm != NULL && c->backend != MOEFUSE_BACKEND_CUDA)
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
                        "config.backend = %d with a comm: expert parallelism runs on "
@@ -310,7 +345,7 @@ moefuse_status moefuse_forward(moefuse_layer *layer, const moefuse_fwd_args *a, 
     mf_clear_error();
     if (!layer) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "layer: expected a layer");
     if (!a) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "args: expected a moefuse_fwd_args *");
-    if (layer->comm) TRY(mf_comm_check_ready(layer->comm, "moefuse_forward"));
+    if (layer->comm) TRY(mf_comm_check_ready(layer->comm, layer, "moefuse_forward"));
     TRY(check_inputs(layer, a->num_tokens, a->x, a->x_stride, a->ids, a->weights, a->w13,
                      a->w2, "fwd_args"));
     TRY(need_rows(layer, a->y, a->y_stride, a->num_tokens, "fwd_args.y", "fwd_args.y_stride"));
@@ -326,7 +361,7 @@ moefuse_status moefuse_backward(moefuse_layer *layer, const moefuse_bwd_args *a,
     mf_clear_error();
     if (!layer) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "layer: expected a layer");
     if (!a) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "args: expected a moefuse_bwd_args *");
-    if (layer->comm) TRY(mf_comm_check_ready(layer->comm, "moefuse_backward"));
+    if (layer->comm) TRY(mf_comm_check_ready(layer->comm, layer, "moefuse_backward"));
     TRY(check_inputs(layer, a->num_tokens, a->x, a->x_stride, a->ids, a->weights, a->w13,
                      a->w2, "bwd_args"));
     TRY(need_ptr(a->saved, "bwd_args.saved", 256));
@@ -345,6 +380,84 @@ moefuse_status moefuse_backward(moefuse_layer *layer, const moefuse_bwd_args *a,
     TRY(check_wgrad_outputs(layer, a));
     TRY(mf_check_fp8_weights(layer, a->fp8_weights, "bwd_args.fp8_weights"));
     return layer->ops->backward(layer, a, stream);
+}
+
+/* ---- memory ---------------------------------------------------------------------- */
+
+/* The caller's struct_size checked; full gets the library's version. */
+static moefuse_status memory_begin(moefuse_memory *out, moefuse_memory *full) {
+    if (!out) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "out: expected a moefuse_memory *");
+    const size_t least = offsetof(moefuse_memory, saved_bytes) + sizeof out->saved_bytes;
+    if (out->struct_size < least)
+        return mf_fail(MOEFUSE_ERR_SHAPE,
+                       "out->struct_size = %zu: expected sizeof(moefuse_memory) (%zu in version "
+                       "%d); set it before the call", out->struct_size, least,
+                       MOEFUSE_MEMORY_VERSION);
+    memset(full, 0, sizeof *full);
+    full->struct_size = out->struct_size;
+    full->version = MOEFUSE_MEMORY_VERSION;
+    return MOEFUSE_OK;
+}
+
+/* The fields of this version that fit in the caller's struct. */
+static void memory_end(const moefuse_memory *full, moefuse_memory *out) {
+    const size_t n = out->struct_size < sizeof *full ? out->struct_size : sizeof *full;
+    memcpy(out, full, n);
+}
+
+void mf_memory_from_sizes(const mf_sizes *z, const size_t *pool, int shared_layers,
+                          moefuse_memory *m) {
+    m->recv_capacity_rows = z->recv_capacity;
+    m->rows_cap = z->rows_cap;
+    m->shared_layers = z->peers ? shared_layers : 0;
+    if (z->peers) {
+        m->comm_window_bytes = mf_sizes_sum(pool, 0, MF_WIN_COUNT);
+        m->comm_scratch_bytes = mf_sizes_sum(pool, MF_WIN_COUNT, MF_POOL_COUNT);
+        m->layer_window_bytes = mf_sizes_sum(z->rows_bufs, 0, MF_WIN_COUNT);
+        m->layer_scratch_bytes = mf_sizes_sum(z->rows_bufs, MF_WIN_COUNT, MF_POOL_COUNT);
+    }
+    m->workspace_bytes = mf_sizes_own(z);
+    m->saved_bytes = z->saved;
+}
+
+moefuse_status moefuse_layer_memory(const moefuse_layer *layer, moefuse_memory *out) {
+    mf_clear_error();
+    if (!layer) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "layer: expected a layer");
+    moefuse_memory m;
+    TRY(memory_begin(out, &m));
+    m.recv_capacity_rows = (int64_t)layer->cfg.max_tokens * layer->cfg.top_k;
+    if (layer->ops->memory) layer->ops->memory(layer, &m);
+    else m.saved_bytes = layer->ops->saved_bytes(layer, layer->cfg.max_tokens);
+    memory_end(&m, out);
+    return MOEFUSE_OK;
+}
+
+moefuse_status moefuse_memory_estimate(const moefuse_config *cfg, int with_comm,
+                                       moefuse_memory *out) {
+    mf_clear_error();
+    if (!cfg) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "cfg: expected a moefuse_config *");
+    moefuse_memory m;
+    TRY(memory_begin(out, &m));
+    TRY(check_fields(cfg));
+    if (cfg->backend != MOEFUSE_BACKEND_CUDA)
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                       "config.backend = %d: expected MOEFUSE_BACKEND_CUDA (the estimate is "
+                       "of the CUDA backend's buffers)", (int)cfg->backend);
+    if (with_comm != 0 && with_comm != 1)
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG, "with_comm = %d: expected 0 or 1", with_comm);
+    if (!with_comm && cfg->num_ranks != 1)
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                       "config.num_ranks = %d with with_comm = 0: expected 1 (more ranks need "
+                       "a comm)", cfg->num_ranks);
+    if (with_comm && cfg->saved_mode == MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS)
+        return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
+                       "config.saved_mode = MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS with a comm: "
+                       "refused at create; expected MOEFUSE_SAVE_ACTIVATIONS or "
+                       "MOEFUSE_RECOMPUTE");
+    const mf_sizes z = mf_sizes_of(cfg, with_comm, mf_cuda_tiles(cfg->top_k, cfg->intermediate));
+    mf_memory_from_sizes(&z, z.rows_bufs, 1, &m);
+    memory_end(&m, out);
+    return MOEFUSE_OK;
 }
 
 /* ---- routing helper ------------------------------------------------------------------ */

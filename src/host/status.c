@@ -38,6 +38,7 @@ const char *moefuse_status_string(moefuse_status status) {
     case MOEFUSE_ERR_NCCL: return "MOEFUSE_ERR_NCCL";
     case MOEFUSE_ERR_TIMEOUT: return "MOEFUSE_ERR_TIMEOUT";
     case MOEFUSE_ERR_SAVED_STATE: return "MOEFUSE_ERR_SAVED_STATE";
+    case MOEFUSE_ERR_CAPACITY: return "MOEFUSE_ERR_CAPACITY";
     }
     return "MOEFUSE_ERR_UNKNOWN";
 }

@@ -81,6 +81,9 @@ typedef struct ep {
     moefuse_saved_mode mode;
     int null_if_empty;         /* ranks with T = 0 pass NULL token tensors */
     moefuse_pipeline pipeline; /* the ranks' forward (the R = 1 reference runs staged) */
+    /* config.recv_capacity_factor: ep_open sets R, so that every routing of the equality
+     * cases (skew onto one rank included) fits; 0 for the library's default */
+    double capacity;
     moefuse_comm *comm;
     void *nccl;                /* an ncclComm_t of one rank when the comm is NCCL's */
     rank_state rk[kMaxRanks];

@@ -51,6 +51,7 @@ int ep_open(ep *s, int R, int max_tokens, moefuse_saved_mode mode) {
     s->R = R;
     s->max_tokens = max_tokens;
     s->mode = mode;
+    s->capacity = R;
     const int64_t Er = kE / R, cap = max_tokens;
     if (R == 1 && G.use_nccl) {
         if (!open_nccl_comm(s)) goto done;
@@ -84,6 +85,7 @@ moefuse_config ep_config(const ep *s, int r) {
     c.backend = MOEFUSE_BACKEND_CUDA;
     c.saved_mode = s->mode;
     c.pipeline = s->pipeline;
+    c.recv_capacity_factor = s->capacity;
     return c;
 }
 

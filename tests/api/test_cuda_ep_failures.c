@@ -7,7 +7,8 @@
  *   - the backward's failures after a good forward: one rank's saved buffer rejected
  *     (the others fail at once, naming it), one rank that never calls its backward
  *     (the others time out); no dx written; new layers give the R = 1 bits;
- *   - the comm's refusals: a call before every rank's layer exists, a second layer for
+ *   - the comm's refusals: a call before every rank's layer exists, a call on a layer
+ *     larger than the other ranks' layers so far, a layer of another num_experts,
  *     a rank, moefuse_comm_destroy with live layers; the comm works afterwards.
  *
  * Every EP run is waited for with a host bound, and every case runs under a watchdog:
@@ -183,8 +184,10 @@ done:
 
 static void case_bwd_rejected_saved(void) { backward_failure(1); }
 static void case_bwd_missing_rank(void) { backward_failure(0); }
-/* What the comm refuses: a call before every rank's layer exists, a second layer for a
- * rank, destroying it with live layers. None of it breaks the comm. */
+/* What the comm refuses: a call before every rank's layer exists, a call on rank 0's
+ * second, larger layer before rank 1 has one as large (its windows are too small), a
+ * layer with another num_experts (the layers share the flags' window), destroying the
+ * comm with live layers. None of it breaks the comm. */
 static void case_refusals(void) {
     if (!ready()) return;
     const int R = 2, T[2] = {64, 64};
@@ -211,12 +214,26 @@ static void case_refusals(void) {
           "naming rank 1", moefuse_status_string(st), moefuse_last_error());
 
     MF_OK(ep_layer_create(&s, 1));
-    const moefuse_config c1 = ep_config(&s, 1);
-    st = moefuse_layer_create(&c1, s.comm, &second);
-    CHECK(st == MOEFUSE_ERR_INVALID_CONFIG && second == NULL,
-          "a second layer for rank 1: %s (%s), expected MOEFUSE_ERR_INVALID_CONFIG and no layer",
-          moefuse_status_string(st), moefuse_last_error());
-    printf("    a second layer for rank 1: %s: %s\n", moefuse_status_string(st),
+    moefuse_config big = ep_config(&s, 0);
+    big.max_tokens = 2 * s.max_tokens;  // grows rank 0's pool, not rank 1's
+    MF_OK(moefuse_layer_create(&big, s.comm, &second));
+    st = moefuse_forward(second, &a, s.rk[0].stream);
+    CHECK(st == MOEFUSE_ERR_INVALID_CONFIG && strstr(moefuse_last_error(), "rank 1"),
+          "forward on rank 0's larger layer before rank 1 has one: %s (%s), expected "
+          "MOEFUSE_ERR_INVALID_CONFIG naming rank 1", moefuse_status_string(st),
+          moefuse_last_error());
+    printf("    forward on a larger layer of rank 0 alone: %s: %s\n", moefuse_status_string(st),
+           moefuse_last_error());
+    MF_OK(moefuse_layer_destroy(second));
+    second = NULL;
+    moefuse_config other = ep_config(&s, 1);
+    other.num_experts = kE / 2;
+    st = moefuse_layer_create(&other, s.comm, &second);
+    CHECK(st == MOEFUSE_ERR_INVALID_CONFIG && second == NULL &&
+              strstr(moefuse_last_error(), "num_experts"),
+          "a layer of another num_experts: %s (%s), expected MOEFUSE_ERR_INVALID_CONFIG naming "
+          "num_experts and no layer", moefuse_status_string(st), moefuse_last_error());
+    printf("    a layer of another num_experts: %s: %s\n", moefuse_status_string(st),
            moefuse_last_error());
 
     st = moefuse_comm_destroy(s.comm);
@@ -243,7 +260,8 @@ int main(int argc, char **argv) {
         {case_timeout, "timeout: rank 3 of 4 never calls"},
         {case_bwd_rejected_saved, "backward: rank 2 of 4 passes a rejected saved buffer"},
         {case_bwd_missing_rank, "backward timeout: rank 3 of 4 never calls its backward"},
-        {case_refusals, "refusals: call before every layer, second layer, comm destroy"},
+        {case_refusals, "refusals: call before every layer, a larger layer alone, another E, "
+                        "comm destroy"},
     };
     return ep_main(argc, argv, cases, (int)(sizeof cases / sizeof cases[0]));
 }

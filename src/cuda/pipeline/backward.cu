@@ -93,6 +93,7 @@ moefuse_status backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *s
     const exec_plan &plan = s->plan;
     const mf_gemm_ops *gemm = plan.gemm;
     const cudaStream_t stream = (cudaStream_t)stream_;
+    plan.net->bind(layer, s);  // peers: the rank's pool, as large as its largest layer
     const int T = a->num_tokens;
     const call_bufs c = call_for(layer, T, plan.saved_mode, a->saved);
     if (T == 0 && !plan.rows_from_peers) {

@@ -42,18 +42,26 @@ moefuse_status check(moefuse_layer *layer, void *stream_) {
                        rec.slot >= 0 && rec.slot < 5 ? what[rec.slot] : "entry", rec.token,
                        rec.value);
     }
-    if (rec.code == MOEFUSE_ERR_TIMEOUT || rec.code == MOEFUSE_ERR_TOO_MANY_TOKENS) {
+    if (rec.code == MOEFUSE_ERR_CAPACITY) {
+        const int EL = layer->num_local_experts, q = rec.token;
+        return mf_fail(MOEFUSE_ERR_CAPACITY,
+                       "rank %d: the routing sent rank %d (experts %d..%d) %d rows, over its "
+                       "receive capacity of %d rows (config.recv_capacity_factor %g x "
+                       "max_tokens %d x top_k %d; or a rank with other such config values); "
+                       "that call sent no row and wrote no y, saved or expert_counts on any "
+                       "rank; the next call works; expected a more balanced routing or a "
+                       "larger recv_capacity_factor",
+                       layer->cfg.rank, q, q * EL, (q + 1) * EL - 1, rec.value, rec.expected,
+                       layer->cfg.recv_capacity_factor > 0 ? layer->cfg.recv_capacity_factor
+                                                           : MF_RECV_CAPACITY_DEFAULT,
+                       layer->cfg.max_tokens, layer->cfg.top_k);
+    }
+    if (rec.code == MOEFUSE_ERR_TIMEOUT) {
         static const char *const stage[] = {
             "forward: row counts", "forward: x rows", "forward: y slot rows",
             "backward: start of the call", "backward: dy and x rows",
             "backward: dx slot rows and d p"};
         const char *st = rec.slot >= 0 && rec.slot < 6 ? stage[rec.slot] : "?";
-        if (rec.code == MOEFUSE_ERR_TOO_MANY_TOKENS)
-            return mf_fail(MOEFUSE_ERR_TOO_MANY_TOKENS,
-                           "rank %d: rank %d would receive %d rows, over its capacity of %d "
-                           "(R * max_tokens * K + padding); expected the same config.max_tokens "
-                           "on every rank; that call wrote no output on any rank",
-                           layer->cfg.rank, rec.token, rec.value, rec.expected);
         if (rec.token < 0)  // gemm1 waiting for the rows of one receive block
             return mf_fail(MOEFUSE_ERR_TIMEOUT,
                            "rank %d: timeout after %d ms waiting for the rows of its receive "

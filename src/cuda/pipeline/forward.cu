@@ -26,6 +26,7 @@ moefuse_status forward(moefuse_layer *layer, const moefuse_fwd_args *a, void *st
     cuda_state *s = state_of(layer);
     const exec_plan &plan = s->plan;
     const cudaStream_t stream = (cudaStream_t)stream_;
+    plan.net->bind(layer, s);  // peers: the rank's pool, as large as its largest layer
     const int T = a->num_tokens;
     /* the plan into the caller's saved buffer, else into the workspace */
     const moefuse_saved_mode mode = a->saved ? plan.saved_mode : MOEFUSE_RECOMPUTE;

@@ -44,7 +44,7 @@ moefuse_status as_they_are(const moefuse_layer *, const call_bufs &, const moefu
 
 moefuse_status fp8_create(moefuse_layer *layer, cuda_state *s) {
     const moefuse_config *c = &layer->cfg;
-    const int64_t rows_cap = rows_cap_for(layer, c->max_tokens);
+    const int64_t rows_cap = s->sizes.rows_cap;   /* the workspaces' rows (sizing.c) */
     const int64_t ld = scale_ld((int)rows_cap);
     const int64_t row_cols = max_int(c->hidden, 2 * c->intermediate);
     const int64_t lhs_cols = max_int(c->hidden, 2 * c->intermediate);   /* p dy, [dg; du] */

@@ -6,7 +6,9 @@
  *          token-major dispatch of x (and of dy and x in one pass in the backward);
  *   peers  (transport/peers.cu)  a comm (virtual ranks or NCCL): a send plan, the count
  *          exchange, rows pushed beside the GEMMs (which wait for their arrival),
- *          combine rows written into the source ranks' windows, signals. */
+ *          combine rows written into the source ranks' windows, signals; the windows and
+ *          the scratch sized by the receive capacity are its rank's pool on the comm,
+ *          shared with the rank's other layers (transport/ep_pool.cu). */
 #ifndef MOEFUSE_CUDA_PIPELINE_STATE_H
 #define MOEFUSE_CUDA_PIPELINE_STATE_H
 
@@ -32,9 +34,9 @@ struct exec_plan {
     const transport *net;       /* local (no comm) or peers */
     const operand_prep *operands; /* what the GEMMs read: bf16 as is, or quantized to FP8 */
     /* peers: a rank's rows come from every rank, so the row buffers and the saved state
-     * are sized by the receive capacity (R * max_tokens * K), a call with T = 0 still
-     * serves the others, and the rows' sources are sent again by the backward instead of
-     * being saved */
+     * are sized by the receive capacity (config.recv_capacity_factor), a call with T = 0
+     * still serves the others, and the rows' sources are sent again by the backward
+     * instead of being saved */
     bool rows_from_peers;
     bool fused_forward;         /* MOEFUSE_PIPELINE_FUSED and a shape the fused forward takes */
     /* MOEFUSE_PIPELINE_FUSED and a shape the fused backward takes (its scratch is
@@ -52,20 +54,22 @@ struct exec_plan {
     int plan_experts;           /* experts the plan sorts into: E_local, or E (peers' sends) */
 };
 
-/* Saved buffer sections (byte offsets), each at a 256-byte boundary. */
-struct saved_layout {
-    size_t header, counts, offsets, row_block_expert, slot_row, row_slot, gate_up, xs, total;
-    int rows_cap;
-};
+/* Saved buffer sections (byte offsets), each at a 256-byte boundary (src/host/sizing.c). */
+typedef mf_saved_layout saved_layout;
+static_assert(MF_ROWS_BLOCK == MF_ROW_BLOCK_M, "the host sizes pad to the GEMMs' row block");
 
 struct cuda_state {
     exec_plan plan;
+    mf_sizes sizes;             /* every buffer's bytes, from the config (src/host/sizing.c) */
     int device;
     int num_ranks, rank;
-    uint16_t *xs;               /* [rows_cap, H]; peers: window MF_WIN_XS */
-    uint16_t *act;              /* [rows_cap, I] */
-    uint16_t *combine;          /* local: [rows_cap, H] (also dys); peers: [max_tokens*K, H] window */
-    float *row_weight;          /* [rows_cap] each row's p: local the dispatch's; peers: window */
+    /* Peers: the fields marked "pool" point into the rank's pool on the comm, set by the
+     * transport's bind at the start of every call (a later layer's create may have grown
+     * the pool); the layer owns the rest. */
+    uint16_t *xs;               /* [rows_cap, H]; peers: window MF_WIN_XS (pool) */
+    uint16_t *act;              /* [rows_cap, I]; peers: pool */
+    uint16_t *combine;          /* local: [rows_cap, H] (also dys); peers: [max_tokens*K, H] window (pool) */
+    float *row_weight;          /* [rows_cap] each row's p: local the dispatch's; peers: window (pool) */
     int32_t *slot_rank;         /* [max_tokens * K] */
     int32_t *chunk_base;        /* [chunks(max_tokens), plan_experts] */
     mf_plan_state *plan_state;  /* error record and per-call flags */
@@ -75,21 +79,24 @@ struct cuda_state {
                                  * (forward: gemm1 tiles done per row block, and the tile
                                  * counter; backward: mf_moe_fused_bwd_params.scratch) */
     /* backward */
-    uint16_t *dh;               /* [rows_cap, 2I] */
-    float *dp_partial;          /* [rows_cap, dp_parts] */
-    uint16_t *gate_up;          /* [rows_cap, 2I], MOEFUSE_RECOMPUTE only */
+    uint16_t *dh;               /* [rows_cap, 2I]; peers: pool */
+    float *dp_partial;          /* [rows_cap, dp_parts]; peers: pool */
+    uint16_t *gate_up;          /* [rows_cap, 2I], MOEFUSE_RECOMPUTE only; peers: pool */
     int32_t *bwd_offsets;       /* [E_local + 1]: the checked expert_offsets, 0s on failure */
     int32_t *expert_order;      /* [E_local + 1]: the wgrad tiles' expert order */
     /* peers (transport/peers.cu) */
-    uint16_t *dys;              /* window [rows_cap, H] */
-    int32_t *row_slot;          /* window [rows_cap] */
-    float *dp_slot;             /* window [max_tokens * K] */
-    uint32_t *sync;             /* window, mf_ep_sync_bytes */
-    void *win_handle[MF_WIN_COUNT]; /* NCCL: each window's ncclWindow_t */
-    bool attached;              /* mf_comm_attach succeeded */
+    uint16_t *dys;              /* window [rows_cap, H] (pool) */
+    int32_t *row_slot;          /* window [rows_cap] (pool) */
+    float *dp_slot;             /* window [max_tokens * K] (pool) */
+    uint32_t *sync;             /* window, mf_ep_sync_bytes (pool) */
+    uint32_t *targets;          /* in sync: the arrival targets, placed by the blocks of
+                                 * the pool's largest layer (pool) */
+    void **peers;               /* device [MF_WIN_COUNT * R] (pool) */
+    void *grow[MF_POOL_COUNT];  /* create: this layer's larger buffers for the pool */
+    void *grow_table;           /* create: the pool's first peer table */
+    bool joined;                /* counted in its rank's pool */
     cudaStream_t side;          /* the row push runs here, beside the GEMMs */
     cudaEvent_t fork, join;     /* caller's stream -> side -> caller's stream */
-    void **peers;               /* device [MF_WIN_COUNT * R] */
     int32_t *send_counts;       /* [E] the plan over all experts (this rank's sends) */
     int32_t *send_offsets;      /* [E + 1] */
     int32_t *send_rbe;          /* [send_rows_cap / block_m] */
@@ -108,11 +115,10 @@ struct cuda_state {
 
 inline cuda_state *state_of(const moefuse_layer *layer) { return (cuda_state *)layer->backend; }
 
-/* Rows of the expert-sorted buffers of a call with T tokens: local, its T*K slots and
- * each local expert's padding; peers, the receive capacity R * max_tokens * K plus
- * padding, whatever T is. */
-int rows_cap_for(const moefuse_layer *layer, int num_tokens);
-/* mode: what the forward keeps (cfg.saved_mode), MOEFUSE_RECOMPUTE for the plan only. */
+/* mode: what the forward keeps (cfg.saved_mode), MOEFUSE_RECOMPUTE for the plan only.
+ * Rows of the expert-sorted buffers of a call with T tokens (lay.rows_cap): local, its
+ * T*K slots and each local expert's padding; peers, the receive capacity plus padding,
+ * whatever T is. */
 saved_layout layout_for(const moefuse_layer *layer, int num_tokens, moefuse_saved_mode mode);
 /* The saved header a forward writes (words 0 .. MF_SAVED_MODE; the rest 0). */
 void header_words(const moefuse_layer *layer, int num_tokens, int rows_cap,
@@ -179,9 +185,18 @@ enum sync_point {
 
 struct transport {
     const char *name;
-    /* its buffers, windows and streams; destroy also undoes a partial create */
+    /* its own buffers and streams, and what it needs of shared ones: local work only */
     moefuse_status (*create)(moefuse_layer *layer, cuda_state *s);
+    /* then, whatever `created` (the outcome of the create so far): peers, the ranks agree
+     * that every rank's create succeeded (NCCL: an all-reduce; no rank registers a window
+     * unless all can), then the layer joins its rank's pool (grown where it needs more,
+     * windows registered) and the peer tables are written. Returns the create's status. */
+    moefuse_status (*connect)(moefuse_layer *layer, cuda_state *s, moefuse_status created);
+    /* frees what create made and leaves the pool; also undoes a partial create */
     void (*destroy)(moefuse_layer *layer, cuda_state *s);
+    /* at the start of every call: the state's pointers to shared buffers (peers: its
+     * rank's pool) */
+    void (*bind)(moefuse_layer *layer, cuda_state *s);
     /* c->xs, c->dys, c->row_slot of a call whose lay, base and mode are set */
     void (*locate_rows)(const moefuse_layer *layer, call_bufs *c);
     /* forward: the plan (ids checked), this rank's receive layout and the saved header,
@@ -204,6 +219,22 @@ struct transport {
 
 extern const transport kLocal;   /* transport/local.cu */
 extern const transport kPeers;   /* transport/peers.cu */
+
+/* ---- a rank's pool on a comm (transport/ep_pool.cu) ---------------------------------- */
+
+/* Local, before any collective: layer->pool_need, and s->grow of each pool buffer this
+ * layer needs larger than the pool holds (windows zeroed), and the pool's peer table
+ * when it has none. */
+moefuse_status pool_prepare(moefuse_layer *layer, cuda_state *s);
+/* Once every rank's create succeeded: the grown buffers replace the pool's (NCCL: the
+ * old windows deregistered, the new registered, collectively), the layer counted, and
+ * the peer tables rewritten where a window changed (virtual ranks: every rank's table,
+ * and every rank's sync window zeroed). */
+moefuse_status pool_join(moefuse_layer *layer, cuda_state *s);
+/* Frees s->grow; the rank's last layer frees the pool (NCCL: collectively). */
+void pool_leave(moefuse_layer *layer, cuda_state *s);
+/* The state's pool fields from the pool. */
+void pool_bind(const moefuse_layer *layer, cuda_state *s);
 
 /* A call's plan area and rows. */
 call_bufs call_for(const moefuse_layer *layer, int num_tokens, moefuse_saved_mode mode,

@@ -21,8 +21,9 @@
  *   gate_up          bf16 [rows_cap, 2I]   MOEFUSE_SAVE_ACTIVATIONS(_AND_INPUTS)
  *   xs               bf16 [rows_cap, H]    MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS (local)
  * with rows_cap = roundup(slots + (B - 1) * min(E_local, slots), B), slots = T*K (local)
- * or R * max_tokens * K (peers: the receive capacity), the most rows the padded layout
- * can take. Local bytes per token: 8K (slot_row + row_slot) + 4KI (gate_up, K rows of
+ * or the receive capacity (peers: config.recv_capacity_factor * max_tokens * K, at most
+ * R * max_tokens * K), the most rows the padded layout can take. The arithmetic of every
+ * size here is src/host/sizing.c's (moefuse_layer_memory reports the same numbers). Local bytes per token: 8K (slot_row + row_slot) + 4KI (gate_up, K rows of
  * 2I bf16) + K/32 (row_block_expert): qwen3-30b-a3b 64 + 24576 = 24,640 B,
  * qwen3-235b-a22b 64 + 49152 = 49,216 B; plus at most 127 * min(E_local, T*K) padding
  * rows of 4 + 4I bytes, and the header and counts (under 2 KB at E = 128). The inputs
@@ -49,7 +50,9 @@
  * The backward's dys shares combine: dW2 consumes dys before dgrad1 writes dx slot rows
  * there, which is why combine has rows_cap rows, not T*K (+~50% of one [T*K, H] at
  * T = 4096, E = 128, instead of a separate dys of rows_cap rows). Peers: xs, dys,
- * row_slot, row_weight, combine and d p are windows (transport/peers.cu). */
+ * row_slot, row_weight, combine and d p are windows, and act, dh, dp_partial and gate_up
+ * scratch, all of the rank's pool on the comm, shared by its layers (transport/ep_pool.cu);
+ * the layer owns the rest. */
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -66,39 +69,9 @@ namespace pipeline {
 
 /* ---- layout ------------------------------------------------------------------------ */
 
-static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
-
-int rows_cap_for(const moefuse_layer *layer, int num_tokens) {
-    const exec_plan &plan = state_of(layer)->plan;
-    const int64_t slots = plan.rows_from_peers
-                              ? (int64_t)layer->cfg.num_ranks * layer->cfg.max_tokens * layer->cfg.top_k
-                              : (int64_t)num_tokens * layer->cfg.top_k;
-    const int64_t experts = slots < layer->num_local_experts ? slots : layer->num_local_experts;
-    const int64_t rows = slots + (int64_t)(plan.block_m - 1) * experts;
-    return (int)((rows + plan.block_m - 1) / plan.block_m * plan.block_m);
-}
-
 saved_layout layout_for(const moefuse_layer *layer, int num_tokens, moefuse_saved_mode mode) {
-    const exec_plan &plan = state_of(layer)->plan;
-    saved_layout s;
-    const int EL = layer->num_local_experts;
-    s.rows_cap = rows_cap_for(layer, num_tokens);
-    size_t at = 0;
-    s.header = at;           at += align256(MF_SAVED_HEADER_WORDS * sizeof(int32_t));
-    s.counts = at;           at += align256((size_t)EL * sizeof(int32_t));
-    s.offsets = at;          at += align256((size_t)(EL + 1) * sizeof(int32_t));
-    s.row_block_expert = at; at += align256((size_t)(s.rows_cap / plan.block_m) * sizeof(int32_t));
-    s.slot_row = at;         at += align256((size_t)num_tokens * layer->cfg.top_k * sizeof(int32_t));
-    s.row_slot = at;
-    if (!plan.rows_from_peers) at += align256((size_t)s.rows_cap * sizeof(int32_t));
-    s.gate_up = at;
-    if (mode != MOEFUSE_RECOMPUTE)
-        at += align256((size_t)s.rows_cap * 2 * layer->cfg.intermediate * sizeof(uint16_t));
-    s.xs = at;
-    if (mode == MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS)
-        at += align256((size_t)s.rows_cap * layer->cfg.hidden * sizeof(uint16_t));
-    s.total = at;
-    return s;
+    return mf_saved_layout_of(&layer->cfg, state_of(layer)->plan.rows_from_peers, num_tokens,
+                              mode);
 }
 
 void header_words(const moefuse_layer *layer, int num_tokens, int rows_cap,
@@ -131,17 +104,22 @@ call_bufs call_for(const moefuse_layer *layer, int num_tokens, moefuse_saved_mod
 
 /* ---- state ------------------------------------------------------------------------- */
 
+/* What create_checked allocated (the transport's destroy frees its own); peers: the row
+ * buffers and scratch are the pool's, not these. */
 static void free_state(cuda_state *s) {
     if (!s) return;
-    void *bufs[] = {s->xs, s->act, s->combine, s->slot_rank, s->chunk_base, s->plan_state,
-                    s->gemm_num_rows, s->plan_ws, s->act_ready, s->dh, s->dp_partial, s->gate_up,
-                    s->bwd_offsets, s->expert_order, s->dys, s->row_slot, s->row_weight,
-                    s->dp_slot, s->sync, s->peers, s->send_counts, s->send_offsets, s->send_rbe,
-                    s->send_slot_row, s->send_row_slot, s->send_scalars, s->dest_base,
-                    s->fp8_rows, s->fp8_row_scales, s->fp8_lhs_t, s->fp8_lhs_scales,
-                    s->fp8_rhs_t, s->fp8_rhs_scales};
-    for (void *b : bufs)
+    void *own[] = {s->slot_rank, s->chunk_base, s->plan_state, s->gemm_num_rows, s->plan_ws,
+                   s->act_ready, s->bwd_offsets, s->expert_order, s->fp8_rows,
+                   s->fp8_row_scales, s->fp8_lhs_t, s->fp8_lhs_scales, s->fp8_rhs_t,
+                   s->fp8_rhs_scales};
+    for (void *b : own)
         if (b) cudaFree(b);
+    if (!s->plan.rows_from_peers) {
+        void *rows[] = {s->xs, s->combine, s->row_weight, s->act, s->dh, s->dp_partial,
+                        s->gate_up};
+        for (void *b : rows)
+            if (b) cudaFree(b);
+    }
     free(s);
 }
 
@@ -282,7 +260,7 @@ static moefuse_status create_checked(moefuse_layer *layer, cuda_state *s) {
     s->num_ranks = c->num_ranks;
     s->rank = c->rank;
 
-    const int K = c->top_k, EL = layer->num_local_experts;
+    const int K = c->top_k;
     int smem_optin = 0;
     MF_CUDA_TRY(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                        s->device));
@@ -295,30 +273,26 @@ static moefuse_status create_checked(moefuse_layer *layer, cuda_state *s) {
     MF_CUDA_TRY(mf_plan_prepare(K, plan.plan_experts));
     MF_TRY(load_kernels(plan.gemm));
 
-    const int T = c->max_tokens;
-    const int64_t rows_cap = rows_cap_for(layer, T);
-    const int tb = mf_plan_chunk_tokens(K);
-    const int64_t chunks = (T + tb - 1) / tb;
-    if (!plan.rows_from_peers) {  // peers: xs, combine and row_weight are windows
-        MF_ALLOC_FIELD(s, xs, rows_cap * c->hidden * 2);
-        // rows_cap >= T*K rows: also the backward's dys
-        MF_ALLOC_FIELD(s, combine, rows_cap * c->hidden * 2);
-        MF_ALLOC_FIELD(s, row_weight, rows_cap * 4);
+    const mf_tiles tiles = {plan.dp_parts, mf_plan_chunk_tokens(K), sizeof(mf_plan_state)};
+    s->sizes = mf_sizes_of(c, plan.rows_from_peers, tiles);
+    const mf_sizes &z = s->sizes;
+    if (!plan.rows_from_peers) {  // peers: these are the pool's (transport/ep_pool.cu)
+        MF_ALLOC_FIELD(s, xs, z.rows_bufs[MF_WIN_XS]);
+        MF_ALLOC_FIELD(s, combine, z.rows_bufs[MF_WIN_COMBINE]);
+        MF_ALLOC_FIELD(s, row_weight, z.rows_bufs[MF_WIN_ROW_WEIGHT]);
+        MF_ALLOC_FIELD(s, act, z.rows_bufs[MF_POOL_ACT]);
+        MF_ALLOC_FIELD(s, dh, z.rows_bufs[MF_POOL_DH]);
+        MF_ALLOC_FIELD(s, dp_partial, z.rows_bufs[MF_POOL_DP_PARTIAL]);
+        if (z.rows_bufs[MF_POOL_GATE_UP]) MF_ALLOC_FIELD(s, gate_up, z.rows_bufs[MF_POOL_GATE_UP]);
     }
-    MF_ALLOC_FIELD(s, act, rows_cap * c->intermediate * 2);
-    MF_ALLOC_FIELD(s, slot_rank, (int64_t)T * K * 4);
-    MF_ALLOC_FIELD(s, chunk_base, (chunks > 0 ? chunks : 1) * plan.plan_experts * 4);
-    MF_ALLOC_FIELD(s, plan_state, sizeof(mf_plan_state));
-    MF_ALLOC_FIELD(s, gemm_num_rows, sizeof(int32_t));
-    MF_ALLOC_FIELD(s, plan_ws, layout_for(layer, T, MOEFUSE_RECOMPUTE).total);
-    if (plan.fused_forward || plan.fused_backward)
-        MF_ALLOC_FIELD(s, act_ready, (rows_cap / plan.block_m + 1) * 4);
-    MF_ALLOC_FIELD(s, dh, rows_cap * 2 * c->intermediate * 2);
-    MF_ALLOC_FIELD(s, dp_partial, rows_cap * plan.dp_parts * 4);
-    if (c->saved_mode == MOEFUSE_RECOMPUTE)
-        MF_ALLOC_FIELD(s, gate_up, rows_cap * 2 * c->intermediate * 2);
-    MF_ALLOC_FIELD(s, bwd_offsets, (int64_t)(EL + 1) * 4);
-    MF_ALLOC_FIELD(s, expert_order, (int64_t)(EL + 1) * 4);
+    MF_ALLOC_FIELD(s, slot_rank, z.slot_rank);
+    MF_ALLOC_FIELD(s, chunk_base, z.chunk_base);
+    MF_ALLOC_FIELD(s, plan_state, z.plan_state);
+    MF_ALLOC_FIELD(s, gemm_num_rows, z.gemm_num_rows);
+    MF_ALLOC_FIELD(s, plan_ws, z.plan_ws);
+    if (z.act_ready) MF_ALLOC_FIELD(s, act_ready, z.act_ready);
+    MF_ALLOC_FIELD(s, bwd_offsets, z.bwd_offsets);
+    MF_ALLOC_FIELD(s, expert_order, z.expert_order);
     MF_TRY(plan.operands->create(layer, s));
     const mf_plan_state init = MF_PLAN_STATE_INIT;
     MF_CUDA_TRY(cudaMemcpy(s->plan_state, &init, sizeof init, cudaMemcpyHostToDevice));
@@ -326,13 +300,19 @@ static moefuse_status create_checked(moefuse_layer *layer, cuda_state *s) {
     return plan.net->create(layer, s);
 }
 
+/* Everything local first (create_checked, the transport's create included), then the
+ * transport's connect, which every rank of an NCCL comm reaches whatever its outcome so
+ * far: no rank waits in a collective for one that failed. */
 static moefuse_status create(moefuse_layer *layer) {
     cuda_state *s = (cuda_state *)calloc(1, sizeof(cuda_state));
     if (!s) return mf_fail(MOEFUSE_ERR_NO_MEMORY, "moefuse_layer_create: out of host memory");
     layer->backend = s;  // the layout and the transport read the plan through the layer
-    const moefuse_status st = create_checked(layer, s);
+    s->plan.net = layer->comm ? &kPeers : &kLocal;
+    s->plan.rows_from_peers = layer->comm != NULL;
+    moefuse_status st = create_checked(layer, s);
+    st = s->plan.net->connect(layer, s, st);
     if (st != MOEFUSE_OK) {
-        if (s->plan.net) s->plan.net->destroy(layer, s);
+        s->plan.net->destroy(layer, s);
         free_state(s);
         layer->backend = NULL;
         return st;
@@ -379,11 +359,32 @@ static moefuse_status quantize_weights(const moefuse_layer *layer, moefuse_dtype
     return MOEFUSE_OK;
 }
 
+static void memory(const moefuse_layer *layer, moefuse_memory *m) {
+    const mf_sizes &z = state_of(layer)->sizes;
+    if (!layer->comm) {
+        mf_memory_from_sizes(&z, z.rows_bufs, 0, m);
+        return;
+    }
+    const mf_pool &pool = layer->comm->pools[layer->cfg.rank];
+    mf_memory_from_sizes(&z, pool.bytes, pool.num_layers, m);
+}
+
 static const mf_backend_ops kCudaOps = {
-    "cuda", create, destroy, saved_bytes, forward, backward, check, quantize_weights,
+    "cuda", create, destroy, saved_bytes, forward, backward, check, quantize_weights, memory,
 };
 
 }  // namespace pipeline
 }  // namespace mf
 
 extern "C" const mf_backend_ops *mf_cuda_backend(void) { return &mf::pipeline::kCudaOps; }
+
+/* The kernels' rules for the sizes (internal.h), from the sm_90 BF16 GEMMs a layer of
+ * this build runs. */
+extern "C" mf_tiles mf_cuda_tiles(int top_k, int intermediate) {
+    const mf_gemm_ops *g = mf_gemm_ops_find(90, MOEFUSE_PRECISION_BF16);
+    mf_tiles t;
+    t.dp_parts = g ? g->dp_parts(intermediate) : intermediate / MF_ROW_BLOCK_M;
+    t.chunk_tokens = mf_plan_chunk_tokens(top_k);
+    t.plan_state_bytes = sizeof(mf_plan_state);
+    return t;
+}

@@ -11,10 +11,12 @@
  * for each expert e, dest_base[e]: where its first row of e lands on e's rank; and the
  * arrival targets of its receive blocks (gemm1 starts a block when all its rows are in).
  *
- * A receiver whose rows would pass its capacity fails the call on every rank alike
- * (every rank sees the same M): no rank sends, nothing is written, the error record
- * says MOEFUSE_ERR_TOO_MANY_TOKENS. It cannot happen while every rank's max_tokens is
- * the same (capacity R * max_tokens * K + padding).
+ * A receiver routed more rows than its capacity (config.recv_capacity_factor) fails
+ * the call on every rank alike (every rank sees the same M): no rank sends a row,
+ * writes its layout, the saved header or expert_counts, and the error record says
+ * MOEFUSE_ERR_CAPACITY with the receiver, its rows and the capacity (the highest such
+ * receiver, on every rank). The epoch and the flags move on as in a good call, and no
+ * arrival target is added, so the next call runs as usual.
  *
  * NOTE: R * E words each way and one scan: a few microseconds, mostly the flag
  * round trip. */
@@ -38,9 +40,10 @@ ep_exchange_counts_kernel(const __grid_constant__ mf_ep_exchange_params p) {
     int *s_total = smem;           // [E] rows of expert e over all sources
     int *s_before = s_total + E;   // [E] rows of e from sources before me
     int *s_off = s_before + E;     // [E] first row of e on its rank
-    int *s_seg_rows = s_off + E;   // [R] rows of each receiver
+    int *s_seg_rows = s_off + E;   // [R] rows of each receiver, padded
+    int *s_recv = s_seg_rows + R;  // [R] rows of each receiver
     __shared__ uint32_t s_epoch;
-    __shared__ int s_overflow;     // receiver + 1 whose rows pass rows_cap, 0 none
+    __shared__ int s_overflow;     // receiver + 1 whose rows pass its capacity, 0 none
 
     uint32_t *sync = p.sync;
     if (threadIdx.x == 0) {
@@ -84,19 +87,23 @@ ep_exchange_counts_kernel(const __grid_constant__ mf_ep_exchange_params p) {
     __syncthreads();
     // ---- every receiver's padded segment offsets (one thread per receiver) ----
     for (int q = threadIdx.x; q < R; q += kThreads) {
-        int run = 0;
+        int run = 0, rows = 0;
         for (int l = 0; l < EL; l++) {
             s_off[q * EL + l] = run;
             run += pad128(s_total[q * EL + l]);
+            rows += s_total[q * EL + l];
         }
         s_seg_rows[q] = run;
-        if (run > p.rows_cap) atomicMax(&s_overflow, q + 1);
+        s_recv[q] = rows;
+        // rows_cap holds the capacity and every expert's padding: run > rows_cap only
+        // with rows > recv_capacity; both checked, so no layout can pass the buffers
+        if (rows > p.recv_capacity || run > p.rows_cap) atomicMax(&s_overflow, q + 1);
     }
     __syncthreads();
     if (s_overflow) {
         if (threadIdx.x == 0) {
-            mf::ep::record_failure(p.state, MOEFUSE_ERR_TOO_MANY_TOKENS, s_overflow - 1,
-                                   MF_EP_STAGE_COUNTS, s_seg_rows[s_overflow - 1], p.rows_cap);
+            mf::ep::record_failure(p.state, MOEFUSE_ERR_CAPACITY, s_overflow - 1,
+                                   MF_EP_STAGE_COUNTS, s_recv[s_overflow - 1], p.recv_capacity);
             p.state->call_failed = 1;
             *p.gemm_num_rows = 0;
         }
@@ -125,7 +132,7 @@ ep_exchange_counts_kernel(const __grid_constant__ mf_ep_exchange_params p) {
         p.row_block_expert[j] = e;
     }
     // the blocks gemm1 will wait for: 128 rows each (padding included)
-    uint32_t *target = sync + mf_ep_targets_word(R, E, p.rows_cap / MF_ROW_BLOCK_M);
+    uint32_t *target = p.arrival_target;
     for (int b = threadIdx.x; b < total / MF_ROW_BLOCK_M; b += kThreads)
         target[b] += MF_ROW_BLOCK_M;
     if (threadIdx.x == 0) {
@@ -145,9 +152,10 @@ extern "C" cudaError_t mf_ep_exchange_counts(const mf_ep_exchange_params *p,
                                              cudaStream_t stream) {
     if (!p || p->num_ranks < 1 || p->num_experts % p->num_ranks ||
         p->num_local_experts * p->num_ranks != p->num_experts || p->rank < 0 ||
-        p->rank >= p->num_ranks || p->rows_cap % MF_ROW_BLOCK_M)
+        p->rank >= p->num_ranks || p->rows_cap % MF_ROW_BLOCK_M || p->recv_capacity < 0 ||
+        !p->arrival_target)
         return cudaErrorInvalidValue;
-    const size_t smem = sizeof(int) * (3 * (size_t)p->num_experts + p->num_ranks);
+    const size_t smem = sizeof(int) * (3 * (size_t)p->num_experts + 2 * (size_t)p->num_ranks);
     if (smem > 48 * 1024) {
         const cudaError_t err = cudaFuncSetAttribute(
             ep_exchange_counts_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);

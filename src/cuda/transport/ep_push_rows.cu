@@ -69,7 +69,8 @@ ep_push_rows_kernel(const __grid_constant__ mf_ep_push_params p) {
                 row = p.backward ? __ldg(p.slot_row + i)
                                  : __ldg(p.dest_base + e) + __ldg(p.plan_slot_row + i) -
                                        __ldg(p.plan_offsets + e);
-            if (!p.backward && lane == 0) p.slot_row[i] = row;
+            // a failed call writes nothing into the caller's saved buffer
+            if (!p.backward && !own_failed && lane == 0) p.slot_row[i] = row;
             if (row < 0) continue;
             const int q = e / EL;
             const int64_t t = i / K;

@@ -17,7 +17,11 @@ namespace {
 
 moefuse_status create(moefuse_layer *, cuda_state *) { return MOEFUSE_OK; }
 
+moefuse_status connect(moefuse_layer *, cuda_state *, moefuse_status created) { return created; }
+
 void destroy(moefuse_layer *, cuda_state *) {}
+
+void bind(moefuse_layer *, cuda_state *) {}  // the layer owns every buffer
 
 void locate_rows(const moefuse_layer *layer, call_bufs *c) {
     cuda_state *s = state_of(layer);
@@ -115,7 +119,8 @@ void dp_sums(const moefuse_layer *layer, const call_bufs &c, const int32_t *,
 }  // namespace
 
 extern const transport kLocal = {
-    "local", create, destroy, locate_rows, plan, dispatch, arrivals, scatter, sync, dp_sums,
+    "local", create, connect, destroy, bind, locate_rows, plan, dispatch, arrivals, scatter, sync,
+    dp_sums,
 };
 
 }  // namespace pipeline

@@ -23,16 +23,18 @@
  * ranks, DONE raised; (staged dW13;) every rank's DONE waited for; the reduces.
  *
  * Windows (MF_WIN_*, written by peers): xs, dys, row_slot, row_weight, combine, dp,
- * sync. Each receiver sizes its row buffers for R * max_tokens * K rows plus padding
- * (every rank may route every slot to it). Virtual ranks: every window a cudaMalloc of
- * this GPU; the peer table of each rank is written when the last rank's layer is
- * created, and every rank's sync window zeroed then.
+ * sync; with the scratch act, dh, dp_partial and gate_up they are the rank's pool on the
+ * comm, shared by its layers, sized by the largest (transport/ep_pool.cu). Each receiver
+ * sizes its row buffers for its receive capacity plus padding
+ * (config.recv_capacity_factor); a routing over it fails the call on every rank in the
+ * count exchange (MOEFUSE_ERR_CAPACITY).
  *
  * Results: the receive order is the one-rank plan's order on the ranks' concatenated
  * tokens (see ep_exchange_counts.cu), so y, dx, d p and dW are the bits of one rank
  * running the concatenated batch. */
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "check.h"
@@ -44,54 +46,18 @@ namespace pipeline {
 
 namespace {
 
-/* Rows of the send plan: this rank's slots over all E experts, each padded. */
-int send_rows_cap(const moefuse_layer *layer, int num_tokens) {
-    const int bm = state_of(layer)->plan.block_m;
-    const int64_t slots = (int64_t)num_tokens * layer->cfg.top_k;
-    const int64_t experts = slots < layer->cfg.num_experts ? slots : layer->cfg.num_experts;
-    const int64_t rows = slots + (int64_t)(bm - 1) * experts;
-    return (int)((rows + bm - 1) / bm * bm);
-}
-
 int64_t timeout_ns(const moefuse_layer *layer) {
     return (int64_t)layer->comm->timeout_ms * 1000000;
 }
 
-/* Every rank's table of every rank's windows, and clean sync windows: once all the
- * comm's layers exist. Nothing of the comm is in flight (moefuse.h). */
-moefuse_status refresh_peer_tables(moefuse_comm *comm) {
-    const int R = comm->num_ranks;
-    void *table[MF_WIN_COUNT * MF_MAX_RANKS];
-    for (int w = 0; w < MF_WIN_COUNT; w++)
-        for (int q = 0; q < R; q++) table[w * R + q] = comm->windows[q][w];
-    MF_CUDA_TRY(cudaDeviceSynchronize());
-    for (int q = 0; q < R; q++) {
-        MF_CUDA_TRY(cudaMemcpy(comm->peer_table[q], table, sizeof(void *) * MF_WIN_COUNT * R,
-                               cudaMemcpyHostToDevice));
-        MF_CUDA_TRY(cudaMemset(comm->windows[q][MF_WIN_SYNC], 0, comm->sync_bytes[q]));
-    }
-    MF_CUDA_TRY(cudaDeviceSynchronize());
-    return MOEFUSE_OK;
-}
-
-/* The windows of s, in the order every rank registers them. */
-void window_fields(cuda_state *s, void **fields[MF_WIN_COUNT]) {
-    fields[MF_WIN_XS] = (void **)&s->xs;
-    fields[MF_WIN_DYS] = (void **)&s->dys;
-    fields[MF_WIN_ROW_SLOT] = (void **)&s->row_slot;
-    fields[MF_WIN_ROW_WEIGHT] = (void **)&s->row_weight;
-    fields[MF_WIN_COMBINE] = (void **)&s->combine;
-    fields[MF_WIN_DP] = (void **)&s->dp_slot;
-    fields[MF_WIN_SYNC] = (void **)&s->sync;
-}
-
 /* ---- create, destroy ----------------------------------------------------------------- */
 
+/* Local work only: the checks, the send plan's buffers, the streams, and what the layer
+ * needs of its rank's pool (pool_prepare). */
 moefuse_status create(moefuse_layer *layer, cuda_state *s) {
     const moefuse_config *c = &layer->cfg;
     moefuse_comm *comm = layer->comm;
-    const int R = c->num_ranks, E = c->num_experts, K = c->top_k, T = c->max_tokens;
-    const int bm = s->plan.block_m;
+    const int R = c->num_ranks;
     if (comm->kind == MF_COMM_VIRTUAL) {
         /* Each virtual rank's kernels wait for the others': its two streams (the caller's
          * and the push's) need hardware queues of their own, or a waiting kernel can sit
@@ -106,79 +72,65 @@ moefuse_status create(moefuse_layer *layer, cuda_state *s) {
                            "in the environment before CUDA starts",
                            R, 2 * R + 2, env ? env : "not set (8)", 2 * R + 2);
     }
-    const int64_t rows_cap = rows_cap_for(layer, T), send_cap = send_rows_cap(layer, T);
-    size_t bytes[MF_WIN_COUNT];
-    bytes[MF_WIN_XS] = (size_t)rows_cap * c->hidden * 2;
-    bytes[MF_WIN_DYS] = (size_t)rows_cap * c->hidden * 2;
-    bytes[MF_WIN_ROW_SLOT] = (size_t)rows_cap * 4;
-    bytes[MF_WIN_ROW_WEIGHT] = (size_t)rows_cap * 4;
-    bytes[MF_WIN_COMBINE] = (size_t)T * K * c->hidden * 2;  // this rank's slot rows
-    bytes[MF_WIN_DP] = (size_t)T * K * 4;
-    bytes[MF_WIN_SYNC] = mf_ep_sync_bytes(R, E, (int)(rows_cap / bm));
-    void **fields[MF_WIN_COUNT];
-    window_fields(s, fields);
-    for (int w = 0; w < MF_WIN_COUNT; w++) {
-        if (comm->kind == MF_COMM_NCCL) {
-#ifdef MOEFUSE_HAVE_NCCL
-            MF_TRY(mf_nccl_window_alloc(comm, bytes[w], fields[w], &s->win_handle[w]));
-#else
-            return mf_fail(MOEFUSE_ERR_UNSUPPORTED, "an NCCL comm in a build without NCCL");
+#ifndef MOEFUSE_HAVE_NCCL
+    if (comm->kind == MF_COMM_NCCL)
+        return mf_fail(MOEFUSE_ERR_UNSUPPORTED, "an NCCL comm in a build without NCCL");
 #endif
-        } else {
-            MF_TRY(alloc(fields[w], bytes[w], "a window"));
-            MF_CUDA_TRY(cudaMemset(*fields[w], 0, bytes[w]));
-        }
-    }
-    MF_ALLOC_FIELD(s, peers, sizeof(void *) * MF_WIN_COUNT * R);
-    MF_ALLOC_FIELD(s, send_counts, (int64_t)E * 4);
-    MF_ALLOC_FIELD(s, send_offsets, (int64_t)(E + 1) * 4);
-    MF_ALLOC_FIELD(s, send_rbe, send_cap / bm * 4);
-    MF_ALLOC_FIELD(s, send_slot_row, (int64_t)T * K * 4);
-    MF_ALLOC_FIELD(s, send_row_slot, send_cap * 4);
-    MF_ALLOC_FIELD(s, send_scalars, 2 * 4);
-    MF_ALLOC_FIELD(s, dest_base, (int64_t)E * 4);
+    const mf_sizes &z = s->sizes;
+    MF_ALLOC_FIELD(s, send_counts, z.send_counts);
+    MF_ALLOC_FIELD(s, send_offsets, z.send_offsets);
+    MF_ALLOC_FIELD(s, send_rbe, z.send_rbe);
+    MF_ALLOC_FIELD(s, send_slot_row, z.send_slot_row);
+    MF_ALLOC_FIELD(s, send_row_slot, z.send_row_slot);
+    MF_ALLOC_FIELD(s, send_scalars, z.send_scalars);
+    MF_ALLOC_FIELD(s, dest_base, z.dest_base);
     MF_CUDA_TRY(cudaStreamCreateWithFlags(&s->side, cudaStreamNonBlocking));
     MF_CUDA_TRY(cudaEventCreateWithFlags(&s->fork, cudaEventDisableTiming));
     MF_CUDA_TRY(cudaEventCreateWithFlags(&s->join, cudaEventDisableTiming));
-
-    void *windows[MF_WIN_COUNT];
-    for (int w = 0; w < MF_WIN_COUNT; w++) windows[w] = *fields[w];
-    MF_TRY(mf_comm_attach(comm, c->rank, layer, windows, bytes[MF_WIN_SYNC], s->peers));
-    s->attached = true;
-    moefuse_status built = MOEFUSE_OK;
-#ifdef MOEFUSE_HAVE_NCCL
-    if (comm->kind == MF_COMM_NCCL) built = mf_nccl_peer_table(comm, s->win_handle, (void **)s->peers);
-#endif
-    if (comm->kind == MF_COMM_VIRTUAL && mf_comm_complete(comm)) built = refresh_peer_tables(comm);
-    if (built != MOEFUSE_OK) {
-        mf_comm_detach(comm, c->rank);
-        s->attached = false;
-    }
-    return built;
+    return pool_prepare(layer, s);
 }
 
-/* Also undoes a partial create (NCCL windows are freed here; the rest by the
- * workspace's free_state). */
-void destroy(moefuse_layer *layer, cuda_state *s) {
+moefuse_status connect(moefuse_layer *layer, cuda_state *s, moefuse_status created) {
+#ifdef MOEFUSE_HAVE_NCCL
     moefuse_comm *comm = layer->comm;
+    if (comm->kind == MF_COMM_NCCL) {
+        char mine[1024];  // this rank's own message, kept over the vote
+        snprintf(mine, sizeof mine, "%s", moefuse_last_error());
+        int failed_rank = 0;
+        const moefuse_status voted = mf_nccl_agree(comm, created != MOEFUSE_OK, &failed_rank);
+        if (created != MOEFUSE_OK) return mf_fail(created, "%s", mine);
+        if (voted != MOEFUSE_OK) return voted;
+        if (failed_rank)
+            return mf_fail(MOEFUSE_ERR_NCCL,
+                           "moefuse_layer_create: rank %d's create failed (its "
+                           "moefuse_last_error says why), so no rank registered a window; "
+                           "expected the create to succeed on every rank",
+                           failed_rank - 1);
+    }
+#endif
+    if (created != MOEFUSE_OK) return created;
+    MF_TRY(pool_join(layer, s));
+    pool_bind(layer, s);
+    return MOEFUSE_OK;
+}
+
+/* Also undoes a partial create. */
+void destroy(moefuse_layer *layer, cuda_state *s) {
     if (s->side) cudaStreamDestroy(s->side);
     if (s->fork) cudaEventDestroy(s->fork);
     if (s->join) cudaEventDestroy(s->join);
     s->side = NULL;
     s->fork = s->join = NULL;
-    if (s->attached) mf_comm_detach(comm, layer->cfg.rank);
-    s->attached = false;
-    if (comm->kind != MF_COMM_NCCL) return;  // virtual windows: cudaFree in free_state
-#ifdef MOEFUSE_HAVE_NCCL
-    void **fields[MF_WIN_COUNT];
-    window_fields(s, fields);
-    for (int w = 0; w < MF_WIN_COUNT; w++) {
-        mf_nccl_window_free(comm, *fields[w], s->win_handle[w]);
-        *fields[w] = NULL;
-        s->win_handle[w] = NULL;
-    }
-#endif
+    void *own[] = {s->send_counts, s->send_offsets, s->send_rbe, s->send_slot_row,
+                   s->send_row_slot, s->send_scalars, s->dest_base};
+    for (void *b : own)
+        if (b) cudaFree(b);
+    s->send_counts = s->send_offsets = s->send_rbe = s->send_slot_row = NULL;
+    s->send_row_slot = s->send_scalars = s->dest_base = NULL;
+    pool_leave(layer, s);
 }
+
+void bind(moefuse_layer *layer, cuda_state *s) { pool_bind(layer, s); }
 
 /* ---- a call ------------------------------------------------------------------------ */
 
@@ -219,7 +171,7 @@ moefuse_status plan(moefuse_layer *layer, const moefuse_fwd_args *a, const call_
     pp.num_experts = E;
     pp.expert_begin = 0;
     pp.num_local_experts = E;
-    pp.rows_cap = send_rows_cap(layer, T);
+    pp.rows_cap = mf_padded_rows((int64_t)T * layer->cfg.top_k, E);
     pp.slot_rank = s->slot_rank;
     pp.chunk_base = s->chunk_base;
     pp.state = s->plan_state;
@@ -239,6 +191,8 @@ moefuse_status plan(moefuse_layer *layer, const moefuse_fwd_args *a, const call_
     ex.num_experts = E;
     ex.num_local_experts = layer->num_local_experts;
     ex.rows_cap = c.lay.rows_cap;
+    ex.recv_capacity = (int)s->sizes.recv_capacity;
+    ex.arrival_target = s->targets;
     ex.send_counts = s->send_counts;
     ex.state = s->plan_state;
     ex.peers = s->peers;
@@ -308,7 +262,7 @@ row_arrivals arrivals(const moefuse_layer *layer, const call_bufs &c, bool backw
     const int R = s->num_ranks, E = layer->cfg.num_experts;
     row_arrivals w = {};
     w.rows_in.arrivals = s->sync + mf_ep_arrivals_word(R, E);
-    w.rows_in.target = s->sync + mf_ep_targets_word(R, E, c.lay.rows_cap / s->plan.block_m);
+    w.rows_in.target = s->targets;
     w.rows_in.state = s->plan_state;
     w.rows_in.timeout_ns = timeout_ns(layer);
     w.rows_in.stage = backward ? MF_EP_STAGE_BWD_ROWS : MF_EP_STAGE_ROWS;
@@ -341,8 +295,7 @@ moefuse_status sync(moefuse_layer *layer, sync_point at, const call_bufs &c,
         sp.new_epoch = 1;
         sp.signal = 1;
         sp.wait = 1;
-        sp.arrival_target = s->sync + mf_ep_targets_word(s->num_ranks, layer->cfg.num_experts,
-                                                         c.lay.rows_cap / s->plan.block_m);
+        sp.arrival_target = s->targets;
         MF_CUDA_TRY(mf_ep_signal_wait(&sp, stream));
         return MOEFUSE_OK;
     case kBackwardRowsIn:
@@ -389,7 +342,8 @@ void dp_sums(const moefuse_layer *layer, const call_bufs &, const int32_t *ids,
 }  // namespace
 
 extern const transport kPeers = {
-    "peers", create, destroy, locate_rows, plan, dispatch, arrivals, scatter, sync, dp_sums,
+    "peers", create, connect, destroy, bind, locate_rows, plan, dispatch, arrivals, scatter, sync,
+    dp_sums,
 };
 
 }  // namespace pipeline
