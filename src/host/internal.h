@@ -200,6 +200,10 @@ typedef struct mf_sizes {
     size_t bwd_offsets, expert_order;
     size_t send_counts, send_offsets, send_rbe, send_slot_row, send_row_slot, send_scalars,
         dest_base;             /* peers only, else 0 */
+    /* MOEFUSE_PRECISION_FP8_BLOCK, else 0: the row codes and scales (x, a, dy, [dg; du]
+     * quantized 1 x 128, one at a time) and the weight gradients' token-quantized
+     * operands (lhs: p dy or [dg; du]; rhs: a or x), src/cuda/pipeline/operands.cu */
+    size_t fp8_rows, fp8_row_scales, fp8_lhs_t, fp8_lhs_scales, fp8_rhs_t, fp8_rhs_scales;
     size_t saved;              /* moefuse_saved_bytes(max_tokens) */
 } mf_sizes;
 

@@ -106,6 +106,18 @@ mf_sizes mf_sizes_of(const moefuse_config *c, int peers, mf_tiles tiles) {
         z.send_scalars = 2 * 4;
         z.dest_base = (size_t)E * 4;
     }
+    if (c->precision == MOEFUSE_PRECISION_FP8_BLOCK) {
+        const int64_t row_cols = H > 2 * I ? H : 2 * I;   /* x, dy; a, [dg; du] */
+        const int64_t lhs_cols = row_cols;                /* p dy, [dg; du] */
+        const int64_t rhs_cols = H > I ? H : I;           /* a, x */
+        const int64_t scale_ld = (rows + 3) / 4 * 4;      /* 16-byte TMA rows of scales */
+        z.fp8_rows = (size_t)(rows * row_cols);
+        z.fp8_row_scales = (size_t)(row_cols / 128 * scale_ld * 4);
+        z.fp8_lhs_t = (size_t)(rows * lhs_cols);
+        z.fp8_lhs_scales = (size_t)(rows / 128 * lhs_cols * 4);
+        z.fp8_rhs_t = (size_t)(rows * rhs_cols);
+        z.fp8_rhs_scales = (size_t)(rows / 128 * rhs_cols * 4);
+    }
     z.saved = mf_saved_layout_of(c, peers, c->max_tokens, c->saved_mode).total;
     return z;
 }
@@ -120,7 +132,9 @@ size_t mf_sizes_own(const mf_sizes *s) {
     const size_t own[] = {s->slot_rank, s->chunk_base, s->plan_state, s->gemm_num_rows,
                           s->plan_ws, s->act_ready, s->bwd_offsets, s->expert_order,
                           s->send_counts, s->send_offsets, s->send_rbe, s->send_slot_row,
-                          s->send_row_slot, s->send_scalars, s->dest_base};
+                          s->send_row_slot, s->send_scalars, s->dest_base,
+                          s->fp8_rows, s->fp8_row_scales, s->fp8_lhs_t, s->fp8_lhs_scales,
+                          s->fp8_rhs_t, s->fp8_rhs_scales};
     size_t n = mf_sizes_sum(own, 0, (int)(sizeof own / sizeof own[0]));
     if (!s->peers) n += mf_sizes_sum(s->rows_bufs, 0, MF_POOL_COUNT);
     return n;

@@ -15,7 +15,9 @@
  *   - memory: R = 4, moefuse_layer_memory against moefuse_memory_estimate (equal) and
  *     against cudaMemGetInfo around the creates (within the allocation granularity):
  *     a first layer per rank makes the pools, a second equal one adds its own workspaces
- *     only, a third with twice max_tokens grows the pools to its size.
+ *     only, a third with twice max_tokens grows the pools to its size;
+ *   - memory of an FP8 layer on one GPU (no comm): its report, which counts the quantized
+ *     operands' workspaces, against cudaMemGetInfo.
  *
  * test_cuda_ep_memory [case-substring]. With no sm_90 device every case prints SKIP. */
 #include <cuda_runtime.h>
@@ -318,6 +320,33 @@ done:
     ep_close(&s);
 }
 
+static void case_memory_fp8(void) {
+    if (!ready()) return;
+    moefuse_config c;
+    moefuse_config_init(&c, 2048, 768, 128, 8, 4096);
+    c.backend = MOEFUSE_BACKEND_CUDA;
+    c.precision = MOEFUSE_PRECISION_FP8_BLOCK;
+    moefuse_layer *warm = NULL, *layer = NULL;
+    MF_OK(moefuse_layer_create(&c, NULL, &warm));   /* loads the kernels */
+    const size_t before = used_bytes();
+    MF_OK(moefuse_layer_create(&c, NULL, &layer));
+    const size_t after = used_bytes();
+    {
+        const moefuse_memory m = report_of(layer);
+        c.precision = MOEFUSE_PRECISION_BF16;
+        moefuse_memory b16;
+        memset(&b16, 0, sizeof b16);
+        b16.struct_size = sizeof b16;
+        MF_OK(moefuse_memory_estimate(&c, 0, &b16));
+        CHECK(m.workspace_bytes > b16.workspace_bytes, "FP8 own %zu, bf16 own %zu",
+              m.workspace_bytes, b16.workspace_bytes);
+        check_grew("an FP8 layer, qwen3-30b-a3b T=4096", before, after, layer_total(&m, 0), 1);
+    }
+done:
+    if (layer) moefuse_layer_destroy(layer);
+    if (warm) moefuse_layer_destroy(warm);
+}
+
 /* test_cuda_ep_memory [case-substring] */
 int main(int argc, char **argv) {
     static const named_case cases[] = {
@@ -327,6 +356,7 @@ int main(int argc, char **argv) {
         {case_accumulation_r4, "accumulation: R=4, two forwards of a layer, backwards reversed"},
         {case_capacity, "capacity: R=4, factor 1.5, every slot on rank 0, then a fair call"},
         {case_memory, "memory: R=4 T=4096, the report against the estimate and cudaMemGetInfo"},
+        {case_memory_fp8, "memory: FP8 on one GPU, the report against cudaMemGetInfo"},
     };
     return ep_main(argc, argv, cases, (int)(sizeof cases / sizeof cases[0]));
 }

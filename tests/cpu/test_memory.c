@@ -183,6 +183,27 @@ static void test_cpu_layer_report(void) {
     moefuse_layer_destroy(layer);
 }
 
+/* FP8_BLOCK, one GPU: the quantized operands' workspaces are the layer's own, and
+ * counted: the row codes [rows, W] with their scales [W / 128, rows rounded to 4] fp32,
+ * the weight gradients' token codes [rows, W] and [rows, max(H, I)] with a scale per 128
+ * rows and column (W = max(H, 2I)). */
+static void test_estimate_fp8(void) {
+    moefuse_config c = qwen30();
+    c.num_ranks = 1;
+    c.max_tokens = 4096;
+    moefuse_memory b16, f8;
+    CHECK(estimate(&c, 0, &b16) == MOEFUSE_OK, "bf16: %s", moefuse_last_error());
+    c.precision = MOEFUSE_PRECISION_FP8_BLOCK;
+    CHECK(estimate(&c, 0, &f8) == MOEFUSE_OK, "fp8: %s", moefuse_last_error());
+    const int64_t rows = padded(4096 * K, E), W = 2 * I > H ? 2 * I : H, V = H > I ? H : I;
+    const size_t fp8 = (size_t)(rows * W + W / 128 * ((rows + 3) / 4 * 4) * 4) +
+                       (size_t)(rows * W + rows / 128 * W * 4) +
+                       (size_t)(rows * V + rows / 128 * V * 4);
+    CHECK(f8.workspace_bytes == b16.workspace_bytes + fp8 && f8.saved_bytes == b16.saved_bytes,
+          "fp8 own %zu, bf16 own %zu + FP8 operands %zu; saved %zu / %zu", f8.workspace_bytes,
+          b16.workspace_bytes, fp8, f8.saved_bytes, b16.saved_bytes);
+}
+
 int main(void) {
     th_seed_from_env_or_clock();
     th_run("recv_capacity_factor validation", test_factor_validation);
@@ -190,5 +211,6 @@ int main(void) {
     th_run("capacity bounds: above R, one rank, no comm", test_capacity_bounds);
     th_run("struct_size contract", test_struct_size);
     th_run("a CPU layer's report", test_cpu_layer_report);
+    th_run("estimate: FP8 operands' workspaces, one GPU", test_estimate_fp8);
     return th_finish();
 }

@@ -26,8 +26,6 @@ namespace pipeline {
 
 namespace {
 
-int max_int(int a, int b) { return a > b ? a : b; }
-
 /* Scale rows of a [K / 128, rows] scale array: rows rounded up to 4 (16-byte TMA rows). */
 int scale_ld(int rows_cap) { return (rows_cap + 3) / 4 * 4; }
 
@@ -42,19 +40,14 @@ moefuse_status as_they_are(const moefuse_layer *, const call_bufs &, const moefu
 
 /* ---- FP8 --------------------------------------------------------------------------- */
 
-moefuse_status fp8_create(moefuse_layer *layer, cuda_state *s) {
-    const moefuse_config *c = &layer->cfg;
-    const int64_t rows_cap = s->sizes.rows_cap;   /* the workspaces' rows (sizing.c) */
-    const int64_t ld = scale_ld((int)rows_cap);
-    const int64_t row_cols = max_int(c->hidden, 2 * c->intermediate);
-    const int64_t lhs_cols = max_int(c->hidden, 2 * c->intermediate);   /* p dy, [dg; du] */
-    const int64_t rhs_cols = max_int(c->hidden, c->intermediate);       /* a, x */
-    MF_ALLOC_FIELD(s, fp8_rows, rows_cap * row_cols);
-    MF_ALLOC_FIELD(s, fp8_row_scales, row_cols / 128 * ld * 4);
-    MF_ALLOC_FIELD(s, fp8_lhs_t, rows_cap * lhs_cols);
-    MF_ALLOC_FIELD(s, fp8_lhs_scales, rows_cap / 128 * lhs_cols * 4);
-    MF_ALLOC_FIELD(s, fp8_rhs_t, rows_cap * rhs_cols);
-    MF_ALLOC_FIELD(s, fp8_rhs_scales, rows_cap / 128 * rhs_cols * 4);
+moefuse_status fp8_create(moefuse_layer *, cuda_state *s) {
+    const mf_sizes &z = s->sizes;   /* sizing.c: the FP8 workspaces' bytes */
+    MF_ALLOC_FIELD(s, fp8_rows, z.fp8_rows);
+    MF_ALLOC_FIELD(s, fp8_row_scales, z.fp8_row_scales);
+    MF_ALLOC_FIELD(s, fp8_lhs_t, z.fp8_lhs_t);
+    MF_ALLOC_FIELD(s, fp8_lhs_scales, z.fp8_lhs_scales);
+    MF_ALLOC_FIELD(s, fp8_rhs_t, z.fp8_rhs_t);
+    MF_ALLOC_FIELD(s, fp8_rhs_scales, z.fp8_rhs_scales);
     return MOEFUSE_OK;
 }
 
