@@ -184,6 +184,11 @@ static void run_case(const model *m, const inputs *in, int R, moefuse_pipeline p
         cfg.rank = r;
         cfg.saved_mode = mode;
         cfg.pipeline = pipeline;
+#ifdef MOEFUSE_MEMORY_VERSION
+        /* the skewed routing sends a rank more than the default 2x the balanced load:
+         * the worst case (the library's sizing before the receive capacity existed) */
+        cfg.recv_capacity_factor = ranks;
+#endif
         CHECK_MF(moefuse_layer_create(&cfg, comm, &layer[r]));
         CHECK_CUDA(cudaStreamCreateWithFlags(&stream[r], cudaStreamNonBlocking));
     }
