@@ -7,7 +7,8 @@
  *     with the FP8 tensor cores' accumulation (fp8_tolerances, th_acc_wgmma_fp8); every
  *     output element written (poisoned first);
  *   - bitwise: a second run equal, the three saved modes equal (recompute re-quantizes
- *     x and repeats gemm1; the saved inputs are the same rows);
+ *     x and repeats gemm1; the saved inputs are the same rows), and forward + backward
+ *     captured in a CUDA graph and replayed equal to the direct run;
  *   - T = 0: zero weight gradients, accumulate leaves them.
  * The recipe's error against the bf16 fp64 reference is printed (a property of the
  * recipe, docs/decisions/0018-fp8-block-recipe.md). The stage-by-stage checks against
@@ -117,8 +118,53 @@ static void device_problem_free(device_problem *d) {
 
 /* Poisoned device outputs (0xff: bf16 / fp32 NaN), forward, backward (write mode, or
  * accumulate onto what dW holds), outputs copied into o. */
+/* The forward and backward of pb enqueued on `stream`. */
+static moefuse_status enqueue(moefuse_layer *layer, const problem *pb, device_problem *d,
+                              int accumulate, cudaStream_t stream) {
+    moefuse_fwd_args fa = {
+        .num_tokens = pb->T, .x = d->x, .x_stride = pb->stride, .ids = d->ids,
+        .weights = d->p, .y = d->y, .y_stride = pb->stride, .saved = d->saved,
+        .expert_counts = d->counts, .fp8_weights = &d->fp8,
+    };
+    moefuse_status st = moefuse_forward(layer, &fa, stream);
+    if (st != MOEFUSE_OK) return st;
+    moefuse_bwd_args ba = {
+        .num_tokens = pb->T, .x = d->x, .x_stride = pb->stride, .ids = d->ids,
+        .weights = d->p, .saved = d->saved, .saved_bytes = d->saved_bytes, .dy = d->dy,
+        .dy_stride = pb->stride, .dx = d->dx, .dx_stride = pb->stride, .dweights = d->dp,
+        .dw13 = d->dw13, .dw2 = d->dw2, .accumulate = accumulate, .fp8_weights = &d->fp8,
+    };
+    return moefuse_backward(layer, &ba, stream);
+}
+
+/* The forward and backward captured into a CUDA graph on a stream of their own, the graph
+ * launched once. */
+static moefuse_status enqueue_graph(moefuse_layer *layer, const problem *pb,
+                                    device_problem *d, int accumulate) {
+    cudaStream_t stream;
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    const moefuse_status st = enqueue(layer, pb, d, accumulate, stream);
+    const cudaError_t ce = cudaStreamEndCapture(stream, &graph);
+    CHECK(st == MOEFUSE_OK && ce == cudaSuccess, "capture: %s, %s", moefuse_status_string(st),
+          cudaGetErrorString(ce));
+    if (st == MOEFUSE_OK && ce == cudaSuccess) {
+        CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        CUDA_CHECK(cudaGraphLaunch(exec, stream));
+        CUDA_CHECK(cudaStreamSynchronize(stream));
+        cudaGraphExecDestroy(exec);
+    }
+    if (graph) cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+    return st;
+}
+
+/* One forward + backward of pb, outputs poisoned first, copied into o; `graph`: through a
+ * captured CUDA graph. */
 static moefuse_status run_device(moefuse_layer *layer, const problem *pb, device_problem *d,
-                                 outputs *o, int accumulate) {
+                                 outputs *o, int accumulate, int graph) {
     const shape s = pb->s;
     const size_t rows = (size_t)pb->T * (size_t)pb->stride;
     cudaMemset(d->y, 0xff, rows * 2);
@@ -129,20 +175,9 @@ static moefuse_status run_device(moefuse_layer *layer, const problem *pb, device
         cudaMemset(d->dw2, 0xff, (size_t)o->n_dw2 * 4);
     }
     cudaMemset(d->counts, 0xff, (size_t)s.E * 4);
-    moefuse_fwd_args fa = {
-        .num_tokens = pb->T, .x = d->x, .x_stride = pb->stride, .ids = d->ids,
-        .weights = d->p, .y = d->y, .y_stride = pb->stride, .saved = d->saved,
-        .expert_counts = d->counts, .fp8_weights = &d->fp8,
-    };
-    moefuse_status st = moefuse_forward(layer, &fa, NULL);
-    if (st != MOEFUSE_OK) return st;
-    moefuse_bwd_args ba = {
-        .num_tokens = pb->T, .x = d->x, .x_stride = pb->stride, .ids = d->ids,
-        .weights = d->p, .saved = d->saved, .saved_bytes = d->saved_bytes, .dy = d->dy,
-        .dy_stride = pb->stride, .dx = d->dx, .dx_stride = pb->stride, .dweights = d->dp,
-        .dw13 = d->dw13, .dw2 = d->dw2, .accumulate = accumulate, .fp8_weights = &d->fp8,
-    };
-    st = moefuse_backward(layer, &ba, NULL);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    moefuse_status st = graph ? enqueue_graph(layer, pb, d, accumulate)
+                              : enqueue(layer, pb, d, accumulate, NULL);
     if (st != MOEFUSE_OK) return st;
     st = moefuse_layer_check(layer, NULL);
     if (st != MOEFUSE_OK) return st;
@@ -250,16 +285,20 @@ static void accuracy(shape s, int T, int max_tokens, routing r, int pow2, int re
         outputs o = outputs_make(&pb), o2 = outputs_make(&pb);
         device_problem d;
         if (device_problem_make(layer, &pb, &d)) {
-            CHECK_OK(run_device(layer, &pb, &d, &o, 0));
+            CHECK_OK(run_device(layer, &pb, &d, &o, 0, 0));
             check_written(&pb, &o);
             compare_with_reference(&pb, &o, &emu, pow2 ? REF_FP8_POW2 : REF_FP8);
             compare_with_reference(&pb, &o, &bf, REF_BF16);
-            CHECK_OK(run_device(layer, &pb, &d, &o2, 0));
+            CHECK_OK(run_device(layer, &pb, &d, &o2, 0, 0));
             CHECK(outputs_equal(&o, &o2), "a second run differs (not deterministic)");
+            if (modes) {
+                CHECK_OK(run_device(layer, &pb, &d, &o2, 0, 1));
+                CHECK(outputs_equal(&o, &o2), "the run captured in a CUDA graph differs");
+            }
             for (int m = 0; m < 2 && modes; m++) {
                 device_problem dm;
                 if (!device_problem_make(other[m], &pb, &dm)) break;
-                CHECK_OK(run_device(other[m], &pb, &dm, &o2, 0));
+                CHECK_OK(run_device(other[m], &pb, &dm, &o2, 0, 0));
                 CHECK(outputs_equal(&o, &o2), "saved mode %d differs from SAVE_ACTIVATIONS",
                       m == 0 ? (int)MOEFUSE_RECOMPUTE : (int)MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS);
                 device_problem_free(&dm);
@@ -304,9 +343,9 @@ static void zero_tokens(void) {
     if (device_problem_make(layer, &pb, &d)) {
         CUDA_CHECK(cudaMemset(d.dw13, 0xff, (size_t)o.n_dw13 * 4));
         CUDA_CHECK(cudaMemset(d.dw2, 0xff, (size_t)o.n_dw2 * 4));
-        CHECK_OK(run_device(layer, &pb, &d, &o, 1));
+        CHECK_OK(run_device(layer, &pb, &d, &o, 1, 0));
         CHECK(count_poison32(o.dw13, o.n_dw13) == o.n_dw13, "accumulate with T = 0 touched dW13");
-        CHECK_OK(run_device(layer, &pb, &d, &o, 0));
+        CHECK_OK(run_device(layer, &pb, &d, &o, 0, 0));
         int64_t nz = 0;
         for (int64_t i = 0; i < o.n_dw13; i++) nz += o.dw13[i] != 0.0f;
         for (int64_t i = 0; i < o.n_dw2; i++) nz += o.dw2[i] != 0.0f;
