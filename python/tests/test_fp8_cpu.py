@@ -3,7 +3,9 @@ the weights the binding quantizes bitwise against the recipe's quantizer, forwar
 backward against the fp64 PyTorch emulation of the recipe (fp8_reference.py, with its
 derived tolerances), the cache of quantized weights (reused without a weight update,
 invalidated by one), torch.compile and activation checkpointing, the modules' option
-and the errors."""
+and the errors: the option's, FP8 with expert parallelism (refused when the module is
+made) and the library's refusals reworded (a pretended pre-sm_90 GPU, a comm). FP8 on
+CUDA tensors is tested in test_fp8_cuda.py."""
 
 from __future__ import annotations
 
@@ -348,43 +350,78 @@ def test_precision_option_errors(make):
         make(precision="fp8", fp8_pow2_scales=1)
 
 
-def test_library_refusal_of_fp8_on_cuda_is_reworded():
-    """No GPU needed: the library refuses an FP8 CUDA config when checking it, and the
-    binding turns MOEFUSE_ERR_UNSUPPORTED into Fp8UnsupportedError saying what runs."""
+def test_expert_parallel_fp8_is_refused_at_construction():
+    """FP8 with a comm is not built: ExpertParallelExperts refuses it when made, before the
+    comm is looked at (no GPU or comm needed), saying what runs instead."""
+    with pytest.raises(moefuse.Fp8UnsupportedError) as info:
+        moefuse.ExpertParallelExperts(128, 128, 8, 2, 64, None, 0, 1, precision="fp8")
+    err = info.value
+    assert err.status == _lib.Status.ERR_UNSUPPORTED
+    assert err.status_name == "MOEFUSE_ERR_UNSUPPORTED"
+    assert err.function == "ExpertParallelExperts"
+    assert "precision='fp8' with expert parallelism (a comm) is not built yet" in str(err)
+    assert "precision='bf16' with expert parallelism" in str(err)
+    assert "one sm_90 GPU" in str(err)
+
+
+def _library_refusal(message: str) -> moefuse.MoefuseError:
+    """A MOEFUSE_ERR_UNSUPPORTED of moefuse_layer_create, as the library raises it."""
+    return moefuse.MoefuseError("moefuse_layer_create", _lib.Status.ERR_UNSUPPORTED,
+                                "MOEFUSE_ERR_UNSUPPORTED", message)
+
+
+def _fp8_cuda_config() -> _lib.Config:
     cfg = _lib.config_init(128, 128, 8, 2, 64)
     cfg.backend, cfg.precision = _lib.Backend.CUDA, _lib.Precision.FP8_BLOCK
+    return cfg
+
+
+def _pretend_gpu(monkeypatch, capability, name):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
+@pytest.mark.parametrize("capability, name, with_comm, words", [
+    ((8, 0), "NVIDIA A100-SXM4-80GB", False,
+     "(NVIDIA A100-SXM4-80GB, sm_80): moefuse's CUDA kernels (FP8 and BF16) are built for "
+     "sm_90 (H100/H200) only"),
+    ((9, 0), "NVIDIA H200", True,
+     "(NVIDIA H200, sm_90): FP8 with expert parallelism (a comm) is not built yet"),
+], ids=["pre-sm90", "comm"])
+def test_library_refusals_of_fp8_are_reworded(monkeypatch, capability, name, with_comm, words):
+    """What the library still refuses for FP8 on the GPU (a GPU older than sm_90, a comm)
+    becomes Fp8UnsupportedError naming the GPU, the reason and what runs, the library's
+    message at its end (the GPU pretended: no GPU needed)."""
+    _pretend_gpu(monkeypatch, capability, name)
+    refusal = _library_refusal("config.backend = MOEFUSE_BACKEND_CUDA: refused (test)")
+    cfg = _fp8_cuda_config()
+    with pytest.raises(moefuse.Fp8UnsupportedError) as reworded:
+        _fp8.raise_if_unsupported(refusal, cfg, torch.device("cuda", 0), with_comm=with_comm)
+    err = reworded.value
+    assert err.status == _lib.Status.ERR_UNSUPPORTED and err.__cause__ is refusal
+    assert f"precision='fp8' on cuda:0 {words}" in str(err)
+    assert "FP8 runs on CPU tensors" in str(err)
+    assert str(err).endswith(f"The library said: {refusal.message}")
+    # a bf16 config, or another status, is not reworded
+    _fp8.raise_if_unsupported(refusal, _lib.config_init(128, 128, 8, 2, 64),
+                              torch.device("cuda", 0))
+    shape = moefuse.MoefuseError("moefuse_layer_create", _lib.Status.ERR_INVALID_CONFIG,
+                                 "MOEFUSE_ERR_INVALID_CONFIG", "bad")
+    _fp8.raise_if_unsupported(shape, cfg, torch.device("cuda", 0))
+
+
+def test_library_refusal_without_a_gpu_is_reworded():
+    """Where the library has no usable GPU (skipped where one is: there the layer is made),
+    its own refusal of an FP8 CUDA layer is reworded the same way."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the FP8 CUDA layer is made there "
+                    "(test_fp8_cuda.py)")
+    cfg = _fp8_cuda_config()
     with pytest.raises(moefuse.MoefuseError) as info:
         _lib.Layer(cfg)
     assert info.value.status == _lib.Status.ERR_UNSUPPORTED
     with pytest.raises(moefuse.Fp8UnsupportedError) as reworded:
         _fp8.raise_if_unsupported(info.value, cfg, torch.device("cuda", 0))
-    err = reworded.value
-    assert err.status == _lib.Status.ERR_UNSUPPORTED and err.__cause__ is info.value
-    assert "precision='fp8' on cuda:0" in str(err)
-    assert "FP8 kernels are not built for the GPU yet" in str(err) or "sm_90" in str(err)
-    assert info.value.message in str(err)
-    _fp8.raise_if_unsupported(info.value, _lib.config_init(128, 128, 8, 2, 64),
-                              torch.device("cuda", 0))  # a bf16 config: not reworded
-
-
-def _needs_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device on this machine: FP8 on CUDA tensors is refused where "
-                    "one is")
-
-
-def test_fp8_on_cuda_tensors_raises_clearly():
-    _needs_gpu()
-    x, ids, p, w13, w2, _ = (t.cuda() for t in random_problem(64, 128, 128, 8, 2))
-    with pytest.raises(moefuse.Fp8UnsupportedError,
-                       match="not built for the GPU yet|needs an sm_90"):
-        moefuse.experts(x, ids, p, w13, w2, precision="fp8")
-
-
-def test_expert_parallel_fp8_raises_clearly():
-    _needs_gpu()
-    with moefuse.virtual_comm(1) as comm:
-        with pytest.raises(moefuse.Fp8UnsupportedError,
-                           match="not built for the GPU yet|needs an sm_90"):
-            moefuse.ExpertParallelExperts(128, 128, 8, 2, 64, comm, 0, 1, device="cuda",
-                                          precision="fp8")
+    assert "precision='fp8' on cuda:0: this library does not run it" in str(reworded.value)
+    assert str(reworded.value).endswith(f"The library said: {info.value.message}")
