@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 import moefuse
 from moefuse import _fp8, _lib, ops
 
-from fp8_reference import fp8_experts_emulation, fp8_tolerances, quantize_blocks
+from fp8_reference import (assert_quantized_weights, fp8_experts_emulation, fp8_tolerances,
+                           most_rows, run_fp8, special_weights)
 from moe_reference import random_problem, rel_error
 
 pytestmark = pytest.mark.usefixtures("library")
@@ -27,42 +28,7 @@ pytestmark = pytest.mark.usefixtures("library")
 OUTPUTS = ("y", "dx", "dp", "dw13", "dw2")
 
 
-@pytest.fixture
-def quantize_calls(monkeypatch):
-    """Counts moefuse_quantize_weights calls; starts from an empty cache."""
-    ops.layer_cache.fp8.clear()
-    calls = []
-    quantize = _lib.Layer.quantize_weights
-
-    def counting(self, *args, **kwargs):
-        calls.append(self.cfg.fp8_pow2_scales)
-        return quantize(self, *args, **kwargs)
-
-    monkeypatch.setattr(_lib.Layer, "quantize_weights", counting)
-    return calls
-
-
-def run_fp8(x, ids, p, w13, w2, dy, pow2=False, recompute=False):
-    """(y, dx, dp, dw13, dw2) from moefuse.experts(precision="fp8") with autograd."""
-    x, p, w13, w2 = (t.detach().clone().requires_grad_() for t in (x, p, w13, w2))
-    y = moefuse.experts(x, ids, p, w13, w2, recompute=recompute, precision="fp8",
-                        fp8_pow2_scales=pow2)
-    y.backward(dy)
-    return y.detach(), x.grad, p.grad, w13.grad, w2.grad
-
-
-def most_rows(ids: torch.Tensor, num_experts: int) -> int:
-    return max(1, max(int((ids == e).sum()) for e in range(num_experts)))
-
-
 # ---- the quantized weights ------------------------------------------------------------------
-
-
-def _array(buffer: torch.Tensor, address: int, shape, dtype) -> torch.Tensor:
-    offset = address - buffer.data_ptr()
-    numel = torch.Size(shape).numel()
-    item = torch.empty((), dtype=dtype).element_size()
-    return buffer[offset:offset + numel * item].view(dtype).view(shape)
 
 
 @pytest.mark.parametrize("pow2", [False, True])
@@ -73,35 +39,12 @@ def test_quantized_weights_bitwise_against_the_recipe(pow2):
     normal values, short blocks (H = 200, 2I = 144); W^T's codes and scales are W's
     transposed."""
     E, H, I = 3, 200, 72
-    g = torch.Generator().manual_seed(0)
-    w13 = torch.randn(E, 2 * I, H, generator=g) * 0.05
-    w2 = torch.randn(E, H, I, generator=g) * 0.05
-    w13[1, :128, :128] = 0  # an all-zero block
-    w13[2, 5, 7], w2[0, 3, 4] = 1e30, -1e-30  # the block's scale: huge, tiny
-    w2[1, 150, 10] = 3e-41  # an fp32 subnormal beside normal values
+    w13, w2 = special_weights(E, H, I)
     layer = ops.layer_cache.get(H, I, E, 2, 1, torch.device("cpu"),
                                 _lib.SavedMode.SAVE_ACTIVATIONS, _lib.Precision.FP8_BLOCK, pow2)
     weights = _fp8.Fp8WeightCache().get(layer, w13, w2)
-    assert (weights.hidden, weights.intermediate, weights.num_local_experts,
-            weights.pow2_scales) == (H, I, E, int(pow2))
-    buffer = weights.buffer
-    assert buffer.numel() == layer.fp8_weights_bytes() and buffer.data_ptr() % 256 == 0
-    nb = lambda n: (n + 127) // 128  # noqa: E731
-    for w, name, rows, cols in ((w13, "w13", 2 * I, H), (w2, "w2", H, I)):
-        codes = _array(buffer, getattr(weights, name), (E, rows, cols), torch.uint8)
-        scale = _array(buffer, getattr(weights, name + "_scale"), (E, nb(rows), nb(cols)),
-                       torch.float32)
-        codes_t = _array(buffer, getattr(weights, name + "t"), (E, cols, rows), torch.uint8)
-        scale_t = _array(buffer, getattr(weights, name + "t_scale"), (E, nb(cols), nb(rows)),
-                         torch.float32)
-        for e in range(E):
-            want_codes, want_scale = quantize_blocks(w[e], pow2)
-            assert torch.equal(codes[e], want_codes.view(torch.uint8)), f"{name}[{e}] codes"
-            assert torch.equal(scale[e], want_scale), f"{name}[{e}] scales"
-            assert torch.equal(codes_t[e], codes[e].T) and torch.equal(scale_t[e], scale[e].T)
-    assert _array(buffer, weights.w13_scale, (E, 2, 2), torch.float32)[1, 0, 0] == 1.0
-    if pow2:
-        assert torch.equal(torch.frexp(scale).mantissa, torch.full_like(scale, 0.5))
+    assert weights.buffer.numel() == layer.fp8_weights_bytes()
+    assert_quantized_weights(weights, w13, w2, pow2)
 
 
 # ---- forward and backward against the emulation ---------------------------------------------
