@@ -231,7 +231,7 @@ def write_png_plot(path, curves, width=800, height=500):
     return lo, hi
 
 
-def plot(path, curves, title):
+def plot(path, curves, title, xlabel="step", ylabel="loss"):
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -242,14 +242,14 @@ def plot(path, curves, title):
     except ImportError:
         lo, hi = write_png_plot(path, curves)
         names = ", ".join(f"{name} = {c}" for (name, _), c in zip(curves, ("blue", "orange", "green")))
-        print(f"plot: {path} (built-in PNG writer, matplotlib not installed; x: step 0.."
-              f"{max(len(y) for _, y in curves) - 1}, y: loss {lo:.3f}..{hi:.3f}; {names})")
+        print(f"plot: {path} (built-in PNG writer, matplotlib not installed; x: {xlabel} 0.."
+              f"{max(len(y) for _, y in curves) - 1}, y: {ylabel} {lo:.3f}..{hi:.3f}; {names})")
         return
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, ys in curves:
         ax.plot(range(len(ys)), ys, label=name)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend()
     fig.savefig(path, dpi=100)
