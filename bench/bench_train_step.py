@@ -125,16 +125,24 @@ def make_batches(steps, batch, seq, vocab, seed, device):
     return tokens.to(device)
 
 
+def qwen3_moe_config(cfg: dict, *overrides: dict):
+    """transformers.Qwen3MoeConfig of cfg updated by each non-empty override, sdpa
+    attention."""
+    import transformers
+
+    cfg = dict(cfg)
+    for override in overrides:
+        cfg.update(override or {})
+    config = transformers.Qwen3MoeConfig(**cfg)
+    config._attn_implementation = "sdpa"
+    return config
+
+
 def build_model(args, device):
     import transformers
 
-    cfg = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
-    if args.tiny:
-        cfg.update(TINY)
-    if args.vocab:
-        cfg["vocab_size"] = args.vocab
-    config = transformers.Qwen3MoeConfig(**cfg)
-    config._attn_implementation = "sdpa"
+    config = qwen3_moe_config(QWEN3_30B_A3B, dict(num_hidden_layers=args.layers),
+                              args.tiny and TINY, args.vocab and dict(vocab_size=args.vocab))
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = transformers.Qwen3MoeForCausalLM(config)

@@ -183,16 +183,10 @@ def heldout_set(stream: torch.Tensor, seqs: int, seq: int) -> torch.Tensor:
 
 
 def model_config(args):
-    import transformers
+    from bench_train_step import qwen3_moe_config
 
-    cfg = dict(MODEL, max_position_embeddings=args.seq)
-    if args.tiny:
-        cfg.update(TINY)
-    if args.layers:
-        cfg["num_hidden_layers"] = args.layers
-    config = transformers.Qwen3MoeConfig(**cfg)
-    config._attn_implementation = "sdpa"
-    return config
+    return qwen3_moe_config(MODEL, dict(max_position_embeddings=args.seq), args.tiny and TINY,
+                            args.layers and dict(num_hidden_layers=args.layers))
 
 
 def build_model(config, seed: int, device: torch.device, precision: str):

@@ -35,8 +35,9 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
-from moe_reference import tolerance
+from moe_reference import rel_error, tolerance
 
 TILE = 128
 E4M3_MAX = 448.0
@@ -215,6 +216,56 @@ def run_fp8(x, ids, p, w13, w2, dy, pow2=False, recompute=False, save_inputs=Tru
                         save_inputs=save_inputs, precision="fp8", fp8_pow2_scales=pow2)
     y.backward(dy.to(device))
     return tuple(t.cpu() for t in (y.detach(), x.grad, p.grad, w13.grad, w2.grad))
+
+
+OUTPUTS = ("y", "dx", "dp", "dw13", "dw2")
+
+
+def check_against_emulation(got, problem, pow2=False, bf16_wgrad=True, acc=acc_fp32) -> None:
+    """got = (y, dx, dp, dw13, dw2) of problem = (x, ids, p, w13, w2, dy): finite and
+    within fp8_tolerances of the emulation, each output."""
+    x, ids, p, w13, w2, dy = problem
+    ref = fp8_experts_emulation(x, ids, p, w13, w2, dy, pow2=pow2)
+    tol = fp8_tolerances(x.shape[1], w2.shape[2], most_rows(ids, w13.shape[0]),
+                         bf16_wgrad=bf16_wgrad, acc=acc)
+    for name, g, r in zip(OUTPUTS, got, ref):
+        assert torch.isfinite(g).all(), name
+        err = rel_error(g, r)
+        assert err <= tol[name], f"{name}: relative error {err:.3e} > tolerance {tol[name]:.3e}"
+
+
+def _grads(module, x):
+    return [x.grad] + [p.grad for p in module.parameters()]
+
+
+def assert_compiled_equals_eager(model, x, dy) -> None:
+    """torch.compile(model, fullgraph=True, backend="aot_eager") (a graph break raises)
+    gives eager's output and gradients (of x and every parameter) bit for bit."""
+    torch._dynamo.reset()
+    results = []
+    for fn in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        model.zero_grad()
+        xl = x.clone().requires_grad_()
+        y = fn(xl)
+        y.backward(dy)
+        results.append([y.detach()] + _grads(model, xl))
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)
+
+
+def assert_checkpoint_equals_plain(module, x, ids, p, dy) -> None:
+    """module(x, ids, p) under activation checkpointing (non-reentrant) gives the bits of
+    the plain call: output and gradients of x and every parameter."""
+    results = []
+    for checkpointed in (False, True):
+        module.zero_grad()
+        xl = x.clone().requires_grad_()
+        y = (torch.utils.checkpoint.checkpoint(module, xl, ids, p, use_reentrant=False)
+             if checkpointed else module(xl, ids, p))
+        y.backward(dy)
+        results.append([y.detach()] + _grads(module, xl))
+    for plain, recomputed in zip(*results):
+        assert torch.equal(plain, recomputed)
 
 
 def most_rows(ids: torch.Tensor, num_experts: int) -> int:

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
 import moefuse
 from moefuse import _fp8, _lib, ops
 
-from fp8_reference import (acc_wgmma_fp8, assert_quantized_weights, fp8_experts_emulation,
-                           fp8_tolerances, most_rows, run_fp8, special_weights)
-from moe_reference import random_problem, rel_error
+from fp8_reference import (OUTPUTS, acc_wgmma_fp8, assert_checkpoint_equals_plain,
+                           assert_compiled_equals_eager, assert_quantized_weights,
+                           check_against_emulation, run_fp8, special_weights)
+from moe_reference import random_problem
 
 
 def _no_sm90_reason():
@@ -49,20 +49,6 @@ pytestmark = [
 ]
 
 DEV = torch.device("cuda")
-OUTPUTS = ("y", "dx", "dp", "dw13", "dw2")
-
-
-def check_against_emulation(got, problem, pow2=False, bf16_wgrad=True):
-    x, ids, p, w13, w2, dy = problem
-    ref = fp8_experts_emulation(x, ids, p, w13, w2, dy, pow2=pow2)
-    tol = fp8_tolerances(x.shape[1], w2.shape[2], most_rows(ids, w13.shape[0]),
-                         bf16_wgrad=bf16_wgrad, acc=acc_wgmma_fp8)
-    for name, g, r in zip(OUTPUTS, got, ref):
-        assert torch.isfinite(g).all(), name
-        err = rel_error(g, r)
-        assert err <= tol[name], f"{name}: relative error {err:.3e} > tolerance {tol[name]:.3e}"
-
-
 # ---- the quantized weights ------------------------------------------------------------------
 
 
@@ -99,7 +85,7 @@ def test_fp8_matches_the_emulation(case, pow2, recompute, quantize_calls):
     problem = random_problem(*shape, seed=21, drop_fraction=drop, skew=skew)
     got = run_fp8(*problem, pow2=pow2, recompute=recompute, device=DEV)
     moefuse.check_device_errors()
-    check_against_emulation(got, problem, pow2=pow2)
+    check_against_emulation(got, problem, pow2=pow2, acc=acc_wgmma_fp8)
     assert [t.dtype for t in got] == [torch.bfloat16] * 2 + [torch.float32] + [torch.bfloat16] * 2
     assert torch.all(got[2][problem[1] < 0] == 0), "dropped slots must get d p = 0"
     assert quantize_calls == [int(pow2)]  # the forward's quantization served the backward
@@ -112,7 +98,8 @@ def test_fp32_master_weights_get_fp32_gradients(quantize_calls):
     w2 = w2.float() + torch.randn(w2.shape, generator=g) * 1e-4
     got = run_fp8(x, ids, p, w13, w2, dy, device=DEV)
     assert got[3].dtype == torch.float32 and got[4].dtype == torch.float32
-    check_against_emulation(got, (x, ids, p, w13, w2, dy), bf16_wgrad=False)
+    check_against_emulation(got, (x, ids, p, w13, w2, dy), bf16_wgrad=False,
+                            acc=acc_wgmma_fp8)
 
 
 def test_two_runs_and_the_saved_modes_are_bitwise_equal():
@@ -178,36 +165,17 @@ class TinyMoE(torch.nn.Module):
 
 
 def test_torch_compile_fullgraph_equals_eager(quantize_calls):
-    """fullgraph=True (no graph break) with aot_eager: eager's bits, eager's quantization."""
-    torch._dynamo.reset()
+    """aot_eager, fullgraph: the quantization runs inside the op, bit for bit as eager, and
+    the compiled step reuses the eager step's quantization (same weights)."""
     x, _, _, dy = micro_batch(34)
-    model = TinyMoE()
-    results = []
-    for fn in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
-        model.zero_grad()
-        xl = x.clone().requires_grad_()
-        y = fn(xl)
-        y.backward(dy)
-        results.append((y.detach(), xl.grad, model.gate.weight.grad,
-                        model.experts.gate_up_proj.grad, model.experts.down_proj.grad))
-    for eager, compiled in zip(*results):
-        assert torch.equal(eager, compiled)
+    assert_compiled_equals_eager(TinyMoE(), x, dy)
     assert len(quantize_calls) == 1
 
 
 def test_activation_checkpointing_recomputes_the_same_bits(quantize_calls):
     module = fp8_module(35)
     x, ids, p, dy = micro_batch(35)
-    results = []
-    for checkpointed in (False, True):
-        module.zero_grad()
-        xl = x.clone().requires_grad_()
-        y = (checkpoint(module, xl, ids, p, use_reentrant=False) if checkpointed
-             else module(xl, ids, p))
-        y.backward(dy)
-        results.append((y.detach(), xl.grad, module.gate_up_proj.grad, module.down_proj.grad))
-    for plain, recomputed in zip(*results):
-        assert torch.equal(plain, recomputed)
+    assert_checkpoint_equals_plain(module, x, ids, p, dy)
     assert len(quantize_calls) == 1
 
 
@@ -218,7 +186,7 @@ def test_qwen3_block_from_transformers_in_fp8():
                                          num_experts=8, num_experts_per_tok=2)
     torch.manual_seed(36)
     source = modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config).to(DEV, torch.bfloat16)
-    with torch.no_grad():
+    with torch.no_grad():  # a block made alone holds torch.empty experts (no init)
         for param in source.parameters():
             param.normal_(0, 0.05)
     block = moefuse.MoefuseQwen3MoeBlock.from_transformers(source, precision="fp8")
