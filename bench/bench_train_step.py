@@ -11,13 +11,23 @@ PyTorch MoE of bench/torch_moe_baseline.py (TorchQwen3MoeBlock) in every layer.
                tokens per MoE call) from a fixed random first-order Markov chain
                (each token has 4 possible successors), so the loss has something to
                learn; the same --steps batches (default 50) for both runs.
-    Runs       both from the same initial weights (one model built once, its MoE
-               blocks swapped per run); both MoE blocks use the same routing code.
+    Runs       moefuse in each --precision (default bf16; `--precision bf16 fp8` adds
+               moefuse-fp8: the experts' GEMMs in block-scaled FP8, weights quantized
+               once per optimizer step) and the baseline, all from the same initial
+               weights (one model built once, its MoE blocks swapped per run); every
+               MoE block uses the same routing code.
     Timing     each step (zero_grad, forward, backward, optimizer step) bracketed by
                CUDA events; median over the steps after --warmup (default 5).
+    MoE time   then --profile-steps (default 3) more steps under torch.profiler, each
+               MoE block's forward and backward inside a profiler range (module hooks):
+               the CUDA time of the kernels in those ranges per step (router included),
+               its share of all kernels' time per step, and for moefuse the CUDA time of
+               its ops (moefuse::experts_fwd / experts_bwd) alone. With fp8 the ratio of
+               the MoE time of bf16 to fp8 is printed against the 1.35x FP8 should give.
 
-Prints per implementation the median step ms and tokens/s, the ratio, both loss
-curves side by side, max |loss_a - loss_b| with PASS/FAIL against --loss-tol (default
+Prints per implementation the median step ms, tokens/s and the MoE time, the ratios, the
+loss curves side by side, max |loss_moefuse - loss_baseline| (bf16) with PASS/FAIL against
+--loss-tol (default
 0.05 nats: bf16 rounding differences between the two implementations, amplified by
 50 AdamW steps and routing flips of near-tied experts), and writes a PNG of the two
 curves to --plot (default $OUT/loss_curves.png when $OUT is set, else
@@ -28,6 +38,7 @@ SKIP and the baseline still runs (exit 0). Without a CUDA device it prints SKIP 
 exits 0. Exit 1 when the loss curves disagree beyond --loss-tol.
 
     python3 bench/bench_train_step.py [--layers 4] [--steps 50] [--batch 4 --seq 4096]
+                                      [--precision bf16 fp8]
 """
 
 from __future__ import annotations
@@ -86,6 +97,10 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda",
                     help="cuda (the benchmark); cpu only with --tiny, to check the script")
     ap.add_argument("--tiny", action="store_true", help="a CPU-sized model (script check)")
+    ap.add_argument("--precision", nargs="+", default=["bf16"], choices=["bf16", "fp8"],
+                    help="moefuse runs: bf16, fp8 or both")
+    ap.add_argument("--profile-steps", type=int, default=3,
+                    help="steps profiled for the MoE time (0: none)")
     args = ap.parse_args(argv)
     if args.steps <= args.warmup:
         ap.error("--steps must exceed --warmup")
@@ -110,16 +125,24 @@ def make_batches(steps, batch, seq, vocab, seed, device):
     return tokens.to(device)
 
 
+def qwen3_moe_config(cfg: dict, *overrides: dict):
+    """transformers.Qwen3MoeConfig of cfg updated by each non-empty override, sdpa
+    attention."""
+    import transformers
+
+    cfg = dict(cfg)
+    for override in overrides:
+        cfg.update(override or {})
+    config = transformers.Qwen3MoeConfig(**cfg)
+    config._attn_implementation = "sdpa"
+    return config
+
+
 def build_model(args, device):
     import transformers
 
-    cfg = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
-    if args.tiny:
-        cfg.update(TINY)
-    if args.vocab:
-        cfg["vocab_size"] = args.vocab
-    config = transformers.Qwen3MoeConfig(**cfg)
-    config._attn_implementation = "sdpa"
+    config = qwen3_moe_config(QWEN3_30B_A3B, dict(num_hidden_layers=args.layers),
+                              args.tiny and TINY, args.vocab and dict(vocab_size=args.vocab))
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = transformers.Qwen3MoeForCausalLM(config)
@@ -132,8 +155,17 @@ def swap_blocks(model, make_block):
     return model
 
 
+def train_step(model, opt, tokens):
+    opt.zero_grad(set_to_none=True)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def train(model, batches, args, device, label):
-    """Runs len(batches) steps; returns (losses list[float], step times ms list[float])."""
+    """Runs len(batches) steps, then args.profile_steps more under the profiler; returns
+    (losses list[float], step times ms list[float], MoE time dict or None)."""
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=0.1, fused=fused)
@@ -144,11 +176,7 @@ def train(model, batches, args, device, label):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach())
+        losses.append(train_step(model, opt, tokens).detach())
         if fused:
             end.record()
             events.append((start, end))
@@ -162,8 +190,71 @@ def train(model, batches, args, device, label):
         times = [s.elapsed_time(e) for s, e in events]
     else:
         times = cpu_ms
+    moe = profile_moe(model, opt, batches, args.profile_steps, device)
     del opt
-    return [float(l.item()) for l in losses], times
+    return [float(l.item()) for l in losses], times, moe
+
+
+# ---- the MoE blocks' time ----------------------------------------------------------------------
+
+
+def _range_hooks(module, name):
+    """Hooks that open a profiler range (record_function) named name + "_forward" around
+    the module's forward and name + "_backward" around its backward; returns the handles."""
+    from torch.autograd.profiler import record_function
+
+    open_ranges = []
+
+    def enter(suffix):
+        def hook(*_):
+            rf = record_function(name + suffix)
+            rf.__enter__()
+            open_ranges.append(rf)
+        return hook
+
+    def leave(*_):
+        open_ranges.pop().__exit__(None, None, None)
+
+    return [module.register_forward_pre_hook(enter("_forward")),
+            module.register_forward_hook(leave),
+            module.register_full_backward_pre_hook(enter("_backward")),
+            module.register_full_backward_hook(leave)]
+
+
+MOEFUSE_OPS = ("moefuse::experts_fwd", "moefuse::experts_bwd")
+
+
+def profile_moe(model, opt, batches, steps, device):
+    """{moe_ms, total_ms, ops_ms} per step from `steps` profiled training steps: the time
+    in the MoE blocks' ranges, of all kernels (CUDA; the steps' CPU time on the CPU) and
+    in moefuse's ops; None when steps is 0."""
+    if steps <= 0:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    handles = [h for layer in model.model.layers for h in _range_hooks(layer.mlp, "moe_block")]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    try:
+        with profile(activities=activities) as prof:
+            for i in range(steps):
+                with torch.profiler.record_function("train_step"):
+                    train_step(model, opt, batches[i % len(batches)])
+            if cuda:
+                torch.cuda.synchronize()
+    finally:
+        for h in handles:
+            h.remove()
+    sums = {"moe": 0.0, "total": 0.0, "ops": 0.0}  # µs over the steps
+    for ev in prof.events():
+        us = ev.device_time_total if cuda else ev.cpu_time_total
+        if ev.name in ("moe_block_forward", "moe_block_backward"):
+            sums["moe"] += us
+        elif ev.name in MOEFUSE_OPS:
+            sums["ops"] += us
+        if (ev.device_type == torch.autograd.DeviceType.CUDA) if cuda else ev.name == "train_step":
+            sums["total"] += us
+    return {f"{k}_ms": v / steps / 1e3 for k, v in sums.items()}
 
 
 # ---- the plot ---------------------------------------------------------------------------------
@@ -231,7 +322,7 @@ def write_png_plot(path, curves, width=800, height=500):
     return lo, hi
 
 
-def plot(path, curves, title):
+def plot(path, curves, title, xlabel="step", ylabel="loss"):
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -242,14 +333,14 @@ def plot(path, curves, title):
     except ImportError:
         lo, hi = write_png_plot(path, curves)
         names = ", ".join(f"{name} = {c}" for (name, _), c in zip(curves, ("blue", "orange", "green")))
-        print(f"plot: {path} (built-in PNG writer, matplotlib not installed; x: step 0.."
-              f"{max(len(y) for _, y in curves) - 1}, y: loss {lo:.3f}..{hi:.3f}; {names})")
+        print(f"plot: {path} (built-in PNG writer, matplotlib not installed; x: {xlabel} 0.."
+              f"{max(len(y) for _, y in curves) - 1}, y: {ylabel} {lo:.3f}..{hi:.3f}; {names})")
         return
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, ys in curves:
         ax.plot(range(len(ys)), ys, label=name)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend()
     fig.savefig(path, dpi=100)
@@ -258,6 +349,44 @@ def plot(path, curves, title):
 
 
 # ---- main -------------------------------------------------------------------------------------
+
+MOE_RATIO_TARGET = 1.35  # MoE time of bf16 / fp8 that FP8 should give in a training step
+
+
+def moefuse_name(precision: str) -> str:
+    return "moefuse" if precision == "bf16" else f"moefuse-{precision}"
+
+
+def print_times(medians: dict, moe_times: dict, tokens_per_step: int, profile_steps: int,
+                what: str) -> None:
+    print(f"\n{'impl':<12} {'median step ms':>15} {'tokens/s':>12} {'MoE ms/step':>12} "
+          f"{'MoE share':>10} {'moefuse ops ms':>15}")
+    for name, ms in medians.items():
+        moe = moe_times.get(name)
+        cols = "  (not profiled)"
+        if moe is not None:
+            ops = f"{moe['ops_ms']:15.2f}" if name.startswith("moefuse") else f"{'-':>15}"
+            share = moe["moe_ms"] / moe["total_ms"] if moe["total_ms"] > 0 else float("nan")
+            cols = f" {moe['moe_ms']:12.2f} {share:10.1%} {ops}"
+        print(f"{name:<12} {ms:15.2f} {tokens_per_step / ms * 1e3:12.0f}" + cols)
+    if profile_steps > 0 and moe_times:
+        print(f"MoE ms/step: the {what} time inside the MoE blocks' forward and backward "
+              f"(router included) per step, over {profile_steps} profiled steps; share: of all "
+              f"{what} time per step; moefuse ops: moefuse::experts_fwd + experts_bwd")
+    for name in medians:
+        if name != "baseline" and "baseline" in medians:
+            print(f"ratio: baseline step ms / {name} step ms = "
+                  f"{medians['baseline'] / medians[name]:.3f}x")
+    if "moefuse-fp8" in medians and "moefuse" in medians:
+        print(f"ratio: moefuse step ms / moefuse-fp8 step ms = "
+              f"{medians['moefuse'] / medians['moefuse-fp8']:.3f}x")
+        bf16, fp8 = moe_times.get("moefuse"), moe_times.get("moefuse-fp8")
+        if bf16 and fp8:
+            ratio = bf16["moe_ms"] / fp8["moe_ms"]
+            ops = bf16["ops_ms"] / fp8["ops_ms"] if fp8["ops_ms"] > 0 else float("nan")
+            verdict = "met" if ratio >= MOE_RATIO_TARGET else "MISSED"
+            print(f"MoE time bf16 / fp8 = {ratio:.3f}x (moefuse ops alone {ops:.3f}x): target "
+                  f">= {MOE_RATIO_TARGET}x {verdict}")
 
 
 def main(argv=None) -> int:
@@ -307,40 +436,47 @@ def main(argv=None) -> int:
     # model's weights, gradients and AdamW state are on the device at a time (at 12 layers
     # a device-resident copy would take 16 GB of the H200's 140).
     base_model = base_model.to("cpu")
-    runs = {}
-    plans = [("moefuse", lambda b: moefuse.MoefuseQwen3MoeBlock.from_transformers(b)),
-             ("baseline", baseline.TorchQwen3MoeBlock.from_transformers)]
+    runs, moe_times = {}, {}
+    plans = [(moefuse_name(p), lambda b, p=p: moefuse.MoefuseQwen3MoeBlock.from_transformers(
+                 b, precision=p)) for p in dict.fromkeys(args.precision)]
+    plans.append(("baseline", baseline.TorchQwen3MoeBlock.from_transformers))
     for name, make_block in plans:
-        if name == "moefuse" and moefuse_skip is not None:
-            print(f"SKIP moefuse run: {moefuse_skip}")
+        if name.startswith("moefuse") and moefuse_skip is not None:
+            print(f"SKIP {name} run: {moefuse_skip}")
             continue
         model = swap_blocks(copy.deepcopy(base_model).to(device), make_block)
-        losses, times = train(model, batches, args, device, name)
-        if name == "moefuse" and device.type == "cuda":
+        try:
+            losses, times, moe = train(model, batches, args, device, name)
+        except moefuse.Fp8UnsupportedError as err:
+            print(f"SKIP {name} run: {err}")
+            continue
+        if name.startswith("moefuse") and device.type == "cuda":
             moefuse.check_device_errors()
         runs[name] = (losses, times)
+        moe_times[name] = moe
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    print(f"\n{'impl':<10} {'median step ms':>15} {'tokens/s':>12}")
-    medians = {}
-    for name, (_, times) in runs.items():
-        medians[name] = statistics.median(times[args.warmup:])
-        print(f"{name:<10} {medians[name]:15.2f} {tokens_per_step / medians[name] * 1e3:12.0f}")
-    if len(medians) == 2:
-        print(f"ratio: baseline step ms / moefuse step ms = "
-              f"{medians['baseline'] / medians['moefuse']:.3f}x")
+    medians = {name: statistics.median(times[args.warmup:]) for name, (_, times) in runs.items()}
+    print_times(medians, moe_times, tokens_per_step, args.profile_steps,
+                "kernel" if device.type == "cuda" else "CPU")
 
     names = list(runs)
-    print("\nstep  " + "  ".join(f"{n:>10}" for n in names) + ("    |diff|" if len(names) == 2 else ""))
+    pair = "moefuse" in runs and "baseline" in runs
+    print("\nstep  " + "  ".join(f"{n:>11}" for n in names)
+          + ("    |moefuse - baseline|" if pair else ""))
     for i in range(args.steps):
         vals = [runs[n][0][i] for n in names]
-        diff = f"  {abs(vals[0] - vals[1]):8.4f}" if len(vals) == 2 else ""
-        print(f"{i:4d}  " + "  ".join(f"{v:10.4f}" for v in vals) + diff)
+        diff = f"  {abs(runs['moefuse'][0][i] - runs['baseline'][0][i]):8.4f}" if pair else ""
+        print(f"{i:4d}  " + "  ".join(f"{v:11.4f}" for v in vals) + diff)
 
     rc = 0
-    if len(names) == 2:
+    if "moefuse-fp8" in runs and "moefuse" in runs:
+        fp8_diff = max(abs(a - b) for a, b in zip(runs["moefuse-fp8"][0], runs["moefuse"][0]))
+        print(f"max |loss_fp8 - loss_bf16| = {fp8_diff:.4f} over {args.steps} steps (FP8's "
+              f"accuracy is judged by bench/train_parity.py's held-out loss, not here)")
+    if pair:
         la, lb = runs["moefuse"][0], runs["baseline"][0]
         max_diff = max(abs(a - b) for a, b in zip(la, lb))
         finite = all(math.isfinite(v) for v in la + lb)

@@ -7,9 +7,11 @@ in docs/decisions/0018-fp8-block-recipe.md).
     precision="fp8"   every expert GEMM (forward, dgrad, wgrad) on e4m3 operands with fp32
                       scales per 1x128 tile (activations) or 128x128 block (weights);
                       fp8_pow2_scales=True rounds every scale up to a power of two
-Runs on CPU tensors (the CPU backend); CUDA tensors raise Fp8UnsupportedError until the
-FP8 kernels are built. y, dx, d p and the weight gradients keep their dtypes, and the
-weight gradients are of the real (bf16 or fp32) weights.
+Runs on CPU tensors (the CPU backend) and on CUDA tensors of an sm_90 (Hopper) GPU (the
+CUDA backend's FP8 kernels, one GPU). Fp8UnsupportedError where it does not run: a GPU
+older than sm_90, and FP8 with expert parallelism (a comm: not built yet; refused when
+ExpertParallelExperts is made). y, dx, d p and the weight gradients keep their dtypes,
+and the weight gradients are of the real (bf16 or fp32) weights.
 
 Weights are quantized once per optimizer step, not per call. Fp8WeightCache (the `fp8`
 attribute of ops.layer_cache) keeps the quantized W13, W2 and their transposes of each
@@ -63,9 +65,23 @@ def resolve_precision(precision: str, fp8_pow2_scales: bool, where: str) -> tupl
 
 
 class Fp8UnsupportedError(_lib.MoefuseError):
-    """precision='fp8' on a device where the library does not run it: status
-    MOEFUSE_ERR_UNSUPPORTED, a message saying why and what runs instead, the library's
-    own message at its end."""
+    """precision='fp8' where it does not run: status MOEFUSE_ERR_UNSUPPORTED and a message
+    saying why and what runs instead; when the library refused the layer, its own message
+    ends the text (and the library's error is the __cause__)."""
+
+
+_WHAT_RUNS = ("FP8 runs on CPU tensors (the CPU backend) and on one sm_90 GPU without expert "
+              "parallelism (moefuse.experts, MoEExperts, MoefuseQwen3MoeBlock)")
+
+
+def fp8_with_comm_error(where: str) -> Fp8UnsupportedError:
+    """The refusal of precision='fp8' with expert parallelism, raised before any comm or
+    layer is touched (the library refuses it too, at moefuse_layer_create)."""
+    return Fp8UnsupportedError(
+        where, _lib.Status.ERR_UNSUPPORTED, "MOEFUSE_ERR_UNSUPPORTED",
+        "precision='fp8' with expert parallelism (a comm) is not built yet: the library "
+        "refuses FP8 layers with a comm. Use precision='bf16' with expert parallelism; "
+        f"{_WHAT_RUNS}")
 
 
 def _gpu_words(device: torch.device) -> tuple[str, Optional[tuple[int, int]]]:
@@ -83,12 +99,12 @@ def create_layer(cfg: _lib.Config, device: torch.device,
         with _on_device(device):
             return _lib.Layer(cfg, comm)
     except _lib.MoefuseError as err:
-        raise_if_unsupported(err, cfg, device)
+        raise_if_unsupported(err, cfg, device, with_comm=comm is not None)
         raise
 
 
-def raise_if_unsupported(err: _lib.MoefuseError, cfg: _lib.Config,
-                         device: torch.device) -> None:
+def raise_if_unsupported(err: _lib.MoefuseError, cfg: _lib.Config, device: torch.device,
+                         with_comm: bool = False) -> None:
     """Raises Fp8UnsupportedError from err when err is moefuse_layer_create refusing an
     FP8 config (MOEFUSE_ERR_UNSUPPORTED); returns otherwise (the caller re-raises err)."""
     if (cfg.precision != _lib.Precision.FP8_BLOCK
@@ -96,17 +112,16 @@ def raise_if_unsupported(err: _lib.MoefuseError, cfg: _lib.Config,
         return
     words, capability = _gpu_words(device)
     if capability is not None and capability < (9, 0):
-        why = ("FP8 needs an sm_90 (Hopper) GPU or newer, and the FP8 kernels are not "
-               "built for the GPU yet")
-    elif cfg.backend == _lib.Backend.CUDA:
-        why = ("the FP8 kernels are not built for the GPU yet; CUDA tensors take "
-               "precision='bf16'")
+        why = ("moefuse's CUDA kernels (FP8 and BF16) are built for sm_90 (H100/H200) "
+               "only")
+    elif with_comm:
+        why = "FP8 with expert parallelism (a comm) is not built yet"
     else:
         why = "this library does not run it"
     raise Fp8UnsupportedError(
         err.function, err.status, err.status_name,
-        f"precision='fp8' on {words}: {why}. CPU tensors run the FP8 recipe (the CPU "
-        f"backend). The library said: {err.message}") from err
+        f"precision='fp8' on {words}: {why}. {_WHAT_RUNS}. The library said: "
+        f"{err.message}") from err
 
 
 # ---- quantized weights, once per optimizer step ----------------------------------------------

@@ -16,7 +16,8 @@ Public functions (differentiable, torch.compile(fullgraph=True) friendly):
       bf16 gradients written by the library (the fp32 gradients rounded to nearest
       even, no cast afterwards), fp32 master weights fp32 gradients.
       precision="fp8": every expert GEMM on block-scaled e4m3 operands, the weights
-      quantized once per optimizer step (_fp8.py; CPU tensors for now).
+      quantized once per optimizer step (_fp8.py): CPU tensors, and CUDA tensors on an
+      sm_90 GPU (one GPU; not with expert parallelism yet).
 
     route(logits, top_k) -> (ids int32 [T, K], weights fp32 [T, K])   (in _route.py)
         Qwen3 routing: softmax over E in fp32, top-K (ties: lower id), renormalize.
@@ -352,7 +353,8 @@ def experts(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch.Tens
              again (CUDA; the CPU backend ignores it). Even so, fewer bytes than autograd
              through torch._grouped_mm keeps. Same results either way.
         precision: "bf16" (default) or "fp8": block-scaled e4m3 GEMM operands, the
-             weights quantized once per optimizer step (_fp8.py); CPU tensors only yet.
+             weights quantized once per optimizer step (_fp8.py); on the CPU and on an
+             sm_90 GPU.
         fp8_pow2_scales: with precision="fp8", every scale a power of two.
 
     Returns:

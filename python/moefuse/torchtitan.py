@@ -1,6 +1,7 @@
 """moefuse inside TorchTitan's MoE models (torchtitan 0.2.x: torchtitan/models/moe/moe.py).
 
     moefuse.torchtitan.apply(model)    -> names of the MoE modules now computed by moefuse
+    moefuse.torchtitan.apply(model, precision="fp8")   the same, the expert GEMMs in FP8
     moefuse.torchtitan.restore(model)  -> names of the MoE modules given back to TorchTitan
     moefuse.torchtitan.shard_experts(model, ep_mesh)   TorchTitan's EP layout of the experts
     moefuse.torchtitan.apply(model, expert_parallel=ExpertParallelPlan(comms, rank, R, ...))
@@ -30,6 +31,12 @@ Cost of the current C API: moefuse_fwd_args takes one W13 pointer, so every forw
 concatenates w1 and w3 into a [E, 2F, D] bf16 tensor (E * 2F * D * 2 bytes written, and
 read by the op), and autograd splits dW13 back into the gradients of w1 and w3. A later
 change of the C API takes gate and up as two pointers and removes both copies.
+
+precision="fp8" runs the routed experts' GEMMs in block-scaled FP8 (moefuse.experts(),
+_fp8.py), on one rank: with expert_parallel apply() raises Fp8UnsupportedError (FP8 with
+a comm is not built yet). The W13 of each forward is a new tensor (the concatenation
+above), so its FP8 quantization is made once per forward and shared by its backward,
+not once per optimizer step as for MoEExperts' parameters.
 
 Not supported (apply() or the forward says so):
 - score_before_experts=True (TorchTitan scales the routed tokens by their scores before
@@ -91,7 +98,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch import nn
 
-from . import _lib, ops
+from . import _fp8, _lib, ops
 
 _BF16 = torch.bfloat16
 
@@ -112,7 +119,8 @@ def _plain(w: torch.Tensor, what: str) -> torch.Tensor:
 
 def routed_experts(x: torch.Tensor, top_scores: torch.Tensor, ids: torch.Tensor,
                    w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, *,
-                   recompute: bool = False, save_inputs: bool = True) -> torch.Tensor:
+                   recompute: bool = False, save_inputs: bool = True,
+                   precision: str = "bf16") -> torch.Tensor:
     """TorchTitan's routed experts with score_before_experts=False, by moefuse:
 
         x [T, D], top_scores [T, K] (fp32), ids [T, K] (int64 from torch.topk),
@@ -120,10 +128,11 @@ def routed_experts(x: torch.Tensor, top_scores: torch.Tensor, ids: torch.Tensor,
         y_t = sum_k top_scores[t,k] * w2_e (silu(w1_e x_t) * w3_e x_t),  e = ids[t,k].
 
     The weights are taken in bf16 as TorchTitan's experts take them; w1 and w3 are
-    concatenated into W13 per call (see the module docstring for the cost)."""
+    concatenated into W13 per call (see the module docstring for the cost). precision:
+    "bf16" or "fp8", as moefuse.experts() takes it."""
     w13 = torch.cat([w1.to(_BF16), w3.to(_BF16)], dim=1)  # [E, 2F, D]: gate rows, up rows
     y = ops.experts(x.to(_BF16), ids, top_scores.to(torch.float32), w13, w2.to(_BF16),
-                    recompute=recompute, save_inputs=save_inputs)
+                    recompute=recompute, save_inputs=save_inputs, precision=precision)
     return y.to(x.dtype)
 
 
@@ -133,6 +142,7 @@ class MoefuseMoE(_tt_moe.MoE):
 
     moefuse_recompute: bool = False
     moefuse_save_inputs: bool = True
+    moefuse_precision: str = "bf16"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [bs, slen, dim] -> [bs, slen, dim], as TorchTitan's MoE.forward."""
@@ -153,7 +163,8 @@ class MoefuseMoE(_tt_moe.MoE):
         out_experts = routed_experts(
             x, top_scores, selected_experts_indices, _plain(experts.w1, "experts.w1"),
             _plain(experts.w3, "experts.w3"), _plain(experts.w2, "experts.w2"),
-            recompute=self.moefuse_recompute, save_inputs=self.moefuse_save_inputs)
+            recompute=self.moefuse_recompute, save_inputs=self.moefuse_save_inputs,
+            precision=self.moefuse_precision)
         if self.shared_experts is None:
             return out_experts.reshape(bs, slen, dim)
         return (self.shared_experts(x) + out_experts).reshape(bs, slen, dim)
@@ -316,19 +327,24 @@ def _check_swappable(name: str, module: nn.Module) -> None:
 
 
 def apply(model: nn.Module, *, recompute: bool = False, save_inputs: bool = True,
+          precision: str = "bf16",
           expert_parallel: Optional[ExpertParallelPlan] = None) -> list[str]:
     """Makes moefuse compute the routed experts of every TorchTitan MoE in `model`, in
     place; returns their names. Call it before or after TorchTitan's parallelize (AC
     wrappers and per-module torch.compile wrap the MoE's children, not the MoE). Raises
     ValueError, before changing anything, if some MoE cannot be swapped (see the module
     docstring). recompute and save_inputs: what the forward keeps for the backward, as
-    moefuse.experts() documents (one rank).
+    moefuse.experts() documents (one rank). precision: "bf16" or "fp8" (the expert GEMMs
+    in block-scaled FP8; one rank only: Fp8UnsupportedError with expert_parallel).
 
     expert_parallel: the experts hold this rank's E/R experts (shard_experts' DTensors, or
     plain tensors of E/R experts) and moefuse's expert parallelism runs them, one comm per
     MoE (see ExpertParallelPlan); recompute and save_inputs are then the plan's
     saved_mode. In TorchTitan's parallelize order: shard_experts and this call where it
     calls apply_moe_ep_tp, so before AC, compile and FSDP."""
+    _fp8.resolve_precision(precision, False, "moefuse.torchtitan.apply")
+    if precision == "fp8" and expert_parallel is not None:
+        raise _fp8.fp8_with_comm_error("moefuse.torchtitan.apply")
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, _tt_moe.MoE)]
     todo = [(name, m) for name, m in found if not isinstance(m, MoefuseMoE)]
     for name, m in todo:
@@ -351,6 +367,7 @@ def apply(model: nn.Module, *, recompute: bool = False, save_inputs: bool = True
         m.__class__ = MoefuseMoE
         m.moefuse_recompute = recompute
         m.moefuse_save_inputs = save_inputs
+        m.moefuse_precision = precision
         if ep_modules:
             m.experts.__class__ = MoefuseExperts
             m.experts.__dict__["moefuse_ep"] = ep_modules[i]
@@ -363,7 +380,7 @@ def restore(model: nn.Module) -> list[str]:
     for name, m in model.named_modules():
         if isinstance(m, MoefuseMoE):
             m.__class__ = _tt_moe.MoE
-            for attr in ("moefuse_recompute", "moefuse_save_inputs"):
+            for attr in ("moefuse_recompute", "moefuse_save_inputs", "moefuse_precision"):
                 m.__dict__.pop(attr, None)
             if isinstance(m.experts, MoefuseExperts):
                 m.experts.__class__ = _tt_moe.GroupedExperts

@@ -23,6 +23,23 @@ def library():
 
 
 @pytest.fixture
+def quantize_calls(monkeypatch):
+    """Counts moefuse_quantize_weights calls (the fp8_pow2_scales of each); starts from an
+    empty cache of FP8 weights."""
+    from moefuse import ops
+    ops.layer_cache.fp8.clear()
+    calls = []
+    quantize = _lib.Layer.quantize_weights
+
+    def counting(self, *args, **kwargs):
+        calls.append(self.cfg.fp8_pow2_scales)
+        return quantize(self, *args, **kwargs)
+
+    monkeypatch.setattr(_lib.Layer, "quantize_weights", counting)
+    return calls
+
+
+@pytest.fixture
 def cpu_histc(monkeypatch):
     """torch.histc of integer tensors on CPU, through float (TorchTitan's router). The
     moefuse.torchtitan tests use it on every test (their pytestmark)."""

@@ -23,7 +23,10 @@ m1' = 2 m1, rms' = rms + sqrt(2 s m1) (a value within |d| of a rounding boundary
 a step); an FP8 quantization adds the scale's shift (4 typical differences) before its
 rounding. The tolerance is twice the final rms, plus one bf16 rounding for y and dx (the
 library rounds them, the emulation does not) and for the bf16 gradients of bf16 weights.
-tests/cpu/test_cpu_fp8.c derives the same chains.
+tests/cpu/test_cpu_fp8.c derives the same chains. On the GPU the accumulation is the FP8
+tensor cores' (acc_wgmma_fp8: about 14 bits inside each 128-deep block of K, promoted to
+fp32 at the block's end), as tests/api/fixture.c's fp8_tolerances takes it
+(th_acc_wgmma_fp8).
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
-from moe_reference import tolerance
+from moe_reference import rel_error, tolerance
 
 TILE = 128
 E4M3_MAX = 448.0
@@ -164,26 +168,153 @@ def _quant_fp8(d):
     return _round(_sum(d, _elementwise(d, 4.0)), 2.0 ** -3)
 
 
-def _acc_fp32(k: int) -> float:
+def acc_fp32(k: int) -> float:
+    """Relative error of an fp32 accumulation over k products (the CPU backend)."""
     return 2.0 ** -24 * (2.0 + math.sqrt(k))
 
 
-def fp8_tolerances(hidden: int, inter: int, rows: int,
-                   bf16_wgrad: bool = False) -> dict[str, float]:
-    """Norm-wise relative tolerance of the CPU backend against the emulation per output;
-    rows = the most rows of one expert (the weight-gradient GEMMs' K); bf16_wgrad: the
-    weight gradients are rounded to bf16 (those of bf16 weights), one rounding more."""
+def acc_wgmma_fp8(k: int) -> float:
+    """The same of Hopper's FP8 wgmma with fp32 promotion every 128 of K (the CUDA
+    backend; th_acc_wgmma_fp8 of tests/harness.c)."""
+    return 4.0 * 2.0 ** -13 + ((k + 127) // 128) * 2.0 ** -24
+
+
+def fp8_tolerances(hidden: int, inter: int, rows: int, bf16_wgrad: bool = False,
+                   acc=acc_fp32) -> dict[str, float]:
+    """Norm-wise relative tolerance of an implementation against the emulation per
+    output; rows = the most rows of one expert (the weight-gradient GEMMs' K); bf16_wgrad:
+    the weight gradients are rounded to bf16 (those of bf16 weights), one rounding more;
+    acc: the GEMMs' accumulation (acc_fp32 for the CPU backend, acc_wgmma_fp8 for the
+    GPU)."""
     bf16_step, none = 2.0 ** -7, (0.0, 0.0)
-    gu = _round(_gemm(none, _acc_fp32(hidden)), bf16_step)
+    gu = _round(_gemm(none, acc(hidden)), bf16_step)
     a = _round(_elementwise(gu, 2.0), bf16_step)
-    o = _gemm(_quant_fp8(a), _acc_fp32(inter))
-    dap = _round(_gemm(none, _acc_fp32(hidden)), bf16_step)
+    o = _gemm(_quant_fp8(a), acc(inter))
+    dap = _round(_gemm(none, acc(hidden)), bf16_step)
     dgu = _round(_elementwise(_sum(dap, gu), 2.0), bf16_step)
-    dxr = _gemm(_quant_fp8(dgu), _acc_fp32(2 * inter))
-    dp = _gemm(_sum(dap, a), _acc_fp32(inter))
-    dw2 = _gemm(_quant_fp8(a), _acc_fp32(rows))
-    dw13 = _gemm(_quant_fp8(dgu), _acc_fp32(rows))
+    dxr = _gemm(_quant_fp8(dgu), acc(2 * inter))
+    dp = _gemm(_sum(dap, a), acc(inter))
+    dw2 = _gemm(_quant_fp8(a), acc(rows))
+    dw13 = _gemm(_quant_fp8(dgu), acc(rows))
     wgrad_rounding = tolerance(1) if bf16_wgrad else 1e-6
     return {"y": 2 * o[1] + tolerance(1), "dx": 2 * dxr[1] + tolerance(1),
             "dp": 2 * dp[1] + 1e-6, "dw13": 2 * dw13[1] + wgrad_rounding,
             "dw2": 2 * dw2[1] + wgrad_rounding}
+
+
+# ---- helpers of the binding's FP8 tests (test_fp8_cpu.py, test_fp8_cuda.py) -----------------
+
+
+def run_fp8(x, ids, p, w13, w2, dy, pow2=False, recompute=False, save_inputs=True,
+            device="cpu"):
+    """(y, dx, dp, dw13, dw2) from moefuse.experts(precision="fp8") with autograd on
+    `device` (fresh copies of the inputs there), returned on the CPU."""
+    import moefuse
+
+    x, p, w13, w2 = (t.detach().to(device).clone().requires_grad_() for t in (x, p, w13, w2))
+    y = moefuse.experts(x, ids.to(device), p, w13, w2, recompute=recompute,
+                        save_inputs=save_inputs, precision="fp8", fp8_pow2_scales=pow2)
+    y.backward(dy.to(device))
+    return tuple(t.cpu() for t in (y.detach(), x.grad, p.grad, w13.grad, w2.grad))
+
+
+OUTPUTS = ("y", "dx", "dp", "dw13", "dw2")
+
+
+def check_against_emulation(got, problem, pow2=False, bf16_wgrad=True, acc=acc_fp32) -> None:
+    """got = (y, dx, dp, dw13, dw2) of problem = (x, ids, p, w13, w2, dy): finite and
+    within fp8_tolerances of the emulation, each output."""
+    x, ids, p, w13, w2, dy = problem
+    ref = fp8_experts_emulation(x, ids, p, w13, w2, dy, pow2=pow2)
+    tol = fp8_tolerances(x.shape[1], w2.shape[2], most_rows(ids, w13.shape[0]),
+                         bf16_wgrad=bf16_wgrad, acc=acc)
+    for name, g, r in zip(OUTPUTS, got, ref):
+        assert torch.isfinite(g).all(), name
+        err = rel_error(g, r)
+        assert err <= tol[name], f"{name}: relative error {err:.3e} > tolerance {tol[name]:.3e}"
+
+
+def _grads(module, x):
+    return [x.grad] + [p.grad for p in module.parameters()]
+
+
+def assert_compiled_equals_eager(model, x, dy) -> None:
+    """torch.compile(model, fullgraph=True, backend="aot_eager") (a graph break raises)
+    gives eager's output and gradients (of x and every parameter) bit for bit."""
+    torch._dynamo.reset()
+    results = []
+    for fn in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        model.zero_grad()
+        xl = x.clone().requires_grad_()
+        y = fn(xl)
+        y.backward(dy)
+        results.append([y.detach()] + _grads(model, xl))
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)
+
+
+def assert_checkpoint_equals_plain(module, x, ids, p, dy) -> None:
+    """module(x, ids, p) under activation checkpointing (non-reentrant) gives the bits of
+    the plain call: output and gradients of x and every parameter."""
+    results = []
+    for checkpointed in (False, True):
+        module.zero_grad()
+        xl = x.clone().requires_grad_()
+        y = (torch.utils.checkpoint.checkpoint(module, xl, ids, p, use_reentrant=False)
+             if checkpointed else module(xl, ids, p))
+        y.backward(dy)
+        results.append([y.detach()] + _grads(module, xl))
+    for plain, recomputed in zip(*results):
+        assert torch.equal(plain, recomputed)
+
+
+def most_rows(ids: torch.Tensor, num_experts: int) -> int:
+    """The most rows of one expert (at least 1): the weight-gradient GEMMs' K."""
+    return max(1, max(int((ids == e).sum()) for e in range(num_experts)))
+
+
+def _array(buffer: torch.Tensor, address: int, shape, dtype) -> torch.Tensor:
+    offset = address - buffer.data_ptr()
+    numel = torch.Size(shape).numel()
+    item = torch.empty((), dtype=dtype).element_size()
+    return buffer[offset:offset + numel * item].view(dtype).view(shape).cpu()
+
+
+def assert_quantized_weights(weights, w13: torch.Tensor, w2: torch.Tensor, pow2: bool) -> None:
+    """The eight arrays of a moefuse_fp8_weights (the binding's struct, holding its
+    buffer) code for code and scale for scale those of quantize_blocks, W^T's the
+    transposes of W's."""
+    E, I2, H = w13.shape
+    I = I2 // 2
+    assert (weights.hidden, weights.intermediate, weights.num_local_experts,
+            weights.pow2_scales) == (H, I, E, int(pow2))
+    buffer = weights.buffer
+    assert buffer.data_ptr() % 256 == 0
+    for w, name, rows, cols in ((w13, "w13", I2, H), (w2, "w2", H, I)):
+        w = w.cpu()
+        codes = _array(buffer, getattr(weights, name), (E, rows, cols), torch.uint8)
+        scale = _array(buffer, getattr(weights, name + "_scale"),
+                       (E, _tiles(rows), _tiles(cols)), torch.float32)
+        codes_t = _array(buffer, getattr(weights, name + "t"), (E, cols, rows), torch.uint8)
+        scale_t = _array(buffer, getattr(weights, name + "t_scale"),
+                         (E, _tiles(cols), _tiles(rows)), torch.float32)
+        for e in range(E):
+            want_codes, want_scale = quantize_blocks(w[e], pow2)
+            assert torch.equal(codes[e], want_codes.view(torch.uint8)), f"{name}[{e}] codes"
+            assert torch.equal(scale[e], want_scale), f"{name}[{e}] scales"
+            assert torch.equal(codes_t[e], codes[e].T) and torch.equal(scale_t[e], scale[e].T)
+        if pow2:
+            assert torch.equal(torch.frexp(scale).mantissa, torch.full_like(scale, 0.5))
+
+
+def special_weights(E: int, H: int, I: int, seed: int = 0):
+    """(w13 [E, 2I, H], w2 [E, H, I]) fp32 with an all-zero block (w13[1]'s first), blocks
+    holding one huge or one tiny value, and an fp32 subnormal beside normal values
+    (E >= 3, H > 150)."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * I, H, generator=g) * 0.05
+    w2 = torch.randn(E, H, I, generator=g) * 0.05
+    w13[1, :128, :128] = 0  # an all-zero block
+    w13[2, 5, 7], w2[0, 3, 4] = 1e30, -1e-30  # the block's scale: huge, tiny
+    w2[1, 150, 10] = 3e-41  # an fp32 subnormal beside normal values
+    return w13, w2

@@ -3,7 +3,9 @@ the weights the binding quantizes bitwise against the recipe's quantizer, forwar
 backward against the fp64 PyTorch emulation of the recipe (fp8_reference.py, with its
 derived tolerances), the cache of quantized weights (reused without a weight update,
 invalidated by one), torch.compile and activation checkpointing, the modules' option
-and the errors."""
+and the errors: the option's, FP8 with expert parallelism (refused when the module is
+made) and the library's refusals reworded (a pretended pre-sm_90 GPU, a comm). FP8 on
+CUDA tensors is tested in test_fp8_cuda.py."""
 
 from __future__ import annotations
 
@@ -12,55 +14,18 @@ import re
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
 import moefuse
 from moefuse import _fp8, _lib, ops
 
-from fp8_reference import fp8_experts_emulation, fp8_tolerances, quantize_blocks
-from moe_reference import random_problem, rel_error
+from fp8_reference import (assert_checkpoint_equals_plain, assert_compiled_equals_eager,
+                           assert_quantized_weights, check_against_emulation, run_fp8,
+                           special_weights)
+from moe_reference import random_problem
 
 pytestmark = pytest.mark.usefixtures("library")
 
-OUTPUTS = ("y", "dx", "dp", "dw13", "dw2")
-
-
-@pytest.fixture
-def quantize_calls(monkeypatch):
-    """Counts moefuse_quantize_weights calls; starts from an empty cache."""
-    ops.layer_cache.fp8.clear()
-    calls = []
-    quantize = _lib.Layer.quantize_weights
-
-    def counting(self, *args, **kwargs):
-        calls.append(self.cfg.fp8_pow2_scales)
-        return quantize(self, *args, **kwargs)
-
-    monkeypatch.setattr(_lib.Layer, "quantize_weights", counting)
-    return calls
-
-
-def run_fp8(x, ids, p, w13, w2, dy, pow2=False, recompute=False):
-    """(y, dx, dp, dw13, dw2) from moefuse.experts(precision="fp8") with autograd."""
-    x, p, w13, w2 = (t.detach().clone().requires_grad_() for t in (x, p, w13, w2))
-    y = moefuse.experts(x, ids, p, w13, w2, recompute=recompute, precision="fp8",
-                        fp8_pow2_scales=pow2)
-    y.backward(dy)
-    return y.detach(), x.grad, p.grad, w13.grad, w2.grad
-
-
-def most_rows(ids: torch.Tensor, num_experts: int) -> int:
-    return max(1, max(int((ids == e).sum()) for e in range(num_experts)))
-
-
 # ---- the quantized weights ------------------------------------------------------------------
-
-
-def _array(buffer: torch.Tensor, address: int, shape, dtype) -> torch.Tensor:
-    offset = address - buffer.data_ptr()
-    numel = torch.Size(shape).numel()
-    item = torch.empty((), dtype=dtype).element_size()
-    return buffer[offset:offset + numel * item].view(dtype).view(shape)
 
 
 @pytest.mark.parametrize("pow2", [False, True])
@@ -71,35 +36,12 @@ def test_quantized_weights_bitwise_against_the_recipe(pow2):
     normal values, short blocks (H = 200, 2I = 144); W^T's codes and scales are W's
     transposed."""
     E, H, I = 3, 200, 72
-    g = torch.Generator().manual_seed(0)
-    w13 = torch.randn(E, 2 * I, H, generator=g) * 0.05
-    w2 = torch.randn(E, H, I, generator=g) * 0.05
-    w13[1, :128, :128] = 0  # an all-zero block
-    w13[2, 5, 7], w2[0, 3, 4] = 1e30, -1e-30  # the block's scale: huge, tiny
-    w2[1, 150, 10] = 3e-41  # an fp32 subnormal beside normal values
+    w13, w2 = special_weights(E, H, I)
     layer = ops.layer_cache.get(H, I, E, 2, 1, torch.device("cpu"),
                                 _lib.SavedMode.SAVE_ACTIVATIONS, _lib.Precision.FP8_BLOCK, pow2)
     weights = _fp8.Fp8WeightCache().get(layer, w13, w2)
-    assert (weights.hidden, weights.intermediate, weights.num_local_experts,
-            weights.pow2_scales) == (H, I, E, int(pow2))
-    buffer = weights.buffer
-    assert buffer.numel() == layer.fp8_weights_bytes() and buffer.data_ptr() % 256 == 0
-    nb = lambda n: (n + 127) // 128  # noqa: E731
-    for w, name, rows, cols in ((w13, "w13", 2 * I, H), (w2, "w2", H, I)):
-        codes = _array(buffer, getattr(weights, name), (E, rows, cols), torch.uint8)
-        scale = _array(buffer, getattr(weights, name + "_scale"), (E, nb(rows), nb(cols)),
-                       torch.float32)
-        codes_t = _array(buffer, getattr(weights, name + "t"), (E, cols, rows), torch.uint8)
-        scale_t = _array(buffer, getattr(weights, name + "t_scale"), (E, nb(cols), nb(rows)),
-                         torch.float32)
-        for e in range(E):
-            want_codes, want_scale = quantize_blocks(w[e], pow2)
-            assert torch.equal(codes[e], want_codes.view(torch.uint8)), f"{name}[{e}] codes"
-            assert torch.equal(scale[e], want_scale), f"{name}[{e}] scales"
-            assert torch.equal(codes_t[e], codes[e].T) and torch.equal(scale_t[e], scale[e].T)
-    assert _array(buffer, weights.w13_scale, (E, 2, 2), torch.float32)[1, 0, 0] == 1.0
-    if pow2:
-        assert torch.equal(torch.frexp(scale).mantissa, torch.full_like(scale, 0.5))
+    assert weights.buffer.numel() == layer.fp8_weights_bytes()
+    assert_quantized_weights(weights, w13, w2, pow2)
 
 
 # ---- forward and backward against the emulation ---------------------------------------------
@@ -118,16 +60,11 @@ CASES = [
 @pytest.mark.parametrize("pow2, recompute", [(False, False), (True, True)])
 def test_fp8_matches_the_emulation(case, pow2, recompute, quantize_calls):
     shape, drop, skew = case
-    x, ids, p, w13, w2, dy = random_problem(*shape, seed=1, drop_fraction=drop, skew=skew)
-    got = run_fp8(x, ids, p, w13, w2, dy, pow2=pow2, recompute=recompute)
-    ref = fp8_experts_emulation(x, ids, p, w13, w2, dy, pow2=pow2)
-    tol = fp8_tolerances(shape[1], shape[2], most_rows(ids, shape[3]), bf16_wgrad=True)
-    for name, g, r in zip(OUTPUTS, got, ref):
-        assert torch.isfinite(g).all(), name
-        err = rel_error(g, r)
-        assert err <= tol[name], f"{name}: relative error {err:.3e} > tolerance {tol[name]:.3e}"
+    problem = random_problem(*shape, seed=1, drop_fraction=drop, skew=skew)
+    got = run_fp8(*problem, pow2=pow2, recompute=recompute)
+    check_against_emulation(got, problem, pow2=pow2)
     assert [t.dtype for t in got] == [torch.bfloat16] * 2 + [torch.float32] + [torch.bfloat16] * 2
-    assert torch.all(got[2][ids < 0] == 0), "dropped slots must get d p = 0"
+    assert torch.all(got[2][problem[1] < 0] == 0), "dropped slots must get d p = 0"
     assert quantize_calls == [int(pow2)]  # the forward's quantization served the backward
 
 
@@ -140,10 +77,7 @@ def test_fp32_master_weights_get_fp32_gradients(quantize_calls):
     w2 = w2.float() + torch.randn(w2.shape, generator=g) * 1e-4
     got = run_fp8(x, ids, p, w13, w2, dy)
     assert got[3].dtype == torch.float32 and got[4].dtype == torch.float32
-    ref = fp8_experts_emulation(x, ids, p, w13, w2, dy)
-    tol = fp8_tolerances(256, 96, most_rows(ids, 8))
-    for name, g_, r in zip(OUTPUTS, got, ref):
-        assert rel_error(g_, r) <= tol[name], name
+    check_against_emulation(got, (x, ids, p, w13, w2, dy), bf16_wgrad=False)
     # the same compute as bf16 weights of the rounded values, but for the quantizer's input
     bf = run_fp8(x, ids, p, w13.bfloat16(), w2.bfloat16(), dy)
     assert not torch.equal(got[0], bf[0])
@@ -257,35 +191,15 @@ class TinyMoE(torch.nn.Module):
 def test_torch_compile_fullgraph_equals_eager(quantize_calls):
     """aot_eager, fullgraph: the quantization runs inside the op, bit for bit as eager, and
     the compiled step reuses the eager step's quantization (same weights)."""
-    torch._dynamo.reset()
     x, _, _, dy = micro_batch(12)
-    model = TinyMoE()
-    results = []
-    for fn in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
-        model.zero_grad()
-        xl = x.clone().requires_grad_()
-        y = fn(xl)
-        y.backward(dy)
-        results.append((y.detach(), xl.grad, model.gate.weight.grad,
-                        model.experts.gate_up_proj.grad, model.experts.down_proj.grad))
-    for eager, compiled in zip(*results):
-        assert torch.equal(eager, compiled)
+    assert_compiled_equals_eager(TinyMoE(), x, dy)
     assert len(quantize_calls) == 1
 
 
 def test_activation_checkpointing_recomputes_the_same_bits(quantize_calls):
     module = fp8_module(seed=13)
     x, ids, p, dy = micro_batch(13)
-    results = []
-    for checkpointed in (False, True):
-        module.zero_grad()
-        xl = x.clone().requires_grad_()
-        y = (checkpoint(module, xl, ids, p, use_reentrant=False) if checkpointed
-             else module(xl, ids, p))
-        y.backward(dy)
-        results.append((y.detach(), xl.grad, module.gate_up_proj.grad, module.down_proj.grad))
-    for plain, recomputed in zip(*results):
-        assert torch.equal(plain, recomputed)
+    assert_checkpoint_equals_plain(module, x, ids, p, dy)
     assert len(quantize_calls) == 1
 
 
@@ -319,6 +233,9 @@ def test_from_transformers_takes_the_option():
                                          num_experts=8, num_experts_per_tok=2)
     torch.manual_seed(16)
     source = modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config).to(torch.bfloat16)
+    with torch.no_grad():  # a block made alone holds torch.empty experts (no init)
+        for param in source.parameters():
+            param.normal_(0, 0.05)
     block = moefuse.MoefuseQwen3MoeBlock.from_transformers(source, precision="fp8")
     assert block.experts.precision == "fp8"
     x, _, _, _ = micro_batch(16)
@@ -348,43 +265,78 @@ def test_precision_option_errors(make):
         make(precision="fp8", fp8_pow2_scales=1)
 
 
-def test_library_refusal_of_fp8_on_cuda_is_reworded():
-    """No GPU needed: the library refuses an FP8 CUDA config when checking it, and the
-    binding turns MOEFUSE_ERR_UNSUPPORTED into Fp8UnsupportedError saying what runs."""
+def test_expert_parallel_fp8_is_refused_at_construction():
+    """FP8 with a comm is not built: ExpertParallelExperts refuses it when made, before the
+    comm is looked at (no GPU or comm needed), saying what runs instead."""
+    with pytest.raises(moefuse.Fp8UnsupportedError) as info:
+        moefuse.ExpertParallelExperts(128, 128, 8, 2, 64, None, 0, 1, precision="fp8")
+    err = info.value
+    assert err.status == _lib.Status.ERR_UNSUPPORTED
+    assert err.status_name == "MOEFUSE_ERR_UNSUPPORTED"
+    assert err.function == "ExpertParallelExperts"
+    assert "precision='fp8' with expert parallelism (a comm) is not built yet" in str(err)
+    assert "precision='bf16' with expert parallelism" in str(err)
+    assert "one sm_90 GPU" in str(err)
+
+
+def _library_refusal(message: str) -> moefuse.MoefuseError:
+    """A MOEFUSE_ERR_UNSUPPORTED of moefuse_layer_create, as the library raises it."""
+    return moefuse.MoefuseError("moefuse_layer_create", _lib.Status.ERR_UNSUPPORTED,
+                                "MOEFUSE_ERR_UNSUPPORTED", message)
+
+
+def _fp8_cuda_config() -> _lib.Config:
     cfg = _lib.config_init(128, 128, 8, 2, 64)
     cfg.backend, cfg.precision = _lib.Backend.CUDA, _lib.Precision.FP8_BLOCK
+    return cfg
+
+
+def _pretend_gpu(monkeypatch, capability, name):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
+@pytest.mark.parametrize("capability, name, with_comm, words", [
+    ((8, 0), "NVIDIA A100-SXM4-80GB", False,
+     "(NVIDIA A100-SXM4-80GB, sm_80): moefuse's CUDA kernels (FP8 and BF16) are built for "
+     "sm_90 (H100/H200) only"),
+    ((9, 0), "NVIDIA H200", True,
+     "(NVIDIA H200, sm_90): FP8 with expert parallelism (a comm) is not built yet"),
+], ids=["pre-sm90", "comm"])
+def test_library_refusals_of_fp8_are_reworded(monkeypatch, capability, name, with_comm, words):
+    """What the library still refuses for FP8 on the GPU (a GPU older than sm_90, a comm)
+    becomes Fp8UnsupportedError naming the GPU, the reason and what runs, the library's
+    message at its end (the GPU pretended: no GPU needed)."""
+    _pretend_gpu(monkeypatch, capability, name)
+    refusal = _library_refusal("config.backend = MOEFUSE_BACKEND_CUDA: refused (test)")
+    cfg = _fp8_cuda_config()
+    with pytest.raises(moefuse.Fp8UnsupportedError) as reworded:
+        _fp8.raise_if_unsupported(refusal, cfg, torch.device("cuda", 0), with_comm=with_comm)
+    err = reworded.value
+    assert err.status == _lib.Status.ERR_UNSUPPORTED and err.__cause__ is refusal
+    assert f"precision='fp8' on cuda:0 {words}" in str(err)
+    assert "FP8 runs on CPU tensors" in str(err)
+    assert str(err).endswith(f"The library said: {refusal.message}")
+    # a bf16 config, or another status, is not reworded
+    _fp8.raise_if_unsupported(refusal, _lib.config_init(128, 128, 8, 2, 64),
+                              torch.device("cuda", 0))
+    shape = moefuse.MoefuseError("moefuse_layer_create", _lib.Status.ERR_INVALID_CONFIG,
+                                 "MOEFUSE_ERR_INVALID_CONFIG", "bad")
+    _fp8.raise_if_unsupported(shape, cfg, torch.device("cuda", 0))
+
+
+def test_library_refusal_without_a_gpu_is_reworded():
+    """Where the library has no usable GPU (skipped where one is: there the layer is made),
+    its own refusal of an FP8 CUDA layer is reworded the same way."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the FP8 CUDA layer is made there "
+                    "(test_fp8_cuda.py)")
+    cfg = _fp8_cuda_config()
     with pytest.raises(moefuse.MoefuseError) as info:
         _lib.Layer(cfg)
     assert info.value.status == _lib.Status.ERR_UNSUPPORTED
     with pytest.raises(moefuse.Fp8UnsupportedError) as reworded:
         _fp8.raise_if_unsupported(info.value, cfg, torch.device("cuda", 0))
-    err = reworded.value
-    assert err.status == _lib.Status.ERR_UNSUPPORTED and err.__cause__ is info.value
-    assert "precision='fp8' on cuda:0" in str(err)
-    assert "FP8 kernels are not built for the GPU yet" in str(err) or "sm_90" in str(err)
-    assert info.value.message in str(err)
-    _fp8.raise_if_unsupported(info.value, _lib.config_init(128, 128, 8, 2, 64),
-                              torch.device("cuda", 0))  # a bf16 config: not reworded
-
-
-def _needs_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device on this machine: FP8 on CUDA tensors is refused where "
-                    "one is")
-
-
-def test_fp8_on_cuda_tensors_raises_clearly():
-    _needs_gpu()
-    x, ids, p, w13, w2, _ = (t.cuda() for t in random_problem(64, 128, 128, 8, 2))
-    with pytest.raises(moefuse.Fp8UnsupportedError,
-                       match="not built for the GPU yet|needs an sm_90"):
-        moefuse.experts(x, ids, p, w13, w2, precision="fp8")
-
-
-def test_expert_parallel_fp8_raises_clearly():
-    _needs_gpu()
-    with moefuse.virtual_comm(1) as comm:
-        with pytest.raises(moefuse.Fp8UnsupportedError,
-                           match="not built for the GPU yet|needs an sm_90"):
-            moefuse.ExpertParallelExperts(128, 128, 8, 2, 64, comm, 0, 1, device="cuda",
-                                          precision="fp8")
+    assert "precision='fp8' on cuda:0: this library does not run it" in str(reworded.value)
+    assert str(reworded.value).endswith(f"The library said: {info.value.message}")

@@ -35,6 +35,7 @@ torchtitan = pytest.importorskip(
 from torchtitan.models.moe import MoE, MoEArgs  # noqa: E402
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter  # noqa: E402
 
+import moefuse  # noqa: E402
 import moefuse.torchtitan as mtt  # noqa: E402
 
 from moe_reference import assert_close_bf16, rel_error, tolerance  # noqa: E402
@@ -189,3 +190,40 @@ def test_restore_and_refusals():
     with pytest.raises(ValueError, match="score_before_experts=True"):
         mtt.apply(scaled_before)
     assert not any(isinstance(m, mtt.MoefuseMoE) for m in scaled_before.modules())
+
+
+def test_fp8_option_is_moefuse_experts_in_fp8():
+    """apply(precision="fp8"): the routed experts are moefuse.experts(precision="fp8") on
+    TorchTitan's routing and weights, bit for bit; restore() forgets the option; FP8
+    with expert parallelism is refused before anything changes."""
+    torch.manual_seed(9)
+    moe = MoE(MoEArgs(num_experts=16, num_shared_experts=0, score_func="softmax",
+                      route_norm=True, top_k=4, score_before_experts=False,
+                      use_grouped_mm=False), dim=128, hidden_dim=64)
+    with torch.no_grad():
+        moe.init_weights(0.02, torch.device("cpu"))
+    moe = moe.bfloat16()
+    selection = record_selection(moe)
+    mtt.apply(moe, precision="fp8")
+    assert moe.moefuse_precision == "fp8"
+    x = torch.randn(BS, SLEN, 128).bfloat16()
+    y = moe(x)
+    scores = {}
+    moe.router.register_forward_hook(lambda m, i, out: scores.__setitem__("p", out[0]))
+    moe(x)
+    e = moe.experts
+    want = moefuse.experts(x.view(-1, 128), selection["router"].int(), scores["p"].float(),
+                           torch.cat([e.w1, e.w3], dim=1), e.w2, precision="fp8")
+    assert torch.equal(y.view(-1, 128), want)
+    bf16 = moefuse.experts(x.view(-1, 128), selection["router"].int(), scores["p"].float(),
+                           torch.cat([e.w1, e.w3], dim=1), e.w2)
+    assert not torch.equal(want, bf16)
+    mtt.restore(moe)
+    assert "moefuse_precision" not in moe.__dict__
+
+    with pytest.raises(ValueError, match="precision='fp16'"):
+        mtt.apply(moe, precision="fp16")
+    plan = mtt.ExpertParallelPlan(comms=[None], rank=0, num_ranks=1, max_tokens=BS * SLEN)
+    with pytest.raises(moefuse.Fp8UnsupportedError, match="with expert parallelism"):
+        mtt.apply(moe, precision="fp8", expert_parallel=plan)
+    assert type(moe) is MoE

@@ -1,0 +1,202 @@
+"""precision="fp8" on CUDA tensors (the C library's CUDA backend runs the FP8 block recipe
+on an sm_90 GPU, one rank), through the binding:
+
+    weights    the device-quantized weights code for code and scale for scale those of
+               the recipe's quantizer (fp8_reference.quantize_blocks; the special values
+               of the CPU test)
+    layer      forward + backward (y, dx, d p, dW13, dW2) against the fp64 emulation of
+               the recipe (fp8_reference.py), within fp8_tolerances with the FP8 tensor
+               cores' accumulation (acc_wgmma_fp8, as tests/api/test_cuda_fp8.c); routing
+               cases as the CPU test's, H and I multiples of 128 (the CUDA tiles')
+    bits       two runs bitwise equal, the three saved modes bitwise equal
+    training   fp32 master weights get fp32 gradients; the quantization is reused over
+               micro-batches and made again after an optimizer step (fused AdamW);
+               torch.compile(fullgraph=True) and activation checkpointing give eager's bits
+               and reuse its quantization; the Qwen3 block from transformers with
+               precision="fp8"
+
+Everything skips with its reason without a CUDA device of compute capability 9.x.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moefuse
+from moefuse import _fp8, _lib, ops
+
+from fp8_reference import (OUTPUTS, acc_wgmma_fp8, assert_checkpoint_equals_plain,
+                           assert_compiled_equals_eager, assert_quantized_weights,
+                           check_against_emulation, run_fp8, special_weights)
+from moe_reference import random_problem
+
+
+def _no_sm90_reason():
+    if not torch.cuda.is_available():
+        return ("no CUDA device on this machine (torch.cuda.is_available() is False): FP8 on "
+                "CUDA tensors is tested where an sm_90 GPU is")
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        return (f"the CUDA device is sm_{major}{minor}: moefuse's kernels are built for "
+                "sm_90a (test_fp8_cpu.py checks the refusal's wording)")
+    return None
+
+
+pytestmark = [
+    pytest.mark.skipif(_no_sm90_reason() is not None, reason=str(_no_sm90_reason())),
+    pytest.mark.usefixtures("library"),
+]
+
+DEV = torch.device("cuda")
+# ---- the quantized weights ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_device_quantized_weights_bitwise_against_the_recipe(pow2, dtype):
+    E, H, I = 3, 256, 128
+    w13, w2 = special_weights(E, H, I)
+    w13, w2 = w13.to(dtype), w2.to(dtype)
+    layer = ops.layer_cache.get(H, I, E, 2, 1, DEV, _lib.SavedMode.SAVE_ACTIVATIONS,
+                                _lib.Precision.FP8_BLOCK, pow2)
+    weights = _fp8.Fp8WeightCache().get(layer, w13.to(DEV), w2.to(DEV))
+    torch.cuda.synchronize()
+    assert weights.buffer.device.type == "cuda"
+    assert_quantized_weights(weights, w13.float(), w2.float(), pow2)
+
+
+# ---- forward and backward against the emulation ---------------------------------------------
+
+CASES = [
+    # (T, H, I, E, K), drop fraction, routing skew
+    ((256, 256, 128, 8, 4), 0.0, "uniform"),
+    ((600, 256, 256, 4, 2), 0.2, "uniform"),  # > 128 rows per expert, dropped slots
+    ((300, 128, 128, 8, 2), 0.0, "one_expert"),  # 300 rows on expert 0: 3 token tiles
+    ((1, 128, 128, 8, 8), 0.0, "uniform"),  # T = 1, K = E
+    ((40, 128, 128, 128, 8), 0.0, "zipf"),  # most experts empty
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[2]}-drop{c[1]}")
+@pytest.mark.parametrize("pow2, recompute", [(False, False), (True, True)])
+def test_fp8_matches_the_emulation(case, pow2, recompute, quantize_calls):
+    shape, drop, skew = case
+    problem = random_problem(*shape, seed=21, drop_fraction=drop, skew=skew)
+    got = run_fp8(*problem, pow2=pow2, recompute=recompute, device=DEV)
+    moefuse.check_device_errors()
+    check_against_emulation(got, problem, pow2=pow2, acc=acc_wgmma_fp8)
+    assert [t.dtype for t in got] == [torch.bfloat16] * 2 + [torch.float32] + [torch.bfloat16] * 2
+    assert torch.all(got[2][problem[1] < 0] == 0), "dropped slots must get d p = 0"
+    assert quantize_calls == [int(pow2)]  # the forward's quantization served the backward
+
+
+def test_fp32_master_weights_get_fp32_gradients(quantize_calls):
+    x, ids, p, w13, w2, dy = random_problem(384, 256, 128, 8, 4, seed=22)
+    g = torch.Generator().manual_seed(22)
+    w13 = w13.float() + torch.randn(w13.shape, generator=g) * 1e-4  # not bf16 values
+    w2 = w2.float() + torch.randn(w2.shape, generator=g) * 1e-4
+    got = run_fp8(x, ids, p, w13, w2, dy, device=DEV)
+    assert got[3].dtype == torch.float32 and got[4].dtype == torch.float32
+    check_against_emulation(got, (x, ids, p, w13, w2, dy), bf16_wgrad=False,
+                            acc=acc_wgmma_fp8)
+
+
+def test_two_runs_and_the_saved_modes_are_bitwise_equal():
+    """Fresh weight copies each run (quantized each time); qwen3-30b-a3b's H and I."""
+    problem = random_problem(2048, 2048, 768, 16, 8, seed=23)
+    first = run_fp8(*problem, device=DEV)
+    for kwargs in (dict(), dict(recompute=True), dict(save_inputs=False)):
+        again = run_fp8(*problem, device=DEV, **kwargs)
+        for name, a, b in zip(OUTPUTS, first, again):
+            assert torch.equal(a, b), f"{name} differs ({kwargs})"
+
+
+# ---- training: the cache, torch.compile, checkpointing ---------------------------------------
+
+
+def fp8_module(seed, dtype=torch.bfloat16):
+    torch.manual_seed(seed)
+    return moefuse.MoEExperts(8, 256, 128, precision="fp8", dtype=dtype, device=DEV)
+
+
+def micro_batch(seed):
+    x, ids, p, _, _, dy = random_problem(256, 256, 128, 8, 2, seed=seed)
+    return x.to(DEV), ids.to(DEV), p.to(DEV), dy.to(DEV)
+
+
+def test_cache_over_micro_batches_and_an_optimizer_step(quantize_calls):
+    """Two micro-batches quantize once and accumulate the sum of their gradients; a fused
+    AdamW step (in place, no version bump) quantizes again, to the bits of fresh weights."""
+    module = fp8_module(30, dtype=torch.float32)
+    grads = []
+    for seed in (31, 32):
+        x, ids, p, dy = micro_batch(seed)
+        module(x, ids, p).backward(dy)
+        grads.append(module.gate_up_proj.grad.clone())
+    assert len(quantize_calls) == 1
+    alone = fp8_module(30, dtype=torch.float32)
+    alone(x, ids, p).backward(dy)
+    assert torch.equal(grads[1], grads[0] + alone.gate_up_proj.grad)
+    assert len(quantize_calls) == 2
+    torch.optim.AdamW(module.parameters(), lr=1e-2, fused=True).step()
+    with torch.no_grad():
+        y_after = module(x, ids, p)
+        assert len(quantize_calls) == 3
+        alone.load_state_dict(module.state_dict())
+        assert torch.equal(y_after, alone(x, ids, p))
+        module(x, ids, p)  # no update since: reused
+    assert len(quantize_calls) == 4
+
+
+class TinyMoE(torch.nn.Module):
+    """Router in PyTorch (softmax, top-2, renormalized) + FP8 experts, on the GPU."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(33)
+        self.gate = torch.nn.Linear(256, 8, bias=False, device=DEV, dtype=torch.bfloat16)
+        self.experts = fp8_module(33)
+
+    def forward(self, x):
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        p, ids = torch.topk(probs, 2, dim=-1)
+        return self.experts(x, ids.int(), p / p.sum(dim=-1, keepdim=True)) * 2
+
+
+def test_torch_compile_fullgraph_equals_eager(quantize_calls):
+    """aot_eager, fullgraph: the quantization runs inside the op, bit for bit as eager, and
+    the compiled step reuses the eager step's quantization (same weights)."""
+    x, _, _, dy = micro_batch(34)
+    assert_compiled_equals_eager(TinyMoE(), x, dy)
+    assert len(quantize_calls) == 1
+
+
+def test_activation_checkpointing_recomputes_the_same_bits(quantize_calls):
+    module = fp8_module(35)
+    x, ids, p, dy = micro_batch(35)
+    assert_checkpoint_equals_plain(module, x, ids, p, dy)
+    assert len(quantize_calls) == 1
+
+
+def test_qwen3_block_from_transformers_in_fp8():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+    config = transformers.Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128,
+                                         num_experts=8, num_experts_per_tok=2)
+    torch.manual_seed(36)
+    source = modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config).to(DEV, torch.bfloat16)
+    with torch.no_grad():  # a block made alone holds torch.empty experts (no init)
+        for param in source.parameters():
+            param.normal_(0, 0.05)
+    block = moefuse.MoefuseQwen3MoeBlock.from_transformers(source, precision="fp8")
+    x, _, _, dy = micro_batch(36)
+    x = x.view(4, 64, 256).requires_grad_()
+    out = block(x)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(dy.view(4, 64, 256))
+    _, ids, p = block.route(x.detach().view(-1, 256))
+    want = moefuse.experts(x.detach().view(-1, 256), ids, p, block.experts.w13,
+                           block.experts.w2, precision="fp8")
+    assert torch.equal(out.detach().view(-1, 256), want)
+    assert block.experts.gate_up_proj.grad.abs().sum() > 0 and block.gate.weight.grad is not None

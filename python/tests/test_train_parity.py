@@ -1,0 +1,54 @@
+"""bench/train_parity.py on the CPU: the data split and order, and a few steps of its tiny
+model in bf16 and fp8 (the script's check; the parity itself is a GPU run)."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+from bench_helpers import import_bench
+
+pytest.importorskip("transformers", reason="transformers is not installed")
+pytestmark = pytest.mark.usefixtures("library")
+
+parity = import_bench("train_parity")
+
+
+def test_split_and_order_are_functions_of_the_names_and_the_seed():
+    assert parity.held_out("json/decoder.py") == parity.held_out("json/decoder.py")
+    names = [f"pkg/module_{i}.py" for i in range(2000)]
+    share = sum(map(parity.held_out, names)) / len(names)
+    assert 0.03 < share < 0.07  # about 1 in 20
+    stream = torch.arange(250, dtype=torch.int64).to(torch.uint8)  # window w starts at 4w
+    a, b = parity.Batches(stream, 3, 4, seed=1), parity.Batches(stream, 3, 4, seed=1)
+    firsts = [a.batch_at(s) for s in range(25)]  # 62 windows: past one pass
+    assert all(torch.equal(x, b.batch_at(s)) for s, x in enumerate(firsts))
+    assert firsts[0].shape == (3, 5)
+    assert all(torch.equal(row, stream[int(row[0]):int(row[0]) + 5]) for x in firsts for row in x)
+    starts = [int(row[0]) for x in firsts for row in x]
+    assert sorted(starts[:62]) == list(range(0, 248, 4))  # each window once per pass
+    assert not torch.equal(firsts[0], parity.Batches(stream, 3, 16, seed=2).batch_at(0))
+
+
+def test_tiny_run_writes_both_curves(tmp_path, capsys):
+    rc = parity.main(["--tiny", "--device", "cpu", "--steps", "4", "--eval-every", "2",
+                      "--batch", "2", "--seq", "64", "--eval-seqs", "2", "--warmup", "1",
+                      "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "final held-out loss at step 4" in out and "relative gap" in out
+    assert "tokens/s" in out
+    with open(tmp_path / "parity.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["precision"], r["step"]) for r in rows] == [
+        (p, str(s)) for p in ("bf16", "fp8") for s in range(1, 5)]
+    heldout = {(r["precision"], r["step"]): r["heldout_loss"] for r in rows}
+    assert all(heldout[(p, s)] for p in ("bf16", "fp8") for s in ("2", "4"))
+    assert not heldout[("bf16", "1")]
+    losses = {p: [float(r["train_loss"]) for r in rows if r["precision"] == p]
+              for p in ("bf16", "fp8")}
+    assert losses["bf16"][0] == pytest.approx(losses["fp8"][0], rel=0.01)  # same weights, data
+    assert losses["bf16"] != losses["fp8"]
+    assert (tmp_path / "heldout_loss.png").stat().st_size > 0
