@@ -70,8 +70,13 @@ def _multiplier(amax: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(s)))
 
 
-def _cast(x: torch.Tensor, multiplier: torch.Tensor) -> torch.Tensor:
-    return torch.mul(x, multiplier).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+def _cast(x: torch.Tensor, multiplier: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """e4m3(clamp(x * multiplier, +-448)) into out (any layout: the copy transposes).
+    NOTE: the multipliers are powers of two, so x * multiplier is exact in x's own dtype,
+    and at most 448 (1 + 2^-24) in magnitude, which the cast rounds to 448 (it gives NaN
+    only from 464 on): torchao's fp32 product and clamp give the same codes in fewer
+    passes."""
+    return out.copy_(x * multiplier.to(x.dtype))
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +84,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     GEMM's scale: 1 / multiplier)."""
     amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, dtype=torch.float32)
     s = _multiplier(amax)
-    return _cast(x, s.unsqueeze(-1)).contiguous(), s.reciprocal()
+    q = torch.empty(x.shape, dtype=E4M3, device=x.device)
+    return _cast(x, s.unsqueeze(-1), q), s.reciprocal()
 
 
 def quantize_columns_per_group(x: torch.Tensor, offs: torch.Tensor,
@@ -99,8 +105,9 @@ def quantize_columns_per_group(x: torch.Tensor, offs: torch.Tensor,
         0, group.unsqueeze(1).expand(-1, n), chunk_amax, "amax")
     s = _multiplier(amax)
     s[G] = 1.0
-    q = _cast(chunks, s[group].unsqueeze(1)).view(M, n)
-    return q.t().contiguous().t(), s[:G].reciprocal().reshape(-1)
+    q_t = torch.empty(n, M, dtype=E4M3, device=x.device)
+    _cast(chunks, s[group].unsqueeze(1), q_t.t().view(M // rows_align, rows_align, n))
+    return q_t.t(), s[:G].reciprocal().reshape(-1)
 
 
 # ---- the GEMMs ------------------------------------------------------------------------------
