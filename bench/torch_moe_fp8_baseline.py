@@ -21,10 +21,11 @@ power of two, e4m3(clamp(x * multiplier, +-448)); the GEMM takes the reciprocals
 rounded up to a power of two), with use_fast_accum=True as torchao passes it (no fp32
 promotion inside the K loop). The weights are quantized in every call, forward and backward
 (torchao's dynamic recipe; nothing is kept between micro-batches); bf16 a and w are saved
-for the backward, as by torchao. Two differences: the amax and cast here are eager torch ops
-(a few passes each) where torchao has fused Triton kernels, so the peer's quantization is
-slower than torchao's; gate and up are one GEMM on W13 (TorchTitan's experts run two, each
-quantizing x), which saves the peer a quantization of x.
+for the backward, as by torchao. Two differences: each quantization here is eager torch ops
+(an amax pass, then a multiply and a cast) where torchao's backward has fused Triton
+kernels (and a compiled TorchTitan model fuses its forward's), so the peer's quantization
+is somewhat slower than torchao's; gate and up are one GEMM on W13 (TorchTitan's experts
+run two, each quantizing x), which saves the peer a quantization of x.
 
 torch._scaled_grouped_mm needs CUDA and sm_90+; `gemm=` takes any function of its
 arguments (emulated_scaled_grouped_mm computes them in fp32 on any device, for tests).

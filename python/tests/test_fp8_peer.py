@@ -132,6 +132,11 @@ def test_real_gemm_matches_emulation_on_cuda():
     for gemm in (None, peer.emulated_scaled_grouped_mm):
         y = peer.experts_fp8(x, ids, p, w13, w2, gemm=gemm)
         outs.append((y, *torch.autograd.grad(y, (x, p, w13, w2), dy)))
-    # the same codes and scales; fast accumulation and bf16 rounding apart
+    # The GEMMs' bf16 outputs may differ by a rounding (fast accumulation, order); where one
+    # is quantized again (act, d[g; u]) a code moves by a step 2^-3 with probability ~ its
+    # difference / step: rms sqrt(2 * 2^-3 * 2^-9) per such point (fp8_reference.py's rule),
+    # twice that for the bound; y passes 1 such point, the gradients up to 3.
     for name, a, b in zip(("y", "dx", "dp", "dw13", "dw2"), *outs):
-        assert rel_error(a, b) < 2.0 ** -5, name
+        points = 1 if name == "y" else 3
+        tol = 2.0 * math.sqrt(points * 2.0 * 2.0 ** -3 * 2.0 ** -9)
+        assert rel_error(a, b) <= tol, f"{name}: {rel_error(a, b):.3e} > {tol:.3e}"
