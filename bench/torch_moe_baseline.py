@@ -37,15 +37,16 @@ MODELS = {
 GROUP_ALIGN_M = 16  # rows per expert group padded to this (TorchTitan's ALIGN_SIZE_M for bf16)
 
 
-def grouped_mm_reason(device: torch.device) -> Optional[str]:
-    """None when torch._grouped_mm can run on `device`, else why the loop is used."""
-    if not hasattr(torch, "_grouped_mm"):
-        return f"torch {torch.__version__} has no torch._grouped_mm"
+def grouped_mm_reason(device: torch.device, op: str = "_grouped_mm") -> Optional[str]:
+    """None when torch.<op> (a grouped GEMM: sm_90+) can run on `device`, else why the loop
+    is used."""
+    if not hasattr(torch, op):
+        return f"torch {torch.__version__} has no torch.{op}"
     if device.type != "cuda":
-        return f"torch._grouped_mm needs a CUDA device (sm_90+), got {device.type}"
+        return f"torch.{op} needs a CUDA device (sm_90+), got {device.type}"
     major, minor = torch.cuda.get_device_capability(device)
     if major < 9:
-        return f"torch._grouped_mm needs sm_90+, device is sm_{major}{minor}"
+        return f"torch.{op} needs sm_90+, device is sm_{major}{minor}"
     return None
 
 

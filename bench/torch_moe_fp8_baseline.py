@@ -52,14 +52,7 @@ FAST_ACCUM = True  # torchao's _Float8GroupedMM passes use_fast_accum=True to ev
 
 def scaled_grouped_mm_reason(device: torch.device) -> Optional[str]:
     """None when torch._scaled_grouped_mm can run on `device`, else why not."""
-    if not hasattr(torch, "_scaled_grouped_mm"):
-        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
-    if device.type != "cuda":
-        return f"torch._scaled_grouped_mm needs a CUDA device (sm_90+), got {device.type}"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 9:
-        return f"torch._scaled_grouped_mm needs sm_90+, device is sm_{major}{minor}"
-    return None
+    return baseline.grouped_mm_reason(device, "_scaled_grouped_mm")
 
 
 # ---- quantization ---------------------------------------------------------------------------
