@@ -353,11 +353,17 @@ def fp8_table(moefuse, args, name: str) -> str:
     it as markdown ('' when the peer cannot run)."""
     device = torch.device("cuda")
     reason = fp8_peer.scaled_grouped_mm_reason(device)
+    probe = baseline.make_problem(256, 256, 128, 8, 2, device=device)
+    if reason is None:
+        try:
+            y = fp8_peer.experts_fp8(*probe[:5])
+            torch.autograd.grad(y, (probe[0], probe[2], probe[3], probe[4]), probe[5])
+        except RuntimeError as err:  # torch's kernel refusing this GPU, shape or layout
+            reason = f"{type(err).__name__}: {err}"
     if reason is not None:
         print(f"SKIP bench_forward --precision fp8: the FP8 peer does not run: {reason}")
         return ""
     try:  # the Python binding may refuse FP8 on CUDA tensors (Fp8UnsupportedError)
-        probe = baseline.make_problem(256, 256, 128, 8, 2, device=device)
         y = moefuse.experts(*probe[:5], precision="fp8")
         torch.autograd.grad(y, (probe[0], probe[2], probe[3], probe[4]), probe[5])
         moefuse.check_device_errors()
