@@ -37,15 +37,16 @@ MODELS = {
 GROUP_ALIGN_M = 16  # rows per expert group padded to this (TorchTitan's ALIGN_SIZE_M for bf16)
 
 
-def grouped_mm_reason(device: torch.device) -> Optional[str]:
-    """None when torch._grouped_mm can run on `device`, else why the loop is used."""
-    if not hasattr(torch, "_grouped_mm"):
-        return f"torch {torch.__version__} has no torch._grouped_mm"
+def grouped_mm_reason(device: torch.device, op: str = "_grouped_mm") -> Optional[str]:
+    """None when torch.<op> (a grouped GEMM: sm_90+) can run on `device`, else why the loop
+    is used."""
+    if not hasattr(torch, op):
+        return f"torch {torch.__version__} has no torch.{op}"
     if device.type != "cuda":
-        return f"torch._grouped_mm needs a CUDA device (sm_90+), got {device.type}"
+        return f"torch.{op} needs a CUDA device (sm_90+), got {device.type}"
     major, minor = torch.cuda.get_device_capability(device)
     if major < 9:
-        return f"torch._grouped_mm needs sm_90+, device is sm_{major}{minor}"
+        return f"torch.{op} needs sm_90+, device is sm_{major}{minor}"
     return None
 
 
@@ -71,7 +72,10 @@ def _expert_rows(ids: torch.Tensor, num_experts: int):
     row_of_slot = torch.empty_like(sorted_row)
     row_of_slot[order] = sorted_row
     offsets = torch.cumsum(padded, 0).to(torch.int32)
+    # Whole groups of GROUP_ALIGN_M rows: the FP8 peer's weight-gradient GEMM reads the rows
+    # as its contraction, whose stride must be a multiple of 16 bytes.
     rows_cap = flat.numel() + num_experts * (GROUP_ALIGN_M - 1)
+    rows_cap = (rows_cap + GROUP_ALIGN_M - 1) // GROUP_ALIGN_M * GROUP_ALIGN_M
     return row_of_slot, valid, offsets, rows_cap
 
 
@@ -94,9 +98,12 @@ def swiglu_linear(x: torch.Tensor, w13_e: torch.Tensor, w2_e: torch.Tensor) -> t
 
 
 def experts_grouped_mm(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor,
-                       w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+                       w13: torch.Tensor, w2: torch.Tensor,
+                       ffn=swiglu_grouped_mm) -> torch.Tensor:
     """y [T, H] bf16 via torch._grouped_mm. x [T, H] bf16, ids [T, K] (-1 dropped),
-    p [T, K] fp32, w13 [E, 2I, H] bf16, w2 [E, H, I] bf16. Differentiable."""
+    p [T, K] fp32, w13 [E, 2I, H] bf16, w2 [E, H, I] bf16. Differentiable. ffn: the
+    expert FFN on the sorted rows (swiglu_grouped_mm's arguments; the FP8 peer passes its
+    own)."""
     T, H = x.shape
     K = ids.shape[1]
     E = w13.shape[0]
@@ -105,7 +112,7 @@ def experts_grouped_mm(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor,
     # Dispatch: token rows into the expert-sorted, padded buffer (padding rows stay 0).
     src_rows = row_of_slot[valid]
     xs = x.new_zeros(rows_cap, H).index_copy(0, src_rows, x[token_of_slot[valid]])
-    out = swiglu_grouped_mm(xs, offsets, w13, w2)  # [rows, H]
+    out = ffn(xs, offsets, w13, w2)  # [rows, H]
     # Combine: weighted rows of each valid slot added into its token.
     slot_out = out[src_rows] * p.reshape(-1)[valid].unsqueeze(1).to(out.dtype)
     return x.new_zeros(T, H).index_add(0, token_of_slot[valid], slot_out)

@@ -7,7 +7,10 @@
 #     with each variant sustained at the GPU's power limit (--sustained).
 #  2. build/bench/bench_forward_cuda: the forward, staged and fused, and its small stages
 #     alone.
-#  3. build/bench/bench_precision_cuda: forward and backward in FP8 against bf16.
+#  3. build/bench/bench_precision_cuda: forward and backward in FP8 against bf16; then
+#     bench/bench_forward.py --precision fp8: the layer in FP8 and bf16 from PyTorch against
+#     the FP8 peer (torchao's FP8 rowwise MoE recipe, bench/torch_moe_fp8_baseline.py),
+#     4 calls queued per sample, with the dense FP8 peak and both recipes' error.
 #  4. bench/ep_memory.py: the MoE layers' device memory per GPU with expert parallelism
 #     (R = 8, T = 16384), computed by the library's arithmetic (no GPU needed).
 # Each benchmark also writes its table as markdown under build/bench/results/; the script
@@ -83,6 +86,8 @@ if [ -x build/bench/bench_precision_cuda ]; then
 else
     echo "SKIP bench_precision_cuda: built only when nvcc is found"
 fi
+python3 bench/bench_forward.py --precision fp8 --queue 4 \
+    --markdown "$MD_DIR/5_precision_torch.md" "$@"
 
 # bench/RESULTS.md from the tables that were written (empty ones are left out)
 parts=()
