@@ -11,14 +11,20 @@
  *            rows], scales [E, rows / 128, cols / 128] and their transpose: 128 x 128
  *            blocks (W^T's codes are W's transposed: the same blocks and scales).
  *
+ *   rows + tokens  both of the above from one read (dy and [dg; du], whose two forms the
+ *            backward needs one GEMM apart).
+ *
  * Floors (H200, ~4 TB/s read + write): rows and tokens move 2 + 1 + 4/128 bytes per
- * element (bf16 in, code and scale out): qwen3-30b-a3b's x rows at T = 16384 (139k rows
- * x 2048) 0.86 GB, ~0.21 ms. Rows: 16 lanes per 1 x 128 tile, 16 bytes each, its amax by
- * shuffles, 8 codes per lane written as one 8-byte word. Tokens: a CTA
- * per 128 rows x 64 columns, staged in shared memory as fp32 (the product with p formed
- * once), column amax by 4 threads per column, codes written transposed, 4 tokens per
- * word. Weights run once per optimizer step: a CTA per block reads it twice (amax, then
- * codes), the transposed codes through shared memory. */
+ * element (bf16 in, code and scale out), rows + tokens 2 + 2 (1 + 4/128): qwen3-30b-a3b's
+ * x rows at T = 16384 (139k rows x 2048) 0.86 GB, ~0.21 ms; the table of every pass is
+ * docs/decisions/0023-fp8-quantizer-bandwidth.md. Rows: 16 lanes per 1 x 128 tile, 16
+ * bytes each, 4 tiles' loads in flight per lane, the amax by shuffles, 8 codes per lane as
+ * one 8-byte word. Tokens: a CTA per 128 rows x 128 columns, each thread 8 rows x 8
+ * columns in registers, the column amax by registers, a shuffle and shared memory, the
+ * codes^T through shared memory as swizzled bytes, written 16 bytes per lane. Codes come
+ * from one multiplication by the tile's reciprocal where that provably encodes as the
+ * division would (quantize8). Weights run once per optimizer step: a CTA per block reads
+ * it twice (amax, then codes), the transposed codes through shared memory. */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
