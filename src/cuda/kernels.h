@@ -353,6 +353,14 @@ typedef struct mf_quantize_fp8_tokens_params {
 
 cudaError_t mf_quantize_fp8_tokens(const mf_quantize_fp8_tokens_params *p, cudaStream_t stream);
 
+/* Both of the above from one read of the input: r and t describe the same rows (in, ld,
+ * rows_cap, num_rows, cols, pow2 equal), cols % 128 == 0; the same codes and scales as the
+ * two calls. */
+#define MF_HAVE_QUANTIZE_FP8_ROWS_TOKENS 1
+cudaError_t mf_quantize_fp8_rows_tokens(const mf_quantize_fp8_rows_params *r,
+                                        const mf_quantize_fp8_tokens_params *t,
+                                        cudaStream_t stream);
+
 /* Weights in 128 x 128 blocks, both orientations: w [E, rows, cols] (bf16, or fp32 with
  * fp32 set) -> codes [E, rows, cols], scale [E, rows/128, cols/128], and codes_t
  * [E, cols, rows], scale_t [E, cols/128, rows/128] (the same codes transposed, the same

@@ -5,7 +5,8 @@
  *   - rows (1 x 128, MN-major scales) and tokens (128 rows per column, transposed, with and
  *     without each row's p) on random bf16 rows with zeros, an all-zero tile, subnormals,
  *     values far beyond 448, infinities and NaN, both scale rules, num_rows < rows_cap:
- *     codes and scale bits equal, everything past num_rows left as poisoned.
+ *     codes and scale bits equal, everything past num_rows left as poisoned;
+ *   - both from one read (mf_quantize_fp8_rows_tokens) = the two passes above, byte for byte. 
  * The weights' quantizer is checked through moefuse_quantize_weights against the CPU
  * backend (tests/api/test_cuda_fp8.c). */
 #include <math.h>
@@ -162,6 +163,66 @@ void tokens_match(void) {
         }
 }
 
+/* The fused pass against the two separate ones (each checked against the CPU above). */
+void rows_tokens_case(int rows_cap, int num_rows, int cols, int pow2, bool weighted) {
+    const int ld = (rows_cap + 3) / 4 * 4;
+    std::vector<uint16_t> in = special_rows(rows_cap, cols);
+    std::vector<float> pw(rows_cap);
+    for (int r = 0; r < rows_cap; r++) pw[r] = (float)(th_uniform() * 2.0);
+    uint16_t *d_in = dev_upload(in);
+    float *d_pw = dev_upload(pw);
+    int32_t *d_rows = dev_upload(std::vector<int32_t>{num_rows});
+    const size_t n_codes = (size_t)rows_cap * cols, n_rs = (size_t)cols / 128 * ld,
+                 n_ts = (size_t)rows_cap / 128 * cols;
+    uint8_t *codes[2], *codes_t[2];
+    float *rs[2], *ts[2];
+    for (int k = 0; k < 2; k++) {
+        CUDA_OK(cudaMalloc(&codes[k], n_codes));
+        CUDA_OK(cudaMalloc(&codes_t[k], n_codes));
+        CUDA_OK(cudaMalloc(&rs[k], n_rs * 4));
+        CUDA_OK(cudaMalloc(&ts[k], n_ts * 4));
+        CUDA_OK(cudaMemset(codes[k], 0xab, n_codes));
+        CUDA_OK(cudaMemset(codes_t[k], 0xab, n_codes));
+        CUDA_OK(cudaMemset(rs[k], 0xab, n_rs * 4));
+        CUDA_OK(cudaMemset(ts[k], 0xab, n_ts * 4));
+    }
+    mf_quantize_fp8_rows_params r[2];
+    mf_quantize_fp8_tokens_params t[2];
+    for (int k = 0; k < 2; k++) {
+        r[k] = {d_in, cols, rows_cap, d_rows, cols, pow2, codes[k], rs[k], ld};
+        t[k] = {d_in, cols, rows_cap, d_rows, cols, weighted ? d_pw : nullptr, pow2, codes_t[k], ts[k]};
+    }
+    CUDA_OK(mf_quantize_fp8_rows(&r[0], 0));
+    CUDA_OK(mf_quantize_fp8_tokens(&t[0], 0));
+    CUDA_OK(mf_quantize_fp8_rows_tokens(&r[1], &t[1], 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    const bool same_codes = dev_download(codes[0], n_codes) == dev_download(codes[1], n_codes);
+    const bool same_codes_t = dev_download(codes_t[0], n_codes) == dev_download(codes_t[1], n_codes);
+    const std::vector<float> rs0 = dev_download(rs[0], n_rs), rs1 = dev_download(rs[1], n_rs);
+    const std::vector<float> ts0 = dev_download(ts[0], n_ts), ts1 = dev_download(ts[1], n_ts);
+    const bool same_rs = memcmp(rs0.data(), rs1.data(), n_rs * 4) == 0;
+    const bool same_ts = memcmp(ts0.data(), ts1.data(), n_ts * 4) == 0;
+    CHECK(same_codes && same_codes_t && same_rs && same_ts,
+          "rows+tokens %d/%d x %d pow2=%d p=%d: row codes %s, row scales %s, token codes %s, "
+          "token scales %s", num_rows, rows_cap, cols, pow2, (int)weighted,
+          same_codes ? "equal" : "differ", same_rs ? "equal" : "differ",
+          same_codes_t ? "equal" : "differ", same_ts ? "equal" : "differ");
+    for (int k = 0; k < 2; k++) {
+        cudaFree(codes[k]); cudaFree(codes_t[k]); cudaFree(rs[k]); cudaFree(ts[k]);
+    }
+    cudaFree(d_in); cudaFree(d_pw); cudaFree(d_rows);
+}
+
+void rows_tokens_match(void) {
+    if (!have_sm90()) return;
+    for (int pow2 = 0; pow2 < 2; pow2++)
+        for (int w = 0; w < 2; w++) {
+            rows_tokens_case(128, 128, 128, pow2, w);
+            rows_tokens_case(512, 384, 768, pow2, w);
+            rows_tokens_case(2048, 1920, 2048, pow2, w);
+        }
+}
+
 }  // namespace
 
 int main() {
@@ -169,5 +230,6 @@ int main() {
     th_run("fp8: the hardware encoder = the recipe's on all 2^32 fp32 inputs", encoders_agree);
     th_run("fp8: rows quantizer = mf_fp8_quantize_rows (specials, both scale rules)", rows_match);
     th_run("fp8: tokens quantizer = per-column tiles of 128 rows (p dy too)", tokens_match);
+    th_run("fp8: rows + tokens in one pass = the two passes", rows_tokens_match);
     return th_finish();
 }

@@ -7,7 +7,11 @@
  *         dgrad2, [dg; du] for dgrad1: one buffer, used in turn), the weight gradients'
  *         operands quantized in tiles of 128 tokens and transposed (p dy and a for dW2,
  *         [dg; du] and x for dW13: two buffers, used in turn), and the weights the
- *         caller quantized (W for the forward, W^T for the dgrads).
+ *         caller quantized (W for the forward, W^T for the dgrads). dy and [dg; du] are
+ *         read once for both of their forms, by dgrad2's and dgrad1's hooks (the backward
+ *         runs dgrad2, dW2, dgrad1, dW13 in this order on one stream; FP8 has no fused
+ *         backward), so dW2's and dW13's hooks quantize only a and x
+ *         (docs/decisions/0023-fp8-quantizer-bandwidth.md).
  * NOTE: the FP8 quantizations are passes of their own over rows a kernel just wrote
  * (about 3 bytes per element moved: read bf16, write the code; the scales add 1/32):
  * the dispatch and the epilogues that hold these tiles could write them instead.
@@ -51,32 +55,30 @@ moefuse_status fp8_create(moefuse_layer *, cuda_state *s) {
     return MOEFUSE_OK;
 }
 
-/* The call's rows of `in` ([rows_cap, cols] bf16, the GEMMs' row count) quantized
- * 1 x 128 into the layer's row codes: the A operand of a row GEMM. */
-moefuse_status quantized_rows(const moefuse_layer *layer, const call_bufs &c,
-                              const uint16_t *in, int cols, cudaStream_t stream,
-                              mf_operand *out) {
+/* The quantizer params of the call's rows of `in` ([rows_cap, cols] bf16, the GEMMs' row
+ * count): 1 x 128 into the layer's row codes (the A operand of a row GEMM), and per 128
+ * tokens, transposed ([cols, rows_cap]; times each row's p when row_weight is set) into
+ * `codes` / `scales` (a weight gradient's operand). */
+mf_quantize_fp8_rows_params rows_params(const moefuse_layer *layer, int rows_cap,
+                                        const uint16_t *in, int cols) {
     const cuda_state *s = state_of(layer);
     mf_quantize_fp8_rows_params q = {};
     q.in = in;
     q.ld = cols;
-    q.rows_cap = c.lay.rows_cap;
+    q.rows_cap = rows_cap;
     q.num_rows = s->gemm_num_rows;
     q.cols = cols;
     q.pow2 = layer->cfg.fp8_pow2_scales;
     q.codes = s->fp8_rows;
     q.scales = s->fp8_row_scales;
-    q.scale_ld = scale_ld(c.lay.rows_cap);
-    if (c.lay.rows_cap > 0) MF_CUDA_TRY(mf_quantize_fp8_rows(&q, stream));
-    *out = mf_operand{s->fp8_rows, MF_DTYPE_E4M3, s->fp8_row_scales, MF_SCALES_1X128};
-    return MOEFUSE_OK;
+    q.scale_ld = scale_ld(rows_cap);
+    return q;
 }
 
-/* A weight gradient's operand: `in` ([rows_cap, cols] bf16; times each row's p when
- * row_weight is set) quantized per 128 tokens and transposed, [cols, rows_cap]. */
-moefuse_status quantized_tokens(const moefuse_layer *layer, int rows_cap, const uint16_t *in,
-                                int cols, const float *row_weight, uint8_t *codes,
-                                float *scales, cudaStream_t stream, mf_operand *out) {
+mf_quantize_fp8_tokens_params tokens_params(const moefuse_layer *layer, int rows_cap,
+                                            const uint16_t *in, int cols,
+                                            const float *row_weight, uint8_t *codes,
+                                            float *scales) {
     const cuda_state *s = state_of(layer);
     mf_quantize_fp8_tokens_params q = {};
     q.in = in;
@@ -88,8 +90,48 @@ moefuse_status quantized_tokens(const moefuse_layer *layer, int rows_cap, const 
     q.pow2 = layer->cfg.fp8_pow2_scales;
     q.codes_t = codes;
     q.scales = scales;
+    return q;
+}
+
+mf_operand row_operand(const cuda_state *s) {
+    return mf_operand{s->fp8_rows, MF_DTYPE_E4M3, s->fp8_row_scales, MF_SCALES_1X128};
+}
+
+mf_operand token_operand(const uint8_t *codes, const float *scales) {
+    return mf_operand{codes, MF_DTYPE_E4M3, scales, MF_SCALES_TOKENS_128};
+}
+
+moefuse_status quantized_rows(const moefuse_layer *layer, const call_bufs &c,
+                              const uint16_t *in, int cols, cudaStream_t stream,
+                              mf_operand *out) {
+    const mf_quantize_fp8_rows_params q = rows_params(layer, c.lay.rows_cap, in, cols);
+    if (c.lay.rows_cap > 0) MF_CUDA_TRY(mf_quantize_fp8_rows(&q, stream));
+    *out = row_operand(state_of(layer));
+    return MOEFUSE_OK;
+}
+
+moefuse_status quantized_tokens(const moefuse_layer *layer, int rows_cap, const uint16_t *in,
+                                int cols, const float *row_weight, uint8_t *codes,
+                                float *scales, cudaStream_t stream, mf_operand *out) {
+    const mf_quantize_fp8_tokens_params q =
+        tokens_params(layer, rows_cap, in, cols, row_weight, codes, scales);
     if (rows_cap > 0) MF_CUDA_TRY(mf_quantize_fp8_tokens(&q, stream));
-    *out = mf_operand{codes, MF_DTYPE_E4M3, scales, MF_SCALES_TOKENS_128};
+    *out = token_operand(codes, scales);
+    return MOEFUSE_OK;
+}
+
+/* Both from one read of `in`: the row GEMM's operand now, the weight gradient's (the
+ * layer's lhs token codes) for a GEMM later in the call. */
+moefuse_status quantized_rows_and_tokens(const moefuse_layer *layer, const call_bufs &c,
+                                         const uint16_t *in, int cols, const float *row_weight,
+                                         cudaStream_t stream, mf_operand *out) {
+    const cuda_state *s = state_of(layer);
+    const int rows_cap = c.lay.rows_cap;
+    const mf_quantize_fp8_rows_params r = rows_params(layer, rows_cap, in, cols);
+    const mf_quantize_fp8_tokens_params t =
+        tokens_params(layer, rows_cap, in, cols, row_weight, s->fp8_lhs_t, s->fp8_lhs_scales);
+    if (rows_cap > 0) MF_CUDA_TRY(mf_quantize_fp8_rows_tokens(&r, &t, stream));
+    *out = row_operand(s);
     return MOEFUSE_OK;
 }
 
@@ -110,38 +152,40 @@ moefuse_status fp8_gemm2(const moefuse_layer *layer, const call_bufs &c,
                           &p->act);
 }
 
-/* dgrad2 reads W2^T (its FP8 kernel writes the unweighted a for dW2 = (p dy)^T a). */
+/* dgrad2 reads W2^T (its FP8 kernel writes the unweighted a for dW2 = (p dy)^T a). The
+ * same read of dy makes dW2's lhs, p dy per 128 tokens: the lhs token codes are free
+ * (dW13 of the previous call has read them) and hold it until dW2. */
 moefuse_status fp8_dgrad2(const moefuse_layer *layer, const call_bufs &c,
                           const moefuse_fp8_weights *w, mf_dgrad2_params *p,
                           cudaStream_t stream) {
     p->w2 = weight(w->w2t, w->w2t_scale);
-    return quantized_rows(layer, c, (const uint16_t *)p->dys.data, p->hidden, stream, &p->dys);
+    return quantized_rows_and_tokens(layer, c, (const uint16_t *)p->dys.data, p->hidden,
+                                     state_of(layer)->row_weight, stream, &p->dys);
 }
 
+/* dgrad1 runs after dW2: its read of [dg; du] also makes dW13's lhs. */
 moefuse_status fp8_dgrad1(const moefuse_layer *layer, const call_bufs &c,
                           const moefuse_fp8_weights *w, mf_dgrad1_params *p,
                           cudaStream_t stream) {
     p->w13 = weight(w->w13t, w->w13t_scale);
-    return quantized_rows(layer, c, (const uint16_t *)p->dh.data, 2 * p->intermediate, stream,
-                          &p->dh);
+    return quantized_rows_and_tokens(layer, c, (const uint16_t *)p->dh.data,
+                                     2 * p->intermediate, NULL, stream, &p->dh);
 }
 
-/* dW2 = (p dy)^T a: lhs = dy with each row's p applied here, rhs = a. */
+/* dW2 = (p dy)^T a: lhs = p dy, quantized with dgrad2's operand; rhs = a. */
 moefuse_status fp8_dw2(const moefuse_layer *layer, const call_bufs &, const moefuse_fp8_weights *,
                        mf_wgrad_params *p, cudaStream_t stream) {
     cuda_state *s = state_of(layer);
-    MF_TRY(quantized_tokens(layer, p->rows.rows_cap, (const uint16_t *)p->lhs.data, p->m,
-                            s->row_weight, s->fp8_lhs_t, s->fp8_lhs_scales, stream, &p->lhs));
+    p->lhs = token_operand(s->fp8_lhs_t, s->fp8_lhs_scales);
     return quantized_tokens(layer, p->rows.rows_cap, (const uint16_t *)p->rhs.data, p->n, NULL,
                             s->fp8_rhs_t, s->fp8_rhs_scales, stream, &p->rhs);
 }
 
-/* dW13 = [dg; du]^T x. */
+/* dW13 = [dg; du]^T x: lhs = [dg; du], quantized with dgrad1's operand; rhs = x. */
 moefuse_status fp8_dw13(const moefuse_layer *layer, const call_bufs &, const moefuse_fp8_weights *,
                         mf_wgrad_params *p, cudaStream_t stream) {
     cuda_state *s = state_of(layer);
-    MF_TRY(quantized_tokens(layer, p->rows.rows_cap, (const uint16_t *)p->lhs.data, p->m, NULL,
-                            s->fp8_lhs_t, s->fp8_lhs_scales, stream, &p->lhs));
+    p->lhs = token_operand(s->fp8_lhs_t, s->fp8_lhs_scales);
     return quantized_tokens(layer, p->rows.rows_cap, (const uint16_t *)p->rhs.data, p->n, NULL,
                             s->fp8_rhs_t, s->fp8_rhs_scales, stream, &p->rhs);
 }

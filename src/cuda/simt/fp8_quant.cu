@@ -11,14 +11,20 @@
  *            rows], scales [E, rows / 128, cols / 128] and their transpose: 128 x 128
  *            blocks (W^T's codes are W's transposed: the same blocks and scales).
  *
+ *   rows + tokens  both of the above from one read (dy and [dg; du], whose two forms the
+ *            backward needs one GEMM apart).
+ *
  * Floors (H200, ~4 TB/s read + write): rows and tokens move 2 + 1 + 4/128 bytes per
- * element (bf16 in, code and scale out): qwen3-30b-a3b's x rows at T = 16384 (139k rows
- * x 2048) 0.86 GB, ~0.21 ms. Rows: 16 lanes per 1 x 128 tile, 16 bytes each, its amax by
- * shuffles, 8 codes per lane written as one 8-byte word. Tokens: a CTA
- * per 128 rows x 64 columns, staged in shared memory as fp32 (the product with p formed
- * once), column amax by 4 threads per column, codes written transposed, 4 tokens per
- * word. Weights run once per optimizer step: a CTA per block reads it twice (amax, then
- * codes), the transposed codes through shared memory. */
+ * element (bf16 in, code and scale out), rows + tokens 2 + 2 (1 + 4/128): qwen3-30b-a3b's
+ * x rows at T = 16384 (139k rows x 2048) 0.86 GB, ~0.21 ms; the table of every pass is
+ * docs/decisions/0023-fp8-quantizer-bandwidth.md. Rows: 16 lanes per 1 x 128 tile, 16
+ * bytes each, 4 tiles' loads in flight per lane, the amax by shuffles, 8 codes per lane as
+ * one 8-byte word. Tokens: a CTA per 128 rows x 128 columns, each thread 8 rows x 8
+ * columns in registers, the column amax by registers, a shuffle and shared memory, the
+ * codes^T through shared memory as swizzled bytes, written 16 bytes per lane. Codes come
+ * from one multiplication by the tile's reciprocal where that provably encodes as the
+ * division would (quantize8). Weights run once per optimizer step: a CTA per block reads
+ * it twice (amax, then codes), the transposed codes through shared memory. */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -36,10 +42,56 @@ __device__ __forceinline__ float bf16_bits(uint32_t w, int hi) {
 }
 
 
-/* ---- rows: 1 x 128 ------------------------------------------------------------------ */
+/* ---- the division by a tile's scale, without a division per element ------------------ */
 
-constexpr int kRowsWarps = 8;
-constexpr int kTilesPerWarp = 2;   /* a tile is 16 lanes of 8 values (one 16-byte load) */
+/* q = x / scale rounded to fp32 (div.rn), as the e4m3 code it encodes to, through one
+ * multiplication by inv = rn(1 / scale) (per tile). NOTE: |x inv - x / scale| < 1 ulp, so
+ * q = rn(x inv) is within 2 ulp (4 steps of fp32 bits) of rn(x / scale); the two encode
+ * alike unless an e4m3 rounding point (a midpoint of two codes, bits = 0x80000 mod 2^20 over
+ * e4m3's normal range) lies between them. A lane whose q is zero, or at least 2^-6 and more
+ * than 8 steps from such a point, keeps its product; any other (and power-of-two scales
+ * need none: x inv is exact) makes its 8 values take div.rn, which is what this replaces
+ * (MUFU.RCP, 5 FFMA and a range check per element). NaN scales (a non-finite tile) give
+ * NaN products: code 0x7f either way. see docs/decisions/0023-fp8-quantizer-bandwidth. */
+__device__ __forceinline__ bool product_encodes_as_quotient(float q) {
+    const uint32_t u = __float_as_uint(q) & 0x7fffffffu;
+    return u == 0 || (u >= 0x3c800000u + 8 && ((u + 8 - 0x80000u) & 0xfffffu) > 16);
+}
+
+__device__ __forceinline__ uint2 encode8(const float (&q)[8]) {
+    return make_uint2((uint32_t)e4m3x2_encode(q[0], q[1]) | ((uint32_t)e4m3x2_encode(q[2], q[3]) << 16),
+                      (uint32_t)e4m3x2_encode(q[4], q[5]) | ((uint32_t)e4m3x2_encode(q[6], q[7]) << 16));
+}
+
+/* The rare path, out of line (eight div.rn inlined at every use would crowd the registers). */
+__device__ __noinline__ uint2 quantize8_div(float x0, float x1, float x2, float x3, float x4,
+                                            float x5, float x6, float x7, float scale) {
+    const float q[8] = {__fdiv_rn(x0, scale), __fdiv_rn(x1, scale), __fdiv_rn(x2, scale),
+                        __fdiv_rn(x3, scale), __fdiv_rn(x4, scale), __fdiv_rn(x5, scale),
+                        __fdiv_rn(x6, scale), __fdiv_rn(x7, scale)};
+    return encode8(q);
+}
+
+/* 8 values' codes, element j in byte j of the pair. */
+__device__ __forceinline__ uint2 quantize8(const float (&x)[8], float scale, float inv, int pow2) {
+    float q[8];
+    bool ok = true;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        q[j] = __fmul_rn(x[j], inv);
+        ok = ok && product_encodes_as_quotient(q[j]);
+    }
+    if (ok || pow2) return encode8(q);
+    return quantize8_div(x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], scale);
+}
+
+/* |v| folded into a running amax, NaN-propagating (max.NaN: a NaN in either is NaN; the
+ * scale of a NaN amax is NaN whatever its bits, as amax_fold's). */
+__device__ __forceinline__ float amax_nan(float m, float v) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(m), "f"(fabsf(v)));
+    return r;
+}
 
 /* The 8 bf16 of a 16-byte piece as floats. */
 __device__ __forceinline__ void unpack8(const uint4 v, float (&x)[8]) {
@@ -48,89 +100,186 @@ __device__ __forceinline__ void unpack8(const uint4 v, float (&x)[8]) {
     for (int j = 0; j < 8; ++j) x[j] = bf16_bits(w[j / 2], j % 2);
 }
 
-__global__ void __launch_bounds__(kRowsWarps * 32)
+/* Element j (0..7) of a 16-byte piece of bf16. */
+__device__ __forceinline__ float bf16_at(const uint4 &v, int j) {
+    const uint32_t w = j < 2 ? v.x : j < 4 ? v.y : j < 6 ? v.z : v.w;
+    return bf16_bits(w, j % 2);
+}
+
+/* 16 bytes read once (streamed: the quantizers read each input once). */
+__device__ __forceinline__ uint4 load_stream(const uint16_t *p) {
+    return __ldcs(reinterpret_cast<const uint4 *>(p));
+}
+
+/* ---- rows: 1 x 128 ------------------------------------------------------------------ */
+
+/* A tile is 16 lanes of 8 values (one 16-byte load each); a half-warp takes kRowsUnroll
+ * tiles, its loads issued together (64 bytes in flight per lane, 16 KB per CTA). A CTA
+ * takes 16 * kRowsUnroll consecutive tiles (row-major: a warp reads 512 contiguous bytes). */
+constexpr int kRowsThreads = 256;
+constexpr int kRowsUnroll = 4;
+constexpr int kRowsTilesPerCta = kRowsThreads / 16 * kRowsUnroll;
+
+__global__ void __launch_bounds__(kRowsThreads, 4)
     fp8_quantize_rows_kernel(const mf_quantize_fp8_rows_params p) {
-    const int tiles = p.cols / 128;
-    const int rows = p.num_rows ? *p.num_rows : p.rows_cap;
-    const int lane = threadIdx.x % 32, half = lane / 16, l16 = lane % 16;
-    const int64_t total = (int64_t)rows * tiles;
-    const int64_t stride = (int64_t)gridDim.x * kRowsWarps * kTilesPerWarp;
-    for (int64_t w = ((int64_t)blockIdx.x * kRowsWarps + threadIdx.x / 32) * kTilesPerWarp + half;
-         w < total; w += stride) {
-        const int64_t r = w / tiles;
-        const int b = (int)(w % tiles);
+    const uint32_t tiles = (uint32_t)(p.cols / 128);
+    const uint32_t rows = (uint32_t)(p.num_rows ? *p.num_rows : p.rows_cap);
+    const uint32_t total = rows * tiles;   /* < 2^31: the launcher's check */
+    const int l16 = threadIdx.x % 16;
+    const uint32_t first = blockIdx.x * kRowsTilesPerCta + threadIdx.x / 16;
+    if (blockIdx.x * kRowsTilesPerCta >= total) return;
+    /* loads first */
+    uint4 v[kRowsUnroll];
+    uint32_t r[kRowsUnroll], b[kRowsUnroll];
+#pragma unroll
+    for (int u = 0; u < kRowsUnroll; ++u) {
+        const uint32_t w = first + u * (kRowsThreads / 16);
+        r[u] = w / tiles;
+        b[u] = w - r[u] * tiles;
+        v[u] = w < total ? load_stream(p.in + (int64_t)r[u] * p.ld + b[u] * 128 + 8 * l16)
+                         : make_uint4(0, 0, 0, 0);
+    }
+    const unsigned half_lanes = (threadIdx.x % 32) < 16 ? 0x0000ffffu : 0xffff0000u;
+#pragma unroll
+    for (int u = 0; u < kRowsUnroll; ++u) {
+        if (first + u * (kRowsThreads / 16) >= total) break;   /* uniform per half-warp */
         float x[8];
-        unpack8(*reinterpret_cast<const uint4 *>(p.in + r * p.ld + b * 128 + 8 * l16), x);
+        unpack8(v[u], x);
         float m = 0.0f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) m = amax_fold(m, x[j]);
-        const unsigned tile_lanes = half ? 0xffff0000u : 0x0000ffffu;   /* this tile's 16 */
+        for (int j = 0; j < 8; ++j) m = amax_nan(m, x[j]);
 #pragma unroll
-        for (int o = 8; o > 0; o >>= 1) m = amax_fold(m, __shfl_xor_sync(tile_lanes, m, o));
+        for (int o = 8; o > 0; o >>= 1) m = amax_nan(m, __shfl_xor_sync(half_lanes, m, o));
         const float scale = tile_scale(m, p.pow2);
-        *reinterpret_cast<uint2 *>(p.codes + r * p.cols + b * 128 + 8 * l16) =
-            make_uint2(quantize4(x[0], x[1], x[2], x[3], scale),
-                       quantize4(x[4], x[5], x[6], x[7], scale));
-        if (l16 == 0) p.scales[(int64_t)b * p.scale_ld + r] = scale;
+        *reinterpret_cast<uint2 *>(p.codes + (int64_t)r[u] * p.cols + b[u] * 128 + 8 * l16) =
+            quantize8(x, scale, __frcp_rn(scale), p.pow2);
+        if (l16 == 0) p.scales[(int64_t)b[u] * p.scale_ld + r[u]] = scale;
     }
 }
 
-/* ---- tokens: 128 rows per column, transposed ----------------------------------------- */
+/* ---- tokens (and rows with them): a CTA per 128 rows x 128 columns -------------------- */
 
-constexpr int kTokCols = 64;
+/* Thread (piece, group): columns 8 piece .. +7 of rows 8 group .. +7, eight 16-byte loads
+ * issued together (32 KB per CTA). Column amax: each thread's 8 rows, the warp's two groups
+ * by a shuffle, the 8 warps through shared memory. Codes^T are staged in shared memory as
+ * bytes, [column][128 tokens], each thread writing its 8 tokens of a column as one 8-byte
+ * word; the 8-byte unit of a column is swizzled (unit ^ piece) so that the 16 lanes of a
+ * half-warp (16 pieces, one group) hit 16 different bank pairs, and read back as 16-byte
+ * chunks (8 lanes = one column's 128 bytes, conflict-free) written to global memory whole.
+ * With kRows the same registers also give each row's 1 x 128 tile (the block's 128 columns
+ * are one tile; its amax by shuffles over the half-warp): one read of the input for both
+ * the row GEMM's and the weight gradient's operands. */
 constexpr int kTokThreads = 256;
+constexpr int kTokCols = 128;
 
-__global__ void __launch_bounds__(kTokThreads)
-    fp8_quantize_tokens_kernel(const mf_quantize_fp8_tokens_params p) {
-    __shared__ float tile[128][kTokCols + 1];
-    __shared__ float col_scale[kTokCols];
+struct tokens_block_params {
+    mf_quantize_fp8_tokens_params t;
+    /* with kRows: the 1 x 128 row codes and their MN-major scales */
+    uint8_t *row_codes;
+    float *row_scales;
+    int scale_ld;
+};
+
+template <bool kRows>
+__global__ void __launch_bounds__(kTokThreads, kRows ? 2 : 3)
+    fp8_quantize_tokens_kernel(const tokens_block_params bp) {
+    const mf_quantize_fp8_tokens_params &p = bp.t;
+    __shared__ __align__(16) uint2 codes_t[kTokCols][16];   /* [column][8-byte unit ^ piece] */
+    __shared__ __align__(16) float red[kTokThreads / 32][kTokCols];
+    __shared__ __align__(16) float col_scale[kTokCols];
     const int col_blocks = (p.cols + kTokCols - 1) / kTokCols;
     const int row_block = blockIdx.x / col_blocks;
     const int c0 = (blockIdx.x % col_blocks) * kTokCols;
     const int rows = p.num_rows ? *p.num_rows : p.rows_cap;
     if (row_block * 128 >= rows) return;
     const int64_t r0 = (int64_t)row_block * 128;
-    /* 128 rows x 64 columns of bf16: 8 pieces of 16 bytes per row */
-    for (int i = threadIdx.x; i < 128 * (kTokCols / 8); i += kTokThreads) {
-        const int r = i / (kTokCols / 8), piece = i % (kTokCols / 8);
-        const int c = c0 + piece * 8;
-        float x[8];
-        if (c < p.cols) {
-            unpack8(*reinterpret_cast<const uint4 *>(p.in + (r0 + r) * p.ld + c), x);
-            if (p.row_weight) {
-                const float pw = p.row_weight[r0 + r];
+    const int piece = threadIdx.x % 16, group = threadIdx.x / 16;
+    const int c = c0 + 8 * piece;
+    const bool has_cols = c < p.cols;   /* cols % 8 == 0: a piece is whole or absent */
+
+    /* ---- 8 rows x 8 columns: loads first ---- */
+    uint4 v[8];
+    float pw[8];
 #pragma unroll
-                for (int j = 0; j < 8; ++j) x[j] = __fmul_rn(pw, x[j]);
-            }
-        } else {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) x[j] = 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < 8; ++j) tile[r][piece * 8 + j] = x[j];
+    for (int i = 0; i < 8; ++i) {
+        const int64_t r = r0 + 8 * group + i;
+        v[i] = has_cols ? load_stream(p.in + r * p.ld + c) : make_uint4(0, 0, 0, 0);
+        pw[i] = p.row_weight ? p.row_weight[r] : 1.0f;
     }
-    __syncthreads();
-    /* column amax: 4 threads per column, 32 rows each, lanes 4c .. 4c+3 */
-    {
-        const int c = threadIdx.x / 4, part = threadIdx.x % 4;
-        float m = 0.0f;
-        for (int r = part * 32; r < part * 32 + 32; ++r) m = amax_fold(m, tile[r][c]);
-        m = amax_fold(m, __shfl_xor_sync(0xffffffffu, m, 1));
-        m = amax_fold(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        if (part == 0) {
+
+    /* ---- rows: each row's tile of 128 columns (kRows: cols % 128 == 0) ---- */
+    if constexpr (kRows) {
+        float *row_scales = bp.row_scales + (int64_t)(c0 / 128) * bp.scale_ld;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            float x[8];
+            unpack8(v[i], x);
+            float m = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) m = amax_nan(m, x[j]);
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) m = amax_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
             const float s = tile_scale(m, p.pow2);
-            col_scale[c] = s;
-            if (c0 + c < p.cols) p.scales[(int64_t)row_block * p.cols + c0 + c] = s;
+            const int64_t r = r0 + 8 * group + i;
+            *reinterpret_cast<uint2 *>(bp.row_codes + r * p.cols + c) =
+                quantize8(x, s, __frcp_rn(s), p.pow2);
+            if (piece == 0) row_scales[r] = s;
         }
     }
+
+    /* ---- column amax: 8 rows here, the other group of the warp, then the 8 warps ---- */
+    float cm[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) cm[j] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        float x[8];
+        unpack8(v[i], x);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) cm[j] = amax_nan(cm[j], __fmul_rn(pw[i], x[j]));
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) cm[j] = amax_nan(cm[j], __shfl_xor_sync(0xffffffffu, cm[j], 16));
+    if ((threadIdx.x % 32) < 16) {
+        float4 *d = reinterpret_cast<float4 *>(&red[threadIdx.x / 32][8 * piece]);
+        d[0] = make_float4(cm[0], cm[1], cm[2], cm[3]);
+        d[1] = make_float4(cm[4], cm[5], cm[6], cm[7]);
+    }
     __syncthreads();
-    /* codes^T: column c's 128 tokens, 32 words of 4 */
-    for (int i = threadIdx.x; i < kTokCols * 32; i += kTokThreads) {
-        const int c = i / 32, t = (i % 32) * 4;
-        if (c0 + c >= p.cols) continue;
-        const float s = col_scale[c];
-        *reinterpret_cast<uint32_t *>(p.codes_t + (int64_t)(c0 + c) * p.rows_cap + r0 + t) =
-            quantize4(tile[t][c], tile[t + 1][c], tile[t + 2][c], tile[t + 3][c], s);
+    if (threadIdx.x < kTokCols) {
+        float m = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kTokThreads / 32; ++w) m = amax_nan(m, red[w][threadIdx.x]);
+        const float s = tile_scale(m, p.pow2);
+        col_scale[threadIdx.x] = s;
+        if (c0 + (int)threadIdx.x < p.cols) p.scales[(int64_t)row_block * p.cols + c0 + threadIdx.x] = s;
+    }
+    __syncthreads();
+
+    /* ---- codes: column j of this piece, this group's 8 tokens -> one 8-byte unit ---- */
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float s = col_scale[8 * piece + j];
+        float x[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x[i] = __fmul_rn(pw[i], bf16_at(v[i], j));
+        codes_t[8 * piece + j][group ^ piece] = quantize8(x, s, __frcp_rn(s), p.pow2);
+    }
+    __syncthreads();
+
+    /* ---- codes^T out: 8 lanes per column, 16 bytes each ---- */
+#pragma unroll
+    for (int k = 0; k < kTokCols * 8 / kTokThreads; ++k) {
+        const int i = threadIdx.x + k * kTokThreads;
+        const int col = i / 8, chunk = i % 8;   /* tokens 16 chunk .. +15 */
+        if (c0 + col >= p.cols) continue;
+        const int sw = (col / 8) % 16;          /* the piece that wrote the column */
+        /* units 2 chunk and 2 chunk + 1 sit at (2 chunk) ^ sw and (2 chunk + 1) ^ sw: one
+         * 16-byte pair, swapped when sw is odd */
+        const uint4 q = *reinterpret_cast<const uint4 *>(&codes_t[col][((2 * chunk) ^ sw) & ~1]);
+        const uint4 out = (sw & 1) ? make_uint4(q.z, q.w, q.x, q.y) : q;
+        *reinterpret_cast<uint4 *>(p.codes_t + (int64_t)(c0 + col) * p.rows_cap + r0 + 16 * chunk) =
+            out;
     }
 }
 
@@ -186,10 +335,6 @@ __global__ void __launch_bounds__(kWThreads)
     }
 }
 
-int grid_for(int64_t work, int per_cta) {
-    int64_t g = (work + per_cta - 1) / per_cta;
-    return (int)(g < 1 ? 1 : g > 65535 * 16 ? 65535 * 16 : g);
-}
 
 }  // namespace
 
@@ -201,20 +346,49 @@ extern "C" cudaError_t mf_quantize_fp8_rows(const mf_quantize_fp8_rows_params *p
         return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
     const int64_t tiles = (int64_t)p->rows_cap * (p->cols / 128);
-    fp8_quantize_rows_kernel<<<grid_for(tiles, kRowsWarps * kTilesPerWarp), kRowsWarps * 32, 0,
-                               stream>>>(*p);
+    if (tiles > INT32_MAX - kRowsTilesPerCta) return cudaErrorInvalidValue;
+    const unsigned ctas = (unsigned)((tiles + kRowsTilesPerCta - 1) / kRowsTilesPerCta);
+    fp8_quantize_rows_kernel<<<ctas, kRowsThreads, 0, stream>>>(*p);
     return cudaGetLastError();
 }
 
+namespace {
+
+bool tokens_params_ok(const mf_quantize_fp8_tokens_params *p) {
+    return p && p->in && p->codes_t && p->scales && p->cols > 0 && p->cols % 8 == 0 &&
+           p->rows_cap >= 0 && p->rows_cap % 128 == 0 && p->ld >= p->cols && p->ld % 8 == 0;
+}
+
+int64_t tokens_ctas(const mf_quantize_fp8_tokens_params *p) {
+    return (int64_t)(p->rows_cap / 128) * ((p->cols + kTokCols - 1) / kTokCols);
+}
+
+}  // namespace
+
 extern "C" cudaError_t mf_quantize_fp8_tokens(const mf_quantize_fp8_tokens_params *p,
                                               cudaStream_t stream) {
-    if (!p || !p->in || !p->codes_t || !p->scales || p->cols <= 0 || p->cols % 8 ||
-        p->rows_cap < 0 || p->rows_cap % 128 || p->ld < p->cols || p->ld % 8)
-        return cudaErrorInvalidValue;
+    if (!tokens_params_ok(p)) return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
-    const int64_t ctas = (int64_t)(p->rows_cap / 128) * ((p->cols + kTokCols - 1) / kTokCols);
+    const int64_t ctas = tokens_ctas(p);
     if (ctas > INT32_MAX) return cudaErrorInvalidValue;
-    fp8_quantize_tokens_kernel<<<(unsigned)ctas, kTokThreads, 0, stream>>>(*p);
+    const tokens_block_params bp = {*p, nullptr, nullptr, 0};
+    fp8_quantize_tokens_kernel<false><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t mf_quantize_fp8_rows_tokens(const mf_quantize_fp8_rows_params *r,
+                                                   const mf_quantize_fp8_tokens_params *t,
+                                                   cudaStream_t stream) {
+    if (!r || !tokens_params_ok(t) || !r->codes || !r->scales || r->in != t->in ||
+        r->ld != t->ld || r->rows_cap != t->rows_cap || r->num_rows != t->num_rows ||
+        r->cols != t->cols || r->pow2 != t->pow2 || t->cols % 128 || r->scale_ld < r->rows_cap ||
+        r->scale_ld % 4)
+        return cudaErrorInvalidValue;
+    if (t->rows_cap == 0) return cudaSuccess;
+    const int64_t ctas = tokens_ctas(t);
+    if (ctas > INT32_MAX) return cudaErrorInvalidValue;
+    const tokens_block_params bp = {*t, r->codes, r->scales, r->scale_ld};
+    fp8_quantize_tokens_kernel<true><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
     return cudaGetLastError();
 }
 
@@ -235,7 +409,8 @@ extern "C" cudaError_t mf_quantize_fp8_weights(const mf_quantize_fp8_weights_par
 }
 
 extern "C" cudaError_t mf_quantize_fp8_load(void) {
-    return mf_load_kernels(fp8_quantize_rows_kernel, fp8_quantize_tokens_kernel,
+    return mf_load_kernels(fp8_quantize_rows_kernel, fp8_quantize_tokens_kernel<false>,
+                           fp8_quantize_tokens_kernel<true>,
                            fp8_quantize_weights_kernel<float>,
                            fp8_quantize_weights_kernel<uint16_t>);
 }

@@ -1,0 +1,155 @@
+/* The timing of the FP8 quantizers (test_fp8_quant.cu checks their bits) at qwen3-30b-a3b,
+ * T = 16384: 139,264 rows (T K = 131,072 slots, each of 128 experts padded to 128 rows),
+ * the passes of a forward + backward: rows 1 x 128 of x (H = 2048), a (I = 768), dy
+ * (2048), [dg; du] (2I = 1536); tokens (128 per column, transposed) of p dy, a, [dg; du], x;
+ * and, where the library has it, the one-read pass of dy and [dg; du] (rows + tokens).
+ * Inputs N(0, 1) bf16 made on the device, larger than L2. Launches of a round take turns
+ * (docs/decisions/0013-power-limit-timing); median of 20 rounds after 3. One line per pass:
+ * ms, GB/s moved (bf16 read, codes and scales written) and the floor at 4.0 TB/s
+ * (docs/decisions/0023-fp8-quantizer-bandwidth). A case fails only when a launch fails.
+ *   test_fp8_quant_time [substring of a pass name]   (built in main's tree too: copy it) */
+#include <stdio.h>
+#include <string.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "gemm_test_util.h"
+#include "kernels.h"
+
+namespace {
+
+constexpr double kFloorBytesPerS = 4.0e12;
+constexpr int kRows = 139264;
+
+__global__ void fill_normal_bf16(uint16_t *v, int64_t n, uint32_t seed) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+        h ^= h >> 15; h *= 0x2c1b3c6du; h ^= h >> 12; h *= 0x297a2d39u; h ^= h >> 15;
+        /* the sum of 4 uniform bytes: roughly normal */
+        const float u = ((h & 255) + ((h >> 8) & 255) + ((h >> 16) & 255) + (h >> 24) - 510.0f) / 147.0f;
+        v[i] = (uint16_t)(__float_as_uint(u) >> 16);
+    }
+}
+
+__global__ void fill_weights(float *p, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        p[i] = 0.05f + 0.9f * (float)((i * 7919) % 1000) / 1000.0f;
+}
+
+struct pass {
+    std::string name;
+    double bytes;
+    std::function<cudaError_t()> launch;
+};
+
+/* bytes of one pass over rows x cols: read bf16, write codes and one fp32 scale per 128 */
+double pass_bytes(double rows, double cols, int outputs) {
+    return rows * cols * (2.0 + outputs * (1.0 + 4.0 / 128));
+}
+
+void time_passes(const char *filter) {
+    if (!have_sm90()) return;
+    const int cols_max = 2048;
+    uint16_t *in[4];   /* x, a, dy, [dg; du]: each its own buffer, as in a real step */
+    const int cols_of[4] = {2048, 768, 2048, 1536};
+    for (int k = 0; k < 4; k++) {
+        CUDA_OK(cudaMalloc(&in[k], (size_t)kRows * cols_of[k] * 2));
+        fill_normal_bf16<<<num_sms() * 8, 256>>>(in[k], (int64_t)kRows * cols_of[k], 1234u + k);
+    }
+    float *pw;
+    int32_t *num_rows = dev_upload(std::vector<int32_t>{kRows});
+    CUDA_OK(cudaMalloc(&pw, (size_t)kRows * 4));
+    fill_weights<<<num_sms(), 256>>>(pw, kRows);
+    uint8_t *codes, *codes_t;
+    float *scales, *scales_t;
+    const int ld = kRows;
+    CUDA_OK(cudaMalloc(&codes, (size_t)kRows * cols_max));
+    CUDA_OK(cudaMalloc(&codes_t, (size_t)kRows * cols_max));
+    CUDA_OK(cudaMalloc(&scales, (size_t)cols_max / 128 * ld * 4));
+    CUDA_OK(cudaMalloc(&scales_t, (size_t)kRows / 128 * cols_max * 4));
+    CUDA_OK(cudaDeviceSynchronize());
+
+    auto rows_p = [&](int k) {
+        return mf_quantize_fp8_rows_params{in[k], cols_of[k], kRows, num_rows, cols_of[k], 0,
+                                           codes, scales, ld};
+    };
+    auto tokens_p = [&](int k, bool weighted) {
+        return mf_quantize_fp8_tokens_params{in[k], cols_of[k], kRows, num_rows, cols_of[k],
+                                             weighted ? pw : nullptr, 0, codes_t, scales_t};
+    };
+    std::vector<pass> passes;
+    const char *names[4] = {"x", "a", "dy", "[dg;du]"};
+    for (int k = 0; k < 4; k++) {
+        const mf_quantize_fp8_rows_params r = rows_p(k);
+        passes.push_back({std::string("rows ") + names[k], pass_bytes(kRows, cols_of[k], 1),
+                          [r] { return mf_quantize_fp8_rows(&r, 0); }});
+    }
+    const int tok_order[4] = {2, 1, 3, 0};   /* p dy, a, [dg; du], x */
+    for (int k : tok_order) {
+        const mf_quantize_fp8_tokens_params t = tokens_p(k, k == 2);
+        passes.push_back({std::string("tokens ") + (k == 2 ? "p dy" : names[k]),
+                          pass_bytes(kRows, cols_of[k], 1),
+                          [t] { return mf_quantize_fp8_tokens(&t, 0); }});
+    }
+#ifdef MF_HAVE_QUANTIZE_FP8_ROWS_TOKENS
+    for (int k : {2, 3}) {
+        const mf_quantize_fp8_rows_params r = rows_p(k);
+        const mf_quantize_fp8_tokens_params t = tokens_p(k, k == 2);
+        passes.push_back({std::string("rows+tokens ") + names[k],
+                          pass_bytes(kRows, cols_of[k], 2),
+                          [r, t] { return mf_quantize_fp8_rows_tokens(&r, &t, 0); }});
+    }
+#endif
+    std::vector<pass> chosen;
+    for (const pass &p : passes)
+        if (!filter || strstr(p.name.c_str(), filter)) chosen.push_back(p);
+
+    cudaEvent_t t0, t1;
+    cudaEventCreate(&t0);
+    cudaEventCreate(&t1);
+    std::vector<std::vector<float>> ms(chosen.size());
+    for (int it = 0; it < 23; ++it)
+        for (size_t i = 0; i < chosen.size(); ++i) {
+            cudaEventRecord(t0);
+            const cudaError_t e = chosen[i].launch();
+            cudaEventRecord(t1);
+            cudaEventSynchronize(t1);
+            CHECK(e == cudaSuccess, "%s: %s", chosen[i].name.c_str(), cudaGetErrorString(e));
+            float a = 0;
+            cudaEventElapsedTime(&a, t0, t1);
+            if (it >= 3) ms[i].push_back(a);
+        }
+    CUDA_OK(cudaGetLastError());
+    printf("  fp8 quantizers, qwen3-30b-a3b T=16384 (%d rows), floor at %.1f TB/s:\n", kRows,
+           kFloorBytesPerS / 1e12);
+    double total = 0, total_floor = 0;
+    for (size_t i = 0; i < chosen.size(); ++i) {
+        const double m = median(ms[i]);
+        const double floor_ms = chosen[i].bytes / kFloorBytesPerS * 1e3;
+        total += m;
+        total_floor += floor_ms;
+        printf("  %-20s %7.3f ms  %7.1f GB/s  floor %.3f ms  %5.1f%% of floor speed\n",
+               chosen[i].name.c_str(), m, chosen[i].bytes / (m * 1e-3) / 1e9, floor_ms,
+               100.0 * floor_ms / m);
+    }
+    printf("  %-20s %7.3f ms  (floor %.3f ms)\n", "all of the above", total, total_floor);
+    cudaEventDestroy(t0);
+    cudaEventDestroy(t1);
+    for (int k = 0; k < 4; k++) cudaFree(in[k]);
+    cudaFree(pw); cudaFree(num_rows); cudaFree(codes); cudaFree(codes_t); cudaFree(scales);
+    cudaFree(scales_t);
+}
+
+const char *g_filter = nullptr;
+void time_qwen3_30b(void) { time_passes(g_filter); }
+
+}  // namespace
+
+int main(int argc, char **argv) {
+    if (argc > 1) g_filter = argv[1];
+    th_run("fp8 quantizers: time at qwen3-30b-a3b T=16384", time_qwen3_30b);
+    return th_finish();
+}
