@@ -11,6 +11,7 @@
  *   ids    [T, K]         int32  expert of each (token, slot); -1 = slot dropped
  *   p      [T, K]         fp32   routing weight of each slot (already normalized)
  *   W13    [E/R, 2I, H]   bf16   per expert: gate rows 0..I-1, up rows I..2I-1
+ *                                (or as two halves, see "W13 in two halves" below)
  *   W2     [E/R, H, I]    bf16
  *
  *   forward, for each slot (t, k) with e = ids[t,k] >= 0:
@@ -61,7 +62,7 @@ extern "C" {
 #endif
 
 #define MOEFUSE_VERSION_MAJOR 0
-#define MOEFUSE_VERSION_MINOR 5
+#define MOEFUSE_VERSION_MINOR 6
 #define MOEFUSE_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH */
 #define MOEFUSE_VERSION                                                         \
@@ -220,13 +221,27 @@ typedef enum moefuse_dtype {
     MOEFUSE_DTYPE_FP32 = 1,
 } moefuse_dtype;
 
+/* ---- W13 in two halves ----------------------------------------------------------------
+ * W13 and dW13 come in one of two layouts, picked per call by w13_up:
+ *   packed (w13_up = NULL, the default of a zeroed struct): w13 is [E/R, 2I, H], each
+ *       expert's gate rows 0..I-1 followed by its up rows I..2I-1; dW13 likewise;
+ *   halves (w13_up set): w13 is the gate half [E/R, I, H] and w13_up the up half
+ *       [E/R, I, H], two separate contiguous arrays (as a trainer keeping gate and up as
+ *       two parameters, w1 and w3, holds them); dW13 then comes back in the same two
+ *       halves, the gate half in dw13 (or dw13_bf16) and the up half in dw13_up (or
+ *       dw13_up_bf16), [E/R, I, H] each.
+ * The two layouts give the same bits in every output. The CUDA kernels read and write the
+ * halves where they are (no copy is made). moefuse_quantize_weights takes the packed
+ * layout only; an FP8_BLOCK layer reads its quantized weights (w13 and w13_up are not
+ * read there) and writes dW13 in halves when dw13_up / dw13_up_bf16 is set. */
+
 typedef struct moefuse_fwd_args {
     int num_tokens;              /* T, 0 <= T <= max_tokens */
     const uint16_t *x;           /* [T, H] bf16, row stride x_stride */
     int64_t x_stride;            /* elements, >= H */
     const int32_t *ids;          /* [T, K] expert ids in [-1, E); no repeats in a row */
     const float *weights;        /* [T, K] routing weights p */
-    const uint16_t *w13;         /* [E/R, 2I, H] bf16 */
+    const uint16_t *w13;         /* [E/R, 2I, H] bf16; with w13_up: the gate half [E/R, I, H] */
     const uint16_t *w2;          /* [E/R, H, I] bf16 */
     uint16_t *y;                 /* out [T, H] bf16, row stride y_stride */
     int64_t y_stride;            /* elements, >= H */
@@ -238,6 +253,8 @@ typedef struct moefuse_fwd_args {
     /* MOEFUSE_PRECISION_FP8_BLOCK: the quantized weights (w13 and w2 are then not read
      * and may be NULL); NULL with MOEFUSE_PRECISION_BF16 */
     const moefuse_fp8_weights *fp8_weights;
+    /* the up half of W13 [E/R, I, H] bf16 (see "W13 in two halves"); NULL: w13 packed */
+    const uint16_t *w13_up;
 } moefuse_fwd_args;
 
 typedef struct moefuse_bwd_args {
@@ -246,7 +263,8 @@ typedef struct moefuse_bwd_args {
     int64_t x_stride;
     const int32_t *ids;          /* [T, K], the forward's */
     const float *weights;        /* [T, K], the forward's */
-    const uint16_t *w13;         /* [E/R, 2I, H] bf16, the forward's */
+    const uint16_t *w13;         /* [E/R, 2I, H] bf16, the forward's (with w13_up: the gate
+                                    half [E/R, I, H]) */
     const uint16_t *w2;          /* [E/R, H, I] bf16, the forward's */
     const void *saved;           /* the buffer the forward filled */
     size_t saved_bytes;          /* its size in bytes, >= moefuse_saved_bytes(T) */
@@ -255,17 +273,26 @@ typedef struct moefuse_bwd_args {
     uint16_t *dx;                /* out [T, H] bf16; tokens with every slot dropped get 0 */
     int64_t dx_stride;
     float *dweights;             /* out [T, K] fp32, d p; dropped slots get 0 */
-    float *dw13;                 /* out [E/R, 2I, H] fp32; NULL when dw13_bf16 is set */
+    float *dw13;                 /* out [E/R, 2I, H] fp32 (halves: the gate half [E/R, I, H]);
+                                    NULL when dw13_bf16 is set */
     float *dw2;                  /* out [E/R, H, I] fp32; NULL when dw2_bf16 is set */
     int accumulate;              /* 0: dw13/dw2 = grad; 1: dw13/dw2 += grad */
     /* Weight gradients in bf16 instead (both or neither, write mode only): the fp32
      * gradient rounded to nearest even, bitwise that of dw13/dw2. For trainers whose
      * parameters and gradients are bf16: half the bytes, no cast afterwards. */
-    uint16_t *dw13_bf16;         /* out [E/R, 2I, H] bf16, or NULL */
+    uint16_t *dw13_bf16;         /* out [E/R, 2I, H] bf16 (halves: the gate half), or NULL */
     uint16_t *dw2_bf16;          /* out [E/R, H, I] bf16, or NULL */
     /* MOEFUSE_PRECISION_FP8_BLOCK: the forward's quantized weights (w13 and w2 are then
      * not read and may be NULL); NULL with MOEFUSE_PRECISION_BF16 */
     const moefuse_fp8_weights *fp8_weights;
+    /* W13 and dW13 in two halves (see "W13 in two halves"): w13_up, the forward's up half
+     * [E/R, I, H] bf16, NULL for packed; the up half of the gradient goes to dw13_up (fp32,
+     * beside dw13) or dw13_up_bf16 (beside dw13_bf16), [E/R, I, H] each, set exactly when
+     * w13_up is. FP8_BLOCK reads no w13: there dw13_up / dw13_up_bf16 alone picks the
+     * halves (w13_up may be NULL; when set, the up gradient must be too). */
+    const uint16_t *w13_up;
+    float *dw13_up;
+    uint16_t *dw13_up_bf16;
 } moefuse_bwd_args;
 
 /* Qwen3 routing: softmax over E logits in fp32, top-K, renormalize the K weights.
@@ -457,7 +484,8 @@ moefuse_status moefuse_fp8_weights_bytes(const moefuse_layer *layer, size_t *byt
 moefuse_status moefuse_fp8_weights_view(const moefuse_layer *layer, void *buffer,
                                         moefuse_fp8_weights *out);
 
-/* Quantizes W13 [E/R, 2I, H] and W2 [E/R, H, I] (bf16 or fp32, contiguous) into out's
+/* Quantizes W13 [E/R, 2I, H] (packed: the layout of "W13 in two halves" without w13_up)
+ * and W2 [E/R, H, I] (bf16 or fp32, contiguous) into out's
  * eight arrays, in 128x128 blocks with the layer's scale rule; once per optimizer step.
  * Needs a layer of precision MOEFUSE_PRECISION_FP8_BLOCK. Deterministic; a NaN or
  * infinity in a weight makes its block NaN. stream: as for moefuse_forward. */

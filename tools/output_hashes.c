@@ -10,7 +10,12 @@
  *
  * The inputs come from a fixed seed (a different seed: MOEFUSE_HASH_SEED), skewed
  * (Zipf-like) routing with dropped slots. It uses only the public header, so it builds
- * against any version of the library that has this API. */
+ * against any version of the library that has this API.
+ *
+ *   build/tools/output_hashes halves   W13 and dW13 in two halves (w13_up, from version
+ *                                      0.6): dW13's halves are copied into the packed
+ *                                      layout before hashing, so the lines must be those
+ *                                      of the packed run */
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -108,9 +113,27 @@ static void *device_poisoned(size_t bytes) {
 /* One model's inputs, on the device, for the whole batch of kTokens tokens. */
 typedef struct inputs {
     uint16_t *x, *dy, *w13, *w2;
+    uint16_t *gate, *up;   /* halves: w13's [E, I, H] halves */
     int32_t *ids;
     float *p;
 } inputs;
+
+static int g_halves;   /* argv "halves": W13 and dW13 in two halves */
+
+/* Packed [E, 2I, H] elements of elem bytes <-> halves [E, I, H] (to_halves 1: packed ->
+ * halves). */
+static void repack(void *packed, void *gate, void *up, int64_t E, int64_t I, int64_t H,
+                   size_t elem, int to_halves) {
+    const size_t half = (size_t)(I * H) * elem;
+    char *p = (char *)packed;
+    if (to_halves) {
+        CHECK_CUDA(cudaMemcpy2D(gate, half, p, 2 * half, half, (size_t)E, cudaMemcpyDeviceToDevice));
+        CHECK_CUDA(cudaMemcpy2D(up, half, p + half, 2 * half, half, (size_t)E, cudaMemcpyDeviceToDevice));
+    } else {
+        CHECK_CUDA(cudaMemcpy2D(p, 2 * half, gate, half, half, (size_t)E, cudaMemcpyDeviceToDevice));
+        CHECK_CUDA(cudaMemcpy2D(p + half, 2 * half, up, half, half, (size_t)E, cudaMemcpyDeviceToDevice));
+    }
+}
 
 static inputs make_inputs(const model *m) {
     const int64_t T = kTokens, H = m->H, I = m->I, E = m->E, K = m->K;
@@ -127,6 +150,12 @@ static inputs make_inputs(const model *m) {
     h = random_bf16(E * H * I, 1.0f / 32);
     in.w2 = (uint16_t *)device_copy(h, (size_t)E * H * I * 2);
     free(h);
+    in.gate = in.up = NULL;
+    if (g_halves) {
+        CHECK_CUDA(cudaMalloc((void **)&in.gate, (size_t)E * I * H * 2));
+        CHECK_CUDA(cudaMalloc((void **)&in.up, (size_t)E * I * H * 2));
+        repack(in.w13, in.gate, in.up, E, I, H, 2, 1);
+    }
     /* Zipf-like expert popularity, distinct experts per token, 3% of slots dropped */
     int32_t *ids = (int32_t *)malloc((size_t)T * K * 4);
     float *p = (float *)malloc((size_t)T * K * 4);
@@ -160,6 +189,8 @@ static void free_inputs(inputs *in) {
     cudaFree(in->dy);
     cudaFree(in->w13);
     cudaFree(in->w2);
+    cudaFree(in->gate);
+    cudaFree(in->up);
     cudaFree(in->ids);
     cudaFree(in->p);
 }
@@ -197,6 +228,10 @@ static void run_case(const model *m, const inputs *in, int R, moefuse_pipeline p
     float *dp = (float *)device_poisoned((size_t)kTokens * K * 4);
     float *dw13 = (float *)device_poisoned((size_t)m->E * 2 * I * H * 4);
     float *dw2 = (float *)device_poisoned((size_t)m->E * H * I * 4);
+    /* halves: dW13's gate and up halves [E, I, H] (fp32, or bf16 in the same bytes) */
+    float *dgate = g_halves ? (float *)device_poisoned((size_t)m->E * I * H * 4) : NULL;
+    float *dup = g_halves ? (float *)device_poisoned((size_t)m->E * I * H * 4) : NULL;
+    const int64_t half_el = (int64_t)EL * I * H;
     size_t saved_bytes[kMaxRanks];
     for (int r = 0; r < ranks; r++) {
         CHECK_MF(moefuse_saved_bytes(layer[r], T, &saved_bytes[r]));
@@ -214,6 +249,12 @@ static void run_case(const model *m, const inputs *in, int R, moefuse_pipeline p
         a.weights = in->p + (int64_t)r * T * K;
         a.w13 = in->w13 + r * w13_el;
         a.w2 = in->w2 + r * w2_el;
+#if MOEFUSE_VERSION >= 600
+        if (g_halves) {
+            a.w13 = in->gate + r * half_el;
+            a.w13_up = in->up + r * half_el;
+        }
+#endif
         a.y = y + (int64_t)r * T * H;
         a.y_stride = H;
         a.saved = saved[r];
@@ -243,6 +284,19 @@ static void run_case(const model *m, const inputs *in, int R, moefuse_pipeline p
             b.dw13 = dw13 + r * w13_el;
             b.dw2 = dw2 + r * w2_el;
         }
+#if MOEFUSE_VERSION >= 600
+        if (g_halves) {
+            b.w13 = in->gate + r * half_el;
+            b.w13_up = in->up + r * half_el;
+            if (bf16_grads) {
+                b.dw13_bf16 = (uint16_t *)dgate + r * half_el;
+                b.dw13_up_bf16 = (uint16_t *)dup + r * half_el;
+            } else {
+                b.dw13 = dgate + r * half_el;
+                b.dw13_up = dup + r * half_el;
+            }
+        }
+#endif
         CHECK_MF(moefuse_backward(layer[r], &b, stream[r]));
     }
     for (int r = 0; r < ranks; r++) {
@@ -250,6 +304,7 @@ static void run_case(const model *m, const inputs *in, int R, moefuse_pipeline p
         CHECK_MF(moefuse_layer_check(layer[r], stream[r]));
     }
     const size_t gsize = bf16_grads ? 2 : 4;
+    if (g_halves) repack(dw13, dgate, dup, m->E, I, H, gsize, 0);
     static const char *const modes[] = {"save_act", "recompute", "save_act_inputs"};
     printf("%-16s R=%d %-5s %-6s %-15s dw=%s  y %016llx  dx %016llx  dp %016llx  dw13 %016llx  "
            "dw2 %016llx\n",
@@ -272,9 +327,18 @@ static void run_case(const model *m, const inputs *in, int R, moefuse_pipeline p
     cudaFree(dp);
     cudaFree(dw13);
     cudaFree(dw2);
+    cudaFree(dgate);
+    cudaFree(dup);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    g_halves = argc > 1 && !strcmp(argv[1], "halves");
+#if MOEFUSE_VERSION < 600
+    if (g_halves) {
+        fprintf(stderr, "output_hashes halves: this library's API has no w13_up\n");
+        return 2;
+    }
+#endif
     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);  /* 8 virtual ranks: 2 streams each */
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {

@@ -11,7 +11,7 @@ import enum
 # The MOEFUSE_VERSION (MAJOR * 10000 + MINOR * 100 + PATCH) whose structs this file
 # mirrors. While MAJOR is 0 a MINOR change may change the structs, so MAJOR and MINOR
 # must match exactly; PATCH may differ.
-EXPECTED_VERSION = 500
+EXPECTED_VERSION = 600
 
 
 class Status(enum.IntEnum):
@@ -159,6 +159,8 @@ class FwdArgs(ctypes.Structure):
         ("saved", ctypes.c_void_p),  # void* out, saved_bytes(T), 256-byte aligned, or NULL
         ("expert_counts", ctypes.c_void_p),  # int32_t* optional out [E], or NULL
         ("fp8_weights", ctypes.c_void_p),  # const moefuse_fp8_weights*, FP8_BLOCK only
+        # W13 in two halves: w13 is then the gate half [E/R, I, H] and this the up half
+        ("w13_up", ctypes.c_void_p),  # const uint16_t* [E/R, I, H] bf16, or NULL (packed)
     ]
 
 
@@ -188,6 +190,10 @@ class BwdArgs(ctypes.Structure):
         ("dw13_bf16", ctypes.c_void_p),  # uint16_t* out [E/R, 2I, H] bf16, or NULL
         ("dw2_bf16", ctypes.c_void_p),  # uint16_t* out [E/R, H, I] bf16, or NULL
         ("fp8_weights", ctypes.c_void_p),  # const moefuse_fp8_weights*, FP8_BLOCK only
+        # W13 and dW13 in two halves (w13, dw13 / dw13_bf16 then hold the gate halves)
+        ("w13_up", ctypes.c_void_p),  # const uint16_t* [E/R, I, H] bf16, or NULL (packed)
+        ("dw13_up", ctypes.c_void_p),  # float* out [E/R, I, H], beside dw13
+        ("dw13_up_bf16", ctypes.c_void_p),  # uint16_t* out [E/R, I, H], beside dw13_bf16
     ]
 
 

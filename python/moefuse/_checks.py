@@ -117,12 +117,17 @@ def _wgrad_dtype(w13: torch.Tensor, w2: torch.Tensor) -> torch.dtype:
     return _BF16 if w13.dtype == _BF16 and w2.dtype == _BF16 else torch.float32
 
 
-def _wgrad_fields(dw13: torch.Tensor, dw2: torch.Tensor) -> dict:
+def _wgrad_fields(dw13: torch.Tensor, dw2: torch.Tensor,
+                  dw13_up: Optional[torch.Tensor] = None) -> dict:
     """The BwdArgs pointers of the weight-gradient outputs, by their dtype: the bf16 pair
-    or the fp32 pair, the other NULL (the bf16 pair takes accumulate = 0 only)."""
+    or the fp32 pair, the other NULL (the bf16 pair takes accumulate = 0 only); with
+    dw13_up, dW13 in two halves (dw13 the gate half, dw13_up the up half)."""
+    up = dw13_up.data_ptr() if dw13_up is not None else None
     if dw13.dtype == _BF16:
-        return dict(dw13=None, dw2=None, dw13_bf16=dw13.data_ptr(), dw2_bf16=dw2.data_ptr())
-    return dict(dw13=dw13.data_ptr(), dw2=dw2.data_ptr(), dw13_bf16=None, dw2_bf16=None)
+        return dict(dw13=None, dw2=None, dw13_bf16=dw13.data_ptr(), dw2_bf16=dw2.data_ptr(),
+                    dw13_up=None, dw13_up_bf16=up)
+    return dict(dw13=dw13.data_ptr(), dw2=dw2.data_ptr(), dw13_bf16=None, dw2_bf16=None,
+                dw13_up=up, dw13_up_bf16=None)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -132,16 +137,34 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return t.data_ptr()
 
 
-def _shape_of(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor):
-    """(T, H, I, E, K) from the operand shapes."""
+def _shape_of(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+              w13_up: Optional[torch.Tensor] = None):
+    """(T, H, I, E, K) from the operand shapes (w13 [E, 2I, H], or its gate half
+    [E, I, H] beside w13_up)."""
     num_tokens, hidden = x.shape
-    num_experts, two_i, _ = w13.shape
-    return num_tokens, hidden, two_i // 2, num_experts, ids.shape[1]
+    num_experts, rows, _ = w13.shape
+    return (num_tokens, hidden, rows if w13_up is not None else rows // 2, num_experts,
+            ids.shape[1])
 
 
-def _validate_experts(x, ids, p, w13, w2) -> torch.Tensor:
-    """Raises TypeError / ValueError naming the argument; returns ids as int32."""
-    for name, t in (("x", x), ("ids", ids), ("p", p), ("w13", w13), ("w2", w2)):
+def _w13_halves(w13) -> tuple:
+    """experts()'s w13 as (w13, w13_up): a tensor [E, 2I, H] is packed (w13_up None); a
+    pair (gate [E, I, H], up [E, I, H]) is W13 in two halves (moefuse.h), as TorchTitan's
+    w1 and w3."""
+    if isinstance(w13, (tuple, list)):
+        if len(w13) != 2:
+            raise ValueError(f"moefuse.experts: w13 as halves must be (gate, up), got "
+                             f"{len(w13)} tensors")
+        return w13[0], w13[1]
+    return w13, None
+
+
+def _validate_experts(x, ids, p, w13, w2, w13_up=None) -> torch.Tensor:
+    """Raises TypeError / ValueError naming the argument; returns ids as int32. With
+    w13_up, w13 and w13_up are the gate and up halves [E, I, H] of W13."""
+    weights = (("w13", w13), ("w2", w2)) if w13_up is None else (
+        ("w13[0] (gate)", w13), ("w13[1] (up)", w13_up), ("w2", w2))
+    for name, t in (("x", x), ("ids", ids), ("p", p)) + weights:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"moefuse.experts: {name} must be a torch.Tensor, got {type(t).__name__}")
     if x.dtype != _BF16:
@@ -150,7 +173,7 @@ def _validate_experts(x, ids, p, w13, w2) -> torch.Tensor:
         raise TypeError(f"moefuse.experts: ids must be int32 (or int64), got {ids.dtype}")
     if p.dtype != torch.float32:
         raise TypeError(f"moefuse.experts: p must be float32, got {p.dtype}")
-    for name, w in (("w13", w13), ("w2", w2)):
+    for name, w in weights:
         if w.dtype not in (_BF16, torch.float32):
             raise TypeError(f"moefuse.experts: {name} must be bfloat16 (or float32 master "
                             f"weights), got {w.dtype}")
@@ -163,24 +186,33 @@ def _validate_experts(x, ids, p, w13, w2) -> torch.Tensor:
     if tuple(p.shape) != tuple(ids.shape):
         raise ValueError(f"moefuse.experts: p must be [T={T}, K={K}] like ids, got shape "
                          f"{tuple(p.shape)}")
-    if w13.dim() != 3 or w13.shape[2] != H or w13.shape[1] % 2 != 0:
-        raise ValueError(f"moefuse.experts: w13 must be [E, 2I, H={H}], got shape "
-                         f"{tuple(w13.shape)}")
-    E, two_i = w13.shape[0], w13.shape[1]
-    if tuple(w2.shape) != (E, H, two_i // 2):
-        raise ValueError(f"moefuse.experts: w2 must be [E={E}, H={H}, I={two_i // 2}] to match "
-                         f"w13 {tuple(w13.shape)}, got shape {tuple(w2.shape)}")
-    if E == 0 or H == 0 or two_i == 0 or K == 0 or K > E:
+    if w13_up is None:
+        if w13.dim() != 3 or w13.shape[2] != H or w13.shape[1] % 2 != 0:
+            raise ValueError(f"moefuse.experts: w13 must be [E, 2I, H={H}], got shape "
+                             f"{tuple(w13.shape)}")
+        E, I = w13.shape[0], w13.shape[1] // 2
+    else:
+        if w13.dim() != 3 or w13.shape[2] != H or tuple(w13_up.shape) != tuple(w13.shape):
+            raise ValueError(f"moefuse.experts: w13's halves (gate, up) must both be [E, I, "
+                             f"H={H}], got {tuple(w13.shape)} and {tuple(w13_up.shape)}")
+        if w13.dtype != w13_up.dtype:
+            raise TypeError(f"moefuse.experts: w13's halves must share a dtype, got "
+                            f"{w13.dtype} and {w13_up.dtype}")
+        E, I = w13.shape[0], w13.shape[1]
+    if tuple(w2.shape) != (E, H, I):
+        raise ValueError(f"moefuse.experts: w2 must be [E={E}, H={H}, I={I}] to match "
+                         f"w13, got shape {tuple(w2.shape)}")
+    if E == 0 or H == 0 or I == 0 or K == 0 or K > E:
         raise ValueError(f"moefuse.experts: expected E, H, I > 0 and 1 <= K <= E, got "
-                         f"E={E}, H={H}, I={two_i // 2}, K={K}")
+                         f"E={E}, H={H}, I={I}, K={K}")
     device = x.device
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"moefuse.experts: tensors must be on the CPU or a CUDA device, got {device}")
-    for name, t in (("ids", ids), ("p", p), ("w13", w13), ("w2", w2)):
+    for name, t in (("ids", ids), ("p", p)) + weights:
         if t.device != device:
             raise ValueError(f"moefuse.experts: {name} is on {t.device} but x is on {device}; "
                              "all operands must be on one device")
-    for name, w in (("w13", w13), ("w2", w2)):
+    for name, w in weights:
         # A silent copy of every expert's weights per call would hide a layout mistake
         # (a transposed view) behind a large slowdown.
         if not w.is_contiguous():

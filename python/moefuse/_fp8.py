@@ -175,23 +175,29 @@ class Fp8WeightCache:
         self._entries: dict[tuple, _Entry] = {}
         self._lock = threading.RLock()  # an entry's weakref callback may run inside a lookup
 
-    def get(self, layer: _lib.Layer, w13: torch.Tensor, w2: torch.Tensor) -> _lib.Fp8Weights:
+    def get(self, layer: _lib.Layer, w13: torch.Tensor, w2: torch.Tensor,
+            w13_up: Optional[torch.Tensor] = None) -> _lib.Fp8Weights:
         """The FP8 weights of (w13, w2) for `layer` (an FP8 layer of their shapes), made
         with moefuse_quantize_weights on the current stream when missing or stale. The
         struct (and its buffer) stays valid until the entry is replaced or cleared; hold
-        the returned object during the call that reads it."""
+        the returned object during the call that reads it. w13_up: w13 in two halves
+        (gate in w13), joined for the quantization only (moefuse_quantize_weights reads
+        W13 packed), once per quantization."""
         _watch_optimizers()
+        up_key = (w13_up.data_ptr(),) if w13_up is not None else ()
         key = (w13.data_ptr(), w2.data_ptr(), tuple(w13.shape), tuple(w2.shape), w13.dtype,
-               w2.dtype, str(w13.device), int(layer.cfg.fp8_pow2_scales))
-        versions = (_version(w13), _version(w2))
+               w2.dtype, str(w13.device), int(layer.cfg.fp8_pow2_scales), *up_key)
+        weights = (w13, w2) if w13_up is None else (w13, w2, w13_up)
+        versions = tuple(_version(w) for w in weights)
         state = (*versions, _optimizer_steps)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and entry.state == state and entry.alive():
                 return entry.weights
-        entry = self._quantize(layer, w13, w2, state)
+        packed = w13 if w13_up is None else torch.cat([w13, w13_up], dim=1)
+        entry = self._quantize(layer, packed, w2, state)
         if None not in versions:
-            self._store(key, entry, (w13, w2))
+            self._store(key, entry, weights)
         return entry.weights
 
     def _quantize(self, layer: _lib.Layer, w13: torch.Tensor, w2: torch.Tensor,
@@ -235,12 +241,16 @@ class Fp8WeightCache:
 
 
 def weight_args(layer: _lib.Layer, w13: torch.Tensor, w2: torch.Tensor,
-                cache: Fp8WeightCache) -> tuple[dict, tuple]:
+                cache: Fp8WeightCache, w13_up: Optional[torch.Tensor] = None
+                ) -> tuple[dict, tuple]:
     """The weight fields of FwdArgs / BwdArgs for the layer's precision, and what must
-    stay alive while the call reads them: bf16 w13 and w2 (fp32 master weights cast),
-    or the cached FP8 weights (w13 and w2 then NULL: not read)."""
+    stay alive while the call reads them: bf16 w13 (with w13_up: its gate half, and the
+    up half) and w2 (fp32 master weights cast), or the cached FP8 weights (w13, w13_up
+    and w2 then NULL: not read)."""
     if layer.cfg.precision == _lib.Precision.FP8_BLOCK:
-        fp8 = cache.get(layer, w13, w2)
-        return dict(w13=None, w2=None, fp8_weights=ctypes.addressof(fp8)), (fp8,)
+        fp8 = cache.get(layer, w13, w2, w13_up)
+        return dict(w13=None, w13_up=None, w2=None, fp8_weights=ctypes.addressof(fp8)), (fp8,)
     w13, w2 = _bf16_weight(w13), _bf16_weight(w2)
-    return dict(w13=w13.data_ptr(), w2=w2.data_ptr(), fp8_weights=None), (w13, w2)
+    up = _bf16_weight(w13_up) if w13_up is not None else None
+    return (dict(w13=w13.data_ptr(), w13_up=up.data_ptr() if up is not None else None,
+                 w2=w2.data_ptr(), fp8_weights=None), (w13, up, w2))

@@ -9,7 +9,9 @@ Public functions (differentiable, torch.compile(fullgraph=True) friendly):
                          expert id per slot, -1 = slot dropped
         p    [T, K]      fp32 routing weights
         w13  [E, 2I, H]  bf16 (or fp32 master weights: cast to bf16 for each call,
-                         gradient returned in fp32 without the bf16 round trip)
+                         gradient returned in fp32 without the bf16 round trip);
+                         or W13 in two halves, a pair (gate [E, I, H], up [E, I, H]):
+                         read where they are, one gradient each (TorchTitan's w1, w3)
         w2   [E, H, I]   bf16 (or fp32, as w13)
         y    [T, H]      bf16
       Gradients flow to x, p, w13 and w2, each weight's in its dtype: bf16 weights get
@@ -60,7 +62,7 @@ from . import _fp8, _lib
 from ._checks import (_BF16, _CUDA_ALIGN, _SAVED_ALIGN, _aligned_saved, _alloc_saved,
                       _as_rows, _ids_as_int32, _normalize_device, _on_device, _ptr,
                       _row_stride, _rows_ok, _shape_of, _stream, _validate_experts,
-                      _wgrad_dtype, _wgrad_fields)
+                      _w13_halves, _wgrad_dtype, _wgrad_fields)
 
 _REEXPORTED = (_CUDA_ALIGN, _SAVED_ALIGN, _ids_as_int32, _rows_ok)  # used in _checks.py only
 
@@ -213,17 +215,19 @@ def saved_bytes(num_tokens: int, hidden: int, intermediate: int, num_experts: in
 @torch.library.custom_op("moefuse::experts_fwd", mutates_args=())
 def _experts_fwd(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch.Tensor,
                  w2: torch.Tensor, need_saved: bool, saved_mode: int, precision: int = 0,
-                 fp8_pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 fp8_pow2_scales: bool = False, w13_up: Optional[torch.Tensor] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [T, H] bf16, saved uint8 [saved_bytes(T)], empty when need_saved is False).
-    Arguments already validated by experts()."""
-    T, H, I, E, K = _shape_of(x, ids, w13)
+    w13_up: W13 in two halves (w13 the gate half). Arguments already validated by
+    experts()."""
+    T, H, I, E, K = _shape_of(x, ids, w13, w13_up)
     device = x.device
     y = torch.empty((T, H), dtype=_BF16, device=device)
     if T == 0:
         return y, torch.empty(0, dtype=torch.uint8, device=device)
     layer = layer_cache.get(H, I, E, K, T, device, saved_mode, precision, fp8_pow2_scales)
     x = _as_rows(x, H)
-    weight_fields, _alive = _fp8.weight_args(layer, w13, w2, layer_cache.fp8)
+    weight_fields, _alive = _fp8.weight_args(layer, w13, w2, layer_cache.fp8, w13_up)
     saved = (_alloc_saved(layer.saved_bytes(T), device) if need_saved
              else torch.empty(0, dtype=torch.uint8, device=device))
     args = _lib.FwdArgs(
@@ -237,8 +241,8 @@ def _experts_fwd(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch
 
 @_experts_fwd.register_fake
 def _experts_fwd_fake(x, ids, p, w13, w2, need_saved, saved_mode, precision=0,
-                      fp8_pow2_scales=False):
-    T, H, I, E, K = _shape_of(x, ids, w13)
+                      fp8_pow2_scales=False, w13_up=None):
+    T, H, I, E, K = _shape_of(x, ids, w13, w13_up)
     y = x.new_empty((T, H), dtype=_BF16)
     if not need_saved:
         num_bytes = 0
@@ -258,48 +262,56 @@ def _experts_fwd_fake(x, ids, p, w13, w2, need_saved, saved_mode, precision=0,
 @torch.library.custom_op("moefuse::experts_bwd", mutates_args=())
 def _experts_bwd(dy: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor,
                  w13: torch.Tensor, w2: torch.Tensor, saved: torch.Tensor, saved_mode: int,
-                 precision: int = 0, fp8_pow2_scales: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx [T, H] bf16, dp [T, K] fp32, dw13 [E, 2I, H], dw2 [E, H, I]); the weight
-    gradients bf16 when w13 and w2 are bf16, else fp32 (_wgrad_dtype)."""
-    T, H, I, E, K = _shape_of(x, ids, w13)
+                 precision: int = 0, fp8_pow2_scales: bool = False,
+                 w13_up: Optional[torch.Tensor] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx [T, H] bf16, dp [T, K] fp32, dw13 [E, 2I, H], dw2 [E, H, I], dw13_up); the
+    weight gradients bf16 when w13 and w2 are bf16, else fp32 (_wgrad_dtype). With w13_up
+    (W13 in two halves) dw13 is the gate half's gradient and dw13_up the up half's
+    [E, I, H]; else dw13_up is empty."""
+    T, H, I, E, K = _shape_of(x, ids, w13, w13_up)
     device = x.device
     dx = torch.empty((T, H), dtype=_BF16, device=device)
     dp = torch.empty((T, K), dtype=torch.float32, device=device)
     wgrad_dtype = _wgrad_dtype(w13, w2)
+    up_shape = w13_up.shape if w13_up is not None else (0,)
+    make = torch.zeros if T == 0 else torch.empty
+    dw13 = make(w13.shape, dtype=wgrad_dtype, device=device)
+    dw2 = make(w2.shape, dtype=wgrad_dtype, device=device)
+    dw13_up = make(up_shape, dtype=wgrad_dtype, device=device)
     if T == 0:
-        return (dx, dp, torch.zeros(w13.shape, dtype=wgrad_dtype, device=device),
-                torch.zeros(w2.shape, dtype=wgrad_dtype, device=device))
-    dw13 = torch.empty(w13.shape, dtype=wgrad_dtype, device=device)
-    dw2 = torch.empty(w2.shape, dtype=wgrad_dtype, device=device)
+        return dx, dp, dw13, dw2, dw13_up
     layer = layer_cache.get(H, I, E, K, T, device, saved_mode, precision, fp8_pow2_scales)
     x, dy = _as_rows(x, H), _as_rows(dy.to(_BF16), H)
-    weight_fields, _alive = _fp8.weight_args(layer, w13, w2, layer_cache.fp8)
+    weight_fields, _alive = _fp8.weight_args(layer, w13, w2, layer_cache.fp8, w13_up)
     saved = _aligned_saved(saved)
     args = _lib.BwdArgs(
         num_tokens=T, x=x.data_ptr(), x_stride=_row_stride(x, H), ids=ids.data_ptr(),
         weights=p.data_ptr(), saved=saved.data_ptr(), saved_bytes=saved.numel(),
         dy=dy.data_ptr(), dy_stride=_row_stride(dy, H), dx=dx.data_ptr(), dx_stride=H,
-        dweights=dp.data_ptr(), accumulate=0, **_wgrad_fields(dw13, dw2), **weight_fields)
+        dweights=dp.data_ptr(), accumulate=0,
+        **_wgrad_fields(dw13, dw2, dw13_up if w13_up is not None else None), **weight_fields)
     with layer.lock, _on_device(device):
         layer.backward(args, _stream(device))
-    return dx, dp, dw13, dw2
+    return dx, dp, dw13, dw2, dw13_up
 
 
 @_experts_bwd.register_fake
 def _experts_bwd_fake(dy, x, ids, p, w13, w2, saved, saved_mode, precision=0,
-                      fp8_pow2_scales=False):
-    T, H, _, _, K = _shape_of(x, ids, w13)
+                      fp8_pow2_scales=False, w13_up=None):
+    T, H, _, _, K = _shape_of(x, ids, w13, w13_up)
     wgrad_dtype = _wgrad_dtype(w13, w2)
+    up_shape = w13_up.shape if w13_up is not None else (0,)
     return (x.new_empty((T, H), dtype=_BF16), x.new_empty((T, K), dtype=torch.float32),
             w13.new_empty(w13.shape, dtype=wgrad_dtype),
-            w2.new_empty(w2.shape, dtype=wgrad_dtype))
+            w2.new_empty(w2.shape, dtype=wgrad_dtype),
+            w13.new_empty(up_shape, dtype=wgrad_dtype))
 
 
 def _experts_setup_context(ctx, inputs, output):
-    x, ids, p, w13, w2, need_saved, saved_mode, precision, fp8_pow2_scales = inputs
+    x, ids, p, w13, w2, need_saved, saved_mode, precision, fp8_pow2_scales, w13_up = inputs
     _, saved = output
-    ctx.save_for_backward(x, ids, p, w13, w2, saved)
+    ctx.save_for_backward(x, ids, p, w13, w2, saved, w13_up)
     ctx.need_saved = need_saved
     ctx.saved_mode = saved_mode
     ctx.precision = (precision, fp8_pow2_scales)
@@ -310,20 +322,21 @@ def _experts_setup_context(ctx, inputs, output):
 
 def _experts_backward(ctx, dy, _dsaved):
     if dy is None:   # y did not reach the loss: no gradient flows into the inputs
-        return (None,) * 9
+        return (None,) * 10
     if not ctx.need_saved:
         raise RuntimeError(
             "moefuse.experts: backward through a forward that kept nothing for it "
             "(need_saved=False; experts() sets it when grad mode is on and an input "
             "requires grad)")
-    x, ids, p, w13, w2, saved = ctx.saved_tensors
-    dx, dp, dw13, dw2 = torch.ops.moefuse.experts_bwd(dy, x, ids, p, w13, w2, saved,
-                                                      ctx.saved_mode, *ctx.precision)
+    x, ids, p, w13, w2, saved, w13_up = ctx.saved_tensors
+    dx, dp, dw13, dw2, dw13_up = torch.ops.moefuse.experts_bwd(
+        dy, x, ids, p, w13, w2, saved, ctx.saved_mode, *ctx.precision, w13_up)
     need = ctx.needs_input_grad
     # Already each weight's dtype (a no-op) unless one weight is bf16 and the other fp32.
     return (dx if need[0] else None, None, dp if need[2] else None,
             dw13.to(w13.dtype) if need[3] else None, dw2.to(w2.dtype) if need[4] else None,
-            None, None, None, None)
+            None, None, None, None,
+            dw13_up.to(w13_up.dtype) if w13_up is not None and need[9] else None)
 
 
 _experts_fwd.register_autograd(_experts_backward, setup_context=_experts_setup_context)
@@ -344,7 +357,9 @@ def experts(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch.Tens
              row; -1 drops the slot.
         p:   [T, K] fp32 routing weights (made contiguous).
         w13: [E, 2I, H] contiguous, bf16 (or fp32: cast per call); gate rows 0..I-1,
-             up rows I..2I-1.
+             up rows I..2I-1. Or W13 in two halves: a pair (gate, up), each [E, I, H]
+             contiguous, of one dtype (TorchTitan's w1 and w3): the library reads them
+             where they are (no concatenation) and each gets its own gradient.
         w2:  [E, H, I] contiguous, bf16 (or fp32).
         recompute: keep only the routing plan and recompute W13 x in the backward
              (saves K * 2I * 2 bytes per token for 1/3 more forward FLOPs).
@@ -362,16 +377,17 @@ def experts(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch.Tens
     """
     precision_id, fp8_pow2_scales = _fp8.resolve_precision(precision, fp8_pow2_scales,
                                                            "moefuse.experts")
-    ids = _validate_experts(x, ids, p, w13, w2).contiguous()
+    w13, w13_up = _w13_halves(w13)
+    ids = _validate_experts(x, ids, p, w13, w2, w13_up).contiguous()
     p = p.contiguous()
     H = x.shape[1]
     if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < H):
         x = x.contiguous()
     need_saved = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x, p, w13, w2))
+        t is not None and t.requires_grad for t in (x, p, w13, w2, w13_up))
     y, _ = torch.ops.moefuse.experts_fwd(x, ids, p, w13, w2, need_saved,
                                          int(saved_mode_for(recompute, save_inputs)),
-                                         precision_id, fp8_pow2_scales)
+                                         precision_id, fp8_pow2_scales, w13_up)
     return y
 
 

@@ -27,16 +27,20 @@ W2_e = w2_e and p = top_scores. TorchTitan's own experts compute on bf16 copies 
 weights (`w1.bfloat16()`, whatever the parameter dtype); so does this adapter, so fp32
 master weights get the gradients that TorchTitan's experts give them: bf16, widened.
 
-Cost of the current C API: moefuse_fwd_args takes one W13 pointer, so every forward
-concatenates w1 and w3 into a [E, 2F, D] bf16 tensor (E * 2F * D * 2 bytes written, and
-read by the op), and autograd splits dW13 back into the gradients of w1 and w3. A later
-change of the C API takes gate and up as two pointers and removes both copies.
+w1 and w3 go to the library as W13's two halves (moefuse_fwd_args.w13 and w13_up, see
+"W13 in two halves" in include/moefuse.h): its kernels read each where it is, and the
+backward writes the gradients of w1 and w3 into two tensors of their own. So no
+[E, 2F, D] concatenation is made per call (E * 2F * D * 2 bytes written and read again:
+about 0.4 ms per forward on qwen3-30b-a3b on an H200), and no split of dW13 after the
+backward: the bits are those of the concatenated W13. (The expert-parallel path below
+still concatenates w1 and w3 per call: ExpertParallelExperts takes one gate_up_proj.)
 
 precision="fp8" runs the routed experts' GEMMs in block-scaled FP8 (moefuse.experts(),
 _fp8.py), on one rank: with expert_parallel apply() raises Fp8UnsupportedError (FP8 with
-a comm is not built yet). The W13 of each forward is a new tensor (the concatenation
-above), so its FP8 quantization is made once per forward and shared by its backward,
-not once per optimizer step as for MoEExperts' parameters.
+a comm is not built yet). With bf16 parameters, w1, w3 and w2 reach the FP8 weight cache
+as themselves (their .to(bf16) is a no-op), so they are quantized once per optimizer
+step; fp32 parameters are cast per call, a new tensor each forward, so theirs is
+quantized once per forward and shared by its backward.
 
 Not supported (apply() or the forward says so):
 - score_before_experts=True (TorchTitan scales the routed tokens by their scores before
@@ -127,11 +131,11 @@ def routed_experts(x: torch.Tensor, top_scores: torch.Tensor, ids: torch.Tensor,
         w1, w3 [E, F, D], w2 [E, D, F]  ->  y [T, D] in x's dtype,
         y_t = sum_k top_scores[t,k] * w2_e (silu(w1_e x_t) * w3_e x_t),  e = ids[t,k].
 
-    The weights are taken in bf16 as TorchTitan's experts take them; w1 and w3 are
-    concatenated into W13 per call (see the module docstring for the cost). precision:
-    "bf16" or "fp8", as moefuse.experts() takes it."""
-    w13 = torch.cat([w1.to(_BF16), w3.to(_BF16)], dim=1)  # [E, 2F, D]: gate rows, up rows
-    y = ops.experts(x.to(_BF16), ids, top_scores.to(torch.float32), w13, w2.to(_BF16),
+    The weights are taken in bf16 as TorchTitan's experts take them (a no-op for bf16
+    parameters); w1 and w3 are W13's gate and up halves, read where they are (see the
+    module docstring). precision: "bf16" or "fp8", as moefuse.experts() takes it."""
+    y = ops.experts(x.to(_BF16), ids, top_scores.to(torch.float32),
+                    (w1.to(_BF16), w3.to(_BF16)), w2.to(_BF16),
                     recompute=recompute, save_inputs=save_inputs, precision=precision)
     return y.to(x.dtype)
 

@@ -224,7 +224,7 @@ def test_bf16_weight_gradients_are_rounded_fp32():
     for a, b, want in ((w13, w2, torch.bfloat16), (w13.float(), w2.float(), torch.float32),
                        (w13, w2.float(), torch.float32)):
         args = (dy, x, ids, p, a, b, saved, mode)
-        dw13, dw2 = torch.ops.moefuse.experts_bwd(*args)[2:]
+        dw13, dw2 = torch.ops.moefuse.experts_bwd(*args)[2:4]
         assert dw13.dtype == want and dw2.dtype == want
         torch.library.opcheck(torch.ops.moefuse.experts_bwd.default, args,
                               test_utils=("test_faketensor",))
@@ -238,7 +238,7 @@ def test_bf16_weight_gradients_zero_tokens():
     saved = torch.empty(0, dtype=torch.uint8)
     for a, b, want in ((w13, w2, torch.bfloat16), (w13.float(), w2.float(), torch.float32)):
         dw13, dw2 = torch.ops.moefuse.experts_bwd(x, x, ids, p, a, b, saved,
-                                                  int(_lib.SavedMode.SAVE_ACTIVATIONS))[2:]
+                                                  int(_lib.SavedMode.SAVE_ACTIVATIONS))[2:4]
         assert dw13.dtype == want and dw2.dtype == want
         assert not dw13.any() and not dw2.any()
 
@@ -492,3 +492,59 @@ def test_cuda_backend():
     moefuse.check_device_errors()
     assert_close_bf16(y.cpu(), experts_reference(x.double(), ids.long(), p.double(),
                                                  w13.double(), w2.double()), "y")
+
+
+# ---- W13 in two halves ------------------------------------------------------------------------
+
+
+def _run_halves(x, ids, p, w13, w2, dy, **kw):
+    """(y, dx, dp, d gate, d up, dw2) with W13 passed as the pair (gate, up)."""
+    I = w13.shape[1] // 2
+    gate, up = (w13[:, :I].clone(), w13[:, I:].clone())
+    x, p, gate, up, w2 = (t.detach().clone().requires_grad_() for t in (x, p, gate, up, w2))
+    y = moefuse.experts(x, ids, p, (gate, up), w2, **kw)
+    y.backward(dy)
+    return y.detach(), x.grad, p.grad, gate.grad, up.grad, w2.grad
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp32"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_w13_halves_equal_packed(weights, recompute):
+    """experts(x, ids, p, (gate, up), w2): the library reads the two halves where they are;
+    y and every gradient are the packed call's bits, the halves' gradients the two halves
+    of dW13, in the weights' dtype."""
+    x, ids, p, w13, w2, dy = random_problem(150, 64, 96, 8, 3, seed=11)
+    if weights == "fp32":
+        w13, w2 = w13.float(), w2.float()
+    y, dx, dp, dw13, dw2 = run_op(x, ids, p, w13, w2, dy, recompute=recompute)
+    hy, hdx, hdp, dgate, dup, hdw2 = _run_halves(x, ids, p, w13, w2, dy, recompute=recompute)
+    I = w13.shape[1] // 2
+    assert dgate.dtype == w13.dtype and dup.dtype == w13.dtype
+    for a, b in ((y, hy), (dx, hdx), (dp, hdp), (dw13[:, :I], dgate), (dw13[:, I:], dup),
+                 (dw2, hdw2)):
+        assert torch.equal(a, b)
+
+
+def test_w13_halves_ops_and_errors():
+    """The ops' fake implementations take w13_up (the backward's by opcheck; the
+    forward's saved buffer is a view at an allocation-dependent offset on the CPU, so its
+    fake is compared by shape), and experts() names a wrong pair."""
+    x, ids, p, w13, w2, dy = random_problem(20, 64, 32, 8, 2)
+    gate, up = w13[:, :32].contiguous(), w13[:, 32:].contiguous()
+    mode = int(_lib.SavedMode.SAVE_ACTIVATIONS)
+    y, saved = torch.ops.moefuse.experts_fwd(x, ids, p, gate, w2, True, mode, 0, False, up)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode_fake:
+        fy, fsaved = torch.ops.moefuse.experts_fwd(
+            *(mode_fake.from_tensor(t) for t in (x, ids, p, gate, w2)), True, mode, 0, False,
+            mode_fake.from_tensor(up))
+    assert fy.shape == y.shape and fsaved.shape == saved.shape
+    torch.library.opcheck(torch.ops.moefuse.experts_bwd.default,
+                          (dy, x, ids, p, gate, w2, saved, mode, 0, False, up),
+                          test_utils=("test_faketensor",))
+    with pytest.raises(ValueError, match="halves .gate, up. must both be"):
+        moefuse.experts(x, ids, p, (gate, up[:, :16]), w2)
+    with pytest.raises(TypeError, match="must share a dtype"):
+        moefuse.experts(x, ids, p, (gate, up.float()), w2)
+    with pytest.raises(ValueError, match="must be \\(gate, up\\)"):
+        moefuse.experts(x, ids, p, (gate, up, up), w2)

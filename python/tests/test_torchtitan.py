@@ -121,6 +121,37 @@ def test_moe_layer_within_bf16_tolerance():
         assert errors[n][0] <= tolerance(3), (n, errors[n])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_routed_experts_halves_equal_concatenation(dtype):
+    """routed_experts hands w1 and w3 to the library as W13's two halves: y and the
+    gradients of x, the scores, w1, w3 and w2 are bit for bit those of the concatenated
+    W13 = [w1; w3] through moefuse.experts (what the adapter did before), in the
+    parameters' dtype."""
+    g = torch.Generator().manual_seed(7)
+    T, D, F, E, K = 96, 64, 32, 8, 2
+    x = torch.randn(T, D, generator=g).bfloat16()
+    scores = torch.rand(T, K, generator=g)
+    ids = torch.rand(T, E, generator=g).topk(K, dim=-1).indices
+    w1, w3 = (torch.randn(E, F, D, generator=g) * D ** -0.5 for _ in range(2))
+    w2 = torch.randn(E, D, F, generator=g) * F ** -0.5
+    dy = torch.randn(T, D, generator=g).bfloat16()
+    grads = []
+    for halves in (True, False):
+        leaves = [t.detach().clone().to(dt).requires_grad_() for t, dt in
+                  ((x, torch.bfloat16), (scores, torch.float32), (w1, dtype), (w3, dtype),
+                   (w2, dtype))]
+        xs, ss, a, b, c = leaves
+        if halves:
+            y = mtt.routed_experts(xs, ss, ids, a, b, c)
+        else:
+            w13 = torch.cat([a.bfloat16(), b.bfloat16()], dim=1)
+            y = mtt.ops.experts(xs, ids, ss, w13, c.bfloat16())
+        y.backward(dy)
+        grads.append([y.detach()] + [t.grad for t in leaves])
+    for what, h, c in zip(("y", "x", "scores", "w1", "w3", "w2"), *grads):
+        assert h.dtype == c.dtype and torch.equal(h, c), what
+
+
 def test_moe_compiles_fullgraph():
     """The swapped MoE traces into one graph (moefuse's op is a custom op with a fake)."""
     torch.manual_seed(5)

@@ -349,26 +349,46 @@ static int block_width(int64_t k, int n, int64_t wblock_elems) {
 }
 
 /* One expert's weight matrix [n, k] as stored: bf16, or FP8 codes with 128x128 block
- * scales [ceil(n/128), ceil(k/128)]. */
+ * scales [ceil(n/128), ceil(k/128)]. bf16 W13 in two halves (moefuse.h): rows up_row..
+ * are rows 0.. of bf16_up. */
 typedef struct weight_src {
     const uint16_t *bf16;
+    const uint16_t *bf16_up;   /* NULL: all n rows at bf16 */
+    int64_t up_row;
     const uint8_t *fp8;
     const float *scale;
 } weight_src;
+
+/* Row r of a bf16 weight [n, k]. */
+static const uint16_t *bf16_row(weight_src W, int64_t r, int64_t k) {
+    return W.bf16_up && r >= W.up_row ? W.bf16_up + (r - W.up_row) * k : W.bf16 + r * k;
+}
+
+/* The caller's bf16 weights: W13 packed (w13_up NULL) or in two halves, and W2. */
+typedef struct bf16_weights {
+    const uint16_t *w13, *w13_up, *w2;
+} bf16_weights;
 
 enum { W13, W13T, W2, W2T };
 
 /* Expert e's W13 [2I, H], W13^T [H, 2I], W2 [H, I] or W2^T [I, H]; the ^T ones exist in
  * FP8 only. */
-static weight_src weight_of(const moefuse_layer *layer, const uint16_t *w13,
-                            const uint16_t *w2, const moefuse_fp8_weights *f8, int which,
-                            int e) {
+static weight_src weight_of(const moefuse_layer *layer, bf16_weights b,
+                            const moefuse_fp8_weights *f8, int which, int e) {
     const int64_t H = layer->cfg.hidden, I = layer->cfg.intermediate, T = MF_FP8_TILE;
     const int64_t n13 = 2 * I * H, n2 = H * I;
     const int64_t s13 = (2 * I + T - 1) / T * ((H + T - 1) / T), s2 = (H + T - 1) / T * ((I + T - 1) / T);
-    weight_src w = {NULL, NULL, NULL};
+    weight_src w = {NULL, NULL, 0, NULL, NULL};
     if (!f8) {
-        w.bf16 = which == W13 ? w13 + e * n13 : w2 + e * n2;
+        if (which != W13) {
+            w.bf16 = b.w2 + e * n2;
+        } else if (b.w13_up) {
+            w.bf16 = b.w13 + e * I * H;
+            w.bf16_up = b.w13_up + e * I * H;
+            w.up_row = I;
+        } else {
+            w.bf16 = b.w13 + e * n13;
+        }
         return w;
     }
     switch (which) {
@@ -390,8 +410,11 @@ static void gemm_a_wt(int m, int n, int k, const float *A, int64_t lda,
     int nb = block_width(k, n, wblock_elems);
     for (int c0 = 0; c0 < n; c0 += nb) {
         int w = n - c0 < nb ? n - c0 : nb;
-        if (W.bf16)
-            mf_bf16_to_float_n(W.bf16 + (int64_t)c0 * k, wblock, (int64_t)w * k);
+        if (W.bf16 && (!W.bf16_up || c0 + w <= W.up_row || c0 >= W.up_row))
+            mf_bf16_to_float_n(bf16_row(W, c0, k), wblock, (int64_t)w * k);
+        else if (W.bf16)   /* rows of both halves */
+            for (int64_t r = 0; r < w; r++)
+                mf_bf16_to_float_n(bf16_row(W, c0 + r, k), wblock + r * k, k);
         else
             mf_fp8_dequant_block_rows(W.fp8, W.scale, k, c0, w, wblock);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, w, k, 1.0f, A, (int)lda,
@@ -399,16 +422,16 @@ static void gemm_a_wt(int m, int n, int k, const float *A, int64_t lda,
     }
 }
 
-/* C = A W: A fp32 [m, k], W bf16 [k, n] contiguous, C fp32 [m, n]. W is converted a
- * block of columns at a time (strided rows of it, packed to width w). */
+/* C = A W: A fp32 [m, k], W bf16 [k, n] (rows contiguous), C fp32 [m, n]. W is converted
+ * a block of columns at a time (strided rows of it, packed to width w). */
 static void gemm_a_w(int m, int n, int k, const float *A, int64_t lda,
-                     const uint16_t *W, float *C, int64_t ldc,
+                     weight_src W, float *C, int64_t ldc,
                      float *wblock, int64_t wblock_elems) {
     int nb = block_width(k, n, wblock_elems);
     for (int c0 = 0; c0 < n; c0 += nb) {
         int w = n - c0 < nb ? n - c0 : nb;
         for (int64_t r = 0; r < k; r++)
-            mf_bf16_to_float_n(W + r * n + c0, wblock + r * w, w);
+            mf_bf16_to_float_n(bf16_row(W, r, n) + c0, wblock + r * w, w);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, w, k, 1.0f, A, (int)lda,
                     wblock, w, 0.0f, C + c0, (int)ldc);
     }
@@ -501,8 +524,9 @@ static void fwd_task(const fwd_ctx *c, const row_task *task, thread_scratch *ts)
     int64_t r0 = task->row_begin;
     int m = task->row_end - task->row_begin;
     const moefuse_fp8_weights *f8 = c->a->fp8_weights;
-    weight_src w13 = weight_of(c->layer, c->a->w13, c->a->w2, f8, W13, task->expert);
-    weight_src w2 = weight_of(c->layer, c->a->w13, c->a->w2, f8, W2, task->expert);
+    const bf16_weights b = {c->a->w13, c->a->w13_up, c->a->w2};
+    weight_src w13 = weight_of(c->layer, b, f8, W13, task->expert);
+    weight_src w2 = weight_of(c->layer, b, f8, W2, task->expert);
     const int pow2 = c->layer->cfg.fp8_pow2_scales;
     float *xs = st->xs + r0 * H;        /* [m, H] */
     float *gu = st->gu + r0 * 2 * I;    /* [m, 2I] */
@@ -628,7 +652,8 @@ static void bwd_task(const bwd_ctx *c, const row_task *task, thread_scratch *ts)
     int m = task->row_end - task->row_begin;
     const moefuse_fp8_weights *f8 = a->fp8_weights;
     const int e = task->expert;
-    weight_src w13 = weight_of(c->layer, a->w13, a->w2, f8, W13, e);   /* [2I, H] */
+    const bf16_weights b = {a->w13, a->w13_up, a->w2};
+    weight_src w13 = weight_of(c->layer, b, f8, W13, e);   /* [2I, H] */
     const float *xs = st->xs + r0 * H;  /* [m, H] */
     float *dys = st->dys + r0 * H;      /* [m, H] */
     float *dxs = st->dxs + r0 * H;      /* [m, H] */
@@ -646,11 +671,10 @@ static void bwd_task(const bwd_ctx *c, const row_task *task, thread_scratch *ts)
     }
     if (f8) /* dgrad2 from W2^T, K-major as on the GPU */
         gemm_a_wt(m, (int)I, (int)H, operand_rows(st, c->layer, dys, m, H, r0), H,
-                  weight_of(c->layer, a->w13, a->w2, f8, W2T, e), act, I, ts->wblock,
-                  st->wblock_elems);
+                  weight_of(c->layer, b, f8, W2T, e), act, I, ts->wblock, st->wblock_elems);
     else
-        gemm_a_w(m, (int)I, (int)H, dys, H, a->w2 + (int64_t)e * H * I, act, I, ts->wblock,
-                 st->wblock_elems);
+        gemm_a_w(m, (int)I, (int)H, dys, H, weight_of(c->layer, b, NULL, W2, e), act, I,
+                 ts->wblock, st->wblock_elems);
     /* da' to bf16, as the CUDA backend's dgrad2 hands it to its store warps. */
     for (int i = 0; i < m; i++) round_row(act + i * I, ts->row16, I);
 
@@ -680,10 +704,9 @@ static void bwd_task(const bwd_ctx *c, const row_task *task, thread_scratch *ts)
     }
     if (f8) /* dgrad1 from W13^T; gu stays whole for dW13 */
         gemm_a_wt(m, (int)H, (int)(2 * I), operand_rows(st, c->layer, gu, m, 2 * I, r0), 2 * I,
-                  weight_of(c->layer, a->w13, a->w2, f8, W13T, e), dxs, H, ts->wblock,
-                  st->wblock_elems);
+                  weight_of(c->layer, b, f8, W13T, e), dxs, H, ts->wblock, st->wblock_elems);
     else
-        gemm_a_w(m, (int)H, (int)(2 * I), gu, 2 * I, w13.bf16, dxs, H, ts->wblock,
+        gemm_a_w(m, (int)H, (int)(2 * I), gu, 2 * I, w13, dxs, H, ts->wblock,
                  st->wblock_elems);
 }
 
@@ -740,26 +763,51 @@ static void wgrad_chunk(const bwd_ctx *c, int64_t idx, thread_scratch *ts) {
         B = st->act + r0 * I;
         first = (int64_t)e * H * I + m0 * I;
     }
-    /* The host layer let through exactly one pair, and the bf16 one in write mode only. */
+    /* The host layer let through exactly one pair, and the bf16 one in write mode only.
+     * The chunk's rows go to one run of rows, or to two when dW13 comes in two halves
+     * (moefuse.h) and the chunk spans them: rows [0, split) to run 0, [split, m) to run 1. */
     int bf16 = a->dw13_bf16 != NULL;
-    float *dst = NULL;       /* [m, n] rows of dW13_e or dW2_e, fp32 */
-    uint16_t *dst16 = NULL;  /* the same rows, bf16 */
-    if (bf16)
-        dst16 = (chunk < c13 ? a->dw13_bf16 : a->dw2_bf16) + first;
-    else
-        dst = (chunk < c13 ? a->dw13 : a->dw2) + first;
+    float *dst[2] = {NULL, NULL};       /* [rows, n] rows of dW13_e or dW2_e, fp32 */
+    uint16_t *dst16[2] = {NULL, NULL};  /* the same rows, bf16 */
+    int64_t split = m;
+    if (chunk < c13 && (a->dw13_up || a->dw13_up_bf16)) {
+        split = m0 >= I ? 0 : (m0 + m <= I ? m : I - m0);   /* the gate half's rows */
+        const int64_t expert = (int64_t)e * I * H;
+        if (split > 0) {
+            if (bf16) dst16[0] = a->dw13_bf16 + expert + m0 * H;
+            else dst[0] = a->dw13 + expert + m0 * H;
+        }
+        if (split < m) {   /* up rows from m0 + split - I */
+            if (bf16) dst16[1] = a->dw13_up_bf16 + expert + (m0 + split - I) * H;
+            else dst[1] = a->dw13_up + expert + (m0 + split - I) * H;
+        }
+    } else if (bf16) {
+        dst16[0] = (chunk < c13 ? a->dw13_bf16 : a->dw2_bf16) + first;
+    } else {
+        dst[0] = (chunk < c13 ? a->dw13 : a->dw2) + first;
+    }
+    const int64_t run_rows[2] = {split, m - split};
     if (rows == 0) {
-        if (bf16) memset(dst16, 0, sizeof(uint16_t) * (size_t)(m * n)); /* bf16 +0 */
-        else if (!a->accumulate) memset(dst, 0, sizeof(float) * (size_t)(m * n));
+        for (int i = 0; i < 2; i++) {
+            if (run_rows[i] == 0) continue;
+            if (bf16) memset(dst16[i], 0, sizeof(uint16_t) * (size_t)(run_rows[i] * n)); /* +0 */
+            else if (!a->accumulate) memset(dst[i], 0, sizeof(float) * (size_t)(run_rows[i] * n));
+        }
         return;
     }
-    float *out = a->accumulate || bf16 ? ts->wgrad : dst; /* [m, n] */
+    const int direct = !a->accumulate && !bf16 && split == m;
+    float *out = direct ? dst[0] : ts->wgrad; /* [m, n] */
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)m, (int)n, rows, 1.0f, A,
                 (int)lda, B, (int)n, 0.0f, out, (int)n);
-    if (bf16)
-        mf_float_to_bf16_n(out, dst16, m * n);
-    else if (a->accumulate)
-        for (int64_t i = 0; i < m * n; i++) dst[i] += out[i];
+    if (direct) return;
+    for (int i = 0; i < 2; i++) {
+        const float *o = out + (i ? split * n : 0);
+        const int64_t count = run_rows[i] * n;
+        if (count == 0) continue;
+        if (bf16) mf_float_to_bf16_n(o, dst16[i], count);
+        else if (a->accumulate) for (int64_t j = 0; j < count; j++) dst[i][j] += o[j];
+        else memcpy(dst[i], o, sizeof(float) * (size_t)count);
+    }
 }
 
 static moefuse_status cpu_backward(moefuse_layer *layer, const moefuse_bwd_args *a,

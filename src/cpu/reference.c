@@ -117,16 +117,28 @@ int mf_ref_groups_build(const mf_ref_shape *s, const int32_t *ids /* [T, K] */,
     return 1;
 }
 
+/* Row j (0 <= j < 2I) of expert e's W13 (or dW13): packed (up NULL, [E, 2I, H]) or in
+ * two halves (w13 the gate half, up the up half, [E, I, H] each). */
+static double *w13_row(const mf_ref_shape *s, const double *w13, const double *up, int e,
+                       int j) {
+    const int64_t H = s->hidden, I = s->intermediate;
+    const double *row = !up ? w13 + ((int64_t)e * 2 * I + j) * H
+                            : j < I ? w13 + ((int64_t)e * I + j) * H
+                                    : up + ((int64_t)e * I + j - I) * H;
+    return (double *)row;
+}
+
 /* gu [rows, 2I] = W13_e x_t for expert e's rows, then a [rows, I] = silu(g) * u. */
 static void expert_gate_up(const mf_ref_shape *s, const mf_ref_groups *g, int e,
                            const double *x,    /* [T, H] */
-                           const double *w13,  /* [E, 2I, H] */
+                           const double *w13,  /* [E, 2I, H], or the gate half [E, I, H] */
+                           const double *w13_up, /* NULL, or the up half [E, I, H] */
                            double *gu,         /* [num_rows, 2I] */
                            double *a) {        /* [num_rows, I] */
     const int H = s->hidden, I = s->intermediate, K = s->top_k;
     const int64_t r0 = g->offsets[e], r1 = g->offsets[e + 1];
     for (int j = 0; j < 2 * I; j++) {
-        const double *w = w13 + ((int64_t)e * 2 * I + j) * H;
+        const double *w = w13_row(s, w13, w13_up, e, j);
         int64_t r = r0;
         for (; r + 2 <= r1; r += 2)
             dot2(w, x + (g->slots[r] / K) * H, x + (g->slots[r + 1] / K) * H, H,
@@ -144,6 +156,12 @@ static void expert_gate_up(const mf_ref_shape *s, const mf_ref_groups *g, int e,
 
 void mf_ref_forward(const mf_ref_shape *s, const double *x, const int32_t *ids,
                     const double *p, const double *w13, const double *w2, double *y) {
+    mf_ref_forward_halves(s, x, ids, p, w13, NULL, w2, y);
+}
+
+void mf_ref_forward_halves(const mf_ref_shape *s, const double *x, const int32_t *ids,
+                           const double *p, const double *w13, const double *w13_up,
+                           const double *w2, double *y) {
     const int T = s->num_tokens, H = s->hidden, I = s->intermediate;
     const int E = s->num_experts, K = s->top_k;
     mf_ref_groups g;
@@ -164,7 +182,7 @@ void mf_ref_forward(const mf_ref_shape *s, const double *x, const int32_t *ids,
     for (int e = 0; e < E; e++) {
         const int64_t r0 = g.offsets[e], r1 = g.offsets[e + 1];
         if (r0 == r1) continue;
-        expert_gate_up(s, &g, e, x, w13, gu, a);
+        expert_gate_up(s, &g, e, x, w13, w13_up, gu, a);
         for (int h = 0; h < H; h++) {
             const double *w = w2 + ((int64_t)e * H + h) * I;
             int64_t r = r0;
@@ -198,13 +216,27 @@ void mf_ref_backward(const mf_ref_shape *s, const double *x, const int32_t *ids,
                      const double *p, const double *w13, const double *w2,
                      const double *dy, double *dx, double *dp, double *dw13,
                      double *dw2) {
+    mf_ref_backward_halves(s, x, ids, p, w13, NULL, w2, dy, dx, dp, dw13, NULL, dw2);
+}
+
+/* dW13 of every expert (both halves when dw13_up is set) to NaN. */
+static void dw13_nan(const mf_ref_shape *s, double *dw13, double *dw13_up) {
+    const int64_t n = (int64_t)s->num_experts * s->intermediate * s->hidden;
+    fill_nan(dw13, dw13_up ? n : 2 * n);
+    if (dw13_up) fill_nan(dw13_up, n);
+}
+
+void mf_ref_backward_halves(const mf_ref_shape *s, const double *x, const int32_t *ids,
+                            const double *p, const double *w13, const double *w13_up,
+                            const double *w2, const double *dy, double *dx, double *dp,
+                            double *dw13, double *dw13_up, double *dw2) {
     const int T = s->num_tokens, H = s->hidden, I = s->intermediate;
     const int E = s->num_experts, K = s->top_k;
     mf_ref_groups g;
     if (!mf_ref_groups_build(s, ids, &g)) {
         fill_nan(dx, (int64_t)T * H);
         fill_nan(dp, (int64_t)T * K);
-        fill_nan(dw13, (int64_t)E * 2 * I * H);
+        dw13_nan(s, dw13, dw13_up);
         fill_nan(dw2, (int64_t)E * H * I);
         return;
     }
@@ -216,7 +248,7 @@ void mf_ref_backward(const mf_ref_shape *s, const double *x, const int32_t *ids,
     if (!gu || !a || !dap || !dxr) {
         fill_nan(dx, (int64_t)T * H);
         fill_nan(dp, (int64_t)T * K);
-        fill_nan(dw13, (int64_t)E * 2 * I * H);
+        dw13_nan(s, dw13, dw13_up);
         fill_nan(dw2, (int64_t)E * H * I);
         goto done;
     }
@@ -226,13 +258,13 @@ void mf_ref_backward(const mf_ref_shape *s, const double *x, const int32_t *ids,
 #pragma omp parallel for schedule(dynamic, 1)
     for (int e = 0; e < E; e++) {
         const int64_t r0 = g.offsets[e], r1 = g.offsets[e + 1];
-        double *dw13_e = dw13 + (int64_t)e * 2 * I * H;
         double *dw2_e = dw2 + (int64_t)e * H * I;
-        memset(dw13_e, 0, (size_t)2 * I * H * sizeof(double));
+        for (int j = 0; j < 2 * I; j++)
+            memset(w13_row(s, dw13, dw13_up, e, j), 0, (size_t)H * sizeof(double));
         memset(dw2_e, 0, (size_t)H * I * sizeof(double));
         if (r0 == r1) continue;
 
-        expert_gate_up(s, &g, e, x, w13, gu, a);
+        expert_gate_up(s, &g, e, x, w13, w13_up, gu, a);
 
         /* da'_r = W2_e^T dy_t (axpy over W2's rows) and dW2_e[h, :] += p dy[t,h] a_r,
          * sharing one read of each W2 row. */
@@ -265,8 +297,8 @@ void mf_ref_backward(const mf_ref_shape *s, const double *x, const int32_t *ids,
          * sharing one read of each W13 row. */
         memset(dxr + r0 * H, 0, (size_t)(r1 - r0) * H * sizeof(double));
         for (int j = 0; j < 2 * I; j++) {
-            const double *w = w13 + ((int64_t)e * 2 * I + j) * H;
-            double *dw = dw13_e + (int64_t)j * H;
+            const double *w = w13_row(s, w13, w13_up, e, j);
+            double *dw = w13_row(s, dw13, dw13_up, e, j);
             for (int64_t r = r0; r < r1; r++) {
                 double c = gu[r * 2 * I + j];
                 axpy(dxr + r * H, c, w, H);

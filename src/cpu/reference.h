@@ -37,6 +37,17 @@ void mf_ref_backward(const mf_ref_shape *s,
                      double *dw13,        /* [E, 2I, H] out */
                      double *dw2);        /* [E, H, I] out */
 
+/* The same with W13 and dW13 as include/moefuse.h's "W13 in two halves" allows: w13 and
+ * dw13 the gate halves [E, I, H], w13_up and dw13_up the up halves [E, I, H]; w13_up NULL:
+ * packed, as above (dw13_up then NULL too). The same values as packed. */
+void mf_ref_forward_halves(const mf_ref_shape *s, const double *x, const int32_t *ids,
+                           const double *p, const double *w13, const double *w13_up,
+                           const double *w2, double *y);
+void mf_ref_backward_halves(const mf_ref_shape *s, const double *x, const int32_t *ids,
+                            const double *p, const double *w13, const double *w13_up,
+                            const double *w2, const double *dy, double *dx, double *dp,
+                            double *dw13, double *dw13_up, double *dw2);
+
 /* Qwen3 routing in fp64: softmax over E, top-K (ties: lower id), renormalize. */
 void mf_ref_route_forward(int num_tokens, int num_experts, int top_k,
                           const double *logits,  /* [T, E] */
@@ -61,6 +72,16 @@ void mf_ref_fp8_backward(const mf_ref_shape *s, int pow2, const double *x, const
                          const double *p, const double *w13, const double *w2,
                          const double *dy, double *dx, double *dp, double *dw13,
                          double *dw2);
+/* The same with W13 and dW13 in two halves (as mf_ref_forward_halves; the recipe quantizes
+ * each expert's packed [2I, H], so these pack the halves first and split dW13 after). */
+void mf_ref_fp8_forward_halves(const mf_ref_shape *s, int pow2, const double *x,
+                               const int32_t *ids, const double *p, const double *w13,
+                               const double *w13_up, const double *w2, double *y);
+void mf_ref_fp8_backward_halves(const mf_ref_shape *s, int pow2, const double *x,
+                                const int32_t *ids, const double *p, const double *w13,
+                                const double *w13_up, const double *w2, const double *dy,
+                                double *dx, double *dp, double *dw13, double *dw13_up,
+                                double *dw2);
 
 /* One GEMM of the recipe, for stage-by-stage checks of a backend. A [m, k] is quantized
  * in 1 x 128 tiles along k; W in 128 x 128 blocks, given as [n, k] (w_kn = 0: C = A W^T,

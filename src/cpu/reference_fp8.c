@@ -399,3 +399,66 @@ void mf_ref_fp8_backward(const mf_ref_shape *s, int pow2, const double *x, const
     free(dxr);
     if (grouped) mf_ref_groups_free(&g);
 }
+
+/* ---- W13 in two halves ------------------------------------------------------------------ */
+
+/* [E, I, H] gate and up halves <-> packed [E, 2I, H] (to_halves: packed -> halves). */
+static void w13_repack(const mf_ref_shape *s, double *packed, double *gate, double *up,
+                       int to_halves) {
+    const int64_t half = (int64_t)s->intermediate * s->hidden;
+    for (int64_t e = 0; e < s->num_experts; e++) {
+        double *pe = packed + e * 2 * half;
+        if (to_halves) {
+            memcpy(gate + e * half, pe, sizeof(double) * (size_t)half);
+            memcpy(up + e * half, pe + half, sizeof(double) * (size_t)half);
+        } else {
+            memcpy(pe, gate + e * half, sizeof(double) * (size_t)half);
+            memcpy(pe + half, up + e * half, sizeof(double) * (size_t)half);
+        }
+    }
+}
+
+void mf_ref_fp8_forward_halves(const mf_ref_shape *s, int pow2, const double *x,
+                               const int32_t *ids, const double *p, const double *w13,
+                               const double *w13_up, const double *w2, double *y) {
+    if (!w13_up) {
+        mf_ref_fp8_forward(s, pow2, x, ids, p, w13, w2, y);
+        return;
+    }
+    const int64_t n = (int64_t)s->num_experts * 2 * s->intermediate * s->hidden;
+    double *packed = malloc(sizeof(double) * (size_t)n);
+    if (!packed) {
+        fill_nan(y, (int64_t)s->num_tokens * s->hidden);
+        return;
+    }
+    w13_repack(s, packed, (double *)w13, (double *)w13_up, 0);
+    mf_ref_fp8_forward(s, pow2, x, ids, p, packed, w2, y);
+    free(packed);
+}
+
+void mf_ref_fp8_backward_halves(const mf_ref_shape *s, int pow2, const double *x,
+                                const int32_t *ids, const double *p, const double *w13,
+                                const double *w13_up, const double *w2, const double *dy,
+                                double *dx, double *dp, double *dw13, double *dw13_up,
+                                double *dw2) {
+    if (!w13_up) {
+        mf_ref_fp8_backward(s, pow2, x, ids, p, w13, w2, dy, dx, dp, dw13, dw2);
+        return;
+    }
+    const int64_t n = (int64_t)s->num_experts * 2 * s->intermediate * s->hidden;
+    double *packed = malloc(sizeof(double) * (size_t)n);
+    double *dpacked = malloc(sizeof(double) * (size_t)n);
+    if (!packed || !dpacked) {
+        fill_nan(dx, (int64_t)s->num_tokens * s->hidden);
+        fill_nan(dp, (int64_t)s->num_tokens * s->top_k);
+        fill_nan(dw13, n / 2);
+        fill_nan(dw13_up, n / 2);
+        fill_nan(dw2, (int64_t)s->num_experts * s->hidden * s->intermediate);
+    } else {
+        w13_repack(s, packed, (double *)w13, (double *)w13_up, 0);
+        mf_ref_fp8_backward(s, pow2, x, ids, p, packed, w2, dy, dx, dp, dpacked, dw2);
+        w13_repack(s, dpacked, dw13, dw13_up, 1);
+    }
+    free(packed);
+    free(dpacked);
+}

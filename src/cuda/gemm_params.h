@@ -69,15 +69,22 @@ typedef struct mf_scatter {
     int num_ranks;                    /* R with combine_peers, else 0 */
 } mf_scatter;
 
+/* W13 as gemm1 and dgrad1 read it (moefuse.h, "W13 in two halves"): w13_up NULL, the
+ * operand is packed [E_local, 2I, H], each expert's up rows after its gate rows; else the
+ * operand's data is the gate half [E_local, I, H] and w13_up the up half [E_local, I, H]
+ * (bf16 only, I a multiple of 64: a K block of dgrad1 never spans both). The kernels load
+ * each half from where it is, with the same tiles: the same bits either way. */
+
 /* gemm1: act = bf16(silu(g) * u) of the bf16-rounded [g; u] = xs W13_e^T (the a dgrad2
  * recomputes, bit for bit), per 128-row block of expert e. */
 typedef struct mf_gemm1_params {
     mf_rows rows;
-    mf_operand xs, w13;               /* [rows_cap, H], [E_local, 2I, H] */
+    mf_operand xs, w13;               /* [rows_cap, H], [E_local, 2I, H] (or its gate half) */
     uint16_t *act;                    /* out [rows_cap, I] bf16 */
     uint16_t *gate_up;                /* out [rows_cap, 2I] bf16 [g; u], or NULL */
     int hidden, intermediate, num_sms; /* H, I, persistent grid size */
     mf_arrivals rows_in;
+    const void *w13_up;               /* [E_local, I, H] bf16 up half, or NULL (packed) */
 } mf_gemm1_params;
 
 cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p, cudaStream_t stream);
@@ -165,9 +172,10 @@ cudaError_t mf_sm90_gemm2_dgrad_swiglu_bwd_fp8(const mf_dgrad2_params *p, cudaSt
  * into dx, as in the forward. */
 typedef struct mf_dgrad1_params {
     mf_rows rows;
-    mf_operand dh, w13;               /* [rows_cap, 2I], [E_local, 2I, H] */
+    mf_operand dh, w13;               /* [rows_cap, 2I], [E_local, 2I, H] (or its gate half) */
     mf_scatter to;
     int hidden, intermediate, num_sms;
+    const void *w13_up;               /* [E_local, I, H] bf16 up half, or NULL (packed) */
 } mf_dgrad1_params;
 
 cudaError_t mf_sm90_gemm1_dgrad_bwd_bf16(const mf_dgrad1_params *p, cudaStream_t stream);
@@ -196,6 +204,12 @@ typedef struct mf_wgrad_params {
      * out the store warps write the zero tiles of experts without rows beside the GEMM
      * tiles. NULL: expert 0 first, every tile through the GEMM. Same bits either way. */
     const int32_t *expert_order;
+    /* The output in two halves (dW13's gate and up, moefuse.h "W13 in two halves"): with
+     * the one of these beside dw / dw_bf16 set, rows M/2.. of each expert go to it,
+     * [E_local, M/2, N], and dw / dw_bf16 holds rows 0..M/2-1, [E_local, M/2, N]; M a
+     * multiple of 256 (no 128-row tile spans both). NULL: dw / dw_bf16 holds all M rows. */
+    float *dw_up;
+    uint16_t *dw_bf16_up;
 } mf_wgrad_params;
 
 cudaError_t mf_sm90_wgrad_grouped_bf16(const mf_wgrad_params *p, cudaStream_t stream);

@@ -313,10 +313,42 @@ static moefuse_status check_wgrad_outputs(const moefuse_layer *layer,
     return MOEFUSE_OK;
 }
 
+/* The up half of dW13 (moefuse.h, "W13 in two halves"): beside the gate half's pointer
+ * of the same type, exactly when w13_up is set (FP8_BLOCK, which reads no w13: whenever
+ * w13_up is, and also without it). Runs after check_wgrad_outputs. */
+static moefuse_status check_dw13_up(const moefuse_layer *layer, const moefuse_bwd_args *a) {
+    const int bf16 = a->dw13_bf16 != NULL;
+    const char *want = bf16 ? "dw13_up_bf16" : "dw13_up";
+    const void *up = bf16 ? (const void *)a->dw13_up_bf16 : (const void *)a->dw13_up;
+    const void *other = bf16 ? (const void *)a->dw13_up : (const void *)a->dw13_up_bf16;
+    if (other)
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                       "bwd_args.%s = %p with the %s weight gradients: expected NULL (the up "
+                       "half of dW13 is %s, of the type of dw13%s)",
+                       bf16 ? "dw13_up" : "dw13_up_bf16", other, bf16 ? "bf16" : "fp32", want,
+                       bf16 ? "_bf16" : "");
+    const int fp8 = layer->cfg.precision == MOEFUSE_PRECISION_FP8_BLOCK;
+    if (a->w13_up && !up)
+        return mf_fail(MOEFUSE_ERR_NULL_POINTER,
+                       "bwd_args.%s: NULL while bwd_args.w13_up is set; expected the up half "
+                       "of dW13 [E/R, I, H] (W13 in two halves gives dW13 in two halves)", want);
+    if (!a->w13_up && up && !fp8)
+        return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                       "bwd_args.%s = %p with bwd_args.w13_up = NULL: expected NULL (packed "
+                       "W13 gives packed dW13), or the up half of W13 in w13_up", want, up);
+    if (!up) return MOEFUSE_OK;
+    char name[64];
+    snprintf(name, sizeof name, "bwd_args.%s", want);
+    const size_t align = bf16 ? (size_t)bf16_align(layer)
+                              : (bf16_align(layer) > 4 ? (size_t)bf16_align(layer) : 4);
+    return need_ptr(up, name, align);
+}
+
 /* Checks shared by forward and backward: the forward's inputs. */
 static moefuse_status check_inputs(const moefuse_layer *layer, int T, const uint16_t *x,
                                    int64_t x_stride, const int32_t *ids, const float *weights,
-                                   const uint16_t *w13, const uint16_t *w2, const char *args) {
+                                   const uint16_t *w13, const uint16_t *w13_up,
+                                   const uint16_t *w2, const char *args) {
     char name[64];
     snprintf(name, sizeof name, "%s.num_tokens", args);
     TRY(check_tokens(layer, T, name));
@@ -332,6 +364,8 @@ static moefuse_status check_inputs(const moefuse_layer *layer, int T, const uint
     if (layer->cfg.precision == MOEFUSE_PRECISION_BF16) {
         snprintf(name, sizeof name, "%s.w13", args);
         TRY(need_ptr(w13, name, (size_t)bf16_align(layer)));
+        snprintf(name, sizeof name, "%s.w13_up", args);
+        if (w13_up) TRY(need_ptr(w13_up, name, (size_t)bf16_align(layer)));
         snprintf(name, sizeof name, "%s.w2", args);
         TRY(need_ptr(w2, name, (size_t)bf16_align(layer)));
     }
@@ -347,7 +381,7 @@ moefuse_status moefuse_forward(moefuse_layer *layer, const moefuse_fwd_args *a, 
     if (!a) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "args: expected a moefuse_fwd_args *");
     if (layer->comm) TRY(mf_comm_check_ready(layer->comm, layer, "moefuse_forward"));
     TRY(check_inputs(layer, a->num_tokens, a->x, a->x_stride, a->ids, a->weights, a->w13,
-                     a->w2, "fwd_args"));
+                     a->w13_up, a->w2, "fwd_args"));
     TRY(need_rows(layer, a->y, a->y_stride, a->num_tokens, "fwd_args.y", "fwd_args.y_stride"));
     if (a->saved && (uintptr_t)a->saved % 256 != 0)
         return mf_fail(MOEFUSE_ERR_MISALIGNED, "fwd_args.saved = %p: expected 256-byte alignment",
@@ -363,7 +397,7 @@ moefuse_status moefuse_backward(moefuse_layer *layer, const moefuse_bwd_args *a,
     if (!a) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "args: expected a moefuse_bwd_args *");
     if (layer->comm) TRY(mf_comm_check_ready(layer->comm, layer, "moefuse_backward"));
     TRY(check_inputs(layer, a->num_tokens, a->x, a->x_stride, a->ids, a->weights, a->w13,
-                     a->w2, "bwd_args"));
+                     a->w13_up, a->w2, "bwd_args"));
     TRY(need_ptr(a->saved, "bwd_args.saved", 256));
     /* before any backend reads it: a short buffer would be read past its end */
     size_t saved_need = layer->ops->saved_bytes(layer, a->num_tokens);
@@ -378,6 +412,7 @@ moefuse_status moefuse_backward(moefuse_layer *layer, const moefuse_bwd_args *a,
         return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
                        "bwd_args.accumulate = %d: expected 0 (write) or 1 (add)", a->accumulate);
     TRY(check_wgrad_outputs(layer, a));
+    TRY(check_dw13_up(layer, a));
     TRY(mf_check_fp8_weights(layer, a->fp8_weights, "bwd_args.fp8_weights"));
     return layer->ops->backward(layer, a, stream);
 }

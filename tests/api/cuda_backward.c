@@ -182,11 +182,21 @@ moefuse_bwd_args bwd_args(const inputs *in, int accumulate) {
 
 /* Poison (write mode: also dW), forward, backward on `layer`. */
 moefuse_status run_fwd_bwd(moefuse_layer *layer, const inputs *in, int poison_dw) {
+    return run_fwd_bwd_halves(layer, in, poison_dw, NULL);
+}
+
+moefuse_status run_fwd_bwd_halves(moefuse_layer *layer, const inputs *in, int poison_dw,
+                                  const w13_halves *h) {
     const int64_t T1 = in->T > 0 ? in->T : 1;
     cudaMemsetAsync(in->dx_d, 0xff, (size_t)(T1 * in->dx_stride) * 2, F.stream);
     cudaMemsetAsync(in->dp_d, 0xff, (size_t)(T1 * in->K) * 4, F.stream);
     if (poison_dw) {
-        cudaMemsetAsync(F.dw13_d, 0xff, (size_t)n13() * 4, F.stream);
+        if (h) {
+            cudaMemsetAsync(h->dw13, 0xff, (size_t)n13() * 2, F.stream);
+            cudaMemsetAsync(h->dw13_up, 0xff, (size_t)n13() * 2, F.stream);
+        } else {
+            cudaMemsetAsync(F.dw13_d, 0xff, (size_t)n13() * 4, F.stream);
+        }
         cudaMemsetAsync(F.dw2_d, 0xff, (size_t)n2() * 4, F.stream);
     }
     moefuse_fwd_args a;
@@ -196,7 +206,8 @@ moefuse_status run_fwd_bwd(moefuse_layer *layer, const inputs *in, int poison_dw
     a.x_stride = in->x_stride;
     a.ids = in->ids_d;
     a.weights = in->p_d;
-    a.w13 = F.w13_d;
+    a.w13 = h ? h->w13 : F.w13_d;
+    a.w13_up = h ? h->w13_up : NULL;
     a.w2 = F.w2_d;
     a.y = in->y_d;
     a.y_stride = F.m->H;
@@ -204,9 +215,33 @@ moefuse_status run_fwd_bwd(moefuse_layer *layer, const inputs *in, int poison_dw
     moefuse_status st = moefuse_forward(layer, &a, F.stream);
     if (st != MOEFUSE_OK) return st;
     moefuse_bwd_args b = bwd_args(in, !poison_dw);
+    if (h) {
+        b.w13 = h->w13;
+        b.w13_up = h->w13_up;
+        b.dw13 = h->dw13;
+        b.dw13_up = h->dw13_up;
+    }
     st = moefuse_backward(layer, &b, F.stream);
     if (st != MOEFUSE_OK) return st;
     return moefuse_layer_check(layer, F.stream);
+}
+
+cudaError_t w13_halves_copy(void *packed, void *gate, void *up, size_t elem, int to_halves) {
+    const size_t half = (size_t)F.m->I * F.m->H * elem, rows = (size_t)F.m->E;
+    char *p = (char *)packed;
+    cudaError_t e;
+    if (to_halves) {
+        e = cudaMemcpy2DAsync(gate, half, p, 2 * half, half, rows, cudaMemcpyDeviceToDevice, F.stream);
+        if (e == cudaSuccess)
+            e = cudaMemcpy2DAsync(up, half, p + half, 2 * half, half, rows,
+                                  cudaMemcpyDeviceToDevice, F.stream);
+    } else {
+        e = cudaMemcpy2DAsync(p, 2 * half, gate, half, half, rows, cudaMemcpyDeviceToDevice, F.stream);
+        if (e == cudaSuccess)
+            e = cudaMemcpy2DAsync(p + half, 2 * half, up, half, half, rows,
+                                  cudaMemcpyDeviceToDevice, F.stream);
+    }
+    return e;
 }
 
 /* The write-mode backward of `in` into the bf16 weight gradients d13 / d2 (no fp32 ones),

@@ -60,6 +60,17 @@ void inputs_free(inputs *in);
 moefuse_bwd_args bwd_args(const inputs *in, int accumulate);
 /* Poison (write mode: also dW), forward, backward on `layer`. */
 moefuse_status run_fwd_bwd(moefuse_layer *layer, const inputs *in, int poison_dw);
+/* W13 and dW13 in two halves (moefuse.h, w13_up): device arrays [E, I, H] each. */
+typedef struct w13_halves {
+    const uint16_t *w13, *w13_up;
+    float *dw13, *dw13_up;
+} w13_halves;
+/* run_fwd_bwd with W13 and dW13 in the halves h (NULL: the fixture's packed ones). */
+moefuse_status run_fwd_bwd_halves(moefuse_layer *layer, const inputs *in, int poison_dw,
+                                  const w13_halves *h);
+/* Packed [E, 2I, H] elements of elem bytes <-> halves [E, I, H] (to_halves 1: packed ->
+ * halves), on F.stream. */
+cudaError_t w13_halves_copy(void *packed, void *gate, void *up, size_t elem, int to_halves);
 /* The write-mode backward of `in` into the bf16 weight gradients d13 / d2 (no fp32 ones),
  * synchronized. */
 moefuse_status backward_dw_bf16_on(moefuse_layer *layer, const inputs *in, uint16_t *d13,

@@ -285,6 +285,69 @@ void run_pair(moefuse_layer *layer, const problem *pb, outputs *o) {
     free(saved);
 }
 
+/* ---- W13 in two halves ---- */
+
+void w13_repack(void *packed, void *gate, void *up, int64_t E, int64_t I, int64_t H,
+                size_t elem, int to_halves) {
+    const size_t half = (size_t)(I * H) * elem;
+    for (int64_t e = 0; e < E; e++) {
+        char *pe = (char *)packed + (size_t)e * 2 * half;
+        char *ge = (char *)gate + (size_t)e * half, *ue = (char *)up + (size_t)e * half;
+        if (to_halves) {
+            memcpy(ge, pe, half);
+            memcpy(ue, pe + half, half);
+        } else {
+            memcpy(pe, ge, half);
+            memcpy(pe + half, ue, half);
+        }
+    }
+}
+
+void run_pair_halves(moefuse_layer *layer, const problem *pb, outputs *o, wgrad_mode mode,
+                     uint16_t *dw13_bf16, uint16_t *dw2_bf16, int weights_in_halves) {
+    const int64_t E = pb->s.E, I = pb->s.I, H = pb->s.H, half = E * I * H;
+    uint16_t *gate = malloc(sizeof(uint16_t) * (size_t)half);
+    uint16_t *up = malloc(sizeof(uint16_t) * (size_t)half);
+    /* the gradient's halves: fp32, or bf16 in the same bytes */
+    float *dgate = malloc(sizeof(float) * (size_t)half), *dup = malloc(sizeof(float) * (size_t)half);
+    void *saved = saved_make(layer, pb->T);
+    w13_repack(pb->w13, gate, up, E, I, H, sizeof(uint16_t), 1);
+    const size_t gsize = mode == WGRAD_BF16 ? sizeof(uint16_t) : sizeof(float);
+    if (mode == WGRAD_ACCUMULATE) w13_repack(o->dw13, dgate, dup, E, I, H, gsize, 1);
+    const uint16_t *w13 = weights_in_halves ? gate : pb->w13;
+    const uint16_t *w13_up = weights_in_halves ? up : NULL;
+    moefuse_fwd_args a = {
+        .num_tokens = pb->T, .x = pb->x, .x_stride = pb->stride, .ids = pb->ids,
+        .weights = pb->p, .w13 = w13, .w2 = pb->w2, .y = o->y, .y_stride = pb->stride,
+        .saved = saved, .expert_counts = o->counts, .fp8_weights = pb->fp8, .w13_up = w13_up,
+    };
+    CHECK_OK(moefuse_forward(layer, &a, NULL));
+    moefuse_bwd_args b = {
+        .num_tokens = pb->T, .x = pb->x, .x_stride = pb->stride, .ids = pb->ids,
+        .weights = pb->p, .w13 = w13, .w2 = pb->w2, .saved = saved,
+        .saved_bytes = saved_size(layer, pb->T), .dy = pb->dy,
+        .dy_stride = pb->stride, .dx = o->dx, .dx_stride = pb->stride, .dweights = o->dp,
+        .accumulate = mode == WGRAD_ACCUMULATE, .fp8_weights = pb->fp8, .w13_up = w13_up,
+    };
+    if (mode == WGRAD_BF16) {
+        b.dw13_bf16 = (uint16_t *)dgate;
+        b.dw13_up_bf16 = (uint16_t *)dup;
+        b.dw2_bf16 = dw2_bf16;
+    } else {
+        b.dw13 = dgate;
+        b.dw13_up = dup;
+        b.dw2 = o->dw2;
+    }
+    CHECK_OK(moefuse_backward(layer, &b, NULL));
+    w13_repack(mode == WGRAD_BF16 ? (void *)dw13_bf16 : (void *)o->dw13, dgate, dup, E, I, H,
+               gsize, 0);
+    free(gate);
+    free(up);
+    free(dgate);
+    free(dup);
+    free(saved);
+}
+
 void err_add(err_acc *e, double got, double want) {
     e->num += (got - want) * (got - want);
     e->den += want * want;

@@ -89,6 +89,20 @@ void run_pair(moefuse_layer *layer, const problem *pb, outputs *o);
               moefuse_last_error());                                                     \
     } while (0)
 
+/* ---- W13 in two halves (moefuse.h) ------------------------------------------------
+ * Packed [E, 2I, H] elements of elem bytes <-> gate and up halves [E, I, H] each
+ * (to_halves 1: packed -> halves, else halves -> packed). */
+void w13_repack(void *packed, void *gate, void *up, int64_t E, int64_t I, int64_t H,
+                size_t elem, int to_halves);
+typedef enum wgrad_mode { WGRAD_WRITE, WGRAD_ACCUMULATE, WGRAD_BF16 } wgrad_mode;
+/* forward and backward as run_pair but with dW13 in two halves, packed back into o->dw13
+ * afterwards (WGRAD_ACCUMULATE: onto o->dw13 and o->dw2 as they are; WGRAD_BF16: the bf16
+ * gradients into dw13_bf16 [E, 2I, H] and dw2_bf16 [E, H, I], o->dw13, o->dw2 untouched);
+ * W13 in two halves too when weights_in_halves (FP8 layers read neither). Outputs are not
+ * poisoned here. */
+void run_pair_halves(moefuse_layer *layer, const problem *pb, outputs *o, wgrad_mode mode,
+                     uint16_t *dw13_bf16, uint16_t *dw2_bf16, int weights_in_halves);
+
 /* ---- the reference ------------------------------------------------------------------
  * Run on the used experts only (renumbered 0..Eu-1): the fp64 copies of all 128
  * qwen3 experts would not fit in memory, and an expert without slots contributes

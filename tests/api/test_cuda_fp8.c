@@ -9,7 +9,8 @@
  *   - bitwise: a second run equal, the three saved modes equal (recompute re-quantizes
  *     x and repeats gemm1; the saved inputs are the same rows), and forward + backward
  *     captured in a CUDA graph and replayed equal to the direct run;
- *   - T = 0: zero weight gradients, accumulate leaves them.
+ *   - T = 0: zero weight gradients, accumulate leaves them;
+ *   - dW13 in two halves (dw13_up, dw13_up_bf16) bitwise equal to packed.
  * The recipe's error against the bf16 fp64 reference is printed (a property of the
  * recipe, docs/decisions/0018-fp8-block-recipe.md). The stage-by-stage checks against
  * single emulated GEMMs are the kernel tests (tests/kernels/test_gemm_sm90_fp8*.cu).
@@ -357,6 +358,99 @@ static void zero_tokens(void) {
     moefuse_layer_destroy(layer);
 }
 
+/* dW13 in two halves (moefuse.h, dw13_up / dw13_up_bf16): the packed gradient's bits
+ * (the wgrad writes each 128-row tile where its half is), fp32 and bf16, with w13_up unset
+ * and set (the FP8 layer reads neither weight half). */
+static void halves_case(shape s, int T, routing r) {
+    if (!ready()) return;
+    moefuse_layer *layer = cuda_fp8_layer(s, T, MOEFUSE_SAVE_ACTIVATIONS, 0);
+    if (!layer) return;
+    problem pb = problem_make(s, T, s.H, r);
+    outputs o = outputs_make(&pb);
+    const size_t n13 = (size_t)o.n_dw13, n2 = (size_t)o.n_dw2, half = n13 / 2;
+    float *dgate = NULL, *dup = NULL, *got13 = malloc(n13 * 4), *got2 = malloc(n2 * 4);
+    uint16_t *g16 = NULL, *u16 = NULL, *p13 = NULL, *p2 = NULL;
+    uint16_t *want13 = malloc(n13 * 2), *want2 = malloc(n2 * 2), *b13 = malloc(n13 * 2),
+             *b2 = malloc(n2 * 2);
+    device_problem d;
+    if (!device_problem_make(layer, &pb, &d)) goto done;
+    CUDA_CHECK(cudaMalloc((void **)&dgate, half * 4));
+    CUDA_CHECK(cudaMalloc((void **)&dup, half * 4));
+    CUDA_CHECK(cudaMalloc((void **)&g16, half * 2));
+    CUDA_CHECK(cudaMalloc((void **)&u16, half * 2));
+    CUDA_CHECK(cudaMalloc((void **)&p13, n13 * 2));
+    CUDA_CHECK(cudaMalloc((void **)&p2, n2 * 2));
+    CHECK_OK(run_device(layer, &pb, &d, &o, 0, 0));   /* packed; leaves d.saved */
+    moefuse_bwd_args ba = {
+        .num_tokens = pb.T, .x = d.x, .x_stride = pb.stride, .ids = d.ids,
+        .weights = d.p, .saved = d.saved, .saved_bytes = d.saved_bytes, .dy = d.dy,
+        .dy_stride = pb.stride, .dx = d.dx, .dx_stride = pb.stride, .dweights = d.dp,
+        .fp8_weights = &d.fp8,
+    };
+    /* bf16 dW, packed */
+    ba.dw13_bf16 = p13;
+    ba.dw2_bf16 = p2;
+    CHECK_OK(moefuse_backward(layer, &ba, NULL));
+    CUDA_CHECK(cudaMemcpy(want13, p13, n13 * 2, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(want2, p2, n2 * 2, cudaMemcpyDeviceToHost));
+    for (int with_up = 0; with_up < 2; with_up++) {
+        ba.w13_up = with_up ? d.w13 + half : NULL;
+        ba.dw13_bf16 = NULL;
+        ba.dw2_bf16 = NULL;
+        ba.dw13 = dgate;
+        ba.dw13_up = dup;
+        ba.dw2 = d.dw2;
+        CUDA_CHECK(cudaMemset(dgate, 0xff, half * 4));
+        CUDA_CHECK(cudaMemset(dup, 0xff, half * 4));
+        CUDA_CHECK(cudaMemset(d.dw2, 0xff, n2 * 4));
+        CHECK_OK(moefuse_backward(layer, &ba, NULL));
+        CUDA_CHECK(cudaMemcpy(got13, dgate, half * 4, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(got13 + half, dup, half * 4, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(got2, d.dw2, n2 * 4, cudaMemcpyDeviceToHost));
+        float *packed = malloc(n13 * 4);
+        w13_repack(packed, got13, got13 + half, s.E, s.I, s.H, 4, 0);
+        CHECK(!memcmp(packed, o.dw13, n13 * 4) && !memcmp(got2, o.dw2, n2 * 4),
+              "w13_up %s: fp32 dW13 in halves differs from packed", with_up ? "set" : "NULL");
+        free(packed);
+        ba.dw13 = NULL;
+        ba.dw13_up = NULL;
+        ba.dw2 = NULL;
+        ba.dw13_bf16 = g16;
+        ba.dw13_up_bf16 = u16;
+        ba.dw2_bf16 = p2;
+        CUDA_CHECK(cudaMemset(p2, 0xff, n2 * 2));
+        CHECK_OK(moefuse_backward(layer, &ba, NULL));
+        ba.dw13_up_bf16 = NULL;
+        uint16_t *hg = malloc(n13 * 2);
+        CUDA_CHECK(cudaMemcpy(hg, g16, half * 2, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(hg + half, u16, half * 2, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(b2, p2, n2 * 2, cudaMemcpyDeviceToHost));
+        w13_repack(b13, hg, hg + half, s.E, s.I, s.H, 2, 0);
+        free(hg);
+        CHECK(!memcmp(b13, want13, n13 * 2) && !memcmp(b2, want2, n2 * 2),
+              "w13_up %s: bf16 dW13 in halves differs from packed", with_up ? "set" : "NULL");
+    }
+done:
+    device_problem_free(&d);
+    cudaFree(dgate);
+    cudaFree(dup);
+    cudaFree(g16);
+    cudaFree(u16);
+    cudaFree(p13);
+    cudaFree(p2);
+    free(got13);
+    free(got2);
+    free(want13);
+    free(want2);
+    free(b13);
+    free(b2);
+    outputs_free(&o);
+    problem_free(&pb);
+    moefuse_layer_destroy(layer);
+}
+static void halves_small(void) { halves_case(SMALL128, 300, ROUTE_DROPPED); }
+static void halves_30b(void) { halves_case(QWEN3_30B_E16, 64, ROUTE_RANDOM); }
+
 /* Runs the cases whose name contains argv[1] (all without one: a sanitizer run picks a
  * small case). */
 int main(int argc, char **argv) {
@@ -373,6 +467,8 @@ int main(int argc, char **argv) {
         {"cuda fp8: most experts empty, pow2", few_experts},
         {"cuda fp8: dropped slots, saved modes equal", dropped},
         {"cuda fp8: T = 0", zero_tokens},
+        {"cuda fp8: dW13 in two halves bitwise = packed, small", halves_small},
+        {"cuda fp8: dW13 in two halves bitwise = packed, qwen3-30b-a3b H/I/K E=16", halves_30b},
     };
     th_seed_from_env_or_clock();
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)

@@ -188,6 +188,24 @@ static void bwd_bf16_accumulate(fixture *f) { use_bf16_wgrads(f); f->ba.accumula
 /* The fp32 pair and one stray bf16 pointer: refused, not the stray pointer ignored. */
 static void bwd_fp32_pair_and_dw13_bf16(fixture *f) { f->ba.dw13_bf16 = f->dw13_bf16; }
 
+/* W13 in two halves: the fixture's w13 and dW13 buffers hold both halves (gate in the
+ * first E*I*H elements, up in the rest). */
+static void use_halves(fixture *f) {
+    f->fa.w13_up = f->w13 + E * I * H;
+    f->ba.w13_up = f->w13 + E * I * H;
+    f->ba.dw13_up = f->dw13 + E * I * H;
+}
+static void fwd_odd_w13_up(fixture *f) { f->fa.w13_up = (const uint16_t *)((const char *)f->w13 + 1); }
+static void bwd_up_without_dw13_up(fixture *f) { use_halves(f); f->ba.dw13_up = NULL; }
+static void bwd_dw13_up_without_up(fixture *f) { use_halves(f); f->ba.w13_up = NULL; }
+static void bwd_halves_bf16_without_up(fixture *f) {
+    use_halves(f);
+    use_bf16_wgrads(f);
+    f->ba.dw13_up = NULL;
+}
+static void bwd_halves_bf16_fp32_up(fixture *f) { use_halves(f); use_bf16_wgrads(f); }
+static void bwd_odd_dw13_up(fixture *f) { use_halves(f); f->ba.dw13_up = (float *)((char *)f->dw13 + 2); }
+
 static void test_valid_calls_pass(void) {
     fixture *f = fixture_new();
     CHECK(f != NULL, "fixture");
@@ -275,6 +293,27 @@ static void test_backward_wgrad_outputs(void) {
     expect_bwd(MOEFUSE_ERR_MISALIGNED, "bwd_args.dw2_bf16", bwd_odd_dw2_bf16);
     expect_bwd(MOEFUSE_ERR_INVALID_CONFIG, "accumulate needs the fp32 buffers",
                bwd_bf16_accumulate);
+}
+
+/* W13 in two halves: the up half of dW13 beside dw13 (or dw13_bf16) exactly when w13_up
+ * is set. */
+static void test_w13_halves(void) {
+    expect_fwd(MOEFUSE_OK, "", use_halves);
+    fixture *f = fixture_new();
+    CHECK(f != NULL, "fixture");
+    if (!f) return;
+    use_halves(f);
+    CHECK(moefuse_forward(f->layer, &f->fa, NULL) == MOEFUSE_OK, "%s", moefuse_last_error());
+    CHECK(moefuse_backward(f->layer, &f->ba, NULL) == MOEFUSE_OK, "%s", moefuse_last_error());
+    fixture_free(f);
+    expect_fwd(MOEFUSE_ERR_MISALIGNED, "fwd_args.w13_up", fwd_odd_w13_up);
+    expect_bwd(MOEFUSE_ERR_NULL_POINTER, "bwd_args.dw13_up: NULL while bwd_args.w13_up",
+               bwd_up_without_dw13_up);
+    expect_bwd(MOEFUSE_ERR_INVALID_CONFIG, "bwd_args.dw13_up = ", bwd_dw13_up_without_up);
+    expect_bwd(MOEFUSE_ERR_NULL_POINTER, "bwd_args.dw13_up_bf16: NULL",
+               bwd_halves_bf16_without_up);
+    expect_bwd(MOEFUSE_ERR_INVALID_CONFIG, "bwd_args.dw13_up = ", bwd_halves_bf16_fp32_up);
+    expect_bwd(MOEFUSE_ERR_MISALIGNED, "bwd_args.dw13_up", bwd_odd_dw13_up);
 }
 
 /* Config errors: each field out of range gets INVALID_CONFIG (or UNSUPPORTED for
@@ -462,6 +501,7 @@ int main(void) {
     th_run("forward: expert ids", test_forward_expert_ids);
     th_run("backward: every argument", test_backward_errors);
     th_run("backward: fp32 or bf16 weight gradients", test_backward_wgrad_outputs);
+    th_run("W13 in two halves: the up pointers", test_w13_halves);
     th_run("config errors", test_config_errors);
     th_run("comm errors", test_comm_errors);
     th_run("saved_bytes errors", test_saved_bytes_errors);

@@ -381,6 +381,62 @@ static void deterministic(void) {
     moefuse_layer_destroy(l3);
 }
 
+/* W13 and dW13 in two halves (moefuse.h) give the bits of the packed layout: y, dx, dp,
+ * dW2 and dW13 (its halves packed back), fp32 gradients written and accumulated and bf16
+ * gradients, saved and recomputed. SMALL (2I = 192) and ODD (2I = 144) have a 64-row
+ * weight-gradient chunk across the halves. */
+static void halves_case(shape s, int T, routing r, moefuse_saved_mode mode) {
+    moefuse_layer *layer = make_layer(s, T > 0 ? T : 8, mode, 0);
+    if (!layer) return;
+    problem pb = problem_make(s, T, s.H, r);
+    outputs p = outputs_make(&pb), h = outputs_make(&pb);
+    run_pair(layer, &pb, &p);
+    outputs_poison(&h, s.E);
+    run_pair_halves(layer, &pb, &h, WGRAD_WRITE, NULL, NULL, 1);
+    CHECK(outputs_equal(&p, &h), "%s T=%d mode %d: halves differ from packed", s.name, T,
+          (int)mode);
+
+    /* accumulate onto the same old gradients */
+    for (int64_t i = 0; i < p.n_dw13; i++) p.dw13[i] = h.dw13[i] = (float)th_normal();
+    for (int64_t i = 0; i < p.n_dw2; i++) p.dw2[i] = h.dw2[i] = (float)th_normal();
+    void *saved = saved_make(layer, pb.T);
+    CHECK_OK(forward(layer, &pb, &p, saved));
+    CHECK_OK(backward(layer, &pb, &p, saved, 1));
+    run_pair_halves(layer, &pb, &h, WGRAD_ACCUMULATE, NULL, NULL, 1);
+    CHECK(outputs_equal(&p, &h), "%s T=%d mode %d: accumulated halves differ", s.name, T,
+          (int)mode);
+
+    uint16_t *b13[2], *b2[2];
+    for (int i = 0; i < 2; i++) {
+        b13[i] = malloc(sizeof(uint16_t) * (size_t)p.n_dw13);
+        b2[i] = malloc(sizeof(uint16_t) * (size_t)p.n_dw2);
+        memset(b13[i], 0xff, sizeof(uint16_t) * (size_t)p.n_dw13);
+        memset(b2[i], 0xff, sizeof(uint16_t) * (size_t)p.n_dw2);
+    }
+    CHECK_OK(forward(layer, &pb, &p, saved));
+    CHECK_OK(backward_bf16(layer, &pb, &p, saved, b13[0], b2[0]));
+    run_pair_halves(layer, &pb, &h, WGRAD_BF16, b13[1], b2[1], 1);
+    CHECK(!memcmp(b13[0], b13[1], sizeof(uint16_t) * (size_t)p.n_dw13) &&
+              !memcmp(b2[0], b2[1], sizeof(uint16_t) * (size_t)p.n_dw2),
+          "%s T=%d mode %d: bf16 gradients in halves differ", s.name, T, (int)mode);
+    for (int i = 0; i < 2; i++) {
+        free(b13[i]);
+        free(b2[i]);
+    }
+    free(saved);
+    outputs_free(&p);
+    outputs_free(&h);
+    problem_free(&pb);
+    moefuse_layer_destroy(layer);
+}
+
+static void halves_equal_packed(void) {
+    halves_case(SMALL, 200, ROUTE_RANDOM, MOEFUSE_SAVE_ACTIVATIONS);
+    halves_case(SMALL, 77, ROUTE_FEW, MOEFUSE_RECOMPUTE);
+    halves_case(ODD, 50, ROUTE_DROPPED, MOEFUSE_SAVE_ACTIVATIONS);
+    halves_case(SMALL, 0, ROUTE_RANDOM, MOEFUSE_SAVE_ACTIVATIONS);
+}
+
 /* A saved buffer the backward cannot use is refused with MOEFUSE_ERR_SAVED_STATE
  * and no output is touched: another T, another layer config, junk, other ids. */
 static void refuses_foreign_saved(void) {
@@ -453,6 +509,7 @@ int main(void) {
     th_run("two forwards then two backwards", two_forwards_then_two_backwards);
     th_run("bitwise deterministic, any thread count", deterministic);
     th_run("foreign saved buffers refused", refuses_foreign_saved);
+    th_run("W13 and dW13 in two halves = packed, bitwise", halves_equal_packed);
     problem_pool_free();
     return th_finish();
 }

@@ -367,6 +367,42 @@ static void deterministic_and_recompute(void) {
     for (int i = 0; i < 4; i++) moefuse_layer_destroy(l[i]);
 }
 
+/* dW13 in two halves (moefuse.h) is the packed gradient's bits, with W13 passed in halves
+ * or not (the FP8 layer reads its quantized weights), fp32 and bf16 gradients. */
+static void halves_equal_packed(void) {
+    moefuse_layer *layer = fp8_layer(ODD, 200, MOEFUSE_SAVE_ACTIVATIONS, 0, 0);
+    if (!layer) return;
+    problem pb = problem_make(ODD, 200, ODD.H, ROUTE_DROPPED);
+    fp8_buf f;
+    fp8_make(layer, &pb, &f);
+    outputs p = outputs_make(&pb), h = outputs_make(&pb);
+    run_pair(layer, &pb, &p);
+    for (int weights_in_halves = 0; weights_in_halves < 2; weights_in_halves++) {
+        outputs_poison(&h, pb.s.E);
+        run_pair_halves(layer, &pb, &h, WGRAD_WRITE, NULL, NULL, weights_in_halves);
+        CHECK(outputs_equal(&p, &h), "W13 %s: dW13 in halves differs from packed",
+              weights_in_halves ? "in halves" : "packed");
+    }
+    uint16_t *b13 = malloc(sizeof(uint16_t) * (size_t)p.n_dw13);
+    uint16_t *b2 = malloc(sizeof(uint16_t) * (size_t)p.n_dw2);
+    run_pair_halves(layer, &pb, &h, WGRAD_BF16, b13, b2, 0);
+    int64_t bad = 0;
+    for (int64_t i = 0; i < p.n_dw13; i++) {   /* bf16 of the fp32 gradient (rne) */
+        uint32_t u;
+        memcpy(&u, &p.dw13[i], 4);
+        bad += b13[i] != (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+    CHECK(bad == 0, "bf16 dW13 in halves: %lld elements not the fp32 gradient rounded",
+          (long long)bad);
+    free(b13);
+    free(b2);
+    free(f.buf);
+    outputs_free(&p);
+    outputs_free(&h);
+    problem_free(&pb);
+    moefuse_layer_destroy(layer);
+}
+
 /* x truncated toward zero to the 14 significant bits below the exponent of `top`. */
 static double truncate14(double x, double top) {
     int ex;
@@ -453,6 +489,7 @@ int main(void) {
     th_run("T = 0", zero_tokens);
     th_run("emulated GEMMs = GEMMs of dequantized operands, three forms", emulated_gemms_match_dequantized);
     th_run("bitwise deterministic, any thread count, recompute = saved", deterministic_and_recompute);
+    th_run("dW13 in two halves = packed, bitwise", halves_equal_packed);
     th_run("GPU per-GEMM rule holds for a model of the FP8 tensor core", gpu_gemm_rule_against_a_model);
     th_run("GPU tolerances (printed)", print_gpu_tolerances);
     problem_pool_free();

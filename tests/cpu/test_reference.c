@@ -189,6 +189,66 @@ static void test_backward_finite_differences(void) {
     free(dx); free(dp); free(dw13); free(dw2);
 }
 
+/* W13 and dW13 in two halves: the packed results, bitwise (the same sums in the same
+ * order), for the fp64 math and the FP8 recipe's emulation. */
+static void test_halves_equal_packed(void) {
+    mf_ref_shape s = {.num_tokens = 21, .hidden = 24, .intermediate = 12,
+                      .num_experts = 5, .top_k = 2};
+    const int T = s.num_tokens, H = s.hidden, I = s.intermediate, E = s.num_experts,
+              K = s.top_k;
+    const int64_t n_x = (int64_t)T * H, n_p = (int64_t)T * K;
+    const int64_t n_w13 = (int64_t)E * 2 * I * H, n_w2 = (int64_t)E * H * I, half = n_w13 / 2;
+    double *x = normal_array(n_x, 1.0), *dy = normal_array(n_x, 1.0);
+    double *w13 = normal_array(n_w13, 1.0 / sqrt(H)), *w2 = normal_array(n_w2, 1.0 / sqrt(I));
+    double *p = normal_array(n_p, 1.0);
+    int32_t *ids = random_ids(T, E, K);
+    ids[3] = -1;
+    double *gate = xmalloc(sizeof(double) * (size_t)half), *up = xmalloc(sizeof(double) * (size_t)half);
+    for (int e = 0; e < E; e++) {
+        memcpy(gate + (int64_t)e * I * H, w13 + (int64_t)e * 2 * I * H, sizeof(double) * (size_t)(I * H));
+        memcpy(up + (int64_t)e * I * H, w13 + ((int64_t)e * 2 + 1) * I * H, sizeof(double) * (size_t)(I * H));
+    }
+    for (int fp8 = 0; fp8 < 2; fp8++) {
+        double *o[2][4], *dgate = normal_array(half, 1.0), *dup = normal_array(half, 1.0);
+        for (int r = 0; r < 2; r++) {
+            o[r][0] = normal_array(n_x, 1.0);
+            o[r][1] = normal_array(n_x, 1.0);
+            o[r][2] = normal_array(n_p, 1.0);
+            o[r][3] = normal_array(n_w2, 1.0);
+        }
+        double *dw13 = normal_array(n_w13, 1.0);
+        if (fp8) {
+            mf_ref_fp8_forward(&s, 0, x, ids, p, w13, w2, o[0][0]);
+            mf_ref_fp8_backward(&s, 0, x, ids, p, w13, w2, dy, o[0][1], o[0][2], dw13, o[0][3]);
+            mf_ref_fp8_forward_halves(&s, 0, x, ids, p, gate, up, w2, o[1][0]);
+            mf_ref_fp8_backward_halves(&s, 0, x, ids, p, gate, up, w2, dy, o[1][1], o[1][2],
+                                       dgate, dup, o[1][3]);
+        } else {
+            mf_ref_forward(&s, x, ids, p, w13, w2, o[0][0]);
+            mf_ref_backward(&s, x, ids, p, w13, w2, dy, o[0][1], o[0][2], dw13, o[0][3]);
+            mf_ref_forward_halves(&s, x, ids, p, gate, up, w2, o[1][0]);
+            mf_ref_backward_halves(&s, x, ids, p, gate, up, w2, dy, o[1][1], o[1][2], dgate,
+                                   dup, o[1][3]);
+        }
+        const int64_t sizes[4] = {n_x, n_x, n_p, n_w2};
+        const char *names[4] = {"y", "dx", "dp", "dw2"};
+        for (int i = 0; i < 4; i++)
+            CHECK(!memcmp(o[0][i], o[1][i], sizeof(double) * (size_t)sizes[i]),
+                  "%s: %s in halves differs from packed", fp8 ? "fp8" : "fp64", names[i]);
+        int same = 1;
+        for (int e = 0; e < E; e++) {
+            const double *de = dw13 + (int64_t)e * 2 * I * H;
+            same &= !memcmp(de, dgate + (int64_t)e * I * H, sizeof(double) * (size_t)(I * H));
+            same &= !memcmp(de + I * H, dup + (int64_t)e * I * H, sizeof(double) * (size_t)(I * H));
+        }
+        CHECK(same, "%s: dW13 halves differ from the packed gradient", fp8 ? "fp8" : "fp64");
+        for (int r = 0; r < 2; r++)
+            for (int i = 0; i < 4; i++) free(o[r][i]);
+        free(dw13); free(dgate); free(dup);
+    }
+    free(x); free(dy); free(w13); free(w2); free(p); free(ids); free(gate); free(up);
+}
+
 /* Experts with no slot must get dW = 0 (written, not left), and results must not
  * depend on the thread count (each element is summed by one thread in data order). */
 static void test_backward_deterministic_and_empty_experts(void) {
@@ -304,6 +364,8 @@ int main(void) {
            test_backward_finite_differences);
     th_run("reference backward: thread-count independent, empty experts zeroed",
            test_backward_deterministic_and_empty_experts);
+    th_run("W13 and dW13 in two halves = packed, bitwise (fp64 and FP8 emulation)",
+           test_halves_equal_packed);
     th_run("reference routing backward vs central differences",
            test_route_reference_finite_differences);
     return th_finish();

@@ -120,7 +120,7 @@ moefuse_status backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *s
     // (act is not read: dgrad2 overwrites it with act_p)
     const uint16_t *gate_up = (const uint16_t *)(c.base + c.lay.gate_up);
     if (plan.saved_mode == MOEFUSE_RECOMPUTE) {
-        mf_gemm1_params g1 = gemm1_params(layer, c, a->w13, s->gate_up);
+        mf_gemm1_params g1 = gemm1_params(layer, c, a->w13, a->w13_up, s->gate_up);
         with_arrivals(&g1, arrivals);
         MF_TRY(plan.operands->gemm1(layer, c, a->fp8_weights, &g1, stream));
         MF_CUDA_TRY(gemm->gemm1(&g1, stream));
@@ -142,7 +142,7 @@ moefuse_status backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *s
     MF_CUDA_TRY(mf_expert_order(s->bwd_offsets, layer->num_local_experts, s->expert_order,
                                 stream));
     mf_wgrad_params dw2 = dw2_params(layer, a, c.lay.rows_cap, c.dys);
-    mf_dgrad1_params d1 = dgrad1_params(layer, c, a->w13);
+    mf_dgrad1_params d1 = dgrad1_params(layer, c, a->w13, a->w13_up);
     d1.to = plan.net->scatter(layer, c);
     mf_wgrad_params dw13 = dw13_params(layer, a, c.lay.rows_cap, c.xs);
     if (plan.fused_backward) {

@@ -42,7 +42,7 @@ moefuse_status forward(moefuse_layer *layer, const moefuse_fwd_args *a, void *st
 
     // ---- 3. gemm1 + SwiGLU; 4. gemm2 + combine ----
     uint16_t *gate_up = mode != MOEFUSE_RECOMPUTE ? (uint16_t *)(c.base + c.lay.gate_up) : NULL;
-    mf_gemm1_params g1 = gemm1_params(layer, c, a->w13, gate_up);
+    mf_gemm1_params g1 = gemm1_params(layer, c, a->w13, a->w13_up, gate_up);
     with_arrivals(&g1, plan.net->arrivals(layer, c, false));
     mf_gemm2_params g2 = gemm2_params(layer, c, a->w2);
     g2.row_weight = s->row_weight;

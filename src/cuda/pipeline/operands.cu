@@ -142,6 +142,7 @@ mf_operand weight(const uint8_t *codes, const float *scales) {
 moefuse_status fp8_gemm1(const moefuse_layer *layer, const call_bufs &c,
                          const moefuse_fp8_weights *w, mf_gemm1_params *p, cudaStream_t stream) {
     p->w13 = weight(w->w13, w->w13_scale);
+    p->w13_up = NULL;   /* the quantized weights are packed */
     return quantized_rows(layer, c, (const uint16_t *)p->xs.data, p->hidden, stream, &p->xs);
 }
 
@@ -168,6 +169,7 @@ moefuse_status fp8_dgrad1(const moefuse_layer *layer, const call_bufs &c,
                           const moefuse_fp8_weights *w, mf_dgrad1_params *p,
                           cudaStream_t stream) {
     p->w13 = weight(w->w13t, w->w13t_scale);
+    p->w13_up = NULL;   /* W13^T [E, H, 2I]: packed */
     return quantized_rows_and_tokens(layer, c, (const uint16_t *)p->dh.data,
                                      2 * p->intermediate, NULL, stream, &p->dh);
 }

@@ -33,12 +33,13 @@ void sizes(const moefuse_layer *layer, GemmParams *p) {
 }  // namespace
 
 mf_gemm1_params gemm1_params(const moefuse_layer *layer, const call_bufs &c,
-                             const uint16_t *w13, uint16_t *gate_up) {
+                             const uint16_t *w13, const uint16_t *w13_up, uint16_t *gate_up) {
     mf_gemm1_params g = {};
     g.rows = row_blocks(layer, c);
     sizes(layer, &g);
     g.xs = bf16(c.xs);
     g.w13 = bf16(w13);
+    g.w13_up = w13_up;
     g.act = state_of(layer)->act;
     g.gate_up = gate_up;
     return g;
@@ -70,12 +71,13 @@ mf_dgrad2_params dgrad2_params(const moefuse_layer *layer, const call_bufs &c,
 }
 
 mf_dgrad1_params dgrad1_params(const moefuse_layer *layer, const call_bufs &c,
-                               const uint16_t *w13) {
+                               const uint16_t *w13, const uint16_t *w13_up) {
     mf_dgrad1_params d = {};
     d.rows = row_blocks(layer, c);
     sizes(layer, &d);
     d.dh = bf16(state_of(layer)->dh);
     d.w13 = bf16(w13);
+    d.w13_up = w13_up;
     return d;
 }
 
@@ -112,6 +114,8 @@ mf_wgrad_params dw13_params(const moefuse_layer *layer, const moefuse_bwd_args *
     w.rhs = bf16(xs);
     w.dw = a->dw13;
     w.dw_bf16 = a->dw13_bf16;
+    w.dw_up = a->dw13_up;
+    w.dw_bf16_up = a->dw13_up_bf16;
     w.m = 2 * layer->cfg.intermediate;
     w.n = layer->cfg.hidden;
     return w;

@@ -274,15 +274,18 @@ extern const operand_prep kFp8Operands;
 /* ---- the stages' params (stages.cu), on the layer's workspaces ----------------------
  * The caller sets what differs by direction and transport:
  *   gemm2:  row_weight, the scatter target (to);  dgrad2: row_weight;  dgrad1: the
- *   scatter target; gemm1, dgrad2: the row arrivals (with_arrivals) */
+ *   scatter target; gemm1, dgrad2: the row arrivals (with_arrivals)
+ * w13, w13_up: the caller's bf16 W13, packed (w13_up NULL) or in two halves; an FP8
+ * layer's operand hooks replace them by its packed quantized weights. */
 mf_gemm1_params gemm1_params(const moefuse_layer *layer, const call_bufs &c,
-                             const uint16_t *w13, uint16_t *gate_up);
+                             const uint16_t *w13, const uint16_t *w13_up, uint16_t *gate_up);
 mf_gemm2_params gemm2_params(const moefuse_layer *layer, const call_bufs &c, const uint16_t *w2);
 mf_dgrad2_params dgrad2_params(const moefuse_layer *layer, const call_bufs &c,
                                const uint16_t *w2, const uint16_t *gate_up);
 mf_dgrad1_params dgrad1_params(const moefuse_layer *layer, const call_bufs &c,
-                               const uint16_t *w13);
-/* dW2 = dys^T act_p and dW13 = dh^T xs of the call, into its fp32 or bf16 buffers.
+                               const uint16_t *w13, const uint16_t *w13_up);
+/* dW2 = dys^T act_p and dW13 = dh^T xs of the call, into its fp32 or bf16 buffers (dW13:
+ * in two halves when the args give dw13_up / dw13_up_bf16).
  * rows_cap 0: the gradients are written as zeros (accumulating: left as they are). */
 mf_wgrad_params dw2_params(const moefuse_layer *layer, const moefuse_bwd_args *a, int rows_cap,
                            const uint16_t *dys);

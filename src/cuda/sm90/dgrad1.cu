@@ -24,9 +24,9 @@ template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_gemm1_dgrad_bwd_kernel(const __grid_constant__ Dgrad1Args args) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
-    Dgrad1Load<Cfg> load{args, 0, 0, 0};
+    Dgrad1Load<Cfg> load{args, 0, 0, 0, 0};
     ScatterRowsEpilogue<Cfg> epi{args.to, ring_from_smem<Cfg>(smem_raw), {}, {0.f, 0.f}};
-    run_grouped_gemm<Cfg>(smem_raw, &args.map_dh, &args.map_w13, args.num_rows, args.rows_cap,
+    run_grouped_gemm<Cfg>(smem_raw, &args.map_dh, &args.w13.map_gate, args.num_rows, args.rows_cap,
                           args.hidden / Cfg::BN, (2 * args.intermediate) / Cfg::kBlockK, load, epi);
 }
 

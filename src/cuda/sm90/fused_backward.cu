@@ -264,7 +264,7 @@ __device__ __forceinline__ void k_loop_in_layout(uint8_t *smem_raw, RingPos<Wgra
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_moe_fused_bwd_bf16_kernel(const __grid_constant__ FusedBwdArgs args) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
-    FusedBwdLoad load{args, {args.dw2, 0, 0, 0}, {args.dw13, 0, 0, 0}, {args.d1, 0, 0, 0}, 0};
+    FusedBwdLoad load{args, {args.dw2, 0, 0, 0}, {args.dw13, 0, 0, 0}, {args.d1, 0, 0, 0, 0}, 0};
     /* the tiles of each wgrad in the order: the scheduler's ranges, the store warps' zero
      * tiles and dgrad1's wait */
     const int dw2_tiles = ordered_wgrad_tiles(args.dw2), dw13_tiles = ordered_wgrad_tiles(args.dw13);

@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     static_assert(sizeof(TileQueue) <= Cfg::kExtraBytes, "the tile queue fits the extra region");
     if (threadIdx.x == kConsumerWarpgroups * 128) tile_queue_init(queue);
     const FusedFwdScheduler<Cfg::BN> sched(args, queue);
-    run_grouped_gemm_sched<Cfg>(smem_raw, &args.g1.map_xs, &args.g1.map_w13, sched, load, epi);
+    run_grouped_gemm_sched<Cfg>(smem_raw, &args.g1.map_xs, &args.g1.w13.map_gate, sched, load, epi);
 }
 
 }  // namespace

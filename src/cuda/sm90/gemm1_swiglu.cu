@@ -21,7 +21,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     Gemm1Load<Cfg> load{args, 0, 0, 0, false};
     Gemm1Epilogue<Cfg> epi{args, ring_from_smem<Cfg>(smem_raw), {}};
-    run_grouped_gemm<Cfg>(smem_raw, &args.map_xs, &args.map_w13, args.num_rows, args.rows_cap,
+    run_grouped_gemm<Cfg>(smem_raw, &args.map_xs, &args.w13.map_gate, args.num_rows, args.rows_cap,
                           (2 * args.intermediate) / Cfg::BN, args.hidden / Cfg::kBlockK, load, epi);
 }
 

@@ -26,6 +26,12 @@ struct WgradArgs {
     const int32_t *expert_order;   /* [E_local + 1] mf_expert_order's; NULL: 0, 1, ... */
     float *dw;
     uint16_t *dw_bf16;
+    /* The output in two halves (gemm_params.h): rows up_first.. of an expert's m go to
+     * dw_up (dw_bf16_up) from its row 0, the expert's rows expert_rows apart in either.
+     * One array: up_first = expert_rows = m. */
+    float *dw_up;
+    uint16_t *dw_bf16_up;
+    int expert_rows, up_first;
     int m, n, m_blocks, n_blocks, num_experts, accumulate;
     /* FP8: lhs^T [M, rows_cap] and rhs^T [N, rows_cap] codes (K-major), their scales
      * [rows_cap / 128, M] and [rows_cap / 128, N] */
@@ -50,12 +56,17 @@ inline bool wgrad_params_ok(const mf_wgrad_params *p) {
         !operand_ok<P>(p->rhs, MF_SCALES_TOKENS_128) || !p->rows.expert_offsets ||
         !p->dw == !p->dw_bf16 || (p->dw_bf16 && p->accumulate))
         return false;
+    /* the up half beside the array of its type, and no 128-row tile across the halves */
+    const bool halves = p->dw_up || p->dw_bf16_up;
+    if ((p->dw_up && !p->dw) || (p->dw_bf16_up && !p->dw_bf16) ||
+        (halves && p->m % (2 * kBlockM)))
+        return false;
     const mf_rows &r = p->rows;
     if (r.rows_cap < 0 || r.rows_cap % kBlockM || p->m <= 0 || p->m % kBlockM || p->n <= 0 ||
         p->n % 128 || r.num_local_experts <= 0 || p->num_sms <= 0)
         return false;
-    return !misaligned16(p->lhs.data, p->rhs.data, p->dw, p->dw_bf16, p->lhs.scales,
-                         p->rhs.scales);
+    return !misaligned16(p->lhs.data, p->rhs.data, p->dw, p->dw_bf16, p->dw_up, p->dw_bf16_up,
+                         p->lhs.scales, p->rhs.scales);
 }
 
 template <class Cfg>
@@ -82,6 +93,10 @@ cudaError_t wgrad_args_from(const mf_wgrad_params *p, WgradArgs *args) {
     args->expert_order = p->expert_order;
     args->dw = p->dw;
     args->dw_bf16 = p->dw_bf16;
+    args->dw_up = p->dw_up;
+    args->dw_bf16_up = p->dw_bf16_up;
+    args->expert_rows = p->dw_up || p->dw_bf16_up ? p->m / 2 : p->m;
+    args->up_first = args->expert_rows;
     args->m = p->m;
     args->n = p->n;
     args->m_blocks = p->m / kBlockM;
@@ -177,11 +192,17 @@ struct WgradEpilogue {
         zero_tile = gemm_tiles + (int)blockIdx.x + sw * (int)gridDim.x;
     }
 
-    /* The first dw row of warpgroup wg's 64 rows of the tile (E * M rows in all). */
-    /* m = m_blocks * 128 (the launcher checks), so expert e's row block j is m_block
-     * e * m_blocks + j and its rows start at m_block * 128. */
-    __device__ __forceinline__ int64_t first_row(int m_block, int wg) const {
-        return (int64_t)m_block * kBlockM + wg * 64;
+    /* The first output row of warpgroup wg's 64 rows of the tile, in dw (dw_bf16) or, the
+     * up half's, in dw_up (dw_bf16_up): lo or hi. m = m_blocks * 128 (the launcher
+     * checks), so expert e's row block j is m_block e * m_blocks + j: row j * 128 of the
+     * expert's m, in one half (up_first is a multiple of 128). */
+    template <class T>
+    __device__ __forceinline__ T *first_row(T *lo, T *hi, int m_block, int wg) const {
+        const int e = m_block / args.m_blocks;
+        int r = (m_block - e * args.m_blocks) * kBlockM + wg * 64;
+        const bool up = r >= args.up_first;
+        if (up) r -= args.up_first;
+        return (up ? hi : lo) + ((int64_t)e * args.expert_rows + r) * args.n;
     }
 
     __device__ __forceinline__ void operator()(int m_block, int n_block,
@@ -195,10 +216,8 @@ struct WgradEpilogue {
 
     /* Store warps (bf16): warpgroup wg's rows of the tile. */
     __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf) {
-        const int64_t row0 = first_row(m_block, wg);
-        drain_rows_bf16<Cfg>(buf, [&](int r) -> uint16_t * {
-            return args.dw_bf16 + (row0 + r) * args.n + n_block * Cfg::BN;
-        });
+        uint16_t *row0 = first_row(args.dw_bf16, args.dw_bf16_up, m_block, wg) + n_block * Cfg::BN;
+        drain_rows_bf16<Cfg>(buf, [&](int r) -> uint16_t * { return row0 + (int64_t)r * args.n; });
     }
 
     /* Store warps (bf16), between drains: kZeroRows rows of this warp's next zero tile (an
@@ -208,8 +227,8 @@ struct WgradEpilogue {
         if (zero_tile >= zero_end) return false;
         int m_block, n_block;
         wgrad_tile(args.expert_order, args.m_blocks, args.n_blocks, zero_tile, m_block, n_block);
-        uint16_t *tile =
-            args.dw_bf16 + (first_row(m_block, 0) + zero_row) * args.n + n_block * Cfg::BN;
+        uint16_t *tile = first_row(args.dw_bf16, args.dw_bf16_up, m_block, 0) +
+                         (int64_t)zero_row * args.n + n_block * Cfg::BN;
         constexpr int kVecs = Cfg::BN * 2 / 16, kRowsPerStep = 32 / kVecs;
         const int lane = threadIdx.x % 32;
         uint4 *piece =
@@ -231,8 +250,8 @@ struct WgradEpilogue {
         const int e = m_block / args.m_blocks;
         const int t = threadIdx.x % 128;
         const int lane = t % 32, warp = t / 32;
-        const int64_t row = first_row(m_block, threadIdx.x / 128) + warp * 16 + lane / 4;
-        float *base = args.dw + row * args.n + n_block * Cfg::BN + 2 * (lane % 4);
+        float *base = first_row(args.dw, args.dw_up, m_block, threadIdx.x / 128) +
+                      (int64_t)(warp * 16 + lane / 4) * args.n + n_block * Cfg::BN + 2 * (lane % 4);
         if (args.accumulate) {
             /* Nothing to add for an expert without rows: leave its tile as it is. */
             if (args.expert_offsets[e + 1] <= args.expert_offsets[e]) return;
@@ -261,7 +280,9 @@ struct WgradEpilogue {
 
 struct Dgrad1Args {
     CUtensorMap map_dh;    /* [rows_cap, 2I], box 128 x 64 (K-major) */
-    CUtensorMap map_w13;   /* [E * 2I, H], box 64 rows x 64 columns (MN-major B) */
+    /* bf16: W13's gate and up rows, box 64 rows x 64 columns (MN-major B); FP8: map_gate
+     * is W13^T [E * H, 2I] (K-major), map_up unused */
+    W13Halves w13;
     const int32_t *row_block_expert;
     const int32_t *num_rows;
     ScatterTarget to;
@@ -269,26 +290,32 @@ struct Dgrad1Args {
     BlockScales scales;    /* FP8: dh's row scales, W13^T's block scales */
 };
 
-/* ---- producer: A rows of the block, then BN/64 boxes of W13_e rows k.. k+63 (FP8: BN
- * rows of W13^T_e [H, 2I], K-major, and the A rows' scales) ---------------------------- */
+/* ---- producer: A rows of the block, then BN/64 boxes of W13_e rows k.. k+63 (K < I:
+ * gate rows, else up rows k - I..; FP8: BN rows of W13^T_e [H, 2I], K-major, and the A
+ * rows' scales) ------------------------------------------------------------------------ */
 template <class Cfg>
 struct Dgrad1Load {
     const Dgrad1Args &args;
     int m_row, w_row, n_col;
+    int up_row;   /* bf16: the up map's row of K = 0 (its row of K = I, less I) */
 
     __device__ __forceinline__ void tile_begin(int m_block, int n_block) {
         const int e = args.row_block_expert[m_block];
         m_row = m_block * kBlockM;
-        w_row = Cfg::kBMnMajor ? e * 2 * args.intermediate : e * args.hidden;
+        w_row = Cfg::kBMnMajor ? args.w13.gate_row(e, 0) : e * args.hidden;
+        up_row = args.w13.up_row(e, 0) - args.intermediate;
         n_col = n_block * Cfg::BN;
     }
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
         const int k = kb * Cfg::kBlockK;
         ptx::tma_load_2d(a, &args.map_dh, bar, k, m_row);
-        if constexpr (Cfg::kBMnMajor)
-            tma_load_mn_boxes<Cfg, Cfg::BN / Cfg::kMnBoxCols>(b, &args.map_w13, bar, n_col, w_row + k);
-        else
-            ptx::tma_load_2d(b, &args.map_w13, bar, k, w_row + n_col);
+        if constexpr (Cfg::kBMnMajor) {
+            const bool up = k >= args.intermediate;   /* a K block lies in one half */
+            tma_load_mn_boxes<Cfg, Cfg::BN / Cfg::kMnBoxCols>(
+                b, up ? &args.w13.map_up : &args.w13.map_gate, bar, n_col, (up ? up_row : w_row) + k);
+        } else {
+            ptx::tma_load_2d(b, &args.w13.map_gate, bar, k, w_row + n_col);
+        }
     }
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint8_t *a_scales,
                                           uint64_t *bar) {
@@ -307,14 +334,15 @@ struct Dgrad1Load {
 template <class P>
 inline bool dgrad1_params_ok(const mf_dgrad1_params *p) {
     if (!p || !operand_ok<P>(p->dh, MF_SCALES_1X128) || !operand_ok<P>(p->w13, MF_SCALES_128X128) ||
-        !row_blocks_ok(p->rows) || !scatter_ok(p->to))
+        !w13_halves_ok<P>(p->w13_up, p->intermediate) || !row_blocks_ok(p->rows) ||
+        !scatter_ok(p->to))
         return false;
     const int i_multiple = P::kAScaleBytes ? 64 : 32;   /* K = 2I: whole K blocks */
     if (p->hidden <= 0 || p->hidden % 128 || p->intermediate <= 0 ||
         p->intermediate % i_multiple || p->num_sms <= 0)
         return false;
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
-    return !misaligned16(p->dh.data, p->w13.data, p->to.combine, p->dh.scales);
+    return !misaligned16(p->dh.data, p->w13.data, p->w13_up, p->to.combine, p->dh.scales);
 }
 
 template <class Cfg>
@@ -325,14 +353,17 @@ cudaError_t dgrad1_args_from(const mf_dgrad1_params *p, Dgrad1Args *args) {
     if ((err = tensor_map_2d<P>(&args->map_dh, p->dh.data, (uint64_t)p->rows.rows_cap, two_i,
                                 two_i, kBlockM, Cfg::kBlockK)) != cudaSuccess)
         return err;
-    if (Cfg::kBMnMajor)
-        err = tensor_map_2d<P>(&args->map_w13, p->w13.data,
-                               (uint64_t)p->rows.num_local_experts * two_i, p->hidden, p->hidden,
-                               Cfg::kBlockK, Cfg::kMnBoxCols);
-    else   /* W13^T [E * H, 2I] */
-        err = tensor_map_2d<P>(&args->map_w13, p->w13.data,
+    if (Cfg::kBMnMajor) {
+        err = w13_halves_from<P>(&args->w13, p->w13.data, p->w13_up, p->rows.num_local_experts,
+                                 p->intermediate, p->hidden, Cfg::kBlockK, Cfg::kMnBoxCols);
+    } else {   /* W13^T [E * H, 2I] */
+        err = tensor_map_2d<P>(&args->w13.map_gate, p->w13.data,
                                (uint64_t)p->rows.num_local_experts * p->hidden, two_i, two_i,
                                Cfg::BN, Cfg::kBlockK);
+        args->w13.map_up = args->w13.map_gate;
+        args->w13.expert_rows = 2 * p->intermediate;
+        args->w13.up_first = p->intermediate;
+    }
     if (err != cudaSuccess) return err;
     args->row_block_expert = p->rows.row_block_expert;
     args->num_rows = p->rows.num_rows;

@@ -13,7 +13,9 @@
  * A tile of gemm1 covers BN/2 gate columns j.. and the matching BN/2 up columns I+j..:
  * the producer loads W13_e rows j.. into the first half of the B tile and rows I+j..
  * into the second, so one m64nBN wgmma leaves g and u of the same column in the same
- * thread (accumulator registers i and i + BN/4), and the SwiGLU needs no exchange. */
+ * thread (accumulator registers i and i + BN/4), and the SwiGLU needs no exchange.
+ * The two halves come through two tensor maps (W13Halves), so W13 packed or in two
+ * separate arrays (gemm_params.h) loads the same boxes into the same places. */
 #pragma once
 
 #include <cuda_bf16.h>
@@ -30,7 +32,7 @@ namespace sm90 {
 
 struct Gemm1Args {
     CUtensorMap map_xs;    /* [rows_cap, H], box 128 x 64 */
-    CUtensorMap map_w13;   /* [E * 2I, H], box BN/2 x 64 */
+    W13Halves w13;         /* the gate and up rows, box BN/2 x 64 */
     const int32_t *row_block_expert;
     const int32_t *num_rows;
     __nv_bfloat16 *act;
@@ -46,14 +48,15 @@ struct Gemm1Args {
 template <class P>
 inline bool gemm1_params_ok(const mf_gemm1_params *p) {
     if (!p || !operand_ok<P>(p->xs, MF_SCALES_1X128) || !operand_ok<P>(p->w13, MF_SCALES_128X128) ||
-        !row_blocks_ok(p->rows) || !p->act || !arrivals_ok(p->rows_in))
+        !w13_halves_ok<P>(p->w13_up, p->intermediate) || !row_blocks_ok(p->rows) || !p->act ||
+        !arrivals_ok(p->rows_in))
         return false;
     const int i_multiple = P::kAScaleBytes ? 128 : 64;
     if (p->hidden <= 0 || p->hidden % P::kBlockK || p->intermediate <= 0 ||
         p->intermediate % i_multiple || p->num_sms <= 0)
         return false;
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
-    return !misaligned16(p->xs.data, p->w13.data, p->act, p->gate_up, p->xs.scales);
+    return !misaligned16(p->xs.data, p->w13.data, p->w13_up, p->act, p->gate_up, p->xs.scales);
 }
 
 template <class Cfg>
@@ -63,9 +66,9 @@ cudaError_t gemm1_args_from(const mf_gemm1_params *p, Gemm1Args *args) {
     if ((err = tensor_map_2d<P>(&args->map_xs, p->xs.data, (uint64_t)p->rows.rows_cap,
                                 p->hidden, p->hidden, kBlockM, Cfg::kBlockK)) != cudaSuccess)
         return err;
-    if ((err = tensor_map_2d<P>(&args->map_w13, p->w13.data,
-                                (uint64_t)p->rows.num_local_experts * 2 * p->intermediate,
-                                p->hidden, p->hidden, Cfg::BN / 2, Cfg::kBlockK)) != cudaSuccess)
+    if ((err = w13_halves_from<P>(&args->w13, p->w13.data, p->w13_up, p->rows.num_local_experts,
+                                  p->intermediate, p->hidden, Cfg::BN / 2, Cfg::kBlockK)) !=
+        cudaSuccess)
         return err;
     args->row_block_expert = p->rows.row_block_expert;
     args->num_rows = p->rows.num_rows;
@@ -96,21 +99,22 @@ struct Gemm1Load {
         wait_rows(m_block);
         const int e = args.row_block_expert[m_block];
         m_row = m_block * kBlockM;
-        w_gate_row = e * 2 * args.intermediate + n_block * (Cfg::BN / 2);
-        w_up_row = w_gate_row + args.intermediate;
+        w_gate_row = args.w13.gate_row(e, n_block * (Cfg::BN / 2));
+        w_up_row = args.w13.up_row(e, n_block * (Cfg::BN / 2));
     }
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint64_t *bar) {
         const int k = kb * Cfg::kBlockK;
         ptx::tma_load_2d(a, &args.map_xs, bar, k, m_row);
-        ptx::tma_load_2d(b, &args.map_w13, bar, k, w_gate_row);
-        ptx::tma_load_2d(b + Cfg::kBBytes / 2, &args.map_w13, bar, k, w_up_row);
+        ptx::tma_load_2d(b, &args.w13.map_gate, bar, k, w_gate_row);
+        ptx::tma_load_2d(b + Cfg::kBBytes / 2, &args.w13.map_up, bar, k, w_up_row);
     }
     __device__ __forceinline__ void stage(int kb, uint8_t *a, uint8_t *b, uint8_t *a_scales,
                                           uint64_t *bar) {
         stage(kb, a, b, bar);
         args.scales.load_a<Cfg>(a_scales, kb, m_row, bar);
     }
-    /* Consumers (FP8): the tile's scale hook (B's gate and up halves: two weight blocks). */
+    /* Consumers (FP8): the tile's scale hook (B's gate and up halves: two weight blocks;
+     * FP8 weights are packed). */
     __device__ __forceinline__ auto block_scale(int m_block, int n_block, int k_blocks) const {
         const int64_t gate = (int64_t)args.row_block_expert[m_block] * 2 * args.intermediate +
                              n_block * (Cfg::BN / 2);

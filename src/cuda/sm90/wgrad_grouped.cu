@@ -104,12 +104,16 @@ cudaError_t launch(const mf_wgrad_params *p, cudaStream_t stream) {
 
 /* Tile choice: BN = 256 when N allows it, else BN = 128. fp32 out: 4 stages of 48 KB or
  * 6 of 32 KB; bf16 out, with the store warps' buffers: 3 of 48 KB or 6 of 32 KB. */
-/* No rows at all: zero gradients in write mode, nothing when accumulating. */
+/* No rows at all: zero gradients in write mode (each half of an output in two), nothing
+ * when accumulating. */
 static cudaError_t wgrad_without_rows(const mf_wgrad_params *p, cudaStream_t stream) {
     if (p->accumulate) return cudaSuccess;
-    const size_t elems = (size_t)p->rows.num_local_experts * p->m * p->n;
-    return p->dw ? cudaMemsetAsync(p->dw, 0, elems * 4, stream)
-                 : cudaMemsetAsync(p->dw_bf16, 0, elems * 2, stream);
+    void *lo = p->dw ? (void *)p->dw : (void *)p->dw_bf16;
+    void *hi = p->dw ? (void *)p->dw_up : (void *)p->dw_bf16_up;
+    const size_t bytes = (size_t)p->rows.num_local_experts * p->m * p->n * (p->dw ? 4 : 2);
+    if (!hi) return cudaMemsetAsync(lo, 0, bytes, stream);
+    const cudaError_t err = cudaMemsetAsync(lo, 0, bytes / 2, stream);
+    return err != cudaSuccess ? err : cudaMemsetAsync(hi, 0, bytes / 2, stream);
 }
 
 extern "C" cudaError_t mf_sm90_wgrad_grouped_bf16(const mf_wgrad_params *p,

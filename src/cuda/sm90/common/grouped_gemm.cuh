@@ -159,6 +159,48 @@ inline BlockScales block_scales_of(const mf_operand &a, const mf_operand &b, int
     return BlockScales{a.scales, (int64_t)(rows_cap + 3) / 4 * 4, b.scales};
 }
 
+/* ---- W13's gate and up rows, packed or in two halves (gemm_params.h) --------------------
+ * Two tensor maps over rows of H elements: expert e's gate row j is row
+ * e * expert_rows + j of map_gate, its up row j row e * expert_rows + up_first + j of
+ * map_up. Packed: both maps describe the one [E * 2I, H] array, expert_rows = 2I,
+ * up_first = I (the rows of old); halves: each map its own [E * I, H] array,
+ * expert_rows = I, up_first = 0. No copy either way: the boxes come from where the rows
+ * are. */
+struct W13Halves {
+    CUtensorMap map_gate, map_up;
+    int expert_rows, up_first;
+
+    __device__ __forceinline__ int gate_row(int e, int j) const { return e * expert_rows + j; }
+    __device__ __forceinline__ int up_row(int e, int j) const {
+        return e * expert_rows + up_first + j;
+    }
+};
+
+/* The up half apart (up set) is for bf16 (FP8 weights are quantized packed), with whole K
+ * blocks of dgrad1 (K = 2I) in each half. */
+template <class P>
+inline bool w13_halves_ok(const void *up, int intermediate) {
+    return !up || (P::kAScaleBytes == 0 && intermediate % P::kBlockK == 0);
+}
+
+/* Host: the maps of W13 (gate half or packed, at w13) and its up half (NULL: packed), in
+ * boxes of box_rows x box_cols elements. */
+template <class P>
+inline cudaError_t w13_halves_from(W13Halves *w, const void *w13, const void *up, int experts,
+                                   int intermediate, int hidden, uint32_t box_rows,
+                                   uint32_t box_cols) {
+    w->expert_rows = up ? intermediate : 2 * intermediate;
+    w->up_first = up ? 0 : intermediate;
+    const cudaError_t err = tensor_map_2d<P>(&w->map_gate, w13, (uint64_t)experts * w->expert_rows,
+                                             hidden, hidden, box_rows, box_cols);
+    if (err != cudaSuccess || !up) {
+        w->map_up = w->map_gate;
+        return err;
+    }
+    return tensor_map_2d<P>(&w->map_up, up, (uint64_t)experts * intermediate, hidden, hidden,
+                            box_rows, box_cols);
+}
+
 /* Row-block GEMMs (gemm1, gemm2, dgrad1, dgrad2): tiles (128-row block, n block), a
  * fixed K loop. */
 template <class Cfg, class Load, class Epi>
