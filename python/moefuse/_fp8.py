@@ -9,8 +9,9 @@ in docs/decisions/0018-fp8-block-recipe.md).
                       fp8_pow2_scales=True rounds every scale up to a power of two
 Runs on CPU tensors (the CPU backend) and on CUDA tensors of an sm_90 (Hopper) GPU (the
 CUDA backend's FP8 kernels, one GPU). Fp8UnsupportedError where it does not run: a GPU
-older than sm_90, and FP8 with expert parallelism (a comm: not built yet; refused when
-ExpertParallelExperts is made). y, dx, d p and the weight gradients keep their dtypes,
+older than sm_90, and FP8 with expert parallelism (a comm: built in the library, not yet
+verified on a GPU, so refused when ExpertParallelExperts is made unless the environment
+sets MOEFUSE_FP8_EXPERT_PARALLEL=1). y, dx, d p and the weight gradients keep their dtypes,
 and the weight gradients are of the real (bf16 or fp32) weights.
 
 Weights are quantized once per optimizer step, not per call. Fp8WeightCache (the `fp8`
@@ -35,6 +36,7 @@ implementations, never in traced code, so torch.compile(fullgraph=True) sees no 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import weakref
 from typing import Optional
@@ -74,13 +76,25 @@ _WHAT_RUNS = ("FP8 runs on CPU tensors (the CPU backend) and on one sm_90 GPU wi
               "parallelism (moefuse.experts, MoEExperts, MoefuseQwen3MoeBlock)")
 
 
-def fp8_with_comm_error(where: str) -> Fp8UnsupportedError:
+FP8_WITH_COMM_ENV = "MOEFUSE_FP8_EXPERT_PARALLEL"
+
+
+def fp8_with_comm_enabled() -> bool:
+    """FP8 with expert parallelism is built in the library but not yet verified on a GPU:
+    it runs only where the environment opts in (the library checks the same variable)."""
+    return os.environ.get(FP8_WITH_COMM_ENV) == "1"
+
+
+def fp8_with_comm_error(where: str, opt_in: bool = True) -> Fp8UnsupportedError:
     """The refusal of precision='fp8' with expert parallelism, raised before any comm or
-    layer is touched (the library refuses it too, at moefuse_layer_create)."""
+    layer is touched. opt_in: the caller runs it once FP8_WITH_COMM_ENV=1 (else the
+    caller does not pass it on at all yet)."""
+    how = (f"so it is off unless the environment sets {FP8_WITH_COMM_ENV}=1"
+           if opt_in else f"and {where} does not pass it to its expert-parallel modules yet")
     return Fp8UnsupportedError(
         where, _lib.Status.ERR_UNSUPPORTED, "MOEFUSE_ERR_UNSUPPORTED",
-        "precision='fp8' with expert parallelism (a comm) is not built yet: the library "
-        "refuses FP8 layers with a comm. Use precision='bf16' with expert parallelism; "
+        "precision='fp8' with expert parallelism (a comm) is built in the library but not "
+        f"yet verified on a GPU, {how}. Use precision='bf16' with expert parallelism; "
         f"{_WHAT_RUNS}")
 
 
@@ -115,7 +129,8 @@ def raise_if_unsupported(err: _lib.MoefuseError, cfg: _lib.Config, device: torch
         why = ("moefuse's CUDA kernels (FP8 and BF16) are built for sm_90 (H100/H200) "
                "only")
     elif with_comm:
-        why = "FP8 with expert parallelism (a comm) is not built yet"
+        why = (f"FP8 with expert parallelism (a comm) is off unless {FP8_WITH_COMM_ENV}=1 "
+               "(built, not yet verified on a GPU)")
     else:
         why = "this library does not run it"
     raise Fp8UnsupportedError(

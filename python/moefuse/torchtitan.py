@@ -37,7 +37,7 @@ still concatenates w1 and w3 per call: ExpertParallelExperts takes one gate_up_p
 
 precision="fp8" runs the routed experts' GEMMs in block-scaled FP8 (moefuse.experts(),
 _fp8.py), on one rank: with expert_parallel apply() raises Fp8UnsupportedError (FP8 with
-a comm is not built yet). With bf16 parameters, w1, w3 and w2 reach the FP8 weight cache
+a comm is built in the library, not yet verified on a GPU, and not passed on here). With bf16 parameters, w1, w3 and w2 reach the FP8 weight cache
 as themselves (their .to(bf16) is a no-op), so they are quantized once per optimizer
 step; fp32 parameters are cast per call, a new tensor each forward, so theirs is
 quantized once per forward and shared by its backward.
@@ -348,7 +348,7 @@ def apply(model: nn.Module, *, recompute: bool = False, save_inputs: bool = True
     calls apply_moe_ep_tp, so before AC, compile and FSDP."""
     _fp8.resolve_precision(precision, False, "moefuse.torchtitan.apply")
     if precision == "fp8" and expert_parallel is not None:
-        raise _fp8.fp8_with_comm_error("moefuse.torchtitan.apply")
+        raise _fp8.fp8_with_comm_error("moefuse.torchtitan.apply", opt_in=False)
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, _tt_moe.MoE)]
     todo = [(name, m) for name, m in found if not isinstance(m, MoefuseMoE)]
     for name, m in todo:

@@ -70,10 +70,10 @@ def _leaves(*tensors):
     return tuple(t.detach().cuda().clone().requires_grad_() for t in tensors)
 
 
-def single_rank(x, ids, p, w13, w2, dy, recompute):
+def single_rank(x, ids, p, w13, w2, dy, recompute, precision="bf16"):
     """(y, dx, dp, dw13, dw2) of moefuse.experts (no comm) with autograd."""
     x, p, w13, w2 = _leaves(x, p, w13, w2)
-    y = moefuse.experts(x, ids.cuda(), p, w13, w2, recompute=recompute)
+    y = moefuse.experts(x, ids.cuda(), p, w13, w2, recompute=recompute, precision=precision)
     y.backward(dy.cuda())
     moefuse.check_device_errors()
     return y.detach(), x.grad, p.grad, w13.grad, w2.grad
@@ -128,12 +128,15 @@ def test_nccl_one_rank_zero_tokens_and_a_bad_id(one_rank_group):
         comm.close()
 
 
-@pytest.mark.parametrize("pipeline", list(_lib.Pipeline), ids=lambda p: p.name)
-def test_two_virtual_ranks_match_one_rank(pipeline):
+@pytest.mark.parametrize("pipeline, precision",
+                         [(p, "bf16") for p in _lib.Pipeline] + [(_lib.Pipeline.STAGED, "fp8")],
+                         ids=lambda v: v if isinstance(v, str) else v.name)
+def test_two_virtual_ranks_match_one_rank(monkeypatch, pipeline, precision):
     """Two ranks in this process (a virtual comm), each with its own stream and tokens
     (uneven T), against moefuse.experts on the concatenated batch (staged): y, dx, dp per
     rank and each rank's shard of dW13, dW2, bitwise, with the ranks' forward staged or
-    fused. Both modules are made (their layers
+    fused; and in FP8 (opted in with MOEFUSE_FP8_EXPERT_PARALLEL=1: the received rows
+    quantized as the one rank quantizes its gathered rows). Both modules are made (their layers
     created) before the first call, and every rank's call is launched before any is
     waited for. The caching allocator is filled on each stream first: a cudaMalloc
     between two ranks' launches could serialize them (they wait on each other), which
@@ -141,15 +144,16 @@ def test_two_virtual_ranks_match_one_rank(pipeline):
     reason = _cuda_skip_reason()
     if reason is not None:
         pytest.skip(reason)
+    monkeypatch.setenv("MOEFUSE_FP8_EXPERT_PARALLEL", "1")
     R, tokens = 2, (70, 45)
     x, ids, p, w13, w2, dy = random_problem(sum(tokens), 256, 128, 16, 4, seed=21,
                                             drop_fraction=0.1)
-    ref = single_rank(x, ids, p, w13, w2, dy, recompute=False)
+    ref = single_rank(x, ids, p, w13, w2, dy, recompute=False, precision=precision)
     comm = distributed.virtual_comm(R, timeout_ms=20000)
     streams = [torch.cuda.Stream() for _ in range(R)]
     try:
         mods = [ExpertParallelExperts(256, 128, 16, 4, max(tokens), comm, r, R, device="cuda",
-                                      pipeline=pipeline)
+                                      pipeline=pipeline, precision=precision)
                 for r in range(R)]
         for r, m in enumerate(mods):
             m.load_global_experts(w13.cuda(), w2.cuda())

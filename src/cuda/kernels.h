@@ -302,6 +302,20 @@ typedef struct mf_ep_signal_params {
 
 cudaError_t mf_ep_signal_wait(const mf_ep_signal_params *p, cudaStream_t stream);
 
+/* FP8 with expert parallelism: a quantizer reads the received rows whole (its tiles are
+ * not the GEMMs' row blocks), so before it the call waits, in one block, until every
+ * receive block below *gemm_num_rows is counted in (rows_in: the counters and targets the
+ * GEMMs' producers wait on). A wait that runs out is recorded and fails the call as the
+ * producers' do, and sets *gemm_num_rows to 0: the quantizer and the GEMMs after it
+ * touch no row. */
+typedef struct mf_ep_wait_rows_params {
+    mf_arrivals rows_in;
+    uint32_t *sync;               /* this rank's sync window */
+    int32_t *gemm_num_rows;       /* device scalar */
+} mf_ep_wait_rows_params;
+
+cudaError_t mf_ep_wait_rows(const mf_ep_wait_rows_params *p, cudaStream_t stream);
+
 /* Backward: d p of every received row (the sum of its dgrad2 partials, in order) to
  * its source rank's MF_WIN_DP at its slot. */
 typedef struct mf_ep_push_dp_params {

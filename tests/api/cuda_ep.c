@@ -265,21 +265,39 @@ void check_reference(const batch *b, const result *res) {
 
 /* ---- the reference: one layer, R = 1, on the concatenated batch ----------------------- */
 
-int ref_run(const batch *b, int max_tokens, moefuse_saved_mode mode, result *out) {
+int fp8_weights_make(moefuse_layer *layer, int64_t e0, cudaStream_t stream, void **buf,
+                     moefuse_fp8_weights *w) {
+    size_t bytes = 0;
+    MF_OK(moefuse_fp8_weights_bytes(layer, &bytes));
+    CUDA_OK(cudaMalloc(buf, bytes));
+    MF_OK(moefuse_fp8_weights_view(layer, *buf, w));
+    MF_OK(moefuse_quantize_weights(layer, MOEFUSE_DTYPE_BF16, G.w13 + e0 * kW13Expert,
+                                   G.w2 + e0 * kW2Expert, w, stream));
+    return 1;
+done:
+    return 0;
+}
+
+int ref_run(const batch *b, int max_tokens, moefuse_saved_mode mode, moefuse_precision precision,
+            result *out) {
     const int64_t nt = b->off[b->R], n1 = nt > 0 ? nt : 1;
     const cudaStream_t st = G.stream;
     moefuse_layer *layer = NULL;
     uint16_t *x = NULL, *dy = NULL, *y = NULL, *dx = NULL;
     int32_t *ids = NULL, *counts = NULL;
     float *p = NULL, *dp = NULL;
-    void *saved = NULL;
+    void *saved = NULL, *fp8_buf = NULL;
+    moefuse_fp8_weights fp8;
     size_t saved_bytes = 0;
     int ok = 0;
     moefuse_config cfg;
     moefuse_config_init(&cfg, kH, kI, kE, kK, max_tokens);
     cfg.backend = MOEFUSE_BACKEND_CUDA;
     cfg.saved_mode = mode;
+    cfg.precision = precision;
     MF_OK(moefuse_layer_create(&cfg, NULL, &layer));
+    const int is_fp8 = precision == MOEFUSE_PRECISION_FP8_BLOCK;
+    if (is_fp8 && !fp8_weights_make(layer, 0, st, &fp8_buf, &fp8)) goto done;
     MF_OK(moefuse_saved_bytes(layer, (int)nt, &saved_bytes));
     CUDA_OK(cudaMalloc((void **)&x, (size_t)(n1 * kH) * 2));
     CUDA_OK(cudaMalloc((void **)&dy, (size_t)(n1 * kH) * 2));
@@ -303,12 +321,13 @@ int ref_run(const batch *b, int max_tokens, moefuse_saved_mode mode, result *out
     const moefuse_fwd_args a = {
         .num_tokens = (int)nt, .x = x, .x_stride = kH, .ids = ids, .weights = p,
         .w13 = G.w13, .w2 = G.w2, .y = y, .y_stride = kH, .saved = saved,
-        .expert_counts = counts,
+        .expert_counts = counts, .fp8_weights = is_fp8 ? &fp8 : NULL,
     };
     const moefuse_bwd_args g = {
         .num_tokens = (int)nt, .x = x, .x_stride = kH, .ids = ids, .weights = p,
         .w13 = G.w13, .w2 = G.w2, .saved = saved, .saved_bytes = saved_bytes, .dy = dy, .dy_stride = kH, .dx = dx,
         .dx_stride = kH, .dweights = dp, .dw13 = G.dw13, .dw2 = G.dw2, .accumulate = 0,
+        .fp8_weights = is_fp8 ? &fp8 : NULL,
     };
     MF_OK(moefuse_forward(layer, &a, st));
     MF_OK(moefuse_backward(layer, &g, st));
@@ -333,6 +352,7 @@ done:
     cudaFree(dp);
     cudaFree(counts);
     cudaFree(saved);
+    cudaFree(fp8_buf);
     return ok;
 }
 

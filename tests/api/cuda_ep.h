@@ -74,6 +74,8 @@ typedef struct rank_state {
     float *dw13, *dw2;         /* device [E/R, 2I, H], [E/R, H, I] fp32 */
     void *saved;               /* device, saved_cap bytes */
     size_t saved_cap;
+    void *fp8_buf;             /* device: its experts' FP8 weights (precision FP8) */
+    moefuse_fp8_weights fp8;
 } rank_state;
 
 typedef struct ep {
@@ -81,6 +83,7 @@ typedef struct ep {
     moefuse_saved_mode mode;
     int null_if_empty;         /* ranks with T = 0 pass NULL token tensors */
     moefuse_pipeline pipeline; /* the ranks' forward (the R = 1 reference runs staged) */
+    moefuse_precision precision; /* the ranks' and the R = 1 reference's */
     /* config.recv_capacity_factor: ep_open sets R, so that every routing of the equality
      * cases (skew onto one rank included) fits; 0 for the library's default */
     double capacity;
@@ -106,7 +109,12 @@ int same_bits(int rank, const char *what, elem k, const void *got, const void *w
               int64_t n, int64_t cols, const char *row_name, int64_t row0);
 int compare_results(const batch *b, const result *ref, const result *got);
 void check_reference(const batch *b, const result *res);
-int ref_run(const batch *b, int max_tokens, moefuse_saved_mode mode, result *out);
+int ref_run(const batch *b, int max_tokens, moefuse_saved_mode mode, moefuse_precision precision,
+            result *out);
+/* FP8: the layer's experts of G.w13 / G.w2 (from expert e0) quantized into a new device
+ * buffer (*buf, freed by the caller) viewed by *w, on `stream`. */
+int fp8_weights_make(moefuse_layer *layer, int64_t e0, cudaStream_t stream, void **buf,
+                     moefuse_fp8_weights *w);
 int rank_ok(moefuse_status st, int r, const char *what);
 int open_nccl_comm(ep *s);
 int ep_open(ep *s, int R, int max_tokens, moefuse_saved_mode mode);

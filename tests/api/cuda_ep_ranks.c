@@ -86,6 +86,7 @@ moefuse_config ep_config(const ep *s, int r) {
     c.saved_mode = s->mode;
     c.pipeline = s->pipeline;
     c.recv_capacity_factor = s->capacity;
+    c.precision = s->precision;
     return c;
 }
 
@@ -94,9 +95,15 @@ moefuse_status ep_layer_create(ep *s, int r) {
     return moefuse_layer_create(&c, s->comm, &s->rk[r].layer);
 }
 
+/* The layers, and with FP8 each rank's experts' quantized weights. */
 int ep_layers_create(ep *s) {
-    for (int r = 0; r < s->R; r++)
+    for (int r = 0; r < s->R; r++) {
+        rank_state *k = &s->rk[r];
         if (!rank_ok(ep_layer_create(s, r), r, "moefuse_layer_create")) return 0;
+        if (s->precision == MOEFUSE_PRECISION_FP8_BLOCK && !k->fp8_buf &&
+            !fp8_weights_make(k->layer, (int64_t)r * (kE / s->R), k->stream, &k->fp8_buf, &k->fp8))
+            return 0;
+    }
     return 1;
 }
 
@@ -158,6 +165,7 @@ void ep_close(ep *s) {
         cudaFree(k->dw13);
         cudaFree(k->dw2);
         cudaFree(k->saved);
+        cudaFree(k->fp8_buf);
         if (k->stream) cudaStreamDestroy(k->stream);
     }
     memset(s, 0, sizeof *s);
@@ -230,6 +238,7 @@ moefuse_fwd_args ep_fwd_args(const ep *s, const batch *b, int r) {
         .ids = none ? NULL : k->ids, .weights = none ? NULL : k->p,
         .w13 = G.w13 + e0 * kW13Expert, .w2 = G.w2 + e0 * kW2Expert,
         .y = none ? NULL : k->y, .y_stride = kH, .saved = k->saved, .expert_counts = k->counts,
+        .fp8_weights = s->precision == MOEFUSE_PRECISION_FP8_BLOCK ? &k->fp8 : NULL,
     };
     return a;
 }
@@ -241,7 +250,7 @@ moefuse_bwd_args ep_bwd_args(const ep *s, const batch *b, int r) {
         .num_tokens = a.num_tokens, .x = a.x, .x_stride = kH, .ids = a.ids, .weights = a.weights,
         .w13 = a.w13, .w2 = a.w2, .saved = k->saved, .saved_bytes = k->saved_cap, .dy = a.x ? k->dy : NULL, .dy_stride = kH,
         .dx = a.x ? k->dx : NULL, .dx_stride = kH, .dweights = a.x ? k->dp : NULL,
-        .dw13 = k->dw13, .dw2 = k->dw2, .accumulate = 0,
+        .dw13 = k->dw13, .dw2 = k->dw2, .accumulate = 0, .fp8_weights = a.fp8_weights,
     };
     return g;
 }
@@ -319,7 +328,9 @@ int ep_step(ep *s, const batch *b, result *out) {
 
 /* b on the ranks of s against the R = 1 layer on the concatenated batch. */
 void check_equal(ep *s, const batch *b) {
-    if (!ref_run(b, s->R * s->max_tokens, s->mode, &G.ref) || !ep_step(s, b, &G.got)) return;
+    if (!ref_run(b, s->R * s->max_tokens, s->mode, s->precision, &G.ref) ||
+        !ep_step(s, b, &G.got))
+        return;
     const int bad = compare_results(b, &G.ref, &G.got);
     int rows[kMaxRanks];
     const int Er = kE / s->R;
@@ -328,8 +339,9 @@ void check_equal(ep *s, const batch *b) {
         for (int e = r * Er; e < (r + 1) * Er; e++) rows[r] += G.ref.counts[e];
     }
     char ts[96], rs[128];
-    printf("    R=%d T=%s, rows received %s, %s: %s\n", s->R, fmt_ints(ts, sizeof ts, b->T, s->R),
+    printf("    R=%d T=%s, rows received %s, %s%s: %s\n", s->R, fmt_ints(ts, sizeof ts, b->T, s->R),
            fmt_ints(rs, sizeof rs, rows, s->R),
            s->mode == MOEFUSE_RECOMPUTE ? "recompute" : "saved activations",
+           s->precision == MOEFUSE_PRECISION_FP8_BLOCK ? ", fp8" : "",
            bad ? "DIFFERS from R = 1" : "every output bitwise equal to R = 1");
 }

@@ -21,6 +21,12 @@
  *     The R = 1 reference runs staged, so the first fused case also launches the fused
  *     kernel for the first time inside an EP call: before the backend loaded every kernel
  *     at create, CUDA's lazy loading hung it there (docs/decisions/0015-ep-transport).
+ *   - MOEFUSE_PRECISION_FP8_BLOCK on the ranks and in the R = 1 reference (each rank's
+ *     experts quantized by moefuse_quantize_weights on its layer): the received rows are
+ *     the rows one rank gathers, so their codes, and every output, have the R = 1 bits;
+ *     R = 2, 4 (uneven, a T = 0 rank; recompute; dropped slots) and 8 (skew). FP8 with a
+ *     comm is opt-in (MOEFUSE_FP8_EXPERT_PARALLEL=1, set by these cases); without it the
+ *     create refuses, which the first FP8 case checks.
  *
  * The failure cases (timeouts, a rejected saved buffer, the comm's refusals) are in
  * test_cuda_ep_failures.c, the 1000 iterations in test_cuda_ep_iterations.c; the
@@ -63,7 +69,11 @@ typedef struct ep_case {
     moefuse_saved_mode mode;
     int null_if_empty;          /* ranks with T = 0 pass NULL token tensors */
     moefuse_pipeline pipeline;
+    moefuse_precision precision;
 } ep_case;
+
+/* FP8 with a comm is off unless the environment opts in (pipeline/workspace.cu). */
+static const char kFp8CommEnv[] = "MOEFUSE_FP8_EXPERT_PARALLEL";
 
 static void equality_case(const ep_case *c) {
     if (!ready()) return;
@@ -74,6 +84,8 @@ static void equality_case(const ep_case *c) {
         ep_open(&s, c->R, kMaxTokens, c->mode)) {
         s.null_if_empty = c->null_if_empty;
         s.pipeline = c->pipeline;
+        s.precision = c->precision;
+        if (c->precision == MOEFUSE_PRECISION_FP8_BLOCK) setenv(kFp8CommEnv, "1", 1);
         if (ep_layers_create(&s)) check_equal(&s, &b);
     }
     ep_close(&s);
@@ -141,6 +153,42 @@ static void case_fused_skew_r8(void) {
 static void case_recompute_r4(void) {
     equality_case(&(ep_case){.R = 4, .T = {M, 0, 37, 300}, .mode = MOEFUSE_RECOMPUTE});
 }
+
+/* Without the opt-in the create refuses FP8 with a comm, naming the variable; with it
+ * the layers are made. */
+static void case_fp8_opt_in(void) {
+    if (!ready()) return;
+    ep s;
+    memset(&s, 0, sizeof s);
+    if (!ep_open(&s, 2, M, MOEFUSE_SAVE_ACTIVATIONS)) goto done;
+    s.precision = MOEFUSE_PRECISION_FP8_BLOCK;
+    unsetenv(kFp8CommEnv);
+    const moefuse_status st = ep_layer_create(&s, 0);
+    CHECK(st == MOEFUSE_ERR_UNSUPPORTED && strstr(moefuse_last_error(), kFp8CommEnv),
+          "FP8 with a comm, not opted in: %s (%s), expected MOEFUSE_ERR_UNSUPPORTED naming %s",
+          moefuse_status_string(st), moefuse_last_error(), kFp8CommEnv);
+    setenv(kFp8CommEnv, "1", 1);
+    CHECK(ep_layers_create(&s), "FP8 with a comm, opted in: the layers are not made");
+done:
+    ep_close(&s);
+}
+static const moefuse_precision FP8 = MOEFUSE_PRECISION_FP8_BLOCK;
+static void case_fp8_r2(void) { equality_case(&(ep_case){.R = 2, .T = {M, M}, .precision = FP8}); }
+static void case_fp8_r4_uneven(void) {
+    equality_case(&(ep_case){.R = 4, .T = {M, 0, 37, 300}, .precision = FP8});
+}
+static void case_fp8_recompute_r4(void) {
+    equality_case(&(ep_case){.R = 4, .T = {M, 0, 37, 300}, .mode = MOEFUSE_RECOMPUTE,
+                             .precision = FP8});
+}
+static void case_fp8_r4_dropped(void) {
+    equality_case(&(ep_case){.R = 4, .T = {300, M, 64, 0}, .route = ROUTE_DROPPED,
+                             .precision = FP8});
+}
+static void case_fp8_skew_r8(void) {
+    equality_case(&(ep_case){.R = 8, .T = {M, M, M, M, M, M, M, M}, .skew = 1, .skew_rank = 0,
+                             .precision = FP8});
+}
 #undef M
 /* test_cuda_ep [case-substring] */
 int main(int argc, char **argv) {
@@ -160,6 +208,12 @@ int main(int argc, char **argv) {
         {case_recompute_r4, "R=4 T={512,0,37,300} recompute"},
         {case_fused_r4, "R=4 T={512,0,37,300} fused forward and backward"},
         {case_fused_skew_r8, "R=8 skew onto rank 0, fused forward and backward"},
+        {case_fp8_opt_in, "fp8 R=2: refused without MOEFUSE_FP8_EXPERT_PARALLEL=1, made with it"},
+        {case_fp8_r2, "fp8 R=2 T=512 each"},
+        {case_fp8_r4_uneven, "fp8 R=4 T={512,0,37,300}"},
+        {case_fp8_recompute_r4, "fp8 R=4 T={512,0,37,300} recompute"},
+        {case_fp8_r4_dropped, "fp8 R=4 T={300,512,64,0} dropped slots and tokens"},
+        {case_fp8_skew_r8, "fp8 R=8 skew: every slot on rank 0's experts"},
     };
     return ep_main(argc, argv, cases, (int)(sizeof cases / sizeof cases[0]));
 }

@@ -64,7 +64,9 @@ static void case_iterations(void) {
             busy += now_s() - t0;
             timed += it - last;
         }
-        if (!ep_gather(&s, &v, &G.got) || !ref_run(&v, R * kIterTokens, s.mode, &G.ref)) goto done;
+        if (!ep_gather(&s, &v, &G.got) ||
+            !ref_run(&v, R * kIterTokens, s.mode, s.precision, &G.ref))
+            goto done;
         const int bad = compare_results(&v, &G.ref, &G.got);
         differing += bad != 0;
         printf("    iteration %d: %s\n", it, bad ? "DIFFERS from R = 1" : "bitwise equal to R = 1");

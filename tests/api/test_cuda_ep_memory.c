@@ -88,7 +88,7 @@ static int run_nested(ep *s, const batch *b, int n) {
     int differing = 0;
     for (int i = 0; i < n; i++) {
         if (!ep_check(&s[i]) || !ep_gather(&s[i], &b[i], &G.got) ||
-            !ref_run(&b[i], s[i].R * s[i].max_tokens, s[i].mode, &G.ref))
+            !ref_run(&b[i], s[i].R * s[i].max_tokens, s[i].mode, s[i].precision, &G.ref))
             return -1;
         const int bad = compare_results(&b[i], &G.ref, &G.got);
         printf("    set %d of %d: %s\n", i + 1, n,

@@ -12,6 +12,10 @@
  *         runs dgrad2, dW2, dgrad1, dW13 in this order on one stream; FP8 has no fused
  *         backward), so dW2's and dW13's hooks quantize only a and x
  *         (docs/decisions/0023-fp8-quantizer-bandwidth.md).
+ *         With expert parallelism x and dy arrive from the peers while the call runs: the
+ *         hooks of the GEMMs that read received rows (gemm1, dgrad2) wait for all of them
+ *         first (mf_ep_wait_rows), so the quantization does not overlap the push. The
+ *         received rows are the rows a single rank would gather, so the codes are too.
  * NOTE: the FP8 quantizations are passes of their own over rows a kernel just wrote
  * (about 3 bytes per element moved: read bf16, write the code; the scales add 1/32):
  * the dispatch and the epilogues that hold these tiles could write them instead.
@@ -135,6 +139,17 @@ moefuse_status quantized_rows_and_tokens(const moefuse_layer *layer, const call_
     return MOEFUSE_OK;
 }
 
+/* Expert parallelism (the GEMM's rows_in set): every received row in before a quantizer
+ * reads them. */
+moefuse_status rows_arrived(const moefuse_layer *layer, const mf_arrivals &rows_in,
+                            cudaStream_t stream) {
+    if (!rows_in.arrivals) return MOEFUSE_OK;
+    const cuda_state *s = state_of(layer);
+    const mf_ep_wait_rows_params w = {rows_in, s->sync, s->gemm_num_rows};
+    MF_CUDA_TRY(mf_ep_wait_rows(&w, stream));
+    return MOEFUSE_OK;
+}
+
 mf_operand weight(const uint8_t *codes, const float *scales) {
     return mf_operand{codes, MF_DTYPE_E4M3, scales, MF_SCALES_128X128};
 }
@@ -143,6 +158,7 @@ moefuse_status fp8_gemm1(const moefuse_layer *layer, const call_bufs &c,
                          const moefuse_fp8_weights *w, mf_gemm1_params *p, cudaStream_t stream) {
     p->w13 = weight(w->w13, w->w13_scale);
     p->w13_up = NULL;   /* the quantized weights are packed */
+    MF_TRY(rows_arrived(layer, p->rows_in, stream));
     return quantized_rows(layer, c, (const uint16_t *)p->xs.data, p->hidden, stream, &p->xs);
 }
 
@@ -160,6 +176,7 @@ moefuse_status fp8_dgrad2(const moefuse_layer *layer, const call_bufs &c,
                           const moefuse_fp8_weights *w, mf_dgrad2_params *p,
                           cudaStream_t stream) {
     p->w2 = weight(w->w2t, w->w2t_scale);
+    MF_TRY(rows_arrived(layer, p->rows_in, stream));
     return quantized_rows_and_tokens(layer, c, (const uint16_t *)p->dys.data, p->hidden,
                                      state_of(layer)->row_weight, stream, &p->dys);
 }

@@ -1,6 +1,7 @@
 /* Expert parallelism: raise a flag on every rank and/or wait for every rank's flag
  * (see mf_ep_signal_params in kernels.h). One block of 64 threads, one rank per thread
- * in the wait.
+ * in the wait. And the wait for every received row of a call before an FP8 quantizer
+ * reads them (mf_ep_wait_rows_params), one receive block per thread at a time.
  *
  * Raised after a previous kernel of this stream wrote to peers (gemm2's combine rows,
  * dgrad1's dx rows, the d p pushes): that kernel's writes are complete when it ends
@@ -44,7 +45,33 @@ ep_signal_wait_kernel(const __grid_constant__ mf_ep_signal_params p) {
     for (int b = threadIdx.x; b < blocks; b += kThreads) p.arrival_target[b] += MF_ROW_BLOCK_M;
 }
 
+__global__ void __launch_bounds__(kThreads)
+ep_wait_rows_kernel(const __grid_constant__ mf_ep_wait_rows_params p) {
+    const mf::ep::RowArrivals in = {p.rows_in.arrivals, p.rows_in.target, p.rows_in.state,
+                                    p.rows_in.timeout_ns, p.rows_in.stage};
+    __shared__ int s_failed;
+    if (threadIdx.x == 0) s_failed = 0;
+    const int blocks = *p.gemm_num_rows / MF_ROW_BLOCK_M;
+    __syncthreads();
+    for (int b = threadIdx.x; b < blocks; b += kThreads) {
+        if (!mf::ep::wait_block_rows(in, b)) {
+            s_failed = 1;   // this thread waits no more (every thread runs out at most once)
+            break;
+        }
+    }
+    __syncthreads();
+    if (s_failed && threadIdx.x == 0) mf::ep::fail_call(p.sync, p.rows_in.state, p.gemm_num_rows);
+}
+
 }  // namespace
+
+extern "C" cudaError_t mf_ep_wait_rows(const mf_ep_wait_rows_params *p, cudaStream_t stream) {
+    if (!p || !p->rows_in.arrivals || !p->rows_in.target || !p->rows_in.state || !p->sync ||
+        !p->gemm_num_rows)
+        return cudaErrorInvalidValue;
+    ep_wait_rows_kernel<<<1, kThreads, 0, stream>>>(*p);
+    return cudaGetLastError();
+}
 
 extern "C" cudaError_t mf_ep_signal_wait(const mf_ep_signal_params *p, cudaStream_t stream) {
     if (!p || p->num_ranks < 1 || p->rank < 0 || p->rank >= p->num_ranks || p->flag < 0 ||
@@ -54,4 +81,6 @@ extern "C" cudaError_t mf_ep_signal_wait(const mf_ep_signal_params *p, cudaStrea
     return cudaGetLastError();
 }
 
-extern "C" cudaError_t mf_ep_signal_wait_load(void) { return mf_load_kernels(ep_signal_wait_kernel); }
+extern "C" cudaError_t mf_ep_signal_wait_load(void) {
+    return mf_load_kernels(ep_signal_wait_kernel, ep_wait_rows_kernel);
+}
