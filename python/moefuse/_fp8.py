@@ -73,7 +73,8 @@ class Fp8UnsupportedError(_lib.MoefuseError):
 
 
 _WHAT_RUNS = ("FP8 runs on CPU tensors (the CPU backend) and on one sm_90 GPU without expert "
-              "parallelism (moefuse.experts, MoEExperts, MoefuseQwen3MoeBlock)")
+              "parallelism (moefuse.experts, MoEExperts, MoefuseQwen3MoeBlock); with it only "
+              "where MOEFUSE_FP8_EXPERT_PARALLEL=1")
 
 
 FP8_WITH_COMM_ENV = "MOEFUSE_FP8_EXPERT_PARALLEL"
@@ -129,6 +130,8 @@ def raise_if_unsupported(err: _lib.MoefuseError, cfg: _lib.Config, device: torch
         why = ("moefuse's CUDA kernels (FP8 and BF16) are built for sm_90 (H100/H200) "
                "only")
     elif with_comm:
+        if fp8_with_comm_enabled():
+            return  # opted in: another refusal (the environment, a shape), raised as it is
         why = (f"FP8 with expert parallelism (a comm) is off unless {FP8_WITH_COMM_ENV}=1 "
                "(built, not yet verified on a GPU)")
     else:

@@ -164,18 +164,21 @@ def memory_estimate(hidden: int, intermediate: int, num_experts: int, top_k: int
                     max_tokens: int, num_ranks: int,
                     saved_mode: _lib.SavedMode = _lib.SavedMode.SAVE_ACTIVATIONS,
                     recv_capacity_factor: float = 0.0,
-                    pipeline: _lib.Pipeline = _lib.Pipeline.STAGED) -> dict:
+                    pipeline: _lib.Pipeline = _lib.Pipeline.STAGED,
+                    precision: str = "bf16") -> dict:
     """moefuse_memory_estimate of an ExpertParallelExperts layer with this config, the
     largest of its rank's layers on the comm (shared_layers = 1): a dict of
     recv_capacity_rows, rows_cap, comm_window_bytes, comm_scratch_bytes (shared by every
-    layer of the comm), workspace_bytes (each layer's own) and saved_bytes (each forward's
-    saved activations, until its backward). No GPU needed."""
+    layer of the comm; with precision="fp8" the FP8 operands too), workspace_bytes (each
+    layer's own) and saved_bytes (each forward's saved activations, until its backward).
+    No GPU needed."""
     cfg = _lib.config_init(hidden, intermediate, num_experts, top_k, max_tokens)
     cfg.num_ranks = num_ranks
     cfg.backend = _lib.Backend.CUDA
     cfg.saved_mode = saved_mode
     cfg.pipeline = pipeline
     cfg.recv_capacity_factor = recv_capacity_factor
+    cfg.precision, _ = _fp8.resolve_precision(precision, False, "memory_estimate")
     return _lib.memory_estimate(cfg, True)
 
 

@@ -327,6 +327,7 @@ def test_library_refusals_of_fp8_are_reworded(monkeypatch, capability, name, wit
     becomes Fp8UnsupportedError naming the GPU, the reason and what runs, the library's
     message at its end (the GPU pretended: no GPU needed)."""
     _pretend_gpu(monkeypatch, capability, name)
+    monkeypatch.delenv(_fp8.FP8_WITH_COMM_ENV, raising=False)
     refusal = _library_refusal("config.backend = MOEFUSE_BACKEND_CUDA: refused (test)")
     cfg = _fp8_cuda_config()
     with pytest.raises(moefuse.Fp8UnsupportedError) as reworded:
@@ -342,6 +343,17 @@ def test_library_refusals_of_fp8_are_reworded(monkeypatch, capability, name, wit
     shape = moefuse.MoefuseError("moefuse_layer_create", _lib.Status.ERR_INVALID_CONFIG,
                                  "MOEFUSE_ERR_INVALID_CONFIG", "bad")
     _fp8.raise_if_unsupported(shape, cfg, torch.device("cuda", 0))
+
+
+def test_opted_in_comm_refusals_are_not_reworded(monkeypatch):
+    """With MOEFUSE_FP8_EXPERT_PARALLEL=1 a refusal of an FP8 layer with a comm is about
+    something else (the environment, a shape): it is raised as the library raised it."""
+    _pretend_gpu(monkeypatch, (9, 0), "NVIDIA H200")
+    monkeypatch.setenv(_fp8.FP8_WITH_COMM_ENV, "1")
+    refusal = _library_refusal("moefuse_layer_create: 2 virtual ranks need 6 CUDA hardware "
+                               "queues (test)")
+    _fp8.raise_if_unsupported(refusal, _fp8_cuda_config(), torch.device("cuda", 0),
+                              with_comm=True)   # returns: the caller re-raises refusal
 
 
 def test_library_refusal_without_a_gpu_is_reworded():

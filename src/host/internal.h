@@ -65,6 +65,8 @@ enum {
     MF_POOL_DH,          /* [rows_cap, 2I] bf16 */
     MF_POOL_DP_PARTIAL,  /* [rows_cap, dp_parts] fp32 */
     MF_POOL_GATE_UP,     /* [rows_cap, 2I] bf16, layers with MOEFUSE_RECOMPUTE only */
+    MF_POOL_FP8,         /* FP8 layers only: their operands' codes and scales, the six
+                            fp8_* arrays of mf_sizes one after another (mf_fp8_offsets) */
     MF_POOL_COUNT
 };
 
@@ -207,6 +209,14 @@ typedef struct mf_sizes {
     size_t saved;              /* moefuse_saved_bytes(max_tokens) */
 } mf_sizes;
 
+/* The FP8 operands' six arrays (fp8_rows .. fp8_rhs_scales, in that order) in one buffer:
+ * each one's offset, 256-byte aligned; returns the buffer's bytes (0 for BF16). With a
+ * comm that buffer is the pool's MF_POOL_FP8 scratch, shared by the comm's layers as the
+ * bf16 scratch is (they hold a call's operands only); without one each array is the
+ * layer's own allocation. */
+#define MF_FP8_ARRAYS 6
+size_t mf_fp8_offsets(const mf_sizes *z, size_t offsets[MF_FP8_ARRAYS]);
+
 /* Rows a rank may receive per call: without a comm T*K; with one,
  * recv_capacity_factor (0: MF_RECV_CAPACITY_DEFAULT) * max_tokens * K rounded up, at
  * most R * max_tokens * K (what every rank routing everything to it sends). */
@@ -217,7 +227,8 @@ int mf_padded_rows(int64_t slots, int experts);
 mf_saved_layout mf_saved_layout_of(const moefuse_config *c, int peers, int num_tokens,
                                    moefuse_saved_mode mode);
 mf_sizes mf_sizes_of(const moefuse_config *c, int peers, mf_tiles tiles);
-/* The layer's own bytes of s (every field after rows_bufs, and rows_bufs without a comm). */
+/* The layer's own bytes of s (every field after rows_bufs but the FP8 operands', and
+ * without a comm rows_bufs and the FP8 operands too). */
 size_t mf_sizes_own(const mf_sizes *s);
 size_t mf_sizes_sum(const size_t *bytes, int from, int to);
 /* moefuse_memory's fields from the sizes of a layer and its rank's pool (pool: the

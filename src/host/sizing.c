@@ -117,6 +117,7 @@ mf_sizes mf_sizes_of(const moefuse_config *c, int peers, mf_tiles tiles) {
         z.fp8_lhs_scales = (size_t)(rows / 128 * lhs_cols * 4);
         z.fp8_rhs_t = (size_t)(rows * rhs_cols);
         z.fp8_rhs_scales = (size_t)(rows / 128 * rhs_cols * 4);
+        if (peers) b[MF_POOL_FP8] = mf_fp8_offsets(&z, (size_t[MF_FP8_ARRAYS]){0});
     }
     z.saved = mf_saved_layout_of(c, peers, c->max_tokens, c->saved_mode).total;
     return z;
@@ -128,14 +129,28 @@ size_t mf_sizes_sum(const size_t *bytes, int from, int to) {
     return n;
 }
 
+size_t mf_fp8_offsets(const mf_sizes *z, size_t offsets[MF_FP8_ARRAYS]) {
+    const size_t bytes[MF_FP8_ARRAYS] = {z->fp8_rows, z->fp8_row_scales, z->fp8_lhs_t,
+                                         z->fp8_lhs_scales, z->fp8_rhs_t, z->fp8_rhs_scales};
+    size_t at = 0;
+    for (int i = 0; i < MF_FP8_ARRAYS; i++) {
+        offsets[i] = at;
+        at += (bytes[i] + 255) / 256 * 256;
+    }
+    return bytes[0] ? at : 0;
+}
+
 size_t mf_sizes_own(const mf_sizes *s) {
     const size_t own[] = {s->slot_rank, s->chunk_base, s->plan_state, s->gemm_num_rows,
                           s->plan_ws, s->act_ready, s->bwd_offsets, s->expert_order,
                           s->send_counts, s->send_offsets, s->send_rbe, s->send_slot_row,
-                          s->send_row_slot, s->send_scalars, s->dest_base,
-                          s->fp8_rows, s->fp8_row_scales, s->fp8_lhs_t, s->fp8_lhs_scales,
-                          s->fp8_rhs_t, s->fp8_rhs_scales};
+                          s->send_row_slot, s->send_scalars, s->dest_base};
+    const size_t fp8[] = {s->fp8_rows, s->fp8_lhs_t, s->fp8_rhs_t, s->fp8_row_scales,
+                          s->fp8_lhs_scales, s->fp8_rhs_scales};
     size_t n = mf_sizes_sum(own, 0, (int)(sizeof own / sizeof own[0]));
-    if (!s->peers) n += mf_sizes_sum(s->rows_bufs, 0, MF_POOL_COUNT);
+    if (!s->peers) {   /* with a comm these are the pool's (MF_POOL_*) */
+        n += mf_sizes_sum(s->rows_bufs, 0, MF_POOL_COUNT);
+        n += mf_sizes_sum(fp8, 0, (int)(sizeof fp8 / sizeof fp8[0]));
+    }
     return n;
 }

@@ -84,6 +84,9 @@ typedef struct ep {
     int null_if_empty;         /* ranks with T = 0 pass NULL token tensors */
     moefuse_pipeline pipeline; /* the ranks' forward (the R = 1 reference runs staged) */
     moefuse_precision precision; /* the ranks' and the R = 1 reference's */
+    int delay_last_ms;         /* ep_launch: the host sleeps this long before the last
+                                  rank's forward and before its backward (the others'
+                                  waits for its rows then really wait) */
     /* config.recv_capacity_factor: ep_open sets R, so that every routing of the equality
      * cases (skew onto one rank included) fits; 0 for the library's default */
     double capacity;

@@ -257,15 +257,24 @@ moefuse_bwd_args ep_bwd_args(const ep *s, const batch *b, int r) {
 
 /* Every rank's forward, each on its stream, then every rank's backward; no wait (the
  * ranks' kernels wait on each other, so all must be launched first). */
+static void delay_if_last(const ep *s, int r) {
+    if (r != s->R - 1 || s->delay_last_ms <= 0) return;
+    const struct timespec nap = {s->delay_last_ms / 1000,
+                                 (long)(s->delay_last_ms % 1000) * 1000000};
+    nanosleep(&nap, NULL);
+}
+
 int ep_launch(ep *s, const batch *b) {
     for (int r = 0; r < s->R; r++)
         if (!ep_prepare(s, b, r)) return 0;
     for (int r = 0; r < s->R; r++) {
+        delay_if_last(s, r);
         const moefuse_fwd_args a = ep_fwd_args(s, b, r);
         if (!rank_ok(moefuse_forward(s->rk[r].layer, &a, s->rk[r].stream), r, "moefuse_forward"))
             return 0;
     }
     for (int r = 0; r < s->R; r++) {
+        delay_if_last(s, r);
         const moefuse_bwd_args g = ep_bwd_args(s, b, r);
         if (!rank_ok(moefuse_backward(s->rk[r].layer, &g, s->rk[r].stream), r, "moefuse_backward"))
             return 0;

@@ -26,7 +26,9 @@
  *     the rows one rank gathers, so their codes, and every output, have the R = 1 bits;
  *     R = 2, 4 (uneven, a T = 0 rank; recompute; dropped slots) and 8 (skew). FP8 with a
  *     comm is opt-in (MOEFUSE_FP8_EXPERT_PARALLEL=1, set by these cases); without it the
- *     create refuses, which the first FP8 case checks.
+ *     create refuses, which the first FP8 case checks. And two steps on one set of
+ *     layers with different batches, the last rank launched 50 ms late (the received
+ *     rows must all be in before they are quantized).
  *
  * The failure cases (timeouts, a rejected saved buffer, the comm's refusals) are in
  * test_cuda_ep_failures.c, the 1000 iterations in test_cuda_ep_iterations.c; the
@@ -185,6 +187,31 @@ static void case_fp8_r4_dropped(void) {
     equality_case(&(ep_case){.R = 4, .T = {300, M, 64, 0}, .route = ROUTE_DROPPED,
                              .precision = FP8});
 }
+/* Two steps on the same layers, different batches (the windows hold the first batch's
+ * rows when the second arrives), the last rank launched 50 ms after the others: a
+ * quantizer that read received rows before they were all in would read stale or
+ * missing ones. */
+static void case_fp8_two_steps_late_rank(void) {
+    if (!ready()) return;
+    static const int T1[kMaxRanks] = {M, 0, 37, 300}, T2[kMaxRanks] = {200, M, M, 5};
+    batch b1, b2;
+    ep s;
+    memset(&s, 0, sizeof s);
+    memset(&b2, 0, sizeof b2);
+    setenv(kFp8CommEnv, "1", 1);
+    if (batch_make(&b1, 4, T1, ROUTE_RANDOM, -1) && batch_make(&b2, 4, T2, ROUTE_DROPPED, -1) &&
+        ep_open(&s, 4, M, MOEFUSE_SAVE_ACTIVATIONS)) {
+        s.precision = FP8;
+        s.delay_last_ms = 50;
+        if (ep_layers_create(&s)) {
+            check_equal(&s, &b1);
+            check_equal(&s, &b2);
+        }
+    }
+    ep_close(&s);
+    batch_free(&b1);
+    batch_free(&b2);
+}
 static void case_fp8_skew_r8(void) {
     equality_case(&(ep_case){.R = 8, .T = {M, M, M, M, M, M, M, M}, .skew = 1, .skew_rank = 0,
                              .precision = FP8});
@@ -214,6 +241,7 @@ int main(int argc, char **argv) {
         {case_fp8_recompute_r4, "fp8 R=4 T={512,0,37,300} recompute"},
         {case_fp8_r4_dropped, "fp8 R=4 T={300,512,64,0} dropped slots and tokens"},
         {case_fp8_skew_r8, "fp8 R=8 skew: every slot on rank 0's experts"},
+        {case_fp8_two_steps_late_rank, "fp8 R=4 two steps, two batches, the last rank 50 ms late"},
     };
     return ep_main(argc, argv, cases, (int)(sizeof cases / sizeof cases[0]));
 }

@@ -204,6 +204,32 @@ static void test_estimate_fp8(void) {
           b16.workspace_bytes, fp8, f8.saved_bytes, b16.saved_bytes);
 }
 
+/* FP8_BLOCK with a comm (qwen3-30b-a3b, R = 8, T = 16384): the same operand arrays, each
+ * 256-byte aligned, in the comm's scratch (shared by its layers, as act and dh are); the
+ * layer's own workspaces and its windows and saved state as BF16's. */
+static void test_estimate_fp8_comm(void) {
+    moefuse_config c = qwen30();
+    moefuse_memory b16, f8;
+    CHECK(estimate(&c, 1, &b16) == MOEFUSE_OK, "bf16: %s", moefuse_last_error());
+    c.precision = MOEFUSE_PRECISION_FP8_BLOCK;
+    CHECK(estimate(&c, 1, &f8) == MOEFUSE_OK, "fp8: %s", moefuse_last_error());
+    const int64_t rows = padded(2 * (int64_t)T * K, E / R), W = 2 * I > H ? 2 * I : H,
+                  V = H > I ? H : I;
+    const size_t fp8 = a256((size_t)(rows * W)) + a256((size_t)(W / 128 * rows * 4)) +
+                       a256((size_t)(rows * W)) + a256((size_t)(rows / 128 * W * 4)) +
+                       a256((size_t)(rows * V)) + a256((size_t)(rows / 128 * V * 4));
+    CHECK(f8.comm_scratch_bytes == b16.comm_scratch_bytes + fp8 &&
+              f8.layer_scratch_bytes == b16.layer_scratch_bytes + fp8,
+          "fp8 scratch %zu / %zu, bf16 %zu + FP8 operands %zu", f8.comm_scratch_bytes,
+          f8.layer_scratch_bytes, b16.comm_scratch_bytes, fp8);
+    CHECK(f8.workspace_bytes == b16.workspace_bytes &&
+              f8.comm_window_bytes == b16.comm_window_bytes && f8.saved_bytes == b16.saved_bytes,
+          "fp8 own %zu / bf16 %zu, windows %zu / %zu, saved %zu / %zu", f8.workspace_bytes,
+          b16.workspace_bytes, f8.comm_window_bytes, b16.comm_window_bytes, f8.saved_bytes,
+          b16.saved_bytes);
+    printf("    FP8 operands in the comm's scratch: %.2f GB (once per GPU)\n", fp8 / 1e9);
+}
+
 int main(void) {
     th_seed_from_env_or_clock();
     th_run("recv_capacity_factor validation", test_factor_validation);
@@ -212,5 +238,6 @@ int main(void) {
     th_run("struct_size contract", test_struct_size);
     th_run("a CPU layer's report", test_cpu_layer_report);
     th_run("estimate: FP8 operands' workspaces, one GPU", test_estimate_fp8);
+    th_run("estimate: FP8 operands in the comm's scratch, R=8", test_estimate_fp8_comm);
     return th_finish();
 }

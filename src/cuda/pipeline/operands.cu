@@ -48,7 +48,10 @@ moefuse_status as_they_are(const moefuse_layer *, const call_bufs &, const moefu
 
 /* ---- FP8 --------------------------------------------------------------------------- */
 
+/* Without a comm the layer's own; with one the pool's MF_POOL_FP8 scratch, pointed at by
+ * the pool's bind (transport/ep_pool.cu). */
 moefuse_status fp8_create(moefuse_layer *, cuda_state *s) {
+    if (s->plan.rows_from_peers) return MOEFUSE_OK;
     const mf_sizes &z = s->sizes;   /* sizing.c: the FP8 workspaces' bytes */
     MF_ALLOC_FIELD(s, fp8_rows, z.fp8_rows);
     MF_ALLOC_FIELD(s, fp8_row_scales, z.fp8_row_scales);

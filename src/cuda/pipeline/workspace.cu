@@ -105,18 +105,17 @@ call_bufs call_for(const moefuse_layer *layer, int num_tokens, moefuse_saved_mod
 /* ---- state ------------------------------------------------------------------------- */
 
 /* What create_checked allocated (the transport's destroy frees its own); peers: the row
- * buffers and scratch are the pool's, not these. */
+ * buffers and scratch (the FP8 operands' too) are the pool's, not these. */
 static void free_state(cuda_state *s) {
     if (!s) return;
     void *own[] = {s->slot_rank, s->chunk_base, s->plan_state, s->gemm_num_rows, s->plan_ws,
-                   s->act_ready, s->bwd_offsets, s->expert_order, s->fp8_rows,
-                   s->fp8_row_scales, s->fp8_lhs_t, s->fp8_lhs_scales, s->fp8_rhs_t,
-                   s->fp8_rhs_scales};
+                   s->act_ready, s->bwd_offsets, s->expert_order};
     for (void *b : own)
         if (b) cudaFree(b);
     if (!s->plan.rows_from_peers) {
         void *rows[] = {s->xs, s->combine, s->row_weight, s->act, s->dh, s->dp_partial,
-                        s->gate_up};
+                        s->gate_up, s->fp8_rows, s->fp8_row_scales, s->fp8_lhs_t,
+                        s->fp8_lhs_scales, s->fp8_rhs_t, s->fp8_rhs_scales};
         for (void *b : rows)
             if (b) cudaFree(b);
     }

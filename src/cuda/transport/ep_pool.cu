@@ -39,6 +39,7 @@ const char *const kPoolNames[MF_POOL_COUNT] = {
     "the x rows window", "the dy rows window", "the row sources window",
     "the row weights window", "the combine window", "the d p window", "the sync window",
     "the act scratch", "the dh scratch", "the d p partials scratch", "the gate_up scratch",
+    "the FP8 operands scratch",
 };
 
 bool nccl_window(const moefuse_comm *comm, int i) {
@@ -175,6 +176,16 @@ void pool_bind(const moefuse_layer *layer, cuda_state *s) {
     s->dh = (uint16_t *)p.buf[MF_POOL_DH];
     s->dp_partial = (float *)p.buf[MF_POOL_DP_PARTIAL];
     s->gate_up = (uint16_t *)p.buf[MF_POOL_GATE_UP];
+    // FP8: this layer's six operand arrays, laid out in the pool's scratch by its sizes
+    uint8_t *fp8 = (uint8_t *)p.buf[MF_POOL_FP8];
+    size_t off[MF_FP8_ARRAYS];
+    if (!fp8 || !mf_fp8_offsets(&s->sizes, off)) return;
+    s->fp8_rows = fp8 + off[0];
+    s->fp8_row_scales = (float *)(fp8 + off[1]);
+    s->fp8_lhs_t = fp8 + off[2];
+    s->fp8_lhs_scales = (float *)(fp8 + off[3]);
+    s->fp8_rhs_t = fp8 + off[4];
+    s->fp8_rhs_scales = (float *)(fp8 + off[5]);
 }
 
 }  // namespace pipeline
