@@ -15,6 +15,10 @@
 #                                (2 x 2000 steps, ~5 min)
 #   tools/gpu_checks.sh step     bench_train_step.py, 12 layers, both precisions, with the
 #                                MoE layers' profiled share (~3 min)
+#   tools/gpu_checks.sh titan    bench/bench_torchtitan.py: TorchTitan's step native and
+#                                with moefuse, debugmodel_moe 200 steps (loss curves) and
+#                                30B-A3B truncated (speed); needs TorchTitan's wheels in .whl
+#                                (carried; the script's docstring says which)
 # Several phases in one call: tools/gpu_checks.sh verify deep.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -97,12 +101,24 @@ step_time() {
         --layers 12 --precision bf16 fp8 --plot "$LOG_DIR/loss_curves.png"
 }
 
+titan() {
+    if ! python3 -c 'import torchtitan' 2>/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl > "$LOG_DIR/titan_install.log" 2>&1
+        export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    fi
+    STEP_TIMEOUT=240 step titan_debugmodel titan_debugmodel.log python3 bench/bench_torchtitan.py \
+        --steps 200 --plot "$LOG_DIR/torchtitan_loss.png"
+    STEP_TIMEOUT=300 step titan_30b titan_30b.log python3 bench/bench_torchtitan.py \
+        --model 30B-A3B --steps 30 --warmup 10 --plot "$LOG_DIR/torchtitan_30b_loss.png"
+}
+
 phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(verify)
 for p in "${phases[@]}"; do
     case "$p" in
-    verify | deep | bench | parity | step) ;;
-    *) echo "tools/gpu_checks.sh: unknown phase '$p' (verify, deep, bench, parity, step)" >&2
+    verify | deep | bench | parity | step | titan) ;;
+    *) echo "tools/gpu_checks.sh: unknown phase '$p' (verify, deep, bench, parity, step, titan)" >&2
        exit 2 ;;
     esac
 done
@@ -115,7 +131,7 @@ printf '%s\n' "${summary[@]}" | tee "$LOG_DIR/summary.txt"
 if [ -n "${OUT:-}" ]; then
     tar czf "$OUT/gpu-logs.tgz" -C build gpu-logs
     cp "$LOG_DIR"/summary.txt "$OUT/"
-    for f in "$LOG_DIR"/loss_curves.png "$LOG_DIR"/parity/*.png; do
+    for f in "$LOG_DIR"/*.png "$LOG_DIR"/parity/*.png; do
         [ -f "$f" ] && cp "$f" "$OUT/"
     done
 fi
