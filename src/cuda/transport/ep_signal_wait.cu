@@ -54,8 +54,9 @@ ep_wait_rows_kernel(const __grid_constant__ mf_ep_wait_rows_params p) {
     const int blocks = *p.gemm_num_rows / MF_ROW_BLOCK_M;
     __syncthreads();
     for (int b = threadIdx.x; b < blocks; b += kThreads) {
-        if (!mf::ep::wait_block_rows(in, b)) {
-            s_failed = 1;   // this thread waits no more (every thread runs out at most once)
+        // once a block's wait ran out the call has failed: no thread waits any more
+        if (*(volatile int *)&s_failed || !mf::ep::wait_block_rows(in, b)) {
+            s_failed = 1;
             break;
         }
     }
