@@ -30,14 +30,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                           args.hidden / Cfg::BN, (2 * args.intermediate) / Cfg::kBlockK, load, epi);
 }
 
-/* The two tile choices (the launcher picks one by the output width). */
-using WideCfg = TileConfig<Bf16, 256, 3, false, true, 0, 512>;
-using NarrowCfg = TileConfig<Bf16, 128, 6, false, true, 0, 256>;
-/* FP8: B = W13^T [E * H, 2I] K-major; BN = 256 as bf16's (the promotion runs per 128-wide
- * half: 64 part registers beside acc's 128), 3 stages of 48 KB + 512 bytes of row scales;
- * BN = 128 when H takes no 256. */
-using Fp8WideCfg = TileConfig<Fp8E4m3, 256, 3, false, false, 0, 512>;
-using Fp8NarrowCfg = TileConfig<Fp8E4m3, 128, 5, false, false, 0, 256>;
+/* The two tile choices (the launcher picks one by the output width; tile_config.cuh):
+ * bf16 reads W13 [E * 2I, H] MN-major; FP8 reads B = W13^T [E * H, 2I] K-major. */
+using WideCfg = RowGemmTiles<Bf16, true>::Wide;
+using NarrowCfg = RowGemmTiles<Bf16, true>::Narrow;
+using Fp8WideCfg = RowGemmTiles<Fp8E4m3>::Wide;
+using Fp8NarrowCfg = RowGemmTiles<Fp8E4m3>::Narrow;
 
 template <class Cfg>
 cudaError_t launch(const mf_dgrad1_params *p, cudaStream_t stream) {

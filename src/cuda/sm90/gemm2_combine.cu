@@ -31,15 +31,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                           args.hidden / Cfg::BN, args.intermediate / Cfg::kBlockK, load, epi);
 }
 
-/* The two tile choices (the launcher picks one by the output width). */
+/* The two tile choices (the launcher picks one by the output width; tile_config.cuh). */
 using Precision = Bf16;
-using WideCfg = TileConfig<Precision, 256, 3, false, false, 0, 512>;
-using NarrowCfg = TileConfig<Precision, 128, 6, false, false, 0, 256>;
-/* FP8: the same tile widths (the promotion runs per 128-wide half: 64 part registers
- * beside acc's 128), a stage 48 KB (BN = 256, 3 stages) or 32 KB (BN = 128, 5), each with
- * 512 bytes of row scales. */
-using Fp8WideCfg = TileConfig<Fp8E4m3, 256, 3, false, false, 0, 512>;
-using Fp8NarrowCfg = TileConfig<Fp8E4m3, 128, 5, false, false, 0, 256>;
+using WideCfg = RowGemmTiles<Precision>::Wide;
+using NarrowCfg = RowGemmTiles<Precision>::Narrow;
+using Fp8WideCfg = RowGemmTiles<Fp8E4m3>::Wide;
+using Fp8NarrowCfg = RowGemmTiles<Fp8E4m3>::Narrow;
 
 template <class Cfg>
 cudaError_t launch(const mf_gemm2_params *p, cudaStream_t stream) {

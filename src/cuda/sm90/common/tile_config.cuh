@@ -105,6 +105,18 @@ struct TileConfig {
                   "store warps move rows of 8 to 32 pieces of 16 bytes");
 };
 
+/* The tiles of the row GEMMs (gemm1, gemm2, dgrad1; the launcher picks one by the output
+ * width): BN = 256 with 3 stages, or BN = 128 with 6 (bf16) or 5 (FP8), the store warps'
+ * rows 512 or 256 bytes. FP8 keeps bf16's widths (the promotion runs per 128-wide half:
+ * 64 part registers beside acc's 128): a stage 48 KB or 32 KB, each with the row scales.
+ * B_MN_MAJOR: B read MN-major (bf16 dgrad1 reads W13 as it is; FP8's B is always
+ * K-major, W^T). */
+template <class P, bool B_MN_MAJOR = false>
+struct RowGemmTiles {
+    using Wide = TileConfig<P, 256, 3, false, B_MN_MAJOR, 0, 512>;
+    using Narrow = TileConfig<P, 128, P::kElementBytes == 1 ? 5 : 6, false, B_MN_MAJOR, 0, 256>;
+};
+
 /* A tile configuration whose producer warpgroup (the TMA thread and the store warps) gets
  * kRegs registers, the consumers what remains of the pool (a multiple of 8). For store
  * warps whose drain does not fit 40 (the fused forward's two drains). */
