@@ -18,39 +18,11 @@
 #include "check.h"
 #include "kernels.h"
 #include "internal.h"
+#include "bench_common.h"
 #include "moefuse.h"
 
-#define TRYC(call)                                                                         \
-    do {                                                                                   \
-        cudaError_t e_ = (call);                                                           \
-        if (e_ != cudaSuccess) {                                                           \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                  \
-                    cudaGetErrorString(e_));                                               \
-            exit(1);                                                                       \
-        }                                                                                  \
-    } while (0)
-#define TRYM(call)                                                                         \
-    do {                                                                                   \
-        moefuse_status s_ = (call);                                                        \
-        if (s_ != MOEFUSE_OK) {                                                            \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                  \
-                    moefuse_last_error());                                                 \
-            exit(1);                                                                       \
-        }                                                                                  \
-    } while (0)
-
-typedef struct model {
-    const char *name;
-    int H, I, E, K;
-} model;
-
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
-static uint64_t next_u64(void) {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return rng;
-}
+static uint64_t next_u64(void) { return xorshift64(&rng); }
 static double uniform(void) { return (double)(next_u64() >> 11) * 0x1.0p-53; }
 
 /* bf16 of N(0, scale^2)-ish values (sum of 4 uniforms), not zeros */

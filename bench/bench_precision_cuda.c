@@ -16,41 +16,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench_common.h"
 #include "moefuse.h"
-
-#define TRYC(call)                                                                         \
-    do {                                                                                   \
-        cudaError_t e_ = (call);                                                           \
-        if (e_ != cudaSuccess) {                                                           \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                  \
-                    cudaGetErrorString(e_));                                               \
-            exit(1);                                                                       \
-        }                                                                                  \
-    } while (0)
-#define TRYM(call)                                                                         \
-    do {                                                                                   \
-        moefuse_status s_ = (call);                                                        \
-        if (s_ != MOEFUSE_OK) {                                                            \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                  \
-                    moefuse_last_error());                                                 \
-            exit(1);                                                                       \
-        }                                                                                  \
-    } while (0)
 
 enum { kWarm = 3, kReps = 20 };
 
-typedef struct model {
-    const char *name;
-    int H, I, E, K;
-} model;
-
 static uint64_t rng = 0x2545f4914f6cdd1dull;
-static uint64_t next_u64(void) {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return rng;
-}
+static uint64_t next_u64(void) { return xorshift64(&rng); }
 
 /* bf16 normals come from a pool of kPool values of N(0, scale^2) on the device (Box-Muller
  * on the host), copied in pieces from random offsets: every row differs, at a fraction of
