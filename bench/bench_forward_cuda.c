@@ -103,26 +103,9 @@ int main(void) {
             uint16_t **x = malloc(sizeof(void *) * nsets);
             int32_t **ids = malloc(sizeof(void *) * nsets);
             float **p = malloc(sizeof(void *) * nsets);
-            int32_t *hid = malloc((size_t)T * K * 4);
-            float *hp = malloc((size_t)T * K * 4);
             for (int s = 0; s < nsets; s++) {
                 x[s] = dev_random_bf16((int64_t)T * m->H, 1.0);
-                for (int t = 0; t < T; t++) {
-                    for (int k = 0; k < K; k++) {
-                        int e, dup;
-                        do {
-                            e = (int)(next_u64() % (uint64_t)m->E);
-                            dup = 0;
-                            for (int j = 0; j < k; j++) dup |= hid[t * K + j] == e;
-                        } while (dup);
-                        hid[t * K + k] = e;
-                        hp[t * K + k] = 1.0f / K;
-                    }
-                }
-                TRYC(cudaMalloc((void **)&ids[s], (size_t)T * K * 4));
-                TRYC(cudaMalloc((void **)&p[s], (size_t)T * K * 4));
-                TRYC(cudaMemcpy(ids[s], hid, (size_t)T * K * 4, cudaMemcpyHostToDevice));
-                TRYC(cudaMemcpy(p[s], hp, (size_t)T * K * 4, cudaMemcpyHostToDevice));
+                device_uniform_routing(&rng, T, K, m->E, &ids[s], &p[s]);
             }
             moefuse_fwd_args a;
             memset(&a, 0, sizeof a);
@@ -262,8 +245,6 @@ int main(void) {
             free(x);
             free(ids);
             free(p);
-            free(hid);
-            free(hp);
         }
         cudaFree(saved);
         cudaFree(y);

@@ -181,26 +181,12 @@ int main(int argc, char **argv) {
             int nsets = (int)((4 * (size_t)l2 + xb - 1) / xb);
             nsets = nsets < 2 ? 2 : nsets;
             uint16_t **x = malloc(sizeof(void *) * nsets), **dy = malloc(sizeof(void *) * nsets);
-            int32_t **ids = malloc(sizeof(void *) * nsets), *hid = malloc((size_t)T * K * 4);
-            float **p = malloc(sizeof(void *) * nsets), *hp = malloc((size_t)T * K * 4);
+            int32_t **ids = malloc(sizeof(void *) * nsets);
+            float **p = malloc(sizeof(void *) * nsets);
             for (int s = 0; s < nsets; s++) {
                 x[s] = dev_normal_bf16((int64_t)T * m->H, unit);
                 dy[s] = dev_normal_bf16((int64_t)T * m->H, unit);
-                for (int t = 0; t < T; t++)
-                    for (int k = 0; k < K; k++) {
-                        int e, dup;
-                        do {
-                            e = (int)(next_u64() % (uint64_t)m->E);
-                            dup = 0;
-                            for (int j = 0; j < k; j++) dup |= hid[t * K + j] == e;
-                        } while (dup);
-                        hid[t * K + k] = e;
-                        hp[t * K + k] = 1.0f / K;
-                    }
-                TRYC(cudaMalloc((void **)&ids[s], (size_t)T * K * 4));
-                TRYC(cudaMalloc((void **)&p[s], (size_t)T * K * 4));
-                TRYC(cudaMemcpy(ids[s], hid, (size_t)T * K * 4, cudaMemcpyHostToDevice));
-                TRYC(cudaMemcpy(p[s], hp, (size_t)T * K * 4, cudaMemcpyHostToDevice));
+                device_uniform_routing(&rng, T, K, m->E, &ids[s], &p[s]);
             }
             for (int it = 0; it < kWarm + kReps; it++) {
                 const int s = it % nsets;
@@ -257,7 +243,7 @@ int main(int argc, char **argv) {
             for (int s = 0; s < nsets; s++) {
                 cudaFree(x[s]); cudaFree(dy[s]); cudaFree(ids[s]); cudaFree(p[s]);
             }
-            free(x); free(dy); free(ids); free(p); free(hid); free(hp);
+            free(x); free(dy); free(ids); free(p);
         }
         run_free(&runs[0]);
         run_free(&runs[1]);
