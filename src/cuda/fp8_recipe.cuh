@@ -5,8 +5,9 @@
  * integer algorithm (e4m3_encode) and the hardware's conversion of two values at once
  * (e4m3x2_encode), which the quantizers use: a test compares them on every fp32 input.
  * NOTE: with the integer encoder the row quantizer ran at under 0.9 TB/s (ncu, H200):
- * bound by its instructions, not by memory. Shared by the quantizer kernels (simt/fp8_quant.cu) and any
- * epilogue that quantizes the tile it holds. */
+ * bound by its instructions, not by memory. Shared by the quantizer kernels
+ * (simt/fp8_quant.cu), the dispatch that quantizes the rows it copies
+ * (transport/dispatch_rows.cu) and any epilogue that quantizes the tile it holds. */
 #pragma once
 
 #include <stdint.h>
@@ -80,6 +81,88 @@ __device__ __forceinline__ uint16_t e4m3x2_encode(float lo, float hi) {
 __device__ __forceinline__ uint32_t quantize4(float a, float b, float c, float d, float scale) {
     return (uint32_t)e4m3x2_encode(__fdiv_rn(a, scale), __fdiv_rn(b, scale)) |
            ((uint32_t)e4m3x2_encode(__fdiv_rn(c, scale), __fdiv_rn(d, scale)) << 16);
+}
+
+/* ---- 1 x 128 row tiles held by a half-warp, without a division per element -------------- */
+
+/* bf16 (the high or low half of a 32-bit word) as a float. */
+__device__ __forceinline__ float bf16_bits(uint32_t w, int hi) {
+    return __uint_as_float(hi ? (w & 0xffff0000u) : (w << 16));
+}
+
+/* q = x / scale rounded to fp32 (div.rn), as the e4m3 code it encodes to, through one
+ * multiplication by inv = rn(1 / scale) (per tile). NOTE: |x inv - x / scale| < 1 ulp, so
+ * q = rn(x inv) is within 2 ulp (4 steps of fp32 bits) of rn(x / scale); the two encode
+ * alike unless an e4m3 rounding point (a midpoint of two codes, bits = 0x80000 mod 2^20 over
+ * e4m3's normal range) lies between them. A lane whose q is zero, or at least 2^-6 and more
+ * than 8 steps from such a point, keeps its product; any other (and power-of-two scales
+ * need none: x inv is exact) makes its 8 values take div.rn, which is what this replaces
+ * (MUFU.RCP, 5 FFMA and a range check per element). NaN scales (a non-finite tile) give
+ * NaN products: code 0x7f either way. see docs/decisions/0023-fp8-quantizer-bandwidth. */
+__device__ __forceinline__ bool product_encodes_as_quotient(float q) {
+    const uint32_t u = __float_as_uint(q) & 0x7fffffffu;
+    return u == 0 || (u >= 0x3c800000u + 8 && ((u + 8 - 0x80000u) & 0xfffffu) > 16);
+}
+
+__device__ __forceinline__ uint2 encode8(const float (&q)[8]) {
+    return make_uint2((uint32_t)e4m3x2_encode(q[0], q[1]) |
+                          ((uint32_t)e4m3x2_encode(q[2], q[3]) << 16),
+                      (uint32_t)e4m3x2_encode(q[4], q[5]) |
+                          ((uint32_t)e4m3x2_encode(q[6], q[7]) << 16));
+}
+
+/* The rare path, out of line (eight div.rn inlined at every use would crowd the registers). */
+static __device__ __noinline__ uint2 quantize8_div(float x0, float x1, float x2, float x3, float x4,
+                                            float x5, float x6, float x7, float scale) {
+    const float q[8] = {__fdiv_rn(x0, scale), __fdiv_rn(x1, scale), __fdiv_rn(x2, scale),
+                        __fdiv_rn(x3, scale), __fdiv_rn(x4, scale), __fdiv_rn(x5, scale),
+                        __fdiv_rn(x6, scale), __fdiv_rn(x7, scale)};
+    return encode8(q);
+}
+
+/* 8 values' codes, element j in byte j of the pair. */
+__device__ __forceinline__ uint2 quantize8(const float (&x)[8], float scale, float inv, int pow2) {
+    float q[8];
+    bool ok = true;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        q[j] = __fmul_rn(x[j], inv);
+        ok = ok && product_encodes_as_quotient(q[j]);
+    }
+    if (ok || pow2) return encode8(q);
+    return quantize8_div(x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], scale);
+}
+
+/* |v| folded into a running amax, NaN-propagating (max.NaN: a NaN in either is NaN; the
+ * scale of a NaN amax is NaN whatever its bits, as amax_fold's). */
+__device__ __forceinline__ float amax_nan(float m, float v) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(m), "f"(fabsf(v)));
+    return r;
+}
+
+/* The 8 bf16 of a 16-byte piece as floats. */
+__device__ __forceinline__ void unpack8(const uint4 v, float (&x)[8]) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = bf16_bits(w[j / 2], j % 2);
+}
+
+/* A 1 x 128 tile of bf16 held by the 16 lanes of a half-warp (half_lanes, all present),
+ * 8 values (one 16-byte piece) each: the tile's scale (in every lane) and this lane's 8
+ * codes, element j in byte j. The rows quantizer's and the dispatch's: the same codes. */
+__device__ __forceinline__ uint2 row_tile_codes(const uint4 piece, unsigned half_lanes, int pow2,
+                                                float *scale) {
+    float x[8];
+    unpack8(piece, x);
+    float m = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = amax_nan(m, x[j]);
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) m = amax_nan(m, __shfl_xor_sync(half_lanes, m, o));
+    const float s = tile_scale(m, pow2);
+    *scale = s;
+    return quantize8(x, s, __frcp_rn(s), pow2);
 }
 
 }  // namespace fp8

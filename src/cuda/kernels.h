@@ -136,7 +136,8 @@ typedef struct mf_saved_check_params {
 cudaError_t mf_saved_check(const mf_saved_check_params *p, cudaStream_t stream);
 
 /* xs[slot_row[t*K + k]] = x[t] for every live slot; padding rows (row_slot -1, below
- * num_rows) get zeros, so padding rows of act and gate_up are exactly 0. */
+ * num_rows) get zeros, so padding rows of act and gate_up are exactly 0. Or (codes set)
+ * the FP8 codes and scales of those rows. */
 typedef struct mf_dispatch_params {
     /* one or two tensors of token rows moved with the same plan (the backward: dy and x) */
     const uint16_t *x[2];         /* [T, H], row stride x_stride */
@@ -157,6 +158,15 @@ typedef struct mf_dispatch_params {
      * gemm2 and dgrad2 read it with one load instead of weights[row_slot[r]]. */
     const float *weights;         /* [T*K] p */
     float *row_weight;            /* out [rows_cap] */
+    /* Optional (codes NULL: bf16 rows): tensor 0 (num_tensors 1; xs[0] not written)
+     * quantized as it is copied, the FP8 recipe's 1 x 128 row tiles bit for bit as
+     * mf_quantize_fp8_rows makes them from the bf16 rows: codes [rows_cap, H], scales
+     * MN-major [H / 128, scale_ld], each token's tiles quantized once for its K rows;
+     * padding rows get codes 0 and scales 1 (an all-zero tile's). H % 128 == 0. */
+    uint8_t *codes;
+    float *scales;
+    int scale_ld;                 /* >= rows_cap, a multiple of 4 */
+    int pow2;                     /* power-of-two scales */
 } mf_dispatch_params;
 
 cudaError_t mf_dispatch_rows_bf16(const mf_dispatch_params *p, cudaStream_t stream);

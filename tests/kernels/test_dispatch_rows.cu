@@ -6,7 +6,11 @@
  *   - rows at or past num_rows keep the poison;
  *   - each row's routing weight: row_weight[r] = weights[row_slot[r]], 0 for padding
  *     rows, poison at or past num_rows (with one tensor and with two);
- *   - with the plan's call_failed flag set, nothing is written. */
+ *   - with the plan's call_failed flag set, nothing is written;
+ *   - FP8 (codes set): the codes and scales bitwise those of mf_quantize_fp8_rows run on
+ *     the bf16 dispatch's rows (padding rows included, rows past num_rows untouched),
+ *     amax and power-of-two scales, with a NaN, values far beyond 448 and an all-zero
+ *     token among the inputs. */
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,9 +43,70 @@ struct PlanBufs {
     ~PlanBufs() { cudaFree(slot_row); cudaFree(row_slot); cudaFree(num_rows); cudaFree(failed); }
 };
 
-/* Runs the dispatch of `tensors` (1 or 2) over the layout and checks every output row. */
+/* The FP8 dispatch of p's tensor (its bf16 rows already in p.xs[0], checked) against
+ * mf_quantize_fp8_rows run on those rows: every code and scale byte, both poisoned first. */
+void check_fp8(const char *what, mf_dispatch_params p, const Layout &L, int H, int pow2) {
+    const int scale_ld = (L.rows_cap + 3) / 4 * 4;
+    const size_t ncodes = (size_t)L.rows_cap * H, nscales = (size_t)(H / 128) * scale_ld * 4;
+    uint8_t *codes[2] = {nullptr, nullptr};
+    float *scales[2] = {nullptr, nullptr};
+    for (int i = 0; i < 2; ++i) {
+        CUDA_OK(cudaMalloc((void **)&codes[i], ncodes));
+        CUDA_OK(cudaMalloc((void **)&scales[i], nscales));
+        CUDA_OK(cudaMemset(codes[i], 0xFF, ncodes));
+        CUDA_OK(cudaMemset(scales[i], 0xFF, nscales));
+    }
+    {
+        mf_quantize_fp8_rows_params q = {};
+        q.in = p.xs[0];
+        q.ld = H;
+        q.rows_cap = L.rows_cap;
+        q.num_rows = p.num_rows;
+        q.cols = H;
+        q.pow2 = pow2;
+        q.codes = codes[0];
+        q.scales = scales[0];
+        q.scale_ld = scale_ld;
+        CUDA_OK(mf_quantize_fp8_rows(&q, 0));
+        p.row_weight = nullptr;
+        p.codes = codes[1];
+        p.scales = scales[1];
+        p.scale_ld = scale_ld;
+        p.pow2 = pow2;
+        CUDA_OK(mf_dispatch_rows_bf16(&p, 0));
+        CUDA_OK(cudaDeviceSynchronize());
+        std::vector<uint8_t> c[2];
+        std::vector<uint32_t> sc[2];
+        for (int i = 0; i < 2; ++i) {
+            c[i].resize(ncodes);
+            sc[i].resize(nscales / 4);
+            CUDA_OK(cudaMemcpy(c[i].data(), codes[i], ncodes, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(sc[i].data(), scales[i], nscales, cudaMemcpyDeviceToHost));
+        }
+        int wrong = 0, first = -1;
+        for (int r = 0; r < L.rows_cap; ++r) {
+            bool ok = !memcmp(c[0].data() + (size_t)r * H, c[1].data() + (size_t)r * H, H);
+            for (int b = 0; b < H / 128 && ok; ++b)
+                ok = sc[0][(size_t)b * scale_ld + r] == sc[1][(size_t)b * scale_ld + r];
+            if (!ok && wrong++ == 0) first = r;
+        }
+        CHECK(wrong == 0,
+              "%s, fp8 (pow2 %d): %d of %d rows' codes or scales differ from the rows "
+              "quantizer's, first row %d (num_rows %d, slot %d)", what, pow2, wrong,
+              L.rows_cap, first, L.num_rows, first >= 0 ? L.row_slot[first] : 0);
+    }
+    for (int i = 0; i < 2; ++i) {
+        cudaFree(codes[i]);
+        cudaFree(scales[i]);
+    }
+}
+
+/* Runs the dispatch of `tensors` (1 or 2) over the layout and checks every output row;
+ * fp8_pow2 >= 0 (one tensor, H % 128 == 0): then the FP8 dispatch with that scale rule
+ * (check_fp8). */
 void check_dispatch(const char *what, const std::vector<int> &counts, int K, int H,
-                    int extra_rows, int dropped, int num_tensors, bool failed) {
+                    int extra_rows, int dropped, int num_tensors, bool failed,
+                    int fp8_pow2 = -1) {
     Layout L = make_layout(counts, extra_rows, dropped);
     /* Whole tokens: pad the slot count up to a multiple of K with more dropped slots. */
     const int T = (L.num_slots + K - 1) / K;
@@ -70,6 +135,12 @@ void check_dispatch(const char *what, const std::vector<int> &counts, int K, int
         t[j].stride = strides[j];
         t[j].host.resize((size_t)T * strides[j]);
         for (auto &v : t[j].host) v = f2bf((float)th_normal());
+        if (fp8_pow2 >= 0 && T >= 3) {   /* a NaN, values beyond 448, an all-zero token */
+            t[j].host[5] = 0x7FC0;
+            t[j].host[(size_t)strides[j] + 7] = f2bf(3.0e4f);
+            t[j].host[(size_t)strides[j] + 200 % H] = f2bf(-1.0e30f);
+            for (int c = 0; c < H; ++c) t[j].host[(size_t)2 * strides[j] + c] = 0;
+        }
         CUDA_OK(cudaMalloc((void **)&t[j].x, t[j].host.size() * 2));
         CUDA_OK(cudaMalloc((void **)&t[j].xs, (size_t)L.rows_cap * H * 2));
         CUDA_OK(cudaMemcpy(t[j].x, t[j].host.data(), t[j].host.size() * 2,
@@ -138,6 +209,7 @@ void check_dispatch(const char *what, const std::vector<int> &counts, int K, int
               "%s, tensor %d: %d of %d rows wrong, first row %d (num_rows %d, slot %d)", what, j,
               wrong, L.rows_cap, first, L.num_rows, first >= 0 ? L.row_slot[first] : 0);
     }
+    if (fp8_pow2 >= 0) check_fp8(what, p, L, H, fp8_pow2);
 }
 
 void test_one_tensor(void) {
@@ -164,6 +236,19 @@ void test_call_failed(void) {
                    2, true);
 }
 
+void test_fp8(void) {
+    if (!have_sm90()) return;
+    check_dispatch("fp8, H 2048, K 8, 16 uneven experts", skewed_counts(16, 2000), 8, 2048, 256,
+                   48, 1, false, 0);
+    check_dispatch("fp8 pow2, H 4096, K 4", skewed_counts(8, 700), 4, 4096, 0, 4, 1, false, 1);
+    check_dispatch("fp8, H 128 (one tile), K 2", skewed_counts(5, 333), 2, 128, 128, 9, 1,
+                   false, 0);
+    check_dispatch("fp8, H 1280 (5 tiles: a partial pass), K 6",
+                   std::vector<int>{0, 700, 0, 0, 31, 0, 129, 0}, 6, 1280, 128, 26, 1, false, 0);
+    check_dispatch("fp8, call_failed set: nothing written", skewed_counts(16, 1000), 8, 512, 128,
+                   24, 1, true, 0);
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -171,6 +256,7 @@ int main(int argc, char **argv) {
         {"dispatch_rows_one_tensor", test_one_tensor},
         {"dispatch_rows_two_tensors", test_two_tensors},
         {"dispatch_rows_call_failed", test_call_failed},
+        {"dispatch_rows_fp8", test_fp8},
     };
     th_seed_from_env_or_clock();
     for (const auto &c : cases)

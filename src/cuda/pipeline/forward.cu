@@ -8,7 +8,8 @@
  *   gemm2     act W2^T, rows scaled by p into their slot rows of the combine buffer
  *             (peers: the source rank's)
  *             (MOEFUSE_PIPELINE_FUSED: gemm1 and gemm2 in one kernel; the same bits)
- *             (FP8: x rows and act quantized 1 x 128 before each GEMM, operands.cu)
+ *             (FP8: x rows and act quantized 1 x 128 before each GEMM, operands.cu; on
+ *             one GPU x by its dispatch unless the forward saves its rows)
  *   combined  peers: every rank's combine rows are in, the push joined
  *   reduce    y[t] = sum of its K slot rows, fp32, k order
  * On bad ids the plan sets the GEMMs' row count to 0 and fails the call: the later
@@ -30,7 +31,9 @@ moefuse_status forward(moefuse_layer *layer, const moefuse_fwd_args *a, void *st
     const int T = a->num_tokens;
     /* the plan into the caller's saved buffer, else into the workspace */
     const moefuse_saved_mode mode = a->saved ? plan.saved_mode : MOEFUSE_RECOMPUTE;
-    const call_bufs c = call_for(layer, T, mode, a->saved);
+    call_bufs c = call_for(layer, T, mode, a->saved);
+    // FP8 on one GPU: x quantized by its dispatch, its bf16 rows kept only when saved
+    c.x_codes = plan.dispatch_quantizes_x && mode != MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS;
 
     // ---- 1. plan ----
     MF_TRY(plan.net->plan(layer, a, c, stream));

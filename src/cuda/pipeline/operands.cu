@@ -4,7 +4,8 @@
  *   bf16  the rows and the weights as they are: nothing to do;
  *   FP8   (docs/decisions/0018-fp8-block-recipe.md) each A operand quantized 1 x 128
  *         along its K into the layer's row codes (x for gemm1, a for gemm2, dy for
- *         dgrad2, [dg; du] for dgrad1: one buffer, used in turn), the weight gradients'
+ *         dgrad2, [dg; du] for dgrad1: one buffer, used in turn; the forward's x by the
+ *         one-GPU dispatch as it copies the rows, fp8_row_codes_out, unless saved), the weight gradients'
  *         operands quantized in tiles of 128 tokens and transposed (p dy and a for dW2,
  *         [dg; du] and x for dW13: two buffers, used in turn), and the weights the
  *         caller quantized (W for the forward, W^T for the dgrads). dy and [dg; du] are
@@ -161,6 +162,10 @@ moefuse_status fp8_gemm1(const moefuse_layer *layer, const call_bufs &c,
                          const moefuse_fp8_weights *w, mf_gemm1_params *p, cudaStream_t stream) {
     p->w13 = weight(w->w13, w->w13_scale);
     p->w13_up = NULL;   /* the quantized weights are packed */
+    if (c.x_codes) {    /* the dispatch wrote them */
+        p->xs = row_operand(state_of(layer));
+        return MOEFUSE_OK;
+    }
     MF_TRY(rows_arrived(layer, p->rows_in, stream));
     return quantized_rows(layer, c, (const uint16_t *)p->xs.data, p->hidden, stream, &p->xs);
 }
@@ -213,6 +218,14 @@ moefuse_status fp8_dw13(const moefuse_layer *layer, const call_bufs &, const moe
 }
 
 }  // namespace
+
+void fp8_row_codes_out(const moefuse_layer *layer, const call_bufs &c, mf_dispatch_params *dp) {
+    const cuda_state *s = state_of(layer);
+    dp->codes = s->fp8_rows;
+    dp->scales = s->fp8_row_scales;
+    dp->scale_ld = scale_ld(c.lay.rows_cap);
+    dp->pow2 = layer->cfg.fp8_pow2_scales;
+}
 
 const operand_prep kBf16Operands = {
     bf16_create,

@@ -45,6 +45,9 @@ struct exec_plan {
     /* staged dW13 before the wait for the other ranks' dx rows (peers: it fills that
      * wait), else after the reduces (local: they read dgrad1's slot rows right after it) */
     bool dw13_before_wait;
+    /* FP8 on the local transport: the forward's dispatch quantizes x as it copies it (no
+     * bf16 rows for a quantizer to read again) unless the forward saves x's rows */
+    bool dispatch_quantizes_x;
     moefuse_saved_mode saved_mode;
     int block_m;                /* the GEMMs' row tile = the plan's row block */
     int dp_parts;               /* d p partial sums per row (dgrad2's column blocks) */
@@ -155,6 +158,10 @@ struct call_bufs {
     uint16_t *xs;               /* x rows */
     uint16_t *dys;              /* dy rows (backward) */
     const int32_t *row_slot;    /* each row's slot (peers: slot * R + source rank) */
+    /* forward, exec_plan.dispatch_quantizes_x, x's rows not saved: the dispatch writes x's
+     * FP8 row codes and scales (fp8_row_codes_out) instead of bf16 rows into xs, and
+     * gemm1's hook takes them as they are */
+    bool x_codes;
 };
 
 /* The token-major rows a dispatch moves: x (forward), dy and x (backward). */
@@ -267,6 +274,10 @@ struct operand_prep {
     moefuse_status (*dw13)(const moefuse_layer *layer, const call_bufs &c,
                            const moefuse_fp8_weights *w, mf_wgrad_params *p, cudaStream_t stream);
 };
+
+/* FP8 (operands.cu): where a dispatch writes the row codes and scales of its rows
+ * (mf_dispatch_params.codes, scales, scale_ld, pow2), the layer's row-code workspace. */
+void fp8_row_codes_out(const moefuse_layer *layer, const call_bufs &c, mf_dispatch_params *dp);
 
 extern const operand_prep kBf16Operands;   /* pipeline/operands.cu */
 extern const operand_prep kFp8Operands;

@@ -37,68 +37,6 @@ namespace {
 
 using namespace mf::fp8;
 
-__device__ __forceinline__ float bf16_bits(uint32_t w, int hi) {
-    return __uint_as_float(hi ? (w & 0xffff0000u) : (w << 16));
-}
-
-
-/* ---- the division by a tile's scale, without a division per element ------------------ */
-
-/* q = x / scale rounded to fp32 (div.rn), as the e4m3 code it encodes to, through one
- * multiplication by inv = rn(1 / scale) (per tile). NOTE: |x inv - x / scale| < 1 ulp, so
- * q = rn(x inv) is within 2 ulp (4 steps of fp32 bits) of rn(x / scale); the two encode
- * alike unless an e4m3 rounding point (a midpoint of two codes, bits = 0x80000 mod 2^20 over
- * e4m3's normal range) lies between them. A lane whose q is zero, or at least 2^-6 and more
- * than 8 steps from such a point, keeps its product; any other (and power-of-two scales
- * need none: x inv is exact) makes its 8 values take div.rn, which is what this replaces
- * (MUFU.RCP, 5 FFMA and a range check per element). NaN scales (a non-finite tile) give
- * NaN products: code 0x7f either way. see docs/decisions/0023-fp8-quantizer-bandwidth. */
-__device__ __forceinline__ bool product_encodes_as_quotient(float q) {
-    const uint32_t u = __float_as_uint(q) & 0x7fffffffu;
-    return u == 0 || (u >= 0x3c800000u + 8 && ((u + 8 - 0x80000u) & 0xfffffu) > 16);
-}
-
-__device__ __forceinline__ uint2 encode8(const float (&q)[8]) {
-    return make_uint2((uint32_t)e4m3x2_encode(q[0], q[1]) | ((uint32_t)e4m3x2_encode(q[2], q[3]) << 16),
-                      (uint32_t)e4m3x2_encode(q[4], q[5]) | ((uint32_t)e4m3x2_encode(q[6], q[7]) << 16));
-}
-
-/* The rare path, out of line (eight div.rn inlined at every use would crowd the registers). */
-__device__ __noinline__ uint2 quantize8_div(float x0, float x1, float x2, float x3, float x4,
-                                            float x5, float x6, float x7, float scale) {
-    const float q[8] = {__fdiv_rn(x0, scale), __fdiv_rn(x1, scale), __fdiv_rn(x2, scale),
-                        __fdiv_rn(x3, scale), __fdiv_rn(x4, scale), __fdiv_rn(x5, scale),
-                        __fdiv_rn(x6, scale), __fdiv_rn(x7, scale)};
-    return encode8(q);
-}
-
-/* 8 values' codes, element j in byte j of the pair. */
-__device__ __forceinline__ uint2 quantize8(const float (&x)[8], float scale, float inv, int pow2) {
-    float q[8];
-    bool ok = true;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        q[j] = __fmul_rn(x[j], inv);
-        ok = ok && product_encodes_as_quotient(q[j]);
-    }
-    if (ok || pow2) return encode8(q);
-    return quantize8_div(x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], scale);
-}
-
-/* |v| folded into a running amax, NaN-propagating (max.NaN: a NaN in either is NaN; the
- * scale of a NaN amax is NaN whatever its bits, as amax_fold's). */
-__device__ __forceinline__ float amax_nan(float m, float v) {
-    float r;
-    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(m), "f"(fabsf(v)));
-    return r;
-}
-
-/* The 8 bf16 of a 16-byte piece as floats. */
-__device__ __forceinline__ void unpack8(const uint4 v, float (&x)[8]) {
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int j = 0; j < 8; ++j) x[j] = bf16_bits(w[j / 2], j % 2);
-}
 
 /* Element j (0..7) of a 16-byte piece of bf16. */
 __device__ __forceinline__ float bf16_at(const uint4 &v, int j) {
@@ -143,16 +81,9 @@ __global__ void __launch_bounds__(kRowsThreads, 4)
 #pragma unroll
     for (int u = 0; u < kRowsUnroll; ++u) {
         if (first + u * (kRowsThreads / 16) >= total) break;   /* uniform per half-warp */
-        float x[8];
-        unpack8(v[u], x);
-        float m = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) m = amax_nan(m, x[j]);
-#pragma unroll
-        for (int o = 8; o > 0; o >>= 1) m = amax_nan(m, __shfl_xor_sync(half_lanes, m, o));
-        const float scale = tile_scale(m, p.pow2);
+        float scale;
         *reinterpret_cast<uint2 *>(p.codes + (int64_t)r[u] * p.cols + b[u] * 128 + 8 * l16) =
-            quantize8(x, scale, __frcp_rn(scale), p.pow2);
+            row_tile_codes(v[u], half_lanes, p.pow2, &scale);
         if (l16 == 0) p.scales[(int64_t)b[u] * p.scale_ld + r[u]] = scale;
     }
 }

@@ -59,8 +59,8 @@ moefuse_status plan(moefuse_layer *layer, const moefuse_fwd_args *a, const call_
     return MOEFUSE_OK;
 }
 
-/* Forward: x -> xs. Backward: dy -> dys and x -> s->xs in one pass, x not when the
- * forward saved its xs. */
+/* Forward: x -> xs (FP8 with c.x_codes: x -> its row codes). Backward: dy -> dys and
+ * x -> s->xs in one pass, x not when the forward saved its xs. */
 moefuse_status dispatch(moefuse_layer *layer, const token_rows &rows, const call_bufs &c,
                         cudaStream_t stream) {
     const cuda_state *s = state_of(layer);
@@ -78,6 +78,7 @@ moefuse_status dispatch(moefuse_layer *layer, const token_rows &rows, const call
         dp.x_stride[0] = rows.x_stride;
         dp.xs[0] = c.xs;
         dp.num_tensors = 1;
+        if (c.x_codes) fp8_row_codes_out(layer, c, &dp);   // FP8: codes, not bf16 rows
     }
     dp.slot_row = (const int32_t *)(c.base + c.lay.slot_row);
     dp.row_slot = c.row_slot;
