@@ -284,7 +284,16 @@ typedef struct mf_ep_push_params {
     uint32_t *sync;
     mf_plan_state *state;
     int num_sms;
+    /* Forward, FP8 (x_codes 1; H % 128 == 0): x's rows quantized as they are pushed (the
+     * recipe's 1 x 128 tiles, the rows quantizer's code, fp8_recipe.cuh) into the
+     * receiver's MF_WIN_XS window: codes [rows_cap, H] from its start, scales MN-major
+     * [H / 128, rows_cap] fp32 from byte MF_FP8_CODES_BYTES(rows_cap, H); own padding rows
+     * get codes 0 and scales 1. rows_cap: every rank's (the same config). */
+    int x_codes, pow2, rows_cap;
 } mf_ep_push_params;
+
+/* Where the scales of FP8 row codes [rows_cap, hidden] begin in a buffer holding both. */
+#define MF_FP8_CODES_BYTES(rows_cap, hidden) ((int64_t)(rows_cap) * (int64_t)(hidden))
 
 cudaError_t mf_ep_push_rows(const mf_ep_push_params *p, cudaStream_t stream);
 

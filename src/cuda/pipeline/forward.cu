@@ -32,7 +32,7 @@ moefuse_status forward(moefuse_layer *layer, const moefuse_fwd_args *a, void *st
     /* the plan into the caller's saved buffer, else into the workspace */
     const moefuse_saved_mode mode = a->saved ? plan.saved_mode : MOEFUSE_RECOMPUTE;
     call_bufs c = call_for(layer, T, mode, a->saved);
-    // FP8 on one GPU: x quantized by its dispatch, its bf16 rows kept only when saved
+    // FP8: x quantized by its dispatch, its bf16 rows kept only when saved (one GPU)
     c.x_codes = plan.dispatch_quantizes_x && mode != MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS;
 
     // ---- 1. plan ----

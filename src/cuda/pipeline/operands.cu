@@ -4,8 +4,9 @@
  *   bf16  the rows and the weights as they are: nothing to do;
  *   FP8   (docs/decisions/0018-fp8-block-recipe.md) each A operand quantized 1 x 128
  *         along its K into the layer's row codes (x for gemm1, a for gemm2, dy for
- *         dgrad2, [dg; du] for dgrad1: one buffer, used in turn; the forward's x by the
- *         one-GPU dispatch as it copies the rows, fp8_row_codes_out, unless saved), the weight gradients'
+ *         dgrad2, [dg; du] for dgrad1: one buffer, used in turn; the forward's x by its
+ *         dispatch as it moves the rows, unless saved: on one GPU into that buffer,
+ *         fp8_row_codes_out, with a comm into the x rows window by the push), the weight gradients'
  *         operands quantized in tiles of 128 tokens and transposed (p dy and a for dW2,
  *         [dg; du] and x for dW13: two buffers, used in turn), and the weights the
  *         caller quantized (W for the forward, W^T for the dgrads). dy and [dg; du] are
@@ -13,9 +14,11 @@
  *         runs dgrad2, dW2, dgrad1, dW13 in this order on one stream; FP8 has no fused
  *         backward), so dW2's and dW13's hooks quantize only a and x
  *         (docs/decisions/0023-fp8-quantizer-bandwidth.md).
- *         With expert parallelism x and dy arrive from the peers while the call runs: the
- *         hooks of the GEMMs that read received rows (gemm1, dgrad2) wait for all of them
- *         first (mf_ep_wait_rows), so the quantization does not overlap the push. The
+ *         With expert parallelism the backward's x and dy arrive from the peers while the
+ *         call runs: the hooks of the GEMMs that quantize received rows (the recomputed
+ *         gemm1, dgrad2) wait for all of them first (mf_ep_wait_rows), so that
+ *         quantization does not overlap the push; the forward's gemm1 reads the pushed
+ *         codes block by block as they arrive, as BF16's does. The
  *         received rows are the rows a single rank would gather, so the codes are too.
  * NOTE: the FP8 quantizations are passes of their own over rows a kernel just wrote
  * (about 3 bytes per element moved: read bf16, write the code; the scales add 1/32):
@@ -154,6 +157,17 @@ moefuse_status rows_arrived(const moefuse_layer *layer, const mf_arrivals &rows_
     return MOEFUSE_OK;
 }
 
+/* x's row codes as the forward's dispatch left them: the row-code workspace (local), or
+ * the x rows window with its scales after the codes (peers, mf_ep_push_params). */
+mf_operand x_codes_operand(const moefuse_layer *layer, const call_bufs &c) {
+    const cuda_state *s = state_of(layer);
+    if (!s->plan.rows_from_peers) return row_operand(s);
+    const uint8_t *codes = (const uint8_t *)c.xs;
+    const float *scales =
+        (const float *)(codes + MF_FP8_CODES_BYTES(c.lay.rows_cap, layer->cfg.hidden));
+    return mf_operand{codes, MF_DTYPE_E4M3, scales, MF_SCALES_1X128};
+}
+
 mf_operand weight(const uint8_t *codes, const float *scales) {
     return mf_operand{codes, MF_DTYPE_E4M3, scales, MF_SCALES_128X128};
 }
@@ -162,8 +176,8 @@ moefuse_status fp8_gemm1(const moefuse_layer *layer, const call_bufs &c,
                          const moefuse_fp8_weights *w, mf_gemm1_params *p, cudaStream_t stream) {
     p->w13 = weight(w->w13, w->w13_scale);
     p->w13_up = NULL;   /* the quantized weights are packed */
-    if (c.x_codes) {    /* the dispatch wrote them */
-        p->xs = row_operand(state_of(layer));
+    if (c.x_codes) {    /* the dispatch wrote them (peers: into the x rows window) */
+        p->xs = x_codes_operand(layer, c);
         return MOEFUSE_OK;
     }
     MF_TRY(rows_arrived(layer, p->rows_in, stream));

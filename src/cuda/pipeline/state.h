@@ -45,8 +45,9 @@ struct exec_plan {
     /* staged dW13 before the wait for the other ranks' dx rows (peers: it fills that
      * wait), else after the reduces (local: they read dgrad1's slot rows right after it) */
     bool dw13_before_wait;
-    /* FP8 on the local transport: the forward's dispatch quantizes x as it copies it (no
-     * bf16 rows for a quantizer to read again) unless the forward saves x's rows */
+    /* FP8: the forward's dispatch (local: the gather, peers: the push) quantizes x as it
+     * moves it (no bf16 rows for a quantizer to read again) unless the forward saves x's
+     * rows */
     bool dispatch_quantizes_x;
     moefuse_saved_mode saved_mode;
     int block_m;                /* the GEMMs' row tile = the plan's row block */

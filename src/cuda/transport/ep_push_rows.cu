@@ -12,6 +12,8 @@
  * by the last block to finish, after every block made its writes visible at system
  * scope (threadfence reduction pattern).
  *
+ * FP8 forward (x_codes): x's rows are quantized as they are pushed, 1 byte and 1/32 of a
+ * scale per element instead of 2 bytes (decision 0025).
  * NOTE: the same bytes as the one-rank gather (T*K*H*2 read and written per tensor),
  * but the writes cross NVLink: at ~450 GB/s per direction per H200 link set, 16384
  * tokens of qwen3-30b-a3b (~268 MB of x rows, 7/8 remote at R = 8) take ~0.5 ms.
@@ -21,6 +23,7 @@
 #include <stdint.h>
 
 #include "check.h"
+#include "fp8_recipe.cuh"
 #include "transport/ep_wait.cuh"
 #include "kernels.h"
 #include "transport/row_copy.cuh"
@@ -44,6 +47,32 @@ __device__ inline void count_arrival(const mf_ep_push_params &p, int q, int row,
     uint32_t *arrivals = mf::ep::sync_of(p.peers, q, p.num_ranks) +
                          mf_ep_arrivals_word(p.num_ranks, p.num_experts);
     atomicAdd_system(arrivals + row / MF_ROW_BLOCK_M, 1u);
+}
+
+/* FP8: a token's x row quantized into row `row` of window `win` (mf_ep_push_params,
+ * x_codes): each 1 x 128 tile by a half-warp, 16 bytes a lane, one piece at a time (the
+ * rare exact-division path is a call, and pieces held across it spilled). */
+__device__ inline void push_row_codes(uint8_t *win, int row, const uint16_t *x,
+                                      const mf_ep_push_params &p, int lane) {
+    const int vecs = p.hidden / 8;   /* % 16 == 0: a tile's pieces are all there or none */
+    const unsigned half_lanes = lane < 16 ? 0x0000ffffu : 0xffff0000u;
+    float *scales = reinterpret_cast<float *>(win + MF_FP8_CODES_BYTES(p.rows_cap, p.hidden));
+    const uint4 *src = reinterpret_cast<const uint4 *>(x);
+    for (int v = lane; v < vecs; v += 32) {   /* uniform per half-warp */
+        float scale;
+        const uint2 codes = mf::fp8::row_tile_codes(__ldg(src + v), half_lanes, p.pow2, &scale);
+        *reinterpret_cast<uint2 *>(win + (int64_t)row * p.hidden + 8 * v) = codes;
+        if ((lane & 15) == 0) scales[(int64_t)(v / 16) * p.rows_cap + row] = scale;
+    }
+}
+
+/* FP8: a padding row's codes (0) and scales (1, an all-zero tile's) in window `win`. */
+__device__ inline void zero_row_codes(uint8_t *win, int row, const mf_ep_push_params &p,
+                                      int lane) {
+    mf::warp_zero_row(reinterpret_cast<int4 *>(win + (int64_t)row * p.hidden), p.hidden / 16,
+                      lane);
+    float *scales = reinterpret_cast<float *>(win + MF_FP8_CODES_BYTES(p.rows_cap, p.hidden));
+    for (int b = lane; b < p.hidden / 128; b += 32) scales[(int64_t)b * p.rows_cap + row] = 1.0f;
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -74,8 +103,13 @@ ep_push_rows_kernel(const __grid_constant__ mf_ep_push_params p) {
             if (row < 0) continue;
             const int q = e / EL;
             const int64_t t = i / K;
-            mf::warp_copy_row(window<int4>(p.peers, MF_WIN_XS, q, R) + (int64_t)row * vecs,
-                     reinterpret_cast<const int4 *>(p.x + t * p.x_stride), vecs, lane);
+            if (p.x_codes)
+                push_row_codes(window<uint8_t>(p.peers, MF_WIN_XS, q, R), row,
+                               p.x + t * p.x_stride, p, lane);
+            else
+                mf::warp_copy_row(window<int4>(p.peers, MF_WIN_XS, q, R) + (int64_t)row * vecs,
+                                  reinterpret_cast<const int4 *>(p.x + t * p.x_stride), vecs,
+                                  lane);
             if (p.dy)
                 mf::warp_copy_row(window<int4>(p.peers, MF_WIN_DYS, q, R) + (int64_t)row * vecs,
                          reinterpret_cast<const int4 *>(p.dy + t * p.dy_stride), vecs, lane);
@@ -89,7 +123,11 @@ ep_push_rows_kernel(const __grid_constant__ mf_ep_push_params p) {
             const int l = (int)(j / MF_ROW_BLOCK_M);
             const int row = p.recv_offsets[l] + p.recv_counts[l] + (int)(j % MF_ROW_BLOCK_M);
             if (row >= p.recv_offsets[l + 1]) continue;
-            mf::warp_zero_row(window<int4>(p.peers, MF_WIN_XS, me, R) + (int64_t)row * vecs, vecs, lane);
+            if (p.x_codes)
+                zero_row_codes(window<uint8_t>(p.peers, MF_WIN_XS, me, R), row, p, lane);
+            else
+                mf::warp_zero_row(window<int4>(p.peers, MF_WIN_XS, me, R) + (int64_t)row * vecs,
+                                  vecs, lane);
             if (p.dy)
                 mf::warp_zero_row(window<int4>(p.peers, MF_WIN_DYS, me, R) + (int64_t)row * vecs, vecs,
                          lane);
@@ -118,7 +156,8 @@ ep_push_rows_kernel(const __grid_constant__ mf_ep_push_params p) {
 extern "C" cudaError_t mf_ep_push_rows(const mf_ep_push_params *p, cudaStream_t stream) {
     if (!p || p->num_ranks < 1 || p->hidden <= 0 || p->hidden % 8 || p->x_stride % 8 ||
         p->dy_stride % 8 || p->top_k < 1 || p->num_tokens < 0 || p->num_sms < 1 ||
-        p->num_local_experts < 1)
+        p->num_local_experts < 1 ||
+        (p->x_codes && (p->dy || p->hidden % 128 || p->rows_cap < 1 || p->rows_cap % 4)))
         return cudaErrorInvalidValue;
     const int64_t items = (int64_t)p->num_tokens * p->top_k +
                           (int64_t)p->num_local_experts * MF_ROW_BLOCK_M;

@@ -248,6 +248,11 @@ moefuse_status dispatch(moefuse_layer *layer, const token_rows &rows, const call
     }
     pu.count_arrivals = 1;
     pu.num_sms = s->plan.push_sms;
+    if (c.x_codes) {   // FP8 forward: x's rows quantized as they are pushed
+        pu.x_codes = 1;
+        pu.pow2 = layer->cfg.fp8_pow2_scales;
+        pu.rows_cap = c.lay.rows_cap;
+    }
     MF_CUDA_TRY(cudaEventRecord(s->fork, stream));
     MF_CUDA_TRY(cudaStreamWaitEvent(s->side, s->fork, 0));
     MF_CUDA_TRY(mf_ep_push_rows(&pu, s->side));
