@@ -437,8 +437,10 @@ static void halves_case(moefuse_saved_mode mode, moefuse_pipeline pipeline, int 
     /* accumulate onto the write-mode gradients (b's, = a's) */
     MF_OK(run_fwd_bwd(ml, &in, 0));
     CHECK(outputs_get(&a, &in), "copy");
-    CUDA_OK(cudaMemcpy(F.dw13_d, b.dw13, (size_t)n13() * 4, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(F.dw2_d, b.dw2, (size_t)n2() * 4, cudaMemcpyHostToDevice));
+    /* on F.stream (non-blocking): a legacy-stream copy may land after the split reads it */
+    CUDA_OK(cudaMemcpyAsync(F.dw13_d, b.dw13, (size_t)n13() * 4, cudaMemcpyHostToDevice,
+                            F.stream));
+    CUDA_OK(cudaMemcpyAsync(F.dw2_d, b.dw2, (size_t)n2() * 4, cudaMemcpyHostToDevice, F.stream));
     CUDA_OK(w13_halves_copy(F.dw13_d, dgate, dup, 4, 1));
     MF_OK(run_fwd_bwd_halves(ml, &in, 0, &h));
     CUDA_OK(w13_halves_copy(F.dw13_d, dgate, dup, 4, 0));
@@ -449,8 +451,11 @@ static void halves_case(moefuse_saved_mode mode, moefuse_pipeline pipeline, int 
     MF_OK(backward_dw_bf16_on(ml, &in, p13, p2));
     CUDA_OK(cudaMemcpy(h13[0], p13, (size_t)n13() * 2, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(h2[0], p2, (size_t)n2() * 2, cudaMemcpyDeviceToHost));
-    CUDA_OK(cudaMemset(p13, 0xff, (size_t)n13() * 2));
-    CUDA_OK(cudaMemset(p2, 0xff, (size_t)n2() * 2));
+    /* every output poisoned first, on the backward's stream */
+    CUDA_OK(cudaMemsetAsync(p13, 0xff, (size_t)n13() * 2, F.stream));
+    CUDA_OK(cudaMemsetAsync(p2, 0xff, (size_t)n2() * 2, F.stream));
+    CUDA_OK(cudaMemsetAsync(g16, 0xff, half * 2, F.stream));
+    CUDA_OK(cudaMemsetAsync(u16, 0xff, half * 2, F.stream));
     moefuse_bwd_args bb = bwd_args(&in, 0);
     bb.w13 = gate;
     bb.w13_up = up;

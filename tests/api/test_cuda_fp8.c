@@ -394,6 +394,8 @@ static void halves_case(shape s, int T, routing r) {
     CUDA_CHECK(cudaMemcpy(want13, p13, n13 * 2, cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(want2, p2, n2 * 2, cudaMemcpyDeviceToHost));
     for (int with_up = 0; with_up < 2; with_up++) {
+        /* set: any device pointer (the FP8 layer reads the quantized weights, neither
+         * w13 nor w13_up); the dW13 halves are what is checked */
         ba.w13_up = with_up ? d.w13 + half : NULL;
         ba.dw13_bf16 = NULL;
         ba.dw2_bf16 = NULL;
@@ -419,6 +421,8 @@ static void halves_case(shape s, int T, routing r) {
         ba.dw13_up_bf16 = u16;
         ba.dw2_bf16 = p2;
         CUDA_CHECK(cudaMemset(p2, 0xff, n2 * 2));
+        CUDA_CHECK(cudaMemset(g16, 0xff, half * 2));   /* not the previous pass's bits */
+        CUDA_CHECK(cudaMemset(u16, 0xff, half * 2));
         CHECK_OK(moefuse_backward(layer, &ba, NULL));
         ba.dw13_up_bf16 = NULL;
         uint16_t *hg = malloc(n13 * 2);
