@@ -45,7 +45,8 @@ struct PlanBufs {
 
 /* The FP8 dispatch of p's tensor (its bf16 rows already in p.xs[0], checked) against
  * mf_quantize_fp8_rows run on those rows: every code and scale byte, both poisoned first. */
-void check_fp8(const char *what, mf_dispatch_params p, const Layout &L, int H, int pow2) {
+void check_fp8(const char *what, mf_dispatch_params p, const Layout &L, int H, int pow2,
+               bool failed) {
     const int scale_ld = (L.rows_cap + 3) / 4 * 4;
     const size_t ncodes = (size_t)L.rows_cap * H, nscales = (size_t)(H / 128) * scale_ld * 4;
     uint8_t *codes[2] = {nullptr, nullptr};
@@ -83,11 +84,16 @@ void check_fp8(const char *what, mf_dispatch_params p, const Layout &L, int H, i
             CUDA_OK(cudaMemcpy(c[i].data(), codes[i], ncodes, cudaMemcpyDeviceToHost));
             CUDA_OK(cudaMemcpy(sc[i].data(), scales[i], nscales, cudaMemcpyDeviceToHost));
         }
+        /* call_failed: the dispatch writes nothing (the rows quantizer would quantize the
+         * bf16 dispatch's untouched poison), so its buffers keep theirs */
+        const std::vector<uint8_t> poison_codes(H, 0xFF);
         int wrong = 0, first = -1;
         for (int r = 0; r < L.rows_cap; ++r) {
-            bool ok = !memcmp(c[0].data() + (size_t)r * H, c[1].data() + (size_t)r * H, H);
+            const uint8_t *want = failed ? poison_codes.data() : c[0].data() + (size_t)r * H;
+            bool ok = !memcmp(want, c[1].data() + (size_t)r * H, H);
             for (int b = 0; b < H / 128 && ok; ++b)
-                ok = sc[0][(size_t)b * scale_ld + r] == sc[1][(size_t)b * scale_ld + r];
+                ok = sc[1][(size_t)b * scale_ld + r] ==
+                     (failed ? 0xFFFFFFFFu : sc[0][(size_t)b * scale_ld + r]);
             if (!ok && wrong++ == 0) first = r;
         }
         CHECK(wrong == 0,
@@ -209,7 +215,7 @@ void check_dispatch(const char *what, const std::vector<int> &counts, int K, int
               "%s, tensor %d: %d of %d rows wrong, first row %d (num_rows %d, slot %d)", what, j,
               wrong, L.rows_cap, first, L.num_rows, first >= 0 ? L.row_slot[first] : 0);
     }
-    if (fp8_pow2 >= 0) check_fp8(what, p, L, H, fp8_pow2);
+    if (fp8_pow2 >= 0) check_fp8(what, p, L, H, fp8_pow2, failed);
 }
 
 void test_one_tensor(void) {

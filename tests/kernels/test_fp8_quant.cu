@@ -6,7 +6,12 @@
  *     without each row's p) on random bf16 rows with zeros, an all-zero tile, subnormals,
  *     values far beyond 448, infinities and NaN, both scale rules, num_rows < rows_cap:
  *     codes and scale bits equal, everything past num_rows left as poisoned;
- *   - both from one read (mf_quantize_fp8_rows_tokens) = the two passes above, byte for byte. 
+ *   - both from one read (mf_quantize_fp8_rows_tokens) = the two passes above, byte for byte;
+ *   - the quantizers' one multiplication per element (quantize8: the product where it
+ *     provably encodes as the division, else div.rn) = encode(div.rn(x, scale)) for all
+ *     65536 bf16 x under thousands of scales (amax / 448 of random amax, and the edges:
+ *     the smallest scale, amax near FLT_MAX, subnormal-only tiles), and for fp32 x placed
+ *     at every e4m3 rounding midpoint times the scale, +-8 ulp (p dy's values are fp32).
  * The weights' quantizer is checked through moefuse_quantize_weights against the CPU
  * backend (tests/api/test_cuda_fp8.c). */
 #include <math.h>
@@ -52,6 +57,81 @@ void encoders_agree(void) {
                   "(e.g. 0x%08x)", n, f);
     cudaFree(bad);
     cudaFree(first);
+}
+
+/* quantize8 against encode(div.rn(x, s)), element by element: each thread one group of 8
+ * values under one scale. Values: the bf16 patterns (mode 0: group g = patterns 8g..8g+7)
+ * or fp32 values at an e4m3 rounding midpoint m times s, nudged by k ulp (mode 1: group g
+ * = midpoint g / 17, k = g % 17 - 8, the 8 values that and its negation and 6 neighbours). */
+__global__ void shortcut_agrees_kernel(const float *scales, int num_scales, int mode,
+                                       unsigned long long *mismatches, uint32_t *first) {
+    const int groups = mode == 0 ? 65536 / 8 : 118 * 17;   /* the normals' 118 midpoints */
+    const int64_t total = (int64_t)groups * num_scales;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int g = (int)(i % groups), si = (int)(i / groups);
+        const float s = scales[si];
+        float x[8];
+        if (mode == 0) {
+            for (int j = 0; j < 8; ++j) x[j] = __uint_as_float((uint32_t)(8 * g + j) << 16);
+        } else {
+            /* midpoint of e4m3 normals c and c + 1, c = 8 (2^-6) .. 125 (416 and 448):
+             * fp32 exponent (c >> 3) + 120, mantissa (c & 7) then a half of its last place */
+            const int c = 8 + g / 17, k = g % 17 - 8;
+            const uint32_t lo = (uint32_t)(c >> 3) + 120u, m3 = (uint32_t)(c & 7);
+            const float mid = __uint_as_float((lo << 23) | (m3 << 20) | 0x80000u);
+            const float base = __fmul_rn(mid, s);
+            const uint32_t b = __float_as_uint(base);
+            for (int j = 0; j < 8; ++j) {
+                const int kk = k + (j >> 1) - 2;
+                const float v = __uint_as_float((uint32_t)((int32_t)b + kk));
+                x[j] = (j & 1) ? -v : v;
+            }
+        }
+        const uint2 got = mf::fp8::quantize8(x, s, __frcp_rn(s), 0);
+        for (int j = 0; j < 8; ++j) {
+            const uint32_t word = j < 4 ? got.x : got.y;
+            const uint8_t code = (uint8_t)(word >> (8 * (j & 3)));
+            if (code != mf::fp8::e4m3_encode(__fdiv_rn(x[j], s))) {
+                if (atomicAdd(mismatches, 1ull) == 0) *first = __float_as_uint(x[j]);
+            }
+        }
+    }
+}
+
+void shortcut_agrees(void) {
+    if (!have_sm90()) return;
+    /* scales as the recipe makes them: amax / 448, at least the smallest normal */
+    std::vector<float> scales;
+    for (int i = 0; i < 2000; i++) {
+        const float amax = (float)ldexp(0.5 + th_uniform(), (int)(th_uniform() * 200) - 100);
+        scales.push_back(mf_fp8_scale(amax, 0));
+    }
+    const float edges[] = {1.0e-44f /* subnormal-only tile */, 1.1754944e-38f, 3.4e38f,
+                           448.0f, 1.0f, 3.0f, 0.1f};
+    for (float a : edges) scales.push_back(mf_fp8_scale(a, 0));
+    float *d_scales = dev_upload(scales);
+    CHECK(d_scales != nullptr, "cudaMalloc of %zu scales", scales.size());
+    if (!d_scales) return;
+    unsigned long long *bad;
+    uint32_t *first;
+    CUDA_OK(cudaMalloc(&bad, 8));
+    CUDA_OK(cudaMalloc(&first, 4));
+    for (int mode = 0; mode < 2; mode++) {
+        CUDA_OK(cudaMemset(bad, 0, 8));
+        shortcut_agrees_kernel<<<num_sms() * 8, 256>>>(d_scales, (int)scales.size(), mode, bad,
+                                                       first);
+        CUDA_OK(cudaDeviceSynchronize());
+        unsigned long long n = 0;
+        uint32_t f = 0;
+        CUDA_OK(cudaMemcpy(&n, bad, 8, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(&f, first, 4, cudaMemcpyDeviceToHost));
+        CHECK(n == 0, "quantize8 differs from encode(div.rn) on %llu %s values (e.g. 0x%08x)", n,
+              mode == 0 ? "bf16" : "near-midpoint fp32", f);
+    }
+    cudaFree(bad);
+    cudaFree(first);
+    cudaFree(d_scales);
 }
 
 /* rows x cols bf16 of N(0, 1) scaled per row, with the special values of the recipe. */
@@ -228,6 +308,8 @@ void rows_tokens_match(void) {
 int main() {
     th_seed_from_env_or_clock();
     th_run("fp8: the hardware encoder = the recipe's on all 2^32 fp32 inputs", encoders_agree);
+    th_run("fp8: one multiplication per element = encode(div.rn), bf16 and near-midpoint x",
+           shortcut_agrees);
     th_run("fp8: rows quantizer = mf_fp8_quantize_rows (specials, both scale rules)", rows_match);
     th_run("fp8: tokens quantizer = per-column tiles of 128 rows (p dy too)", tokens_match);
     th_run("fp8: rows + tokens in one pass = the two passes", rows_tokens_match);

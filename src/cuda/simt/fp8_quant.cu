@@ -61,7 +61,7 @@ constexpr int kRowsTilesPerCta = kRowsThreads / 16 * kRowsUnroll;
 __global__ void __launch_bounds__(kRowsThreads, 4)
     fp8_quantize_rows_kernel(const mf_quantize_fp8_rows_params p) {
     const uint32_t tiles = (uint32_t)(p.cols / 128);
-    const uint32_t rows = (uint32_t)(p.num_rows ? *p.num_rows : p.rows_cap);
+    const uint32_t rows = (uint32_t)(p.num_rows ? min(*p.num_rows, p.rows_cap) : p.rows_cap);
     const uint32_t total = rows * tiles;   /* < 2^31: the launcher's check */
     const int l16 = threadIdx.x % 16;
     const uint32_t first = blockIdx.x * kRowsTilesPerCta + threadIdx.x / 16;
