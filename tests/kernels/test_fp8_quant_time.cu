@@ -3,7 +3,9 @@
  * the passes of a forward + backward: rows 1 x 128 of x (H = 2048), a (I = 768), dy
  * (2048), [dg; du] (2I = 1536); tokens (128 per column, transposed) of p dy, a, [dg; du], x;
  * and, where the library has it, the one-read pass of dy and [dg; du] (rows + tokens).
- * Inputs N(0, 1) bf16 made on the device, larger than L2. Launches of a round take turns
+ * Inputs N(0, 1) bf16 made on the device, larger than L2; and x's two passes again on
+ * heavy-tailed values (N(0, 1) times 2^k, k uniform in -12..3, continuous bf16): tiles of
+ * wide range, where the quantizers' division fallback runs most often. Launches of a round take turns
  * (docs/decisions/0013-power-limit-timing); median of 20 rounds after 3. One line per pass:
  * ms, GB/s moved (bf16 read, codes and scales written) and the floor at 4.0 TB/s
  * (docs/decisions/0023-fp8-quantizer-bandwidth). A case fails only when a launch fails.
@@ -34,6 +36,21 @@ __global__ void fill_normal_bf16(uint16_t *v, int64_t n, uint32_t seed) {
     }
 }
 
+/* N(0, 1)-ish times 2^k, k = -12..3 from a second hash: many values far below their tile's
+ * amax, and every bf16 mantissa. */
+__global__ void fill_heavy_bf16(uint16_t *v, int64_t n, uint32_t seed) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+        h ^= h >> 15; h *= 0x2c1b3c6du; h ^= h >> 12; h *= 0x297a2d39u; h ^= h >> 15;
+        uint32_t g = h * 0x9e3779b9u;
+        g ^= g >> 16; g *= 0x85ebca6bu; g ^= g >> 13;
+        const float u = ((h & 255) + ((h >> 8) & 255) + ((h >> 16) & 255) + (h >> 24) - 510.0f) / 147.0f;
+        const float w = ldexpf(u + (float)(g & 0xffff) * 0x1.0p-22f, (int)((g >> 16) & 15) - 12);
+        v[i] = (uint16_t)(__float_as_uint(w) >> 16);
+    }
+}
+
 __global__ void fill_weights(float *p, int n) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
         p[i] = 0.05f + 0.9f * (float)((i * 7919) % 1000) / 1000.0f;
@@ -59,6 +76,9 @@ void time_passes(const char *filter) {
         CUDA_OK(cudaMalloc(&in[k], (size_t)kRows * cols_of[k] * 2));
         fill_normal_bf16<<<num_sms() * 8, 256>>>(in[k], (int64_t)kRows * cols_of[k], 1234u + k);
     }
+    uint16_t *heavy;
+    CUDA_OK(cudaMalloc(&heavy, (size_t)kRows * cols_of[0] * 2));
+    fill_heavy_bf16<<<num_sms() * 8, 256>>>(heavy, (int64_t)kRows * cols_of[0], 99u);
     float *pw;
     int32_t *num_rows = dev_upload(std::vector<int32_t>{kRows});
     CUDA_OK(cudaMalloc(&pw, (size_t)kRows * 4));
@@ -92,6 +112,16 @@ void time_passes(const char *filter) {
         const mf_quantize_fp8_tokens_params t = tokens_p(k, k == 2);
         passes.push_back({std::string("tokens ") + (k == 2 ? "p dy" : names[k]),
                           pass_bytes(kRows, cols_of[k], 1),
+                          [t] { return mf_quantize_fp8_tokens(&t, 0); }});
+    }
+    {
+        mf_quantize_fp8_rows_params r = rows_p(0);
+        mf_quantize_fp8_tokens_params t = tokens_p(0, false);
+        r.in = heavy;
+        t.in = heavy;
+        passes.push_back({"rows x heavy-tailed", pass_bytes(kRows, cols_of[0], 1),
+                          [r] { return mf_quantize_fp8_rows(&r, 0); }});
+        passes.push_back({"tokens x heavy-tailed", pass_bytes(kRows, cols_of[0], 1),
                           [t] { return mf_quantize_fp8_tokens(&t, 0); }});
     }
 #ifdef MF_HAVE_QUANTIZE_FP8_ROWS_TOKENS
@@ -139,6 +169,7 @@ void time_passes(const char *filter) {
     cudaEventDestroy(t0);
     cudaEventDestroy(t1);
     for (int k = 0; k < 4; k++) cudaFree(in[k]);
+    cudaFree(heavy);
     cudaFree(pw); cudaFree(num_rows); cudaFree(codes); cudaFree(codes_t); cudaFree(scales);
     cudaFree(scales_t);
 }
