@@ -4,12 +4,14 @@
 # set) they also come back as one archive, with the summary and any plots. A summary is
 # printed last.
 #
-#   tools/gpu_checks.sh verify   build; the correctness tests of the CUDA code: kernels,
-#                                the API suites staged and fused, FP8, W13 halves, EP
-#                                (FP8 with a comm opted in), EP memory; the output hashes
-#                                packed = halves; the Python GPU tests     (~6-8 min)
-#   tools/gpu_checks.sh deep     the long EP iterations, the main job, SASS (HGMMA, no
-#                                local memory), compute-sanitizer memcheck and racecheck
+#   tools/gpu_checks.sh verify   build; the correctness tests of the newest CUDA code:
+#                                the kernels' tests, FP8, EP (FP8 with a comm opted in),
+#                                EP memory, the output hashes packed = halves, the Python
+#                                GPU tests
+#   tools/gpu_checks.sh suites   the CUDA API suites staged and fused (W13 halves among
+#                                them), the long EP iterations
+#   tools/gpu_checks.sh deep     the main job, SASS (HGMMA, no local memory),
+#                                compute-sanitizer memcheck and racecheck
 #   tools/gpu_checks.sh bench    make bench's tables (bench/RESULTS.md)      (~4 min)
 #   tools/gpu_checks.sh parity   bench/train_parity.py: FP8 against BF16 on real text
 #                                (2 x 2000 steps, ~5 min)
@@ -49,12 +51,6 @@ verify() {
     step test_dispatch_rows test_dispatch_rows.log build/tests/kernels/test_dispatch_rows
     step test_fp8_quant test_fp8_quant.log build/tests/kernels/test_fp8_quant
     step test_cuda_fp8 test_cuda_fp8.log build/tests/api/test_cuda_fp8
-    # The CUDA API suites, staged (the default) and fused.
-    for t in forward forward_bitwise backward backward_modes; do
-        step test_cuda_$t test_cuda_$t.log build/tests/api/test_cuda_$t
-        step test_cuda_${t}_fused test_cuda_${t}_fused.log \
-            env MOEFUSE_TEST_PIPELINE=fused build/tests/api/test_cuda_$t
-    done
     for t in ep ep_failures ep_memory; do
         step test_cuda_$t test_cuda_$t.log build/tests/api/test_cuda_$t
     done
@@ -68,8 +64,17 @@ verify() {
         python/tests/test_fp8_peer.py
 }
 
-deep() {
+suites() {
+    # The CUDA API suites, staged (the default) and fused.
+    for t in forward forward_bitwise backward backward_modes; do
+        step test_cuda_$t test_cuda_$t.log build/tests/api/test_cuda_$t
+        step test_cuda_${t}_fused test_cuda_${t}_fused.log \
+            env MOEFUSE_TEST_PIPELINE=fused build/tests/api/test_cuda_$t
+    done
     step test_cuda_ep_iterations test_cuda_ep_iterations.log build/tests/api/test_cuda_ep_iterations
+}
+
+deep() {
     step test_gemm_sm90_bwd_time test_gemm_bwd_time.log build/tests/kernels/test_gemm_sm90_bwd_time
     step test_fp8_quant_time test_fp8_quant_time.log build/tests/kernels/test_fp8_quant_time
     step moefuse_step moefuse_step.log build/moefuse_step
@@ -117,8 +122,9 @@ phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(verify)
 for p in "${phases[@]}"; do
     case "$p" in
-    verify | deep | bench | parity | step | titan) ;;
-    *) echo "tools/gpu_checks.sh: unknown phase '$p' (verify, deep, bench, parity, step, titan)" >&2
+    verify | suites | deep | bench | parity | step | titan) ;;
+    *) echo "tools/gpu_checks.sh: unknown phase '$p' (verify, suites, deep, bench, parity," \
+            "step, titan)" >&2
        exit 2 ;;
     esac
 done
