@@ -10,8 +10,8 @@
 #                                GPU tests
 #   tools/gpu_checks.sh suites   the CUDA API suites staged and fused (W13 halves among
 #                                them), the long EP iterations
-#   tools/gpu_checks.sh deep     the main job, SASS (HGMMA, no local memory),
-#                                compute-sanitizer memcheck and racecheck
+#   tools/gpu_checks.sh deep     the whole Python suite, the main job, SASS (HGMMA, no
+#                                local memory), compute-sanitizer memcheck and racecheck
 #   tools/gpu_checks.sh bench    make bench's tables (bench/RESULTS.md)      (~4 min)
 #   tools/gpu_checks.sh parity   bench/train_parity.py: FP8 against BF16 on real text
 #                                (2 x 2000 steps, ~5 min)
@@ -75,6 +75,7 @@ suites() {
 }
 
 deep() {
+    step python_all python_all.log python3 -m pytest -q -rs python/tests
     step test_gemm_sm90_bwd_time test_gemm_bwd_time.log build/tests/kernels/test_gemm_sm90_bwd_time
     step test_fp8_quant_time test_fp8_quant_time.log build/tests/kernels/test_fp8_quant_time
     step moefuse_step moefuse_step.log build/moefuse_step
