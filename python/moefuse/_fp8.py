@@ -86,17 +86,14 @@ def fp8_with_comm_enabled() -> bool:
     return os.environ.get(FP8_WITH_COMM_ENV) == "1"
 
 
-def fp8_with_comm_error(where: str, opt_in: bool = True) -> Fp8UnsupportedError:
-    """The refusal of precision='fp8' with expert parallelism, raised before any comm or
-    layer is touched. opt_in: the caller runs it once FP8_WITH_COMM_ENV=1 (else the
-    caller does not pass it on at all yet)."""
-    how = (f"so it is off unless the environment sets {FP8_WITH_COMM_ENV}=1"
-           if opt_in else f"and {where} does not pass it to its expert-parallel modules yet")
+def fp8_with_comm_error(where: str) -> Fp8UnsupportedError:
+    """The refusal of precision='fp8' with expert parallelism where the environment does
+    not opt in (fp8_with_comm_enabled), raised before any comm or layer is touched."""
     return Fp8UnsupportedError(
         where, _lib.Status.ERR_UNSUPPORTED, "MOEFUSE_ERR_UNSUPPORTED",
         "precision='fp8' with expert parallelism (a comm) is built in the library but not "
-        f"yet verified on a GPU, {how}. Use precision='bf16' with expert parallelism; "
-        f"{_WHAT_RUNS}")
+        f"yet verified on a GPU, so it is off unless the environment sets "
+        f"{FP8_WITH_COMM_ENV}=1. Use precision='bf16' with expert parallelism; {_WHAT_RUNS}")
 
 
 def _gpu_words(device: torch.device) -> tuple[str, Optional[tuple[int, int]]]:

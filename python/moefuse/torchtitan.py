@@ -36,8 +36,11 @@ backward: the bits are those of the concatenated W13. (The expert-parallel path 
 still concatenates w1 and w3 per call: ExpertParallelExperts takes one gate_up_proj.)
 
 precision="fp8" runs the routed experts' GEMMs in block-scaled FP8 (moefuse.experts(),
-_fp8.py), on one rank: with expert_parallel apply() raises Fp8UnsupportedError (FP8 with
-a comm is built in the library, not yet verified on a GPU, and not passed on here). With bf16 parameters, w1, w3 and w2 reach the FP8 weight cache
+_fp8.py); with expert_parallel its ExpertParallelExperts run FP8 only where the environment
+sets MOEFUSE_FP8_EXPERT_PARALLEL=1 (FP8 with a comm is built in the library, not yet
+verified on a GPU), else apply() raises Fp8UnsupportedError. Under expert parallelism
+W13 is the concatenation made per call, so its FP8 quantization is made once per forward
+(shared by its backward). With bf16 parameters, w1, w3 and w2 reach the FP8 weight cache
 as themselves (their .to(bf16) is a no-op), so they are quantized once per optimizer
 step; fp32 parameters are cast per call, a new tensor each forward, so theirs is
 quantized once per forward and shared by its backward.
@@ -264,7 +267,8 @@ class MoefuseExperts(_tt_moe.GroupedExperts):
         return y.to(x.dtype)
 
 
-def _ep_module(name: str, moe: nn.Module, comm, plan: ExpertParallelPlan):
+def _ep_module(name: str, moe: nn.Module, comm, plan: ExpertParallelPlan,
+               precision: str = "bf16"):
     """The ExpertParallelExperts (meta parameters) that holds `moe`'s library layer;
     raises before anything is created where the experts do not fit the plan."""
     from . import distributed  # its NCCL bindings, only where EP is asked for
@@ -286,7 +290,7 @@ def _ep_module(name: str, moe: nn.Module, comm, plan: ExpertParallelPlan):
     E = experts.num_experts  # all ranks' (TorchTitan keeps it when it shards the weights)
     ep = distributed.ExpertParallelExperts(
         D, F, E, moe.router.top_k, plan.max_tokens, comm, plan.rank, plan.num_ranks,
-        saved_mode=plan.saved_mode, device="meta", pipeline=plan.pipeline)
+        saved_mode=plan.saved_mode, device="meta", pipeline=plan.pipeline, precision=precision)
     for w, what in ((experts.w1, "w1"), (experts.w3, "w3"), (experts.w2, "w2")):
         _ep_local(w, f"{name}.experts.{what}", ep)
     return ep
@@ -339,7 +343,8 @@ def apply(model: nn.Module, *, recompute: bool = False, save_inputs: bool = True
     ValueError, before changing anything, if some MoE cannot be swapped (see the module
     docstring). recompute and save_inputs: what the forward keeps for the backward, as
     moefuse.experts() documents (one rank). precision: "bf16" or "fp8" (the expert GEMMs
-    in block-scaled FP8; one rank only: Fp8UnsupportedError with expert_parallel).
+    in block-scaled FP8; with expert_parallel only where MOEFUSE_FP8_EXPERT_PARALLEL=1,
+    else Fp8UnsupportedError).
 
     expert_parallel: the experts hold this rank's E/R experts (shard_experts' DTensors, or
     plain tensors of E/R experts) and moefuse's expert parallelism runs them, one comm per
@@ -347,8 +352,8 @@ def apply(model: nn.Module, *, recompute: bool = False, save_inputs: bool = True
     saved_mode. In TorchTitan's parallelize order: shard_experts and this call where it
     calls apply_moe_ep_tp, so before AC, compile and FSDP."""
     _fp8.resolve_precision(precision, False, "moefuse.torchtitan.apply")
-    if precision == "fp8" and expert_parallel is not None:
-        raise _fp8.fp8_with_comm_error("moefuse.torchtitan.apply", opt_in=False)
+    if precision == "fp8" and expert_parallel is not None and not _fp8.fp8_with_comm_enabled():
+        raise _fp8.fp8_with_comm_error("moefuse.torchtitan.apply")
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, _tt_moe.MoE)]
     todo = [(name, m) for name, m in found if not isinstance(m, MoefuseMoE)]
     for name, m in todo:
@@ -362,7 +367,7 @@ def apply(model: nn.Module, *, recompute: bool = False, save_inputs: bool = True
         if isinstance(found[0][1].experts if found else None, MoefuseExperts):
             raise ValueError("moefuse.torchtitan: the model's experts already run with expert "
                              "parallelism; restore() first")
-        ep_modules = [_ep_module(name, m, comm, plan)
+        ep_modules = [_ep_module(name, m, comm, plan, precision)
                       for (name, m), comm in zip(found, plan.comms)]
         if plan.device is not None:
             for ep in ep_modules:

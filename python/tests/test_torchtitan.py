@@ -223,7 +223,7 @@ def test_restore_and_refusals():
     assert not any(isinstance(m, mtt.MoefuseMoE) for m in scaled_before.modules())
 
 
-def test_fp8_option_is_moefuse_experts_in_fp8():
+def test_fp8_option_is_moefuse_experts_in_fp8(monkeypatch):
     """apply(precision="fp8"): the routed experts are moefuse.experts(precision="fp8") on
     TorchTitan's routing and weights, bit for bit; restore() forgets the option; FP8
     with expert parallelism is refused before anything changes."""
@@ -255,6 +255,7 @@ def test_fp8_option_is_moefuse_experts_in_fp8():
     with pytest.raises(ValueError, match="precision='fp16'"):
         mtt.apply(moe, precision="fp16")
     plan = mtt.ExpertParallelPlan(comms=[None], rank=0, num_ranks=1, max_tokens=BS * SLEN)
+    monkeypatch.delenv("MOEFUSE_FP8_EXPERT_PARALLEL", raising=False)
     with pytest.raises(moefuse.Fp8UnsupportedError, match="with expert parallelism"):
         mtt.apply(moe, precision="fp8", expert_parallel=plan)
     assert type(moe) is MoE

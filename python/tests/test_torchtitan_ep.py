@@ -24,6 +24,7 @@ torchtitan = pytest.importorskip(
 from torchtitan.models.llama4.infra.parallelize import apply_moe_ep_tp  # noqa: E402
 from torchtitan.models.moe import MoE, MoEArgs  # noqa: E402
 
+import moefuse  # noqa: E402
 import moefuse.torchtitan as mtt  # noqa: E402
 from moefuse import _lib, distributed  # noqa: E402
 
@@ -217,6 +218,23 @@ def _cuda_skip_reason():
         return "no CUDA device (torch.cuda.is_available() is False or no device visible)"
     return None
 
+
+def test_fp8_with_expert_parallel_is_opt_in(monkeypatch):
+    """apply(precision="fp8", expert_parallel=...): refused unless the environment opts in
+    to FP8 with a comm (MOEFUSE_FP8_EXPERT_PARALLEL=1), and then the ranks' modules run in
+    FP8. No GPU needed: nothing is made before the first forward."""
+    moe = rank_copy(ep_moe(), 0, 1)
+    comm = stand_in_comm(1)
+    plan = mtt.ExpertParallelPlan(comms=[comm], rank=0, num_ranks=1, max_tokens=64)
+    monkeypatch.delenv("MOEFUSE_FP8_EXPERT_PARALLEL", raising=False)
+    with pytest.raises(moefuse.Fp8UnsupportedError, match="MOEFUSE_FP8_EXPERT_PARALLEL=1"):
+        mtt.apply(moe, precision="fp8", expert_parallel=plan)
+    assert type(moe) is MoE
+    monkeypatch.setenv("MOEFUSE_FP8_EXPERT_PARALLEL", "1")
+    assert mtt.apply(moe, precision="fp8", expert_parallel=plan) == [""]
+    assert moe.experts.moefuse_ep.precision == "fp8"
+    assert mtt.restore(moe) == [""]
+    comm.close()
 
 def _virtual_rank_moes(moe, num_ranks, max_tokens, comm):
     """Each rank's copy of `moe` with its experts, swapped with a plan over `comm` and its
