@@ -247,6 +247,11 @@ def profile_moe(model, opt, batches, steps, device):
             h.remove()
     sums = {"moe": 0.0, "total": 0.0, "ops": 0.0}  # µs over the steps
     for ev in prof.events():
+        # On CUDA a record_function range also appears as a GPU annotation of its name
+        # (its span on the GPU): counted once, as the kernels under its CPU range.
+        if cuda and getattr(ev, "is_user_annotation", False) and \
+                ev.device_type != torch.autograd.DeviceType.CPU:
+            continue
         us = ev.device_time_total if cuda else ev.cpu_time_total
         if ev.name in ("moe_block_forward", "moe_block_backward"):
             sums["moe"] += us

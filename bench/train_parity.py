@@ -55,6 +55,7 @@ import hashlib
 import math
 import os
 import pathlib
+import signal
 import statistics
 import sys
 import sysconfig
@@ -107,6 +108,10 @@ def parse_args(argv=None):
     ap.add_argument("--out", type=pathlib.Path, default=default_out)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a CPU-sized model (script check)")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds for the training loop: after 20 steps the step count is "
+                         "cut to what fits (the schedule follows), and the report, CSV and "
+                         "plot are written however the loop ends")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.eval_every < 1 or args.eval_seqs < 1:
         ap.error("--steps, --eval-every and --eval-seqs must be >= 1")
@@ -172,11 +177,15 @@ class Batches:
 
 
 def heldout_set(stream: torch.Tensor, seqs: int, seq: int) -> torch.Tensor:
-    n = min(seqs, (stream.numel() - 1) // seq)
+    """seqs windows of seq + 1 bytes spread evenly over the held-out stream (all of its
+    files, not its first few)."""
+    windows = (stream.numel() - 1) // seq
+    n = min(seqs, windows)
     if n < 1:
         raise ValueError(f"the held-out stream ({stream.numel()} bytes) is shorter than one "
                          f"sequence of {seq + 1}")
-    return torch.stack([stream[i * seq:i * seq + seq + 1] for i in range(n)]).long()
+    starts = [(i * windows // n) * seq for i in range(n)]
+    return torch.stack([stream[s:s + seq + 1] for s in starts]).long()
 
 
 # ---- model and training ----------------------------------------------------------------------
@@ -409,18 +418,58 @@ def main(argv=None) -> int:
     print(f"# library: {moefuse.library_path()}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    eval_steps = sorted({s for s in range(args.eval_every, args.steps + 1, args.eval_every)}
-                        | {args.steps})
-    for step in range(args.steps):
+    def eval_steps_of(steps: int) -> list:
+        return sorted({s for s in range(args.eval_every, steps + 1, args.eval_every)} | {steps})
+
+    eval_steps = eval_steps_of(args.steps)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        train_loop(runs, batches, heldout, args, device, eval_steps_of, t_start)
+    except KeyboardInterrupt:
+        print("# the loop was stopped: reporting what ran", flush=True)
+    eval_steps = eval_steps_of(args.steps)
+    report(runs, args, eval_steps, tokens_per_step)
+    write_csv(args.out / "parity.csv", runs)
+    print(f"csv: {args.out / 'parity.csv'}")
+    plot_curves(runs, eval_steps, args.out,
+                f"byte LM on the stdlib, {config.num_hidden_layers} layers, E="
+                f"{config.num_experts}: held-out loss, bf16 vs fp8 experts")
+    print(f"# total wall time {time.perf_counter() - t_start:.1f} s")
+    if device.type == "cuda":
+        moefuse.check_device_errors()
+    finite = all(math.isfinite(r["loss"]) for run in runs for r in run.records)
+    return 0 if finite else 1
+
+
+def _stop_on_sigterm(signum, frame):
+    """SIGTERM (a timeout) ends the loop as Ctrl-C does: what ran is still reported."""
+    raise KeyboardInterrupt
+
+
+def train_loop(runs: list, batches, heldout, args, device, eval_steps_of, t_start) -> None:
+    """The runs step in turn; held-out loss at the evaluation steps. With --time-budget the
+    step count (args.steps, which the schedule reads) is cut after 20 steps to what fits."""
+    eval_steps = eval_steps_of(args.steps)
+    step = 0
+    while step < args.steps:
         tokens = batches.batch_at(step).to(device, non_blocking=True)
         for run in runs:
             run.step(step, tokens)
-        if step + 1 == 20 and device.type == "cuda":
+        if step + 1 == 20:
             for run in runs:
                 run.flush()
             per_step = sum(statistics.median(r["ms"] for r in run.records[5:]) for run in runs)
             print(f"# first 20 steps: {per_step:.1f} ms per step of all runs; {args.steps} "
                   f"steps about {per_step * args.steps / 1e3:.0f} s", flush=True)
+            if args.time_budget is not None:
+                left = args.time_budget - (time.perf_counter() - t_start)
+                # evaluations cost about 5 steps each
+                fit = int(left * 1e3 / per_step) - 5 * len(eval_steps) + step + 1
+                if fit < args.steps:
+                    args.steps = max(step + 1, fit)
+                    eval_steps = eval_steps_of(args.steps)
+                    print(f"# --time-budget {args.time_budget:.0f} s: {args.steps} steps",
+                          flush=True)
         if step + 1 in eval_steps:
             for run in runs:
                 run.flush()
@@ -432,16 +481,7 @@ def main(argv=None) -> int:
                       f"{run.step_ms(set(eval_steps)):.1f} ms/step  "
                       f"({time.perf_counter() - t_start:.0f} s)", flush=True)
             write_csv(args.out / "parity.csv", runs)
-    if device.type == "cuda":
-        moefuse.check_device_errors()
-    report(runs, args, eval_steps, tokens_per_step)
-    print(f"csv: {args.out / 'parity.csv'}")
-    plot_curves(runs, eval_steps, args.out,
-                f"byte LM on the stdlib, {config.num_hidden_layers} layers, E="
-                f"{config.num_experts}: held-out loss, bf16 vs fp8 experts")
-    print(f"# total wall time {time.perf_counter() - t_start:.1f} s")
-    finite = all(math.isfinite(r["loss"]) for run in runs for r in run.records)
-    return 0 if finite else 1
+        step += 1
 
 
 if __name__ == "__main__":
