@@ -449,6 +449,8 @@ def main(argv=None) -> int:
         if name.startswith("moefuse") and moefuse_skip is not None:
             print(f"SKIP {name} run: {moefuse_skip}")
             continue
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         model = swap_blocks(copy.deepcopy(base_model).to(device), make_block)
         try:
             losses, times, moe = train(model, batches, args, device, name)
@@ -461,6 +463,9 @@ def main(argv=None) -> int:
         moe_times[name] = moe
         del model
         if device.type == "cuda":
+            print(f"# {name}: peak memory {torch.cuda.max_memory_allocated(device) / 1e9:.1f} GB")
+            # the next run gets the memory of this one's model and moefuse layers back
+            moefuse.ops.layer_cache.clear()
             torch.cuda.empty_cache()
 
     medians = {name: statistics.median(times[args.warmup:]) for name, (_, times) in runs.items()}
