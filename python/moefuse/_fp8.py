@@ -183,6 +183,19 @@ class _Entry:
         return all(ref() is not None for ref in self.storages)
 
 
+def _ready_on_current_stream(weights: _lib.Fp8Weights) -> None:
+    """A cached quantization read from another stream than the one that made it: that
+    stream waits for the quantization, and the buffer is not reused until its work is done
+    (record_stream), as the caching allocator needs for a tensor used on two streams."""
+    made_on = getattr(weights, "stream", None)
+    if made_on is None:
+        return
+    current = torch.cuda.current_stream(made_on.device)
+    if current != made_on:
+        current.wait_event(weights.ready)
+        weights.buffer.record_stream(current)
+
+
 class Fp8WeightCache:
     """Quantized weights keyed by the weight pair (see the module docstring)."""
 
@@ -208,6 +221,7 @@ class Fp8WeightCache:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and entry.state == state and entry.alive():
+                _ready_on_current_stream(entry.weights)
                 return entry.weights
         packed = w13 if w13_up is None else torch.cat([w13, w13_up], dim=1)
         entry = self._quantize(layer, packed, w2, state)
@@ -230,6 +244,10 @@ class Fp8WeightCache:
         with layer.lock, _on_device(device):
             layer.quantize_weights(dtype, src13.data_ptr(), src2.data_ptr(), weights,
                                    _stream(device))
+            if device.type == "cuda":
+                weights.stream = torch.cuda.current_stream(device)
+                weights.ready = torch.cuda.Event()
+                weights.ready.record(weights.stream)
         return _Entry(state, weights)
 
     def _store(self, key: tuple, entry: _Entry, tensors) -> None:

@@ -149,6 +149,24 @@ def test_cache_over_micro_batches_and_an_optimizer_step(quantize_calls):
     assert len(quantize_calls) == 4
 
 
+def test_cache_read_from_another_stream(quantize_calls):
+    """Weights quantized on one stream, then read from another (the second waits for the
+    quantization; the buffer is recorded on it): one quantization, the same bits."""
+    module = fp8_module(35)
+    x, ids, p, _ = micro_batch(36)
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    for stream in (first, second):
+        stream.wait_stream(torch.cuda.current_stream())   # the inputs are made
+    with torch.no_grad():
+        with torch.cuda.stream(first):
+            y_first = module(x, ids, p)
+        with torch.cuda.stream(second):
+            y_second = module(x, ids, p)
+    torch.cuda.synchronize()
+    assert len(quantize_calls) == 1
+    assert torch.equal(y_first, y_second)
+
+
 class TinyMoE(torch.nn.Module):
     """Router in PyTorch (softmax, top-2, renormalized) + FP8 experts, on the GPU."""
 
