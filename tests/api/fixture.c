@@ -70,10 +70,26 @@ static void route(problem *pb, routing r) {
         int32_t tmp = perm[e]; perm[e] = perm[j]; perm[j] = tmp;
     }
     int32_t *choice = malloc(sizeof(int32_t) * (size_t)pool_e);  /* [pool_e] */
+    double *zipf_cdf = malloc(sizeof(double) * (size_t)E);       /* [E] */
+    for (int e = 0; e < E; e++) zipf_cdf[e] = (e ? zipf_cdf[e - 1] : 0.0) + 1.0 / (e + 1);
     for (int t = 0; t < pb->T; t++) {
         int32_t *row = pb->ids + (int64_t)t * K;  /* [K] */
         memcpy(choice, perm, sizeof(int32_t) * (size_t)pool_e);
-        for (int k = 0; k < K; k++) { /* partial Fisher-Yates: K distinct experts */
+        for (int k = 0; k < K; k++) {
+            if (r == ROUTE_ZIPF) {   /* rejection of repeats: K distinct */
+                int e, dup;
+                do {
+                    const double u = th_uniform() * zipf_cdf[E - 1];
+                    int j = 0;
+                    while (j < E - 1 && zipf_cdf[j] < u) j++;
+                    e = perm[j];
+                    dup = 0;
+                    for (int q = 0; q < k; q++) dup |= row[q] == e;
+                } while (dup);
+                row[k] = e;
+                continue;
+            }
+            /* partial Fisher-Yates: K distinct experts */
             int j = th_rand_int(k, pool_e - 1);
             int32_t tmp = choice[k]; choice[k] = choice[j]; choice[j] = tmp;
             row[k] = choice[k];
@@ -94,6 +110,7 @@ static void route(problem *pb, routing r) {
         for (int k = 0; k < K; k++) { z[k] = exp(th_normal()); sum += z[k]; }
         for (int k = 0; k < K; k++) p[k] = (float)(z[k] / sum);
     }
+    free(zipf_cdf);
     free(choice);
     free(perm);
 }

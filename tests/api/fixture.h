@@ -24,6 +24,8 @@ typedef enum routing {
     ROUTE_FEW,         /* from a random pool of min(E, K + 2) experts: most experts empty */
     ROUTE_ONE_EXPERT,  /* every token has expert 0 in some slot */
     ROUTE_DROPPED,     /* random, each slot dropped with probability 0.3, token 0 all */
+    ROUTE_ZIPF,        /* K distinct experts per token, expert of popularity rank j (a random
+                          order) drawn with probability ~ 1 / (j + 1): a few hot experts */
 } routing;
 
 typedef struct problem {

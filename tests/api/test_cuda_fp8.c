@@ -332,6 +332,8 @@ static void qwen3_235b_t16(void) { accuracy(QWEN3_235B_E16, 16, 64, ROUTE_RANDOM
 static void one_expert(void) { accuracy(SMALL128, 300, 300, ROUTE_ONE_EXPERT, 0, 1, 1); }
 static void few_experts(void) { accuracy(SMALL128, 100, 128, ROUTE_FEW, 1, 1, 0); }
 static void dropped(void) { accuracy(SMALL128, 77, 128, ROUTE_DROPPED, 0, 1, 1); }
+static void qwen3_30b_t512_zipf(void) { accuracy(QWEN3_30B_E16, 512, 512, ROUTE_ZIPF, 0, 1, 1); }
+static void small_t4096_zipf(void) { accuracy(SMALL128, 4096, 4096, ROUTE_ZIPF, 1, 1, 0); }
 
 /* T = 0: write mode zeroes the weight gradients, accumulate leaves them. */
 static void zero_tokens(void) {
@@ -470,6 +472,8 @@ int main(int argc, char **argv) {
         {"cuda fp8: all tokens on one expert (300 rows)", one_expert},
         {"cuda fp8: most experts empty, pow2", few_experts},
         {"cuda fp8: dropped slots, saved modes equal", dropped},
+        {"cuda fp8: qwen3-30b-a3b H/I/K E=16 T=512 Zipf, saved modes equal", qwen3_30b_t512_zipf},
+        {"cuda fp8: small T=4096 Zipf, pow2", small_t4096_zipf},
         {"cuda fp8: T = 0", zero_tokens},
         {"cuda fp8: dW13 in two halves bitwise = packed, small", halves_small},
         {"cuda fp8: dW13 in two halves bitwise = packed, qwen3-30b-a3b H/I/K E=16", halves_30b},

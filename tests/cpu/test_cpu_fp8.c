@@ -261,6 +261,9 @@ static void dropped_slots(void) {
     accuracy_reps(SMALL, 33, 64, SMALL.H, ROUTE_DROPPED, MOEFUSE_SAVE_ACTIVATIONS, 0, 1);
     accuracy_reps(ODD, 17, 17, ODD.H + 1, ROUTE_DROPPED, MOEFUSE_RECOMPUTE, 1, 1);
 }
+static void zipf_routing(void) {
+    accuracy_reps(SMALL, 512, 512, SMALL.H, ROUTE_ZIPF, MOEFUSE_SAVE_ACTIVATIONS, 0, 1);
+}
 /* H = 200, 2I = 144: a short tile at the end of every row and block. */
 static void odd_shape(void) {
     accuracy_reps(ODD, 50, 64, ODD.H, ROUTE_RANDOM, MOEFUSE_SAVE_ACTIVATIONS, 0, 1);
@@ -485,6 +488,7 @@ int main(void) {
     th_run("all tokens on one expert (300 rows: 3 token tiles)", all_on_one_expert);
     th_run("most experts empty", most_experts_empty);
     th_run("dropped slots, a token with all K dropped", dropped_slots);
+    th_run("T = 512, Zipf routing (a few hot experts)", zipf_routing);
     th_run("odd shape H=200 I=72 E=9 K=3 (short tiles)", odd_shape);
     th_run("T = 0", zero_tokens);
     th_run("emulated GEMMs = GEMMs of dequantized operands, three forms", emulated_gemms_match_dequantized);
