@@ -5,12 +5,14 @@ all_to_all_single baseline. No GPU: the numbers come from the library's own arit
 (moefuse.memory_estimate, the function behind moefuse_layer_memory, which
 test_cuda_ep_memory checks against cudaMemGetInfo).
 
-Rows (R = 8, T = 16384 tokens per GPU, balanced routing, bf16):
+Rows (R = 8, T = 16384 tokens per GPU, balanced routing, bf16 unless FP8 is named):
   moefuse, saved activations   capacity 2x the balanced T * K rows (the default): the
                                windows and scratch once per GPU, shared by the layers;
                                per layer its own workspaces and its saved [g; u] rows
   moefuse, recompute           the same with MOEFUSE_RECOMPUTE (the plan saved only; the
                                backward recomputes W13 x into a shared scratch)
+  moefuse FP8                  saved activations at 2x with MOEFUSE_PRECISION_FP8_BLOCK: the
+                               same saved bf16 [g; u], the FP8 operands in the shared scratch
   moefuse, per-layer windows   what the layers needed before: windows and scratch per
                                layer, every buffer sized for R * T * K rows
   all_to_all_single baseline   TorchTitan-style (bench/torch_moe_ep_baseline.py), exact
@@ -48,11 +50,11 @@ TARGET = ("qwen3-30b-a3b", 40e9)  # the project's target: model, bytes per GPU
 
 
 def moefuse_bytes(shape: dict, layers: int, saved_mode, factor: float,
-                  shared: bool) -> tuple[float, float, float]:
+                  shared: bool, precision: str = "bf16") -> tuple[float, float, float]:
     """(bytes shared by the layers, bytes per layer, total) per GPU."""
     m = moefuse.memory_estimate(shape["hidden"], shape["intermediate"], shape["num_experts"],
                                 shape["top_k"], TOKENS, RANKS, saved_mode=saved_mode,
-                                recv_capacity_factor=factor)
+                                recv_capacity_factor=factor, precision=precision)
     pool = m["comm_window_bytes"] + m["comm_scratch_bytes"]
     own = m["workspace_bytes"] + m["saved_bytes"]
     if not shared:  # every layer its own windows and scratch
@@ -77,6 +79,8 @@ def rows() -> list[tuple]:
              moefuse_bytes(shape, layers, _lib.SavedMode.RECOMPUTE, 2.0, True)),
             ("moefuse, saved activations, capacity 1.5x",
              moefuse_bytes(shape, layers, _lib.SavedMode.SAVE_ACTIVATIONS, 1.5, True)),
+            ("moefuse FP8, saved activations, capacity 2x",
+             moefuse_bytes(shape, layers, _lib.SavedMode.SAVE_ACTIVATIONS, 2.0, True, "fp8")),
             (f"moefuse before: per-layer windows, {RANKS}x (R * T * K rows)",
              moefuse_bytes(shape, layers, _lib.SavedMode.SAVE_ACTIVATIONS, RANKS, False)),
             ("all_to_all_single baseline (saved tensors)", baseline_bytes(shape, layers)),
