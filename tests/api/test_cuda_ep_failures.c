@@ -7,6 +7,7 @@
  *   - the backward's failures after a good forward: one rank's saved buffer rejected
  *     (the others fail at once, naming it), one rank that never calls its backward
  *     (the others time out); no dx written; new layers give the R = 1 bits;
+ *   - the same timeouts with FP8 layers (FP8 with a comm opted in);
  *   - the comm's refusals: a call before every rank's layer exists, a call on a layer
  *     larger than the other ranks' layers so far, a layer of another num_experts,
  *     a rank, moefuse_comm_destroy with live layers; the comm works afterwards.
@@ -50,12 +51,15 @@ static int64_t unpoisoned(const uint16_t *dev, uint16_t *host, size_t bytes) {
 /* The failure cases' start: R = 4 ranks of 256 tokens, the comm's bound kTimeoutMs (set
  * before the layers: right whether they read it when made or at each call), buffers
  * sized, outputs poisoned, inputs uploaded. 0 on failure (recorded). */
-static int failure_case_open(batch *b, ep *s) {
+static int failure_case_open(batch *b, ep *s, moefuse_precision precision) {
     const int T[4] = {256, 256, 256, 256};
     memset(s, 0, sizeof *s);
     if (!batch_make(b, 4, T, ROUTE_RANDOM, -1) ||
         !ep_open(s, 4, kMaxTokens, MOEFUSE_SAVE_ACTIVATIONS))
         return 0;
+    s->precision = precision;
+    if (precision == MOEFUSE_PRECISION_FP8_BLOCK)
+        setenv("MOEFUSE_FP8_EXPERT_PARALLEL", "1", 1);   /* opt-in: pipeline/workspace.cu */
     MF_OK(moefuse_comm_set_timeout_ms(s->comm, kTimeoutMs));
     if (!ep_layers_create(s)) return 0;
     for (int r = 0; r < s->R; r++)
@@ -65,13 +69,13 @@ done:
     return 0;
 }
 
-static void case_timeout(void) {
+static void forward_timeout(moefuse_precision precision) {
     if (!ready()) return;
     const int R = 4;
     batch b;
     ep s;
     uint16_t *y = NULL;
-    if (!failure_case_open(&b, &s)) goto done;
+    if (!failure_case_open(&b, &s, precision)) goto done;
     for (int r = 0; r < R - 1; r++) {
         const moefuse_fwd_args a = ep_fwd_args(&s, &b, r);
         if (!rank_ok(moefuse_forward(s.rk[r].layer, &a, s.rk[r].stream), r, "moefuse_forward"))
@@ -107,7 +111,9 @@ static void case_timeout(void) {
     check_equal(&s, &b);
 
     ep_close(&s);
-    if (!ep_open(&s, R, kMaxTokens, MOEFUSE_SAVE_ACTIVATIONS) || !ep_layers_create(&s)) goto done;
+    if (!ep_open(&s, R, kMaxTokens, MOEFUSE_SAVE_ACTIVATIONS)) goto done;
+    s.precision = precision;
+    if (!ep_layers_create(&s)) goto done;
     printf("    a new comm and layers:\n");
     check_equal(&s, &b);
 done:
@@ -123,13 +129,13 @@ done:
  *   missing   rank 3 never calls its backward: ranks 0..2 report MOEFUSE_ERR_TIMEOUT
  *             naming rank 3 within the host bound.
  * Neither writes any dx or d p; layers made again on the comm then give the R = 1 bits. */
-static void backward_failure(int rejected) {
+static void backward_failure(int rejected, moefuse_precision precision) {
     if (!ready()) return;
     const int R = 4, odd = rejected ? 2 : 3;
     batch b;
     ep s;
     uint16_t *dx = NULL;
-    if (!failure_case_open(&b, &s)) goto done;
+    if (!failure_case_open(&b, &s, precision)) goto done;
     for (int r = 0; r < R; r++) {
         const moefuse_fwd_args a = ep_fwd_args(&s, &b, r);
         if (!rank_ok(moefuse_forward(s.rk[r].layer, &a, s.rk[r].stream), r, "moefuse_forward"))
@@ -182,8 +188,14 @@ done:
     batch_free(&b);
 }
 
-static void case_bwd_rejected_saved(void) { backward_failure(1); }
-static void case_bwd_missing_rank(void) { backward_failure(0); }
+static const moefuse_precision BF16 = MOEFUSE_PRECISION_BF16, FP8 = MOEFUSE_PRECISION_FP8_BLOCK;
+static void case_timeout(void) { forward_timeout(BF16); }
+static void case_bwd_rejected_saved(void) { backward_failure(1, BF16); }
+static void case_bwd_missing_rank(void) { backward_failure(0, BF16); }
+/* FP8 with a comm (opted in): the same failures through its paths (x's codes pushed, the
+ * backward's wait for every received row before its quantizers) */
+static void case_fp8_timeout(void) { forward_timeout(FP8); }
+static void case_fp8_bwd_missing_rank(void) { backward_failure(0, FP8); }
 /* What the comm refuses: a call before every rank's layer exists, a call on rank 0's
  * second, larger layer before rank 1 has one as large (its windows are too small), a
  * layer with another num_experts (the layers share the flags' window), destroying the
@@ -260,6 +272,8 @@ int main(int argc, char **argv) {
         {case_timeout, "timeout: rank 3 of 4 never calls"},
         {case_bwd_rejected_saved, "backward: rank 2 of 4 passes a rejected saved buffer"},
         {case_bwd_missing_rank, "backward timeout: rank 3 of 4 never calls its backward"},
+        {case_fp8_timeout, "fp8 timeout: rank 3 of 4 never calls"},
+        {case_fp8_bwd_missing_rank, "fp8 backward timeout: rank 3 of 4 never calls its backward"},
         {case_refusals, "refusals: call before every layer, a larger layer alone, another E, "
                         "comm destroy"},
     };
