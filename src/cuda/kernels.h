@@ -143,7 +143,7 @@ typedef struct mf_dispatch_params {
     const uint16_t *x[2];         /* [T, H], row stride x_stride */
     int64_t x_stride[2];
     uint16_t *xs[2];              /* out [rows_cap, H] */
-    int num_tensors;              /* 1 or 2 */
+    int num_tensors;              /* 0 (the rows' p only), 1 or 2 */
     const int32_t *slot_row;      /* [T*K] row of each slot, -1 when dropped */
     const int32_t *row_slot;      /* [rows_cap] slot of each row, -1 for padding */
     const int32_t *num_rows;      /* device scalar */
@@ -353,7 +353,9 @@ cudaError_t mf_ep_push_dp(const mf_ep_push_dp_params *p, cudaStream_t stream);
 
 /* 1 x 128 tiles along each row: codes [rows_cap, cols] (row stride cols), scales
  * MN-major [cols / 128, scale_ld], the scale of (row r, tile b) at scales[b * scale_ld + r].
- * Rows at or past *num_rows untouched (num_rows NULL: rows_cap). cols % 128 == 0. */
+ * Rows at or past *num_rows untouched (num_rows NULL: rows_cap). cols % 128 == 0.
+ * Gathered (row_slot set, as in the tokens quantizer): row r is the token-major row
+ * in[(row_slot[r] / top_k) * ld], zeros where row_slot[r] < 0 (padding). */
 typedef struct mf_quantize_fp8_rows_params {
     const uint16_t *in;      /* bf16 [rows_cap, cols], row stride ld (a multiple of 8) */
     int64_t ld;
@@ -363,6 +365,8 @@ typedef struct mf_quantize_fp8_rows_params {
     uint8_t *codes;
     float *scales;
     int scale_ld;            /* >= rows_cap, a multiple of 4 (16-byte TMA rows) */
+    const int32_t *row_slot; /* [rows_cap] each row's slot t * top_k + k, -1 padding; or NULL */
+    int top_k;
 } mf_quantize_fp8_rows_params;
 
 cudaError_t mf_quantize_fp8_rows(const mf_quantize_fp8_rows_params *p, cudaStream_t stream);
@@ -371,7 +375,9 @@ cudaError_t mf_quantize_fp8_rows(const mf_quantize_fp8_rows_params *p, cudaStrea
  * the rows are expert-sorted, each expert's segment a multiple of 128, so every 128-row
  * block is one tile. value = in[r, c] (times row_weight[r] in fp32 when set: p dy);
  * codes_t [cols, rows_cap] (tokens contiguous), scales [rows_cap / 128, cols]. Blocks at
- * or past *num_rows untouched. rows_cap % 128 == 0, cols % 8 == 0. */
+ * or past *num_rows untouched. rows_cap % 128 == 0, cols % 8 == 0. Gathered (row_slot
+ * set): row r is the token-major row in[(row_slot[r] / top_k) * ld], zeros where
+ * row_slot[r] < 0 (padding): the caller's x or dy, not dispatched. */
 typedef struct mf_quantize_fp8_tokens_params {
     const uint16_t *in;      /* bf16 [rows_cap, cols], row stride ld (a multiple of 8) */
     int64_t ld;
@@ -382,13 +388,15 @@ typedef struct mf_quantize_fp8_tokens_params {
     int pow2;
     uint8_t *codes_t;
     float *scales;
+    const int32_t *row_slot; /* [rows_cap], or NULL */
+    int top_k;
 } mf_quantize_fp8_tokens_params;
 
 cudaError_t mf_quantize_fp8_tokens(const mf_quantize_fp8_tokens_params *p, cudaStream_t stream);
 
 /* Both of the above from one read of the input: r and t describe the same rows (in, ld,
- * rows_cap, num_rows, cols, pow2 equal), cols % 128 == 0; the same codes and scales as the
- * two calls. */
+ * rows_cap, num_rows, cols, pow2, row_slot, top_k equal), cols % 128 == 0; the same codes
+ * and scales as the two calls. */
 #define MF_HAVE_QUANTIZE_FP8_ROWS_TOKENS 1
 cudaError_t mf_quantize_fp8_rows_tokens(const mf_quantize_fp8_rows_params *r,
                                         const mf_quantize_fp8_tokens_params *t,

@@ -7,6 +7,8 @@
  *     values far beyond 448, infinities and NaN, both scale rules, num_rows < rows_cap:
  *     codes and scale bits equal, everything past num_rows left as poisoned;
  *   - both from one read (mf_quantize_fp8_rows_tokens) = the two passes above, byte for byte;
+ *   - gathered (row_slot: the caller's token-major rows, strided, with padding rows) = the
+ *     three passes on the rows gathered by hand, byte for byte;
  *   - the quantizers' one multiplication per element (quantize8: the product where it
  *     provably encodes as the division, else div.rn) = encode(div.rn(x, scale)) for all
  *     65536 bf16 x under thousands of scales (amax / 448 of random amax, and the edges:
@@ -15,6 +17,7 @@
  * The weights' quantizer is checked through moefuse_quantize_weights against the CPU
  * backend (tests/api/test_cuda_fp8.c). */
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 
 #include <vector>
@@ -243,6 +246,40 @@ void tokens_match(void) {
         }
 }
 
+/* The rows and tokens passes' outputs on the device, poisoned (0xab bytes). */
+struct QuantOut {
+    size_t n_codes, n_rs, n_ts;   /* codes (both forms), row scales, token scales */
+    uint8_t *codes = nullptr, *codes_t = nullptr;
+    float *rs = nullptr, *ts = nullptr;
+    QuantOut(int rows_cap, int cols, int ld)
+        : n_codes((size_t)rows_cap * cols), n_rs((size_t)cols / 128 * ld),
+          n_ts((size_t)rows_cap / 128 * cols) {
+        if (cudaMalloc(&codes, n_codes) != cudaSuccess || cudaMalloc(&codes_t, n_codes) ||
+            cudaMalloc(&rs, n_rs * 4) || cudaMalloc(&ts, n_ts * 4))
+            return;
+        cudaMemset(codes, 0xab, n_codes);
+        cudaMemset(codes_t, 0xab, n_codes);
+        cudaMemset(rs, 0xab, n_rs * 4);
+        cudaMemset(ts, 0xab, n_ts * 4);
+    }
+    ~QuantOut() { cudaFree(codes); cudaFree(codes_t); cudaFree(rs); cudaFree(ts); }
+    bool ok() const { return codes && codes_t && rs && ts; }
+};
+
+/* Each of the four arrays of a and b the same bytes; what differs into CHECK's message. */
+void check_same(const QuantOut &a, const QuantOut &b, const char *what) {
+    const bool codes = dev_download(a.codes, a.n_codes) == dev_download(b.codes, b.n_codes);
+    const bool codes_t = dev_download(a.codes_t, a.n_codes) == dev_download(b.codes_t, b.n_codes);
+    const std::vector<float> ra = dev_download(a.rs, a.n_rs), rb = dev_download(b.rs, b.n_rs);
+    const std::vector<float> ta = dev_download(a.ts, a.n_ts), tb = dev_download(b.ts, b.n_ts);
+    const bool rs = memcmp(ra.data(), rb.data(), a.n_rs * 4) == 0;
+    const bool ts = memcmp(ta.data(), tb.data(), a.n_ts * 4) == 0;
+    CHECK(codes && codes_t && rs && ts,
+          "%s: row codes %s, row scales %s, token codes %s, token scales %s", what,
+          codes ? "equal" : "differ", rs ? "equal" : "differ", codes_t ? "equal" : "differ",
+          ts ? "equal" : "differ");
+}
+
 /* The fused pass against the two separate ones (each checked against the CPU above). */
 void rows_tokens_case(int rows_cap, int num_rows, int cols, int pow2, bool weighted) {
     const int ld = (rows_cap + 3) / 4 * 4;
@@ -252,45 +289,86 @@ void rows_tokens_case(int rows_cap, int num_rows, int cols, int pow2, bool weigh
     uint16_t *d_in = dev_upload(in);
     float *d_pw = dev_upload(pw);
     int32_t *d_rows = dev_upload(std::vector<int32_t>{num_rows});
-    const size_t n_codes = (size_t)rows_cap * cols, n_rs = (size_t)cols / 128 * ld,
-                 n_ts = (size_t)rows_cap / 128 * cols;
-    uint8_t *codes[2], *codes_t[2];
-    float *rs[2], *ts[2];
-    for (int k = 0; k < 2; k++) {
-        CUDA_OK(cudaMalloc(&codes[k], n_codes));
-        CUDA_OK(cudaMalloc(&codes_t[k], n_codes));
-        CUDA_OK(cudaMalloc(&rs[k], n_rs * 4));
-        CUDA_OK(cudaMalloc(&ts[k], n_ts * 4));
-        CUDA_OK(cudaMemset(codes[k], 0xab, n_codes));
-        CUDA_OK(cudaMemset(codes_t[k], 0xab, n_codes));
-        CUDA_OK(cudaMemset(rs[k], 0xab, n_rs * 4));
-        CUDA_OK(cudaMemset(ts[k], 0xab, n_ts * 4));
-    }
-    mf_quantize_fp8_rows_params r[2];
-    mf_quantize_fp8_tokens_params t[2];
-    for (int k = 0; k < 2; k++) {
-        r[k] = {d_in, cols, rows_cap, d_rows, cols, pow2, codes[k], rs[k], ld};
-        t[k] = {d_in, cols, rows_cap, d_rows, cols, weighted ? d_pw : nullptr, pow2, codes_t[k], ts[k]};
-    }
-    CUDA_OK(mf_quantize_fp8_rows(&r[0], 0));
-    CUDA_OK(mf_quantize_fp8_tokens(&t[0], 0));
-    CUDA_OK(mf_quantize_fp8_rows_tokens(&r[1], &t[1], 0));
-    CUDA_OK(cudaDeviceSynchronize());
-    const bool same_codes = dev_download(codes[0], n_codes) == dev_download(codes[1], n_codes);
-    const bool same_codes_t = dev_download(codes_t[0], n_codes) == dev_download(codes_t[1], n_codes);
-    const std::vector<float> rs0 = dev_download(rs[0], n_rs), rs1 = dev_download(rs[1], n_rs);
-    const std::vector<float> ts0 = dev_download(ts[0], n_ts), ts1 = dev_download(ts[1], n_ts);
-    const bool same_rs = memcmp(rs0.data(), rs1.data(), n_rs * 4) == 0;
-    const bool same_ts = memcmp(ts0.data(), ts1.data(), n_ts * 4) == 0;
-    CHECK(same_codes && same_codes_t && same_rs && same_ts,
-          "rows+tokens %d/%d x %d pow2=%d p=%d: row codes %s, row scales %s, token codes %s, "
-          "token scales %s", num_rows, rows_cap, cols, pow2, (int)weighted,
-          same_codes ? "equal" : "differ", same_rs ? "equal" : "differ",
-          same_codes_t ? "equal" : "differ", same_ts ? "equal" : "differ");
-    for (int k = 0; k < 2; k++) {
-        cudaFree(codes[k]); cudaFree(codes_t[k]); cudaFree(rs[k]); cudaFree(ts[k]);
+    QuantOut two(rows_cap, cols, ld), one(rows_cap, cols, ld);
+    CHECK(two.ok() && one.ok(), "cudaMalloc of the outputs");
+    if (two.ok() && one.ok()) {
+        QuantOut *out[2] = {&two, &one};
+        mf_quantize_fp8_rows_params r[2];
+        mf_quantize_fp8_tokens_params t[2];
+        for (int k = 0; k < 2; k++) {
+            r[k] = {d_in, cols, rows_cap, d_rows, cols, pow2, out[k]->codes, out[k]->rs, ld};
+            t[k] = {d_in, cols, rows_cap, d_rows, cols, weighted ? d_pw : nullptr, pow2,
+                    out[k]->codes_t, out[k]->ts};
+        }
+        CUDA_OK(mf_quantize_fp8_rows(&r[0], 0));
+        CUDA_OK(mf_quantize_fp8_tokens(&t[0], 0));
+        CUDA_OK(mf_quantize_fp8_rows_tokens(&r[1], &t[1], 0));
+        CUDA_OK(cudaDeviceSynchronize());
+        char what[96];
+        snprintf(what, sizeof what, "rows+tokens %d/%d x %d pow2=%d p=%d", num_rows, rows_cap,
+                 cols, pow2, (int)weighted);
+        check_same(two, one, what);
     }
     cudaFree(d_in); cudaFree(d_pw); cudaFree(d_rows);
+}
+
+/* The gathered passes (row_slot, token rows of stride cols + 8, a tenth of the rows
+ * padding) against the sorted passes on the same rows gathered on the host. */
+void gathered_case(int rows_cap, int num_rows, int cols, int pow2, bool weighted, int K) {
+    const int ld = (rows_cap + 3) / 4 * 4, x_ld = cols + 8, T = rows_cap / K + 1;
+    const std::vector<uint16_t> x = special_rows(T, x_ld);
+    std::vector<int32_t> row_slot(rows_cap);
+    std::vector<uint16_t> sorted((size_t)rows_cap * cols, 0);
+    for (int r = 0; r < rows_cap; r++) {
+        row_slot[r] = th_uniform() < 0.1 ? -1 : th_rand_int(0, T * K - 1);
+        if (row_slot[r] >= 0)
+            memcpy(&sorted[(size_t)r * cols], &x[(size_t)(row_slot[r] / K) * x_ld], cols * 2);
+    }
+    std::vector<float> pw(rows_cap);
+    for (int r = 0; r < rows_cap; r++) pw[r] = (float)(th_uniform() * 2.0);
+    uint16_t *d_x = dev_upload(x), *d_sorted = dev_upload(sorted);
+    int32_t *d_slot = dev_upload(row_slot), *d_rows = dev_upload(std::vector<int32_t>{num_rows});
+    float *d_pw = dev_upload(pw);
+    /* sorted rows, gathered, gathered rows + tokens in one pass */
+    QuantOut sorted_out(rows_cap, cols, ld), gathered(rows_cap, cols, ld), one(rows_cap, cols, ld);
+    QuantOut *out[3] = {&sorted_out, &gathered, &one};
+    CHECK(sorted_out.ok() && gathered.ok() && one.ok(), "cudaMalloc of the outputs");
+    if (sorted_out.ok() && gathered.ok() && one.ok()) {
+        mf_quantize_fp8_rows_params r[3];
+        mf_quantize_fp8_tokens_params t[3];
+        for (int k = 0; k < 3; k++) {
+            const bool g = k > 0;
+            r[k] = {g ? d_x : d_sorted, g ? x_ld : cols, rows_cap, d_rows, cols, pow2,
+                    out[k]->codes, out[k]->rs, ld, g ? d_slot : nullptr, g ? K : 0};
+            t[k] = {g ? d_x : d_sorted, g ? x_ld : cols, rows_cap, d_rows, cols,
+                    weighted ? d_pw : nullptr, pow2, out[k]->codes_t, out[k]->ts,
+                    g ? d_slot : nullptr, g ? K : 0};
+        }
+        for (int k = 0; k < 2; k++) {
+            CUDA_OK(mf_quantize_fp8_rows(&r[k], 0));
+            CUDA_OK(mf_quantize_fp8_tokens(&t[k], 0));
+        }
+        CUDA_OK(mf_quantize_fp8_rows_tokens(&r[2], &t[2], 0));
+        CUDA_OK(cudaDeviceSynchronize());
+        char what[128];
+        for (int k = 1; k < 3; k++) {
+            snprintf(what, sizeof what, "gathered %s %d/%d x %d K=%d pow2=%d p=%d",
+                     k == 1 ? "rows, tokens" : "rows + tokens", num_rows, rows_cap, cols, K,
+                     pow2, (int)weighted);
+            check_same(sorted_out, *out[k], what);
+        }
+    }
+    cudaFree(d_x); cudaFree(d_sorted); cudaFree(d_slot); cudaFree(d_rows); cudaFree(d_pw);
+}
+
+void gathered_match(void) {
+    if (!have_sm90()) return;
+    for (int pow2 = 0; pow2 < 2; pow2++)
+        for (int w = 0; w < 2; w++) {
+            gathered_case(128, 128, 128, pow2, w, 1);
+            gathered_case(512, 384, 768, pow2, w, 8);
+            gathered_case(2048, 1920, 2048, pow2, w, 4);
+        }
 }
 
 void rows_tokens_match(void) {
@@ -313,5 +391,7 @@ int main() {
     th_run("fp8: rows quantizer = mf_fp8_quantize_rows (specials, both scale rules)", rows_match);
     th_run("fp8: tokens quantizer = per-column tiles of 128 rows (p dy too)", tokens_match);
     th_run("fp8: rows + tokens in one pass = the two passes", rows_tokens_match);
+    th_run("fp8: gathered token rows (row_slot) = the passes on rows gathered by hand",
+           gathered_match);
     return th_finish();
 }

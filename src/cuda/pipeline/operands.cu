@@ -6,7 +6,9 @@
  *         along its K into the layer's row codes (x for gemm1, a for gemm2, dy for
  *         dgrad2, [dg; du] for dgrad1: one buffer, used in turn; the forward's x by its
  *         dispatch as it moves the rows, unless saved: on one GPU into that buffer,
- *         fp8_row_codes_out, with a comm into the x rows window by the push), the weight gradients'
+ *         fp8_row_codes_out, with a comm into the x rows window by the push; on one GPU
+ *         the backward's dy and x read where the caller has them, gathered through
+ *         row_slot, not dispatched), the weight gradients'
  *         operands quantized in tiles of 128 tokens and transposed (p dy and a for dW2,
  *         [dg; du] and x for dW13: two buffers, used in turn), and the weights the
  *         caller quantized (W for the forward, W^T for the dgrads). dy and [dg; du] are
@@ -66,16 +68,39 @@ moefuse_status fp8_create(moefuse_layer *, cuda_state *s) {
     return MOEFUSE_OK;
 }
 
-/* The quantizer params of the call's rows of `in` ([rows_cap, cols] bf16, the GEMMs' row
+/* Where a quantizer reads the call's rows: the expert-sorted rows (in, row stride cols),
+ * or, gathered, the caller's token-major rows (in, row stride ld) through row_slot. */
+struct rows_src {
+    const uint16_t *in;
+    int64_t ld;
+    const int32_t *row_slot;   /* NULL: sorted */
+    int top_k;
+};
+
+rows_src sorted_rows(const void *in, int cols) {
+    return rows_src{(const uint16_t *)in, cols, NULL, 0};
+}
+
+/* The caller's token rows `tokens` (stride ld) where the call has them gathered
+ * (c.dy_tokens, c.x_tokens), else the sorted rows `sorted`. */
+rows_src rows_of(const moefuse_layer *layer, const call_bufs &c, const uint16_t *tokens,
+                 int64_t ld, const void *sorted, int cols) {
+    if (!tokens) return sorted_rows(sorted, cols);
+    return rows_src{tokens, ld, c.row_slot, layer->cfg.top_k};
+}
+
+/* The quantizer params of the call's rows `src` ([rows_cap, cols] bf16, the GEMMs' row
  * count): 1 x 128 into the layer's row codes (the A operand of a row GEMM), and per 128
  * tokens, transposed ([cols, rows_cap]; times each row's p when row_weight is set) into
  * `codes` / `scales` (a weight gradient's operand). */
 mf_quantize_fp8_rows_params rows_params(const moefuse_layer *layer, int rows_cap,
-                                        const uint16_t *in, int cols) {
+                                        const rows_src &src, int cols) {
     const cuda_state *s = state_of(layer);
     mf_quantize_fp8_rows_params q = {};
-    q.in = in;
-    q.ld = cols;
+    q.in = src.in;
+    q.ld = src.ld;
+    q.row_slot = src.row_slot;
+    q.top_k = src.top_k;
     q.rows_cap = rows_cap;
     q.num_rows = s->gemm_num_rows;
     q.cols = cols;
@@ -87,13 +112,15 @@ mf_quantize_fp8_rows_params rows_params(const moefuse_layer *layer, int rows_cap
 }
 
 mf_quantize_fp8_tokens_params tokens_params(const moefuse_layer *layer, int rows_cap,
-                                            const uint16_t *in, int cols,
+                                            const rows_src &src, int cols,
                                             const float *row_weight, uint8_t *codes,
                                             float *scales) {
     const cuda_state *s = state_of(layer);
     mf_quantize_fp8_tokens_params q = {};
-    q.in = in;
-    q.ld = cols;
+    q.in = src.in;
+    q.ld = src.ld;
+    q.row_slot = src.row_slot;
+    q.top_k = src.top_k;
     q.rows_cap = rows_cap;
     q.num_rows = s->gemm_num_rows;
     q.cols = cols;
@@ -113,34 +140,34 @@ mf_operand token_operand(const uint8_t *codes, const float *scales) {
 }
 
 moefuse_status quantized_rows(const moefuse_layer *layer, const call_bufs &c,
-                              const uint16_t *in, int cols, cudaStream_t stream,
+                              const rows_src &src, int cols, cudaStream_t stream,
                               mf_operand *out) {
-    const mf_quantize_fp8_rows_params q = rows_params(layer, c.lay.rows_cap, in, cols);
+    const mf_quantize_fp8_rows_params q = rows_params(layer, c.lay.rows_cap, src, cols);
     if (c.lay.rows_cap > 0) MF_CUDA_TRY(mf_quantize_fp8_rows(&q, stream));
     *out = row_operand(state_of(layer));
     return MOEFUSE_OK;
 }
 
-moefuse_status quantized_tokens(const moefuse_layer *layer, int rows_cap, const uint16_t *in,
+moefuse_status quantized_tokens(const moefuse_layer *layer, int rows_cap, const rows_src &src,
                                 int cols, const float *row_weight, uint8_t *codes,
                                 float *scales, cudaStream_t stream, mf_operand *out) {
     const mf_quantize_fp8_tokens_params q =
-        tokens_params(layer, rows_cap, in, cols, row_weight, codes, scales);
+        tokens_params(layer, rows_cap, src, cols, row_weight, codes, scales);
     if (rows_cap > 0) MF_CUDA_TRY(mf_quantize_fp8_tokens(&q, stream));
     *out = token_operand(codes, scales);
     return MOEFUSE_OK;
 }
 
-/* Both from one read of `in`: the row GEMM's operand now, the weight gradient's (the
+/* Both from one read of `src`: the row GEMM's operand now, the weight gradient's (the
  * layer's lhs token codes) for a GEMM later in the call. */
 moefuse_status quantized_rows_and_tokens(const moefuse_layer *layer, const call_bufs &c,
-                                         const uint16_t *in, int cols, const float *row_weight,
+                                         const rows_src &src, int cols, const float *row_weight,
                                          cudaStream_t stream, mf_operand *out) {
     const cuda_state *s = state_of(layer);
     const int rows_cap = c.lay.rows_cap;
-    const mf_quantize_fp8_rows_params r = rows_params(layer, rows_cap, in, cols);
+    const mf_quantize_fp8_rows_params r = rows_params(layer, rows_cap, src, cols);
     const mf_quantize_fp8_tokens_params t =
-        tokens_params(layer, rows_cap, in, cols, row_weight, s->fp8_lhs_t, s->fp8_lhs_scales);
+        tokens_params(layer, rows_cap, src, cols, row_weight, s->fp8_lhs_t, s->fp8_lhs_scales);
     if (rows_cap > 0) MF_CUDA_TRY(mf_quantize_fp8_rows_tokens(&r, &t, stream));
     *out = row_operand(s);
     return MOEFUSE_OK;
@@ -181,14 +208,16 @@ moefuse_status fp8_gemm1(const moefuse_layer *layer, const call_bufs &c,
         return MOEFUSE_OK;
     }
     MF_TRY(rows_arrived(layer, p->rows_in, stream));
-    return quantized_rows(layer, c, (const uint16_t *)p->xs.data, p->hidden, stream, &p->xs);
+    return quantized_rows(layer, c,
+                          rows_of(layer, c, c.x_tokens, c.x_tokens_stride, p->xs.data, p->hidden),
+                          p->hidden, stream, &p->xs);
 }
 
 moefuse_status fp8_gemm2(const moefuse_layer *layer, const call_bufs &c,
                          const moefuse_fp8_weights *w, mf_gemm2_params *p, cudaStream_t stream) {
     p->w2 = weight(w->w2, w->w2_scale);
-    return quantized_rows(layer, c, (const uint16_t *)p->act.data, p->intermediate, stream,
-                          &p->act);
+    return quantized_rows(layer, c, sorted_rows(p->act.data, p->intermediate), p->intermediate,
+                          stream, &p->act);
 }
 
 /* dgrad2 reads W2^T (its FP8 kernel writes the unweighted a for dW2 = (p dy)^T a). The
@@ -199,8 +228,9 @@ moefuse_status fp8_dgrad2(const moefuse_layer *layer, const call_bufs &c,
                           cudaStream_t stream) {
     p->w2 = weight(w->w2t, w->w2t_scale);
     MF_TRY(rows_arrived(layer, p->rows_in, stream));
-    return quantized_rows_and_tokens(layer, c, (const uint16_t *)p->dys.data, p->hidden,
-                                     state_of(layer)->row_weight, stream, &p->dys);
+    return quantized_rows_and_tokens(
+        layer, c, rows_of(layer, c, c.dy_tokens, c.dy_tokens_stride, p->dys.data, p->hidden),
+        p->hidden, state_of(layer)->row_weight, stream, &p->dys);
 }
 
 /* dgrad1 runs after dW2: its read of [dg; du] also makes dW13's lhs. */
@@ -209,7 +239,7 @@ moefuse_status fp8_dgrad1(const moefuse_layer *layer, const call_bufs &c,
                           cudaStream_t stream) {
     p->w13 = weight(w->w13t, w->w13t_scale);
     p->w13_up = NULL;   /* W13^T [E, H, 2I]: packed */
-    return quantized_rows_and_tokens(layer, c, (const uint16_t *)p->dh.data,
+    return quantized_rows_and_tokens(layer, c, sorted_rows(p->dh.data, 2 * p->intermediate),
                                      2 * p->intermediate, NULL, stream, &p->dh);
 }
 
@@ -218,17 +248,19 @@ moefuse_status fp8_dw2(const moefuse_layer *layer, const call_bufs &, const moef
                        mf_wgrad_params *p, cudaStream_t stream) {
     cuda_state *s = state_of(layer);
     p->lhs = token_operand(s->fp8_lhs_t, s->fp8_lhs_scales);
-    return quantized_tokens(layer, p->rows.rows_cap, (const uint16_t *)p->rhs.data, p->n, NULL,
+    return quantized_tokens(layer, p->rows.rows_cap, sorted_rows(p->rhs.data, p->n), p->n, NULL,
                             s->fp8_rhs_t, s->fp8_rhs_scales, stream, &p->rhs);
 }
 
-/* dW13 = [dg; du]^T x: lhs = [dg; du], quantized with dgrad1's operand; rhs = x. */
-moefuse_status fp8_dw13(const moefuse_layer *layer, const call_bufs &, const moefuse_fp8_weights *,
-                        mf_wgrad_params *p, cudaStream_t stream) {
+/* dW13 = [dg; du]^T x: lhs = [dg; du], quantized with dgrad1's operand; rhs = x (gathered
+ * from the caller's x on one GPU). */
+moefuse_status fp8_dw13(const moefuse_layer *layer, const call_bufs &c,
+                        const moefuse_fp8_weights *, mf_wgrad_params *p, cudaStream_t stream) {
     cuda_state *s = state_of(layer);
     p->lhs = token_operand(s->fp8_lhs_t, s->fp8_lhs_scales);
-    return quantized_tokens(layer, p->rows.rows_cap, (const uint16_t *)p->rhs.data, p->n, NULL,
-                            s->fp8_rhs_t, s->fp8_rhs_scales, stream, &p->rhs);
+    return quantized_tokens(layer, p->rows.rows_cap,
+                            rows_of(layer, c, c.x_tokens, c.x_tokens_stride, p->rhs.data, p->n),
+                            p->n, NULL, s->fp8_rhs_t, s->fp8_rhs_scales, stream, &p->rhs);
 }
 
 }  // namespace

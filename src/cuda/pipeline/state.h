@@ -49,6 +49,9 @@ struct exec_plan {
      * moves it (no bf16 rows for a quantizer to read again) unless the forward saves x's
      * rows */
     bool dispatch_quantizes_x;
+    /* FP8 on the local transport: the backward's quantizers read dy and x where the caller
+     * has them (gathered through row_slot), so its dispatch writes no bf16 rows of them */
+    bool quantizers_gather;
     moefuse_saved_mode saved_mode;
     int block_m;                /* the GEMMs' row tile = the plan's row block */
     int dp_parts;               /* d p partial sums per row (dgrad2's column blocks) */
@@ -163,6 +166,11 @@ struct call_bufs {
      * FP8 row codes and scales (fp8_row_codes_out) instead of bf16 rows into xs, and
      * gemm1's hook takes them as they are */
     bool x_codes;
+    /* backward, exec_plan.quantizers_gather: dy's (and, unless the forward saved them,
+     * x's) token-major rows where the caller has them; the dispatch moves neither and
+     * the FP8 quantizers read them through row_slot (NULL: from dys / xs) */
+    const uint16_t *dy_tokens, *x_tokens;
+    int64_t dy_tokens_stride, x_tokens_stride;
 };
 
 /* The token-major rows a dispatch moves: x (forward), dy and x (backward). */

@@ -211,6 +211,7 @@ static moefuse_status resolve_plan(const moefuse_layer *layer, cuda_state *s) {
                        g->fused_backward_takes(c->hidden, c->intermediate);
     p.dw13_before_wait = p.rows_from_peers;
     p.dispatch_quantizes_x = c->precision == MOEFUSE_PRECISION_FP8_BLOCK;
+    p.quantizers_gather = p.dispatch_quantizes_x && !p.rows_from_peers;
     p.saved_mode = c->saved_mode;
     p.block_m = g->block_m;
     p.dp_parts = g->dp_parts(c->intermediate);

@@ -13,6 +13,8 @@
  *
  *   rows + tokens  both of the above from one read (dy and [dg; du], whose two forms the
  *            backward needs one GEMM apart).
+ * Rows and tokens read the expert-sorted rows, or gather them (row_slot): the caller's x
+ * and dy on one GPU, which the backward then does not dispatch.
  *
  * Floors (H200, ~4 TB/s read + write): rows and tokens move 2 + 1 + 4/128 bytes per
  * element (bf16 in, code and scale out), rows + tokens 2 + 2 (1 + 4/128): qwen3-30b-a3b's
@@ -49,6 +51,18 @@ __device__ __forceinline__ uint4 load_stream(const uint16_t *p) {
     return __ldcs(reinterpret_cast<const uint4 *>(p));
 }
 
+/* 8 values of row r from column col: in + r * ld; gathered (row_slot set), the token row
+ * of r's slot, zeros for a padding row, read through the cache (each token row serves
+ * its K rows). */
+__device__ __forceinline__ uint4 load_row_piece(const uint16_t *in, int64_t ld,
+                                                const int32_t *row_slot, int top_k, int64_t r,
+                                                int64_t col) {
+    if (!row_slot) return load_stream(in + r * ld + col);
+    const int slot = __ldg(row_slot + r);
+    if (slot < 0) return make_uint4(0, 0, 0, 0);
+    return __ldg(reinterpret_cast<const uint4 *>(in + (int64_t)(slot / top_k) * ld + col));
+}
+
 /* ---- rows: 1 x 128 ------------------------------------------------------------------ */
 
 /* A tile is 16 lanes of 8 values (one 16-byte load each); a half-warp takes kRowsUnroll
@@ -74,7 +88,8 @@ __global__ void __launch_bounds__(kRowsThreads, 4)
         const uint32_t w = first + u * (kRowsThreads / 16);
         r[u] = w / tiles;
         b[u] = w - r[u] * tiles;
-        v[u] = w < total ? load_stream(p.in + (int64_t)r[u] * p.ld + b[u] * 128 + 8 * l16)
+        v[u] = w < total ? load_row_piece(p.in, p.ld, p.row_slot, p.top_k, r[u],
+                                          b[u] * 128 + 8 * l16)
                          : make_uint4(0, 0, 0, 0);
     }
     const unsigned half_lanes = (threadIdx.x % 32) < 16 ? 0x0000ffffu : 0xffff0000u;
@@ -111,8 +126,10 @@ struct tokens_block_params {
     int scale_ld;
 };
 
-template <bool kRows>
-__global__ void __launch_bounds__(kTokThreads, kRows ? 2 : 3)
+/* kGather: the rows read through row_slot (the gather's addresses take registers: 2 CTAs
+ * an SM, as with kRows). */
+template <bool kRows, bool kGather>
+__global__ void __launch_bounds__(kTokThreads, kRows || kGather ? 2 : 3)
     fp8_quantize_tokens_kernel(const tokens_block_params bp) {
     const mf_quantize_fp8_tokens_params &p = bp.t;
     __shared__ __align__(16) uint2 codes_t[kTokCols][16];   /* [column][8-byte unit ^ piece] */
@@ -134,7 +151,11 @@ __global__ void __launch_bounds__(kTokThreads, kRows ? 2 : 3)
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         const int64_t r = r0 + 8 * group + i;
-        v[i] = has_cols ? load_stream(p.in + r * p.ld + c) : make_uint4(0, 0, 0, 0);
+        if constexpr (kGather)
+            v[i] = has_cols ? load_row_piece(p.in, p.ld, p.row_slot, p.top_k, r, c)
+                            : make_uint4(0, 0, 0, 0);
+        else
+            v[i] = has_cols ? load_stream(p.in + r * p.ld + c) : make_uint4(0, 0, 0, 0);
         pw[i] = p.row_weight ? p.row_weight[r] : 1.0f;
     }
 
@@ -273,7 +294,7 @@ extern "C" cudaError_t mf_quantize_fp8_rows(const mf_quantize_fp8_rows_params *p
                                             cudaStream_t stream) {
     if (!p || !p->in || !p->codes || !p->scales || p->cols <= 0 || p->cols % 128 ||
         p->rows_cap < 0 || p->scale_ld < p->rows_cap || p->scale_ld % 4 || p->ld < p->cols ||
-        p->ld % 8)
+        p->ld % 8 || (p->row_slot && p->top_k < 1))
         return cudaErrorInvalidValue;
     if (p->rows_cap == 0) return cudaSuccess;
     const int64_t tiles = (int64_t)p->rows_cap * (p->cols / 128);
@@ -287,7 +308,8 @@ namespace {
 
 bool tokens_params_ok(const mf_quantize_fp8_tokens_params *p) {
     return p && p->in && p->codes_t && p->scales && p->cols > 0 && p->cols % 8 == 0 &&
-           p->rows_cap >= 0 && p->rows_cap % 128 == 0 && p->ld >= p->cols && p->ld % 8 == 0;
+           p->rows_cap >= 0 && p->rows_cap % 128 == 0 && p->ld >= p->cols && p->ld % 8 == 0 &&
+           (!p->row_slot || p->top_k >= 1);
 }
 
 int64_t tokens_ctas(const mf_quantize_fp8_tokens_params *p) {
@@ -303,7 +325,10 @@ extern "C" cudaError_t mf_quantize_fp8_tokens(const mf_quantize_fp8_tokens_param
     const int64_t ctas = tokens_ctas(p);
     if (ctas > INT32_MAX) return cudaErrorInvalidValue;
     const tokens_block_params bp = {*p, nullptr, nullptr, 0};
-    fp8_quantize_tokens_kernel<false><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
+    if (p->row_slot)
+        fp8_quantize_tokens_kernel<false, true><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
+    else
+        fp8_quantize_tokens_kernel<false, false><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
     return cudaGetLastError();
 }
 
@@ -312,14 +337,17 @@ extern "C" cudaError_t mf_quantize_fp8_rows_tokens(const mf_quantize_fp8_rows_pa
                                                    cudaStream_t stream) {
     if (!r || !tokens_params_ok(t) || !r->codes || !r->scales || r->in != t->in ||
         r->ld != t->ld || r->rows_cap != t->rows_cap || r->num_rows != t->num_rows ||
-        r->cols != t->cols || r->pow2 != t->pow2 || t->cols % 128 || r->scale_ld < r->rows_cap ||
-        r->scale_ld % 4)
+        r->cols != t->cols || r->pow2 != t->pow2 || r->row_slot != t->row_slot ||
+        r->top_k != t->top_k || t->cols % 128 || r->scale_ld < r->rows_cap || r->scale_ld % 4)
         return cudaErrorInvalidValue;
     if (t->rows_cap == 0) return cudaSuccess;
     const int64_t ctas = tokens_ctas(t);
     if (ctas > INT32_MAX) return cudaErrorInvalidValue;
     const tokens_block_params bp = {*t, r->codes, r->scales, r->scale_ld};
-    fp8_quantize_tokens_kernel<true><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
+    if (t->row_slot)
+        fp8_quantize_tokens_kernel<true, true><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
+    else
+        fp8_quantize_tokens_kernel<true, false><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
     return cudaGetLastError();
 }
 
@@ -340,8 +368,10 @@ extern "C" cudaError_t mf_quantize_fp8_weights(const mf_quantize_fp8_weights_par
 }
 
 extern "C" cudaError_t mf_quantize_fp8_load(void) {
-    return mf_load_kernels(fp8_quantize_rows_kernel, fp8_quantize_tokens_kernel<false>,
-                           fp8_quantize_tokens_kernel<true>,
+    return mf_load_kernels(fp8_quantize_rows_kernel, fp8_quantize_tokens_kernel<false, false>,
+                           fp8_quantize_tokens_kernel<true, false>,
+                           fp8_quantize_tokens_kernel<false, true>,
+                           fp8_quantize_tokens_kernel<true, true>,
                            fp8_quantize_weights_kernel<float>,
                            fp8_quantize_weights_kernel<uint16_t>);
 }

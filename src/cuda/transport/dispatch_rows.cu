@@ -154,7 +154,7 @@ dispatch_rows_kernel(const __grid_constant__ mf_dispatch_params p) {
 extern "C" cudaError_t mf_dispatch_rows_bf16(const mf_dispatch_params *p, cudaStream_t stream) {
     if (!p || p->hidden <= 0 || p->hidden % 8 != 0 || p->top_k < 1 || p->num_tokens < 0 ||
         p->rows_cap < 0 || !p->slot_row || !p->row_slot ||
-        p->num_sms < 1 || p->num_tensors < 1 || p->num_tensors > 2 ||
+        p->num_sms < 1 || p->num_tensors < 0 || p->num_tensors > 2 ||
         (p->row_weight && !p->weights))
         return cudaErrorInvalidValue;
     const bool fp8 = p->codes != NULL;

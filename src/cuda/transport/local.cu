@@ -60,19 +60,25 @@ moefuse_status plan(moefuse_layer *layer, const moefuse_fwd_args *a, const call_
 }
 
 /* Forward: x -> xs (FP8 with c.x_codes: x -> its row codes). Backward: dy -> dys and
- * x -> s->xs in one pass, x not when the forward saved its xs. */
+ * x -> s->xs in one pass, x not when the forward saved its xs, neither where the FP8
+ * quantizers gather them (c.dy_tokens, c.x_tokens). */
 moefuse_status dispatch(moefuse_layer *layer, const token_rows &rows, const call_bufs &c,
                         cudaStream_t stream) {
     const cuda_state *s = state_of(layer);
     mf_dispatch_params dp = {};
     if (rows.dy) {
-        dp.x[0] = rows.dy;
-        dp.x_stride[0] = rows.dy_stride;
-        dp.xs[0] = c.dys;
-        dp.x[1] = rows.x;
-        dp.x_stride[1] = rows.x_stride;
-        dp.xs[1] = s->xs;
-        dp.num_tensors = c.mode == MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS ? 1 : 2;
+        int n = 0;   // what the FP8 quantizers do not gather (c.dy_tokens, c.x_tokens)
+        if (!c.dy_tokens) {
+            dp.x[n] = rows.dy;
+            dp.x_stride[n] = rows.dy_stride;
+            dp.xs[n++] = c.dys;
+        }
+        if (c.mode != MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS && !c.x_tokens) {
+            dp.x[n] = rows.x;
+            dp.x_stride[n] = rows.x_stride;
+            dp.xs[n++] = s->xs;
+        }
+        dp.num_tensors = n;   // 0: the rows' p only
     } else {
         dp.x[0] = rows.x;
         dp.x_stride[0] = rows.x_stride;
