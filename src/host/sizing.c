@@ -67,7 +67,10 @@ mf_sizes mf_sizes_of(const moefuse_config *c, int peers, mf_tiles tiles) {
     const int64_t rows = z.rows_cap;
 
     size_t *b = z.rows_bufs;
-    b[MF_WIN_XS] = (size_t)(rows * H * 2);
+    /* FP8 on one GPU reads no bf16 x rows: the forward's dispatch writes x's codes, the
+     * backward's quantizers gather x (src/cuda/pipeline/operands.cu) */
+    const int fp8_local = c->precision == MOEFUSE_PRECISION_FP8_BLOCK && !peers;
+    b[MF_WIN_XS] = fp8_local ? 0 : (size_t)(rows * H * 2);
     b[MF_WIN_ROW_WEIGHT] = (size_t)(rows * 4);
     if (peers) {
         b[MF_WIN_DYS] = (size_t)(rows * H * 2);

@@ -268,7 +268,16 @@ static void quantized_weights_equal_cpu(void) {
 /* `reps` fresh problems under one layer: errors against the emulation pooled and
  * checked, against the bf16 reference printed; each run repeated and equal bit for bit;
  * with `modes`, the other two saved modes' layers give the same bits. */
+static void accuracy_strided(shape s, int T, int max_tokens, routing r, int pow2, int reps,
+                             int modes, int64_t stride);
 static void accuracy(shape s, int T, int max_tokens, routing r, int pow2, int reps, int modes) {
+    accuracy_strided(s, T, max_tokens, r, pow2, reps, modes, s.H);
+}
+
+/* As accuracy, with x, y, dy and dx of row stride `stride` (>= H; the backward's
+ * quantizers read x and dy where they are). */
+static void accuracy_strided(shape s, int T, int max_tokens, routing r, int pow2, int reps,
+                             int modes, int64_t stride) {
     if (!ready()) return;
     moefuse_layer *layer = cuda_fp8_layer(s, max_tokens, MOEFUSE_SAVE_ACTIVATIONS, pow2);
     moefuse_layer *other[2] = {NULL, NULL};
@@ -282,7 +291,7 @@ static void accuracy(shape s, int T, int max_tokens, routing r, int pow2, int re
     memset(&bf, 0, sizeof bf);
     int64_t rows = 1;
     for (int i = 0; i < reps; i++) {
-        problem pb = problem_make(s, T, s.H, r);
+        problem pb = problem_make(s, T, stride, r);
         outputs o = outputs_make(&pb), o2 = outputs_make(&pb);
         device_problem d;
         if (device_problem_make(layer, &pb, &d)) {
@@ -334,6 +343,9 @@ static void few_experts(void) { accuracy(SMALL128, 100, 128, ROUTE_FEW, 1, 1, 0)
 static void dropped(void) { accuracy(SMALL128, 77, 128, ROUTE_DROPPED, 0, 1, 1); }
 static void qwen3_30b_t512_zipf(void) { accuracy(QWEN3_30B_E16, 512, 512, ROUTE_ZIPF, 0, 1, 1); }
 static void small_t4096_zipf(void) { accuracy(SMALL128, 4096, 4096, ROUTE_ZIPF, 1, 1, 0); }
+static void strided_rows(void) {
+    accuracy_strided(SMALL128, 300, 300, ROUTE_DROPPED, 0, 1, 1, SMALL128.H + 8);
+}
 
 /* T = 0: write mode zeroes the weight gradients, accumulate leaves them. */
 static void zero_tokens(void) {
@@ -474,6 +486,7 @@ int main(int argc, char **argv) {
         {"cuda fp8: dropped slots, saved modes equal", dropped},
         {"cuda fp8: qwen3-30b-a3b H/I/K E=16 T=512 Zipf, saved modes equal", qwen3_30b_t512_zipf},
         {"cuda fp8: small T=4096 Zipf, pow2", small_t4096_zipf},
+        {"cuda fp8: rows of stride H + 8, saved modes equal", strided_rows},
         {"cuda fp8: T = 0", zero_tokens},
         {"cuda fp8: dW13 in two halves bitwise = packed, small", halves_small},
         {"cuda fp8: dW13 in two halves bitwise = packed, qwen3-30b-a3b H/I/K E=16", halves_30b},

@@ -7,6 +7,7 @@
  *   - each row's routing weight: row_weight[r] = weights[row_slot[r]], 0 for padding
  *     rows, poison at or past num_rows (with one tensor and with two);
  *   - with the plan's call_failed flag set, nothing is written;
+ *   - with no tensor (the FP8 backward on one GPU), the rows' p alone;
  *   - FP8 (codes set): the codes and scales bitwise those of mf_quantize_fp8_rows run on
  *     the bf16 dispatch's rows (padding rows included, rows past num_rows untouched),
  *     amax and power-of-two scales, with a NaN, values far beyond 448 and an all-zero
@@ -236,6 +237,12 @@ void test_two_tensors(void) {
                    std::vector<int>{0, 700, 0, 0, 31, 0, 129, 0}, 6, 1280, 128, 26, 2, false);
 }
 
+/* num_tensors 0 (the FP8 backward on one GPU): each row's p only */
+void test_weights_only(void) {
+    if (!have_sm90()) return;
+    check_dispatch("the rows' p only, K 8", skewed_counts(16, 2000), 8, 2048, 256, 48, 0, false);
+}
+
 void test_call_failed(void) {
     if (!have_sm90()) return;
     check_dispatch("call_failed set: nothing written", skewed_counts(16, 1000), 8, 512, 128, 24,
@@ -262,6 +269,7 @@ int main(int argc, char **argv) {
         {"dispatch_rows_one_tensor", test_one_tensor},
         {"dispatch_rows_two_tensors", test_two_tensors},
         {"dispatch_rows_call_failed", test_call_failed},
+        {"dispatch_rows_weights_only", test_weights_only},
         {"dispatch_rows_fp8", test_fp8},
     };
     th_seed_from_env_or_clock();

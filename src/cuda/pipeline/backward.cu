@@ -13,7 +13,8 @@
  *             d p partial sums per column block
  *             (beside a push, gemm1 and dgrad2 take each row block once it is in)
  *   rows in   peers: the push joined, every rank's push done
- *   dW2       sum over e's rows of dys^T act_p              (reads dys: before dgrad1)
+ *   dW2       sum over e's rows of dys^T act_p              (reads dys: before dgrad1;
+ *             FP8 reads p dy's token codes, made from dy by dgrad2's hook)
  *   dgrad1    dh W13_e -> one dx row per slot (local: into combine over the dead dys;
  *             peers: into the source ranks' combine windows)
  *   sent back peers: d p to the source ranks, DONE raised

@@ -73,9 +73,11 @@ struct cuda_state {
     /* Peers: the fields marked "pool" point into the rank's pool on the comm, set by the
      * transport's bind at the start of every call (a later layer's create may have grown
      * the pool); the layer owns the rest. */
-    uint16_t *xs;               /* [rows_cap, H]; peers: window MF_WIN_XS (pool) */
+    uint16_t *xs;               /* [rows_cap, H]; peers: window MF_WIN_XS (pool); FP8 on one
+                                   GPU: none (x's codes from the dispatch, the backward's
+                                   quantizers gather x) */
     uint16_t *act;              /* [rows_cap, I]; peers: pool */
-    uint16_t *combine;          /* local: [rows_cap, H] (also dys); peers: [max_tokens*K, H] window (pool) */
+    uint16_t *combine;          /* local: [rows_cap, H] (also dys, but for FP8); peers: [max_tokens*K, H] window (pool) */
     float *row_weight;          /* [rows_cap] each row's p: local the dispatch's; peers: window (pool) */
     int32_t *slot_rank;         /* [max_tokens * K] */
     int32_t *chunk_base;        /* [chunks(max_tokens), plan_experts] */

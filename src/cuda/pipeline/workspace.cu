@@ -212,6 +212,10 @@ static moefuse_status resolve_plan(const moefuse_layer *layer, cuda_state *s) {
     p.dw13_before_wait = p.rows_from_peers;
     p.dispatch_quantizes_x = c->precision == MOEFUSE_PRECISION_FP8_BLOCK;
     p.quantizers_gather = p.dispatch_quantizes_x && !p.rows_from_peers;
+    if (p.quantizers_gather && (p.fused_forward || p.fused_backward))
+        return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
+                       "the %s GEMMs offer a fused kernel, but FP8 on one GPU dispatches no "
+                       "bf16 x or dy rows for one to read", g->name);
     p.saved_mode = c->saved_mode;
     p.block_m = g->block_m;
     p.dp_parts = g->dp_parts(c->intermediate);
@@ -288,7 +292,7 @@ static moefuse_status create_checked(moefuse_layer *layer, cuda_state *s) {
     s->sizes = mf_sizes_of(c, plan.rows_from_peers, tiles);
     const mf_sizes &z = s->sizes;
     if (!plan.rows_from_peers) {  // peers: these are the pool's (transport/ep_pool.cu)
-        MF_ALLOC_FIELD(s, xs, z.rows_bufs[MF_WIN_XS]);
+        if (z.rows_bufs[MF_WIN_XS]) MF_ALLOC_FIELD(s, xs, z.rows_bufs[MF_WIN_XS]);  // not FP8
         MF_ALLOC_FIELD(s, combine, z.rows_bufs[MF_WIN_COMBINE]);
         MF_ALLOC_FIELD(s, row_weight, z.rows_bufs[MF_WIN_ROW_WEIGHT]);
         MF_ALLOC_FIELD(s, act, z.rows_bufs[MF_POOL_ACT]);
