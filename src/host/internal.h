@@ -72,6 +72,10 @@ enum {
 
 /* ---- the layer and its backends (src/host/layer.c) ------------------------------ */
 
+/* The config's own fields checked (no comm, no backend): create's first step, and the
+ * memory estimate's (src/host/memory.c). */
+moefuse_status mf_check_config_fields(const moefuse_config *c);
+
 typedef struct mf_backend_ops {
     const char *name;
     moefuse_status (*create)(moefuse_layer *layer);
@@ -232,7 +236,7 @@ mf_sizes mf_sizes_of(const moefuse_config *c, int peers, mf_tiles tiles);
 size_t mf_sizes_own(const mf_sizes *s);
 size_t mf_sizes_sum(const size_t *bytes, int from, int to);
 /* moefuse_memory's fields from the sizes of a layer and its rank's pool (pool: the
- * pool's bytes, or z->rows_bufs for a layer alone), src/host/layer.c. */
+ * pool's bytes, or z->rows_bufs for a layer alone), src/host/memory.c. */
 void mf_memory_from_sizes(const mf_sizes *z, const size_t *pool, int shared_layers,
                           moefuse_memory *m);
 
