@@ -1,5 +1,5 @@
-"""moefuse.experts / moefuse.route on CPU tensors (the C library's CPU backend) against
-the fp64 PyTorch reference in moe_reference.py.
+"""moefuse.experts on CPU tensors (the C library's CPU backend) against the fp64 PyTorch
+reference in moe_reference.py (moefuse.route's own tests: test_route_cpu.py).
 
 Why not torch.autograd.gradcheck on moefuse.experts: gradcheck compares analytic
 gradients with central finite differences (eps ~1e-6) and needs fp64 inputs to resolve
@@ -9,7 +9,7 @@ input is not even representable, and any step large enough to move a bf16 value
 than gradcheck's tolerances. So the op's gradients are checked instead against exact
 fp64 gradients of the reference at the same bf16 input values, with the tolerance
 rule derived from bf16 rounding (moe_reference.py); the reference itself is
-gradchecked in fp64, and the routing op (fp32) is gradchecked with a step fp32 resolves.
+gradchecked in fp64.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import moefuse
 from moefuse import _lib, ops
 
 from moe_reference import (assert_close_bf16, experts_reference, experts_reference_grads,
-                           random_problem, rel_error, route_reference)
+                           random_problem)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 HEADER = REPO / "include" / "moefuse.h"
@@ -377,65 +377,6 @@ def test_int64_ids_outside_int32_fail_under_compile(bad_id):
     with pytest.raises(moefuse.MoefuseError) as info:
         good(x, ids, p, w13, w2)
     assert info.value.status == _lib.Status.ERR_EXPERT_ID, info.value.message
-
-
-# ---- the routing op --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("T, E, K", [(50, 16, 4), (33, 128, 8), (5, 8, 8), (1, 4, 1)])
-def test_route_matches_reference(T, E, K):
-    g = torch.Generator().manual_seed(T)
-    logits = torch.randn(T, E, generator=g).requires_grad_()
-    ids, weights = moefuse.route(logits, K)
-    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
-    ref_logits = logits.detach().double().requires_grad_()
-    ref_ids, ref_weights = route_reference(ref_logits, K)
-    assert torch.equal(ids.long(), ref_ids)
-    assert rel_error(weights, ref_weights) <= 1e-6
-    dweights = torch.randn(T, K, generator=g)
-    weights.backward(dweights)
-    (ref_grad,) = torch.autograd.grad(ref_weights, ref_logits, dweights.double())
-    assert rel_error(logits.grad, ref_grad) <= 1e-5
-
-
-def test_route_ties_pick_lower_id():
-    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0]])
-    ids, weights = moefuse.route(logits, 2)
-    assert ids.tolist() == [[1, 2]]
-    assert torch.allclose(weights, torch.tensor([[0.5, 0.5]]))
-
-
-def test_route_gradcheck():
-    """gradcheck in fp32 (the helper's precision) with a step fp32 resolves."""
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(6, 8, generator=g).requires_grad_()
-    with pytest.warns(UserWarning):  # gradcheck warns that the input is not fp64
-        assert torch.autograd.gradcheck(lambda l: moefuse.route(l, 3)[1], (logits,),
-                                        eps=1e-3, atol=1e-3, rtol=1e-2)
-
-
-def test_route_torch_fallback_matches_library():
-    """The PyTorch routing used where the C helper is not built (CUDA, for now)."""
-    g = torch.Generator().manual_seed(1)
-    logits = torch.randn(40, 32, generator=g)
-    logits[3, 5] = logits[3, 7] = logits[3].max() + 1  # a tie
-    ids, weights = moefuse.route(logits, 4)
-    ids_t, weights_t = ops._route_torch(logits, 4)
-    assert torch.equal(ids, ids_t)
-    assert rel_error(weights_t, weights) <= 1e-6
-    dweights = torch.randn(40, 4, generator=g)
-    d_lib = torch.ops.moefuse.route_bwd(logits, ids, weights, dweights)
-    d_torch = ops._route_bwd_torch(ids, weights, dweights, 32)
-    assert rel_error(d_torch, d_lib) <= 1e-5
-
-
-def test_route_bad_inputs():
-    with pytest.raises(ValueError, match="top_k must be an int"):
-        moefuse.route(torch.randn(4, 8), 9)
-    with pytest.raises(ValueError, match=re.escape("logits must be [T, E]")):
-        moefuse.route(torch.randn(8), 2)
-    with pytest.raises(TypeError, match="floating point"):
-        moefuse.route(torch.ones(4, 8, dtype=torch.int32), 2)
 
 
 # ---- torch.compile and the reference itself ----------------------------------------------------
