@@ -66,7 +66,7 @@ verify() {
 
 suites() {
     # The CUDA API suites, staged (the default) and fused.
-    for t in forward forward_bitwise backward backward_modes; do
+    for t in forward forward_bitwise backward backward_modes backward_halves; do
         step test_cuda_$t test_cuda_$t.log build/tests/api/test_cuda_$t
         step test_cuda_${t}_fused test_cuda_${t}_fused.log \
             env MOEFUSE_TEST_PIPELINE=fused build/tests/api/test_cuda_$t
