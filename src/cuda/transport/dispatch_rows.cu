@@ -43,16 +43,22 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kVecsInFlight = 4;   /* 16-byte vectors per lane per pass */
 
+/* The lane's kVecsInFlight pieces of a token row from vector v0, loads issued together. */
+__device__ __forceinline__ void load_pieces(const int4 *src, int v0, int vecs, int lane,
+                                            int4 (&part)[kVecsInFlight]) {
+#pragma unroll
+    for (int i = 0; i < kVecsInFlight; ++i) {
+        const int v = v0 + i * 32 + lane;
+        if (v < vecs) part[i] = __ldcs(src + v);
+    }
+}
+
 /* One token's row of one tensor to the rows of its live slots (slot_row[0..K-1]). */
 __device__ __forceinline__ void copy_token(const int4 *src, uint16_t *xs, const int32_t *slot_row,
                                            int K, int vecs, int lane) {
     for (int v0 = 0; v0 < vecs; v0 += 32 * kVecsInFlight) {
         int4 part[kVecsInFlight];
-#pragma unroll
-        for (int i = 0; i < kVecsInFlight; ++i) {
-            const int v = v0 + i * 32 + lane;
-            if (v < vecs) part[i] = __ldcs(src + v);
-        }
+        load_pieces(src, v0, vecs, lane, part);
         for (int k = 0; k < K; ++k) {
             const int row = __ldg(slot_row + k);
             if (row < 0) continue;
@@ -75,11 +81,7 @@ __device__ __forceinline__ void quantize_token(const int4 *src, const mf_dispatc
     const unsigned half_lanes = lane < 16 ? 0x0000ffffu : 0xffff0000u;
     for (int v0 = 0; v0 < vecs; v0 += 32 * kVecsInFlight) {
         int4 part[kVecsInFlight];
-#pragma unroll
-        for (int i = 0; i < kVecsInFlight; ++i) {
-            const int v = v0 + i * 32 + lane;
-            if (v < vecs) part[i] = __ldcs(src + v);
-        }
+        load_pieces(src, v0, vecs, lane, part);
 #pragma unroll
         for (int i = 0; i < kVecsInFlight; ++i) {
             const int v = v0 + i * 32 + lane;
