@@ -101,13 +101,6 @@ __device__ __forceinline__ void quantize_token(const int4 *src, const mf_dispatc
     }
 }
 
-/* A padding row of the FP8 output: an all-zero row's codes (0) and scales (1). */
-__device__ __forceinline__ void zero_codes_row(const mf_dispatch_params &p, int row, int lane) {
-    mf::warp_zero_row(reinterpret_cast<int4 *>(p.codes + (int64_t)row * p.hidden), p.hidden / 16,
-                      lane);
-    for (int b = lane; b < p.hidden / 128; b += 32) p.scales[(int64_t)b * p.scale_ld + row] = 1.0f;
-}
-
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreads)
 dispatch_rows_kernel(const __grid_constant__ mf_dispatch_params p) {
@@ -140,7 +133,7 @@ dispatch_rows_kernel(const __grid_constant__ mf_dispatch_params p) {
             const int row = r0 + __ffs(pad) - 1;
             pad &= pad - 1;
             if constexpr (kFp8) {
-                zero_codes_row(p, row, lane);
+                mf::warp_zero_codes_row(p.codes, p.scales, p.scale_ld, row, p.hidden, lane);
             } else {
                 for (int j = 0; j < p.num_tensors; ++j)
                     mf::warp_zero_row(reinterpret_cast<int4 *>(p.xs[j] + (int64_t)row * p.hidden),

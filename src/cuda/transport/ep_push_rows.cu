@@ -66,15 +66,6 @@ __device__ inline void push_row_codes(uint8_t *win, int row, const uint16_t *x,
     }
 }
 
-/* FP8: a padding row's codes (0) and scales (1, an all-zero tile's) in window `win`. */
-__device__ inline void zero_row_codes(uint8_t *win, int row, const mf_ep_push_params &p,
-                                      int lane) {
-    mf::warp_zero_row(reinterpret_cast<int4 *>(win + (int64_t)row * p.hidden), p.hidden / 16,
-                      lane);
-    float *scales = reinterpret_cast<float *>(win + MF_FP8_CODES_BYTES(p.rows_cap, p.hidden));
-    for (int b = lane; b < p.hidden / 128; b += 32) scales[(int64_t)b * p.rows_cap + row] = 1.0f;
-}
-
 __global__ void __launch_bounds__(kThreads)
 ep_push_rows_kernel(const __grid_constant__ mf_ep_push_params p) {
     uint32_t *sync = p.sync;
@@ -124,7 +115,11 @@ ep_push_rows_kernel(const __grid_constant__ mf_ep_push_params p) {
             const int row = p.recv_offsets[l] + p.recv_counts[l] + (int)(j % MF_ROW_BLOCK_M);
             if (row >= p.recv_offsets[l + 1]) continue;
             if (p.x_codes)
-                zero_row_codes(window<uint8_t>(p.peers, MF_WIN_XS, me, R), row, p, lane);
+                mf::warp_zero_codes_row(
+                    window<uint8_t>(p.peers, MF_WIN_XS, me, R),
+                    reinterpret_cast<float *>(window<uint8_t>(p.peers, MF_WIN_XS, me, R) +
+                                              MF_FP8_CODES_BYTES(p.rows_cap, p.hidden)),
+                    p.rows_cap, row, p.hidden, lane);
             else
                 mf::warp_zero_row(window<int4>(p.peers, MF_WIN_XS, me, R) + (int64_t)row * vecs,
                                   vecs, lane);

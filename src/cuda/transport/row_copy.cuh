@@ -1,5 +1,6 @@
 /* One warp moves one token row: 16-byte vectors, four loads in flight per lane before
- * the stores (dst never aliases src). Used by the dispatch kernels. Device only. */
+ * the stores (dst never aliases src); or zeroes one (bf16 rows, FP8 codes). Used by the
+ * dispatch kernels. Device only. */
 #pragma once
 
 #include <stdint.h>
@@ -21,6 +22,15 @@ __device__ __forceinline__ void warp_copy_row(int4 *dst, const int4 *src, int ve
 
 __device__ __forceinline__ void warp_zero_row(int4 *dst, int vecs, int lane) {
     for (int v = lane; v < vecs; v += 32) dst[v] = make_int4(0, 0, 0, 0);
+}
+
+/* A padding row of FP8 row codes [rows, hidden]: codes 0 and, in the MN-major scales
+ * [hidden / 128, scale_ld], scale 1 (an all-zero tile's, as the rows quantizer makes). */
+__device__ __forceinline__ void warp_zero_codes_row(uint8_t *codes, float *scales,
+                                                    int64_t scale_ld, int row, int hidden,
+                                                    int lane) {
+    warp_zero_row(reinterpret_cast<int4 *>(codes + (int64_t)row * hidden), hidden / 16, lane);
+    for (int b = lane; b < hidden / 128; b += 32) scales[(int64_t)b * scale_ld + row] = 1.0f;
 }
 
 }  // namespace mf
