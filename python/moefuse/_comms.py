@@ -208,7 +208,12 @@ def virtual_comm(num_ranks: int, timeout_ms: int = 30000) -> _lib.Comm:
     GPU: make every rank's module (on CUDA, so each creates its layer) before the first
     forward, give each rank's calls their own stream, and launch all ranks' calls
     before waiting on any. Layer creation asks for CUDA_DEVICE_MAX_CONNECTIONS >= 2R + 2
-    in the environment before CUDA starts (the default 8 covers R <= 3)."""
+    in the environment before CUDA starts (the default 8 covers R <= 3). Every kernel
+    launched between two ranks' calls must have run once before (or set
+    CUDA_MODULE_LOADING=EAGER): CUDA's lazy loading waits for the device at a kernel's
+    first launch, where an earlier rank's call is spinning, and both hang until the
+    timeout. The library loads its own kernels when a layer is created; run the model
+    once without a comm to load PyTorch's (the router's backward, say)."""
     _check_timeout(timeout_ms)
     comm = _lib.Comm.virtual(num_ranks)
     try:
