@@ -96,9 +96,8 @@ typedef enum moefuse_precision {
     /* e4m3 operands with fp32 scales per 1x128 tile (activations, their gradients),
      * 128x128 block (weights) or 128 tokens (weight-gradient operands); see "FP8 block
      * scales" below and docs/decisions/0018-fp8-block-recipe.md. CPU backend, and CUDA
-     * on sm_90 on one rank; with a comm the CUDA backend refuses it at create unless the
-     * environment sets MOEFUSE_FP8_EXPERT_PARALLEL=1 (built, not yet verified on a GPU:
-     * the received rows are quantized once they are all in). */
+     * on sm_90, on one rank or with a comm (the forward pushes x's codes, the backward's
+     * received rows are quantized once they are all in: docs/decisions/0025). */
     MOEFUSE_PRECISION_FP8_BLOCK = 1,
 } moefuse_precision;
 

@@ -5,7 +5,7 @@
 # printed last.
 #
 #   tools/gpu_checks.sh verify   build; the correctness tests of the newest CUDA code:
-#                                the kernels' tests, FP8, EP (FP8 with a comm opted in),
+#                                the kernels' tests, FP8, EP (FP8 with a comm included),
 #                                EP memory, the output hashes packed = halves, the Python
 #                                GPU tests
 #   tools/gpu_checks.sh suites   the CUDA API suites staged and fused (W13 halves among

@@ -8,11 +8,10 @@ in docs/decisions/0018-fp8-block-recipe.md).
                       scales per 1x128 tile (activations) or 128x128 block (weights);
                       fp8_pow2_scales=True rounds every scale up to a power of two
 Runs on CPU tensors (the CPU backend) and on CUDA tensors of an sm_90 (Hopper) GPU (the
-CUDA backend's FP8 kernels, one GPU). Fp8UnsupportedError where it does not run: a GPU
-older than sm_90, and FP8 with expert parallelism (a comm: built in the library, not yet
-verified on a GPU, so refused when ExpertParallelExperts is made unless the environment
-sets MOEFUSE_FP8_EXPERT_PARALLEL=1). y, dx, d p and the weight gradients keep their dtypes,
-and the weight gradients are of the real (bf16 or fp32) weights.
+CUDA backend's FP8 kernels, on one GPU or with expert parallelism over a comm).
+Fp8UnsupportedError where it does not run: a GPU older than sm_90. y, dx, d p and the
+weight gradients keep their dtypes, and the weight gradients are of the real (bf16 or
+fp32) weights.
 
 Weights are quantized once per optimizer step, not per call. Fp8WeightCache (the `fp8`
 attribute of ops.layer_cache) keeps the quantized W13, W2 and their transposes of each
@@ -36,7 +35,6 @@ implementations, never in traced code, so torch.compile(fullgraph=True) sees no 
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 import weakref
 from typing import Optional
@@ -72,28 +70,8 @@ class Fp8UnsupportedError(_lib.MoefuseError):
     ends the text (and the library's error is the __cause__)."""
 
 
-_WHAT_RUNS = ("FP8 runs on CPU tensors (the CPU backend) and on one sm_90 GPU without expert "
-              "parallelism (moefuse.experts, MoEExperts, MoefuseQwen3MoeBlock); with it only "
-              "where MOEFUSE_FP8_EXPERT_PARALLEL=1")
-
-
-FP8_WITH_COMM_ENV = "MOEFUSE_FP8_EXPERT_PARALLEL"
-
-
-def fp8_with_comm_enabled() -> bool:
-    """FP8 with expert parallelism is built in the library but not yet verified on a GPU:
-    it runs only where the environment opts in (the library checks the same variable)."""
-    return os.environ.get(FP8_WITH_COMM_ENV) == "1"
-
-
-def fp8_with_comm_error(where: str) -> Fp8UnsupportedError:
-    """The refusal of precision='fp8' with expert parallelism where the environment does
-    not opt in (fp8_with_comm_enabled), raised before any comm or layer is touched."""
-    return Fp8UnsupportedError(
-        where, _lib.Status.ERR_UNSUPPORTED, "MOEFUSE_ERR_UNSUPPORTED",
-        "precision='fp8' with expert parallelism (a comm) is built in the library but not "
-        f"yet verified on a GPU, so it is off unless the environment sets "
-        f"{FP8_WITH_COMM_ENV}=1. Use precision='bf16' with expert parallelism; {_WHAT_RUNS}")
+_WHAT_RUNS = ("FP8 runs on CPU tensors (the CPU backend) and on sm_90 GPUs (moefuse.experts, "
+              "MoEExperts, MoefuseQwen3MoeBlock, ExpertParallelExperts)")
 
 
 def _gpu_words(device: torch.device) -> tuple[str, Optional[tuple[int, int]]]:
@@ -127,10 +105,7 @@ def raise_if_unsupported(err: _lib.MoefuseError, cfg: _lib.Config, device: torch
         why = ("moefuse's CUDA kernels (FP8 and BF16) are built for sm_90 (H100/H200) "
                "only")
     elif with_comm:
-        if fp8_with_comm_enabled():
-            return  # opted in: another refusal (the environment, a shape), raised as it is
-        why = (f"FP8 with expert parallelism (a comm) is off unless {FP8_WITH_COMM_ENV}=1 "
-               "(built, not yet verified on a GPU)")
+        return  # FP8 runs with a comm: the refusal is of something else, raised as it is
     else:
         why = "this library does not run it"
     raise Fp8UnsupportedError(

@@ -190,8 +190,6 @@ def _check_module_config(hidden, intermediate, num_experts, top_k, max_tokens, c
                          fp8_pow2_scales) -> None:
     """Raises TypeError / ValueError before anything touches the library."""
     _fp8.resolve_precision(precision, fp8_pow2_scales, "ExpertParallelExperts")
-    if precision == "fp8" and not _fp8.fp8_with_comm_enabled():
-        raise _fp8.fp8_with_comm_error("ExpertParallelExperts")
     sizes = dict(hidden=hidden, intermediate=intermediate, num_experts=num_experts,
                  top_k=top_k, max_tokens=max_tokens)
     for name, v in sizes.items():
@@ -242,10 +240,8 @@ class ExpertParallelExperts(MoEExperts):
         down_proj:    W2 [E/R, H, I]
     bf16 by default; float32 works as master weights (cast to bf16 per call, gradients
     stay fp32). load_global_experts() copies this rank's shard of global weights in.
-    precision: "bf16", or "fp8" where the environment sets MOEFUSE_FP8_EXPERT_PARALLEL=1
-    (FP8 with a comm is built in the library, not yet verified on a GPU); otherwise "fp8"
-    raises Fp8UnsupportedError here, before the comm is touched (the option's other errors
-    as moefuse.experts()).
+    precision: "bf16" or "fp8" (the option's errors as moefuse.experts(); the forward pushes
+    x's FP8 codes, the backward quantizes the received rows once all are in).
     pipeline: how the forward runs its expert GEMMs (Pipeline.STAGED or FUSED, the same
     bits); None reads MOEFUSE_PIPELINE when the module is made (ops.pipeline_from_env).
 

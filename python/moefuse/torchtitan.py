@@ -36,9 +36,7 @@ backward: the bits are those of the concatenated W13. (The expert-parallel path 
 still concatenates w1 and w3 per call: ExpertParallelExperts takes one gate_up_proj.)
 
 precision="fp8" runs the routed experts' GEMMs in block-scaled FP8 (moefuse.experts(),
-_fp8.py); with expert_parallel its ExpertParallelExperts run FP8 only where the environment
-sets MOEFUSE_FP8_EXPERT_PARALLEL=1 (FP8 with a comm is built in the library, not yet
-verified on a GPU), else apply() raises Fp8UnsupportedError. Under expert parallelism
+_fp8.py), with expert_parallel in its ExpertParallelExperts. Under expert parallelism
 W13 is the concatenation made per call, so its FP8 quantization is made once per forward
 (shared by its backward). With bf16 parameters, w1, w3 and w2 reach the FP8 weight cache
 as themselves (their .to(bf16) is a no-op), so they are quantized once per optimizer
@@ -343,8 +341,7 @@ def apply(model: nn.Module, *, recompute: bool = False, save_inputs: bool = True
     ValueError, before changing anything, if some MoE cannot be swapped (see the module
     docstring). recompute and save_inputs: what the forward keeps for the backward, as
     moefuse.experts() documents (one rank). precision: "bf16" or "fp8" (the expert GEMMs
-    in block-scaled FP8; with expert_parallel only where MOEFUSE_FP8_EXPERT_PARALLEL=1,
-    else Fp8UnsupportedError).
+    in block-scaled FP8, expert_parallel or not).
 
     expert_parallel: the experts hold this rank's E/R experts (shard_experts' DTensors, or
     plain tensors of E/R experts) and moefuse's expert parallelism runs them, one comm per
@@ -352,8 +349,6 @@ def apply(model: nn.Module, *, recompute: bool = False, save_inputs: bool = True
     saved_mode. In TorchTitan's parallelize order: shard_experts and this call where it
     calls apply_moe_ep_tp, so before AC, compile and FSDP."""
     _fp8.resolve_precision(precision, False, "moefuse.torchtitan.apply")
-    if precision == "fp8" and expert_parallel is not None and not _fp8.fp8_with_comm_enabled():
-        raise _fp8.fp8_with_comm_error("moefuse.torchtitan.apply")
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, _tt_moe.MoE)]
     todo = [(name, m) for name, m in found if not isinstance(m, MoefuseMoE)]
     for name, m in todo:

@@ -131,12 +131,12 @@ def test_nccl_one_rank_zero_tokens_and_a_bad_id(one_rank_group):
 @pytest.mark.parametrize("pipeline, precision",
                          [(p, "bf16") for p in _lib.Pipeline] + [(_lib.Pipeline.STAGED, "fp8")],
                          ids=lambda v: v if isinstance(v, str) else v.name)
-def test_two_virtual_ranks_match_one_rank(monkeypatch, pipeline, precision):
+def test_two_virtual_ranks_match_one_rank(pipeline, precision):
     """Two ranks in this process (a virtual comm), each with its own stream and tokens
     (uneven T), against moefuse.experts on the concatenated batch (staged): y, dx, dp per
     rank and each rank's shard of dW13, dW2, bitwise, with the ranks' forward staged or
-    fused; and in FP8 (opted in with MOEFUSE_FP8_EXPERT_PARALLEL=1: the received rows
-    quantized as the one rank quantizes its gathered rows). Both modules are made (their layers
+    fused; and in FP8 (the received rows quantized as the one rank quantizes its gathered
+    rows). Both modules are made (their layers
     created) before the first call, and every rank's call is launched before any is
     waited for. The caching allocator is filled on each stream first: a cudaMalloc
     between two ranks' launches could serialize them (they wait on each other), which
@@ -144,7 +144,6 @@ def test_two_virtual_ranks_match_one_rank(monkeypatch, pipeline, precision):
     reason = _cuda_skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    monkeypatch.setenv("MOEFUSE_FP8_EXPERT_PARALLEL", "1")
     R, tokens = 2, (70, 45)
     x, ids, p, w13, w2, dy = random_problem(sum(tokens), 256, 128, 16, 4, seed=21,
                                             drop_fraction=0.1)

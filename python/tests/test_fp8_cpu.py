@@ -265,35 +265,15 @@ def test_precision_option_errors(make):
         make(precision="fp8", fp8_pow2_scales=1)
 
 
-def test_expert_parallel_fp8_is_refused_at_construction(monkeypatch):
-    """FP8 with a comm is not verified on a GPU yet: ExpertParallelExperts refuses it when
-    made unless the environment opts in, before the comm is looked at (no GPU or comm
-    needed), saying what runs instead and how to opt in."""
-    monkeypatch.delenv(_fp8.FP8_WITH_COMM_ENV, raising=False)
-    with pytest.raises(moefuse.Fp8UnsupportedError) as info:
-        moefuse.ExpertParallelExperts(128, 128, 8, 2, 64, None, 0, 1, precision="fp8")
-    err = info.value
-    assert err.status == _lib.Status.ERR_UNSUPPORTED
-    assert err.status_name == "MOEFUSE_ERR_UNSUPPORTED"
-    assert err.function == "ExpertParallelExperts"
-    assert ("precision='fp8' with expert parallelism (a comm) is built in the library but "
-            "not yet verified on a GPU" in str(err))
-    assert "unless the environment sets MOEFUSE_FP8_EXPERT_PARALLEL=1" in str(err)
-    assert "precision='bf16' with expert parallelism" in str(err)
-    assert "one sm_90 GPU" in str(err)
-
-
-def test_expert_parallel_fp8_opt_in(monkeypatch):
-    """With MOEFUSE_FP8_EXPERT_PARALLEL=1 the module's checks let FP8 through to the
-    library (here the next check refuses: comm None); any other value refuses."""
-    for value in ("0", "yes", ""):
-        monkeypatch.setenv(_fp8.FP8_WITH_COMM_ENV, value)
-        with pytest.raises(moefuse.Fp8UnsupportedError):
-            moefuse.ExpertParallelExperts(128, 128, 8, 2, 64, None, 0, 1, precision="fp8")
-    monkeypatch.setenv(_fp8.FP8_WITH_COMM_ENV, "1")
+def test_expert_parallel_fp8_passes_the_module_checks():
+    """ExpertParallelExperts(precision="fp8") goes past the precision check to the next
+    one (here comm None refuses); a bad precision is refused by name."""
     with pytest.raises(Exception) as info:
         moefuse.ExpertParallelExperts(128, 128, 8, 2, 64, None, 0, 1, precision="fp8")
     assert not isinstance(info.value, moefuse.Fp8UnsupportedError)
+    assert "comm" in str(info.value)
+    with pytest.raises(ValueError, match="precision='fp16'"):
+        moefuse.ExpertParallelExperts(128, 128, 8, 2, 64, None, 0, 1, precision="fp16")
 
 
 def _library_refusal(message: str) -> moefuse.MoefuseError:
@@ -314,20 +294,14 @@ def _pretend_gpu(monkeypatch, capability, name):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
 
 
-@pytest.mark.parametrize("capability, name, with_comm, words", [
-    ((8, 0), "NVIDIA A100-SXM4-80GB", False,
-     "(NVIDIA A100-SXM4-80GB, sm_80): moefuse's CUDA kernels (FP8 and BF16) are built for "
-     "sm_90 (H100/H200) only"),
-    ((9, 0), "NVIDIA H200", True,
-     "(NVIDIA H200, sm_90): FP8 with expert parallelism (a comm) is off unless "
-     "MOEFUSE_FP8_EXPERT_PARALLEL=1 (built, not yet verified on a GPU)"),
-], ids=["pre-sm90", "comm"])
-def test_library_refusals_of_fp8_are_reworded(monkeypatch, capability, name, with_comm, words):
-    """What the library still refuses for FP8 on the GPU (a GPU older than sm_90, a comm)
-    becomes Fp8UnsupportedError naming the GPU, the reason and what runs, the library's
-    message at its end (the GPU pretended: no GPU needed)."""
-    _pretend_gpu(monkeypatch, capability, name)
-    monkeypatch.delenv(_fp8.FP8_WITH_COMM_ENV, raising=False)
+@pytest.mark.parametrize("with_comm", [False, True], ids=["one rank", "comm"])
+def test_library_refusals_of_fp8_are_reworded(monkeypatch, with_comm):
+    """What the library still refuses for FP8 on the GPU (a GPU older than sm_90, with a
+    comm or not) becomes Fp8UnsupportedError naming the GPU, the reason and what runs, the
+    library's message at its end (the GPU pretended: no GPU needed)."""
+    _pretend_gpu(monkeypatch, (8, 0), "NVIDIA A100-SXM4-80GB")
+    words = ("(NVIDIA A100-SXM4-80GB, sm_80): moefuse's CUDA kernels (FP8 and BF16) are "
+             "built for sm_90 (H100/H200) only")
     refusal = _library_refusal("config.backend = MOEFUSE_BACKEND_CUDA: refused (test)")
     cfg = _fp8_cuda_config()
     with pytest.raises(moefuse.Fp8UnsupportedError) as reworded:
@@ -345,11 +319,10 @@ def test_library_refusals_of_fp8_are_reworded(monkeypatch, capability, name, wit
     _fp8.raise_if_unsupported(shape, cfg, torch.device("cuda", 0))
 
 
-def test_opted_in_comm_refusals_are_not_reworded(monkeypatch):
-    """With MOEFUSE_FP8_EXPERT_PARALLEL=1 a refusal of an FP8 layer with a comm is about
-    something else (the environment, a shape): it is raised as the library raised it."""
+def test_comm_refusals_on_sm90_are_not_reworded(monkeypatch):
+    """On an sm_90 GPU a refusal of an FP8 layer with a comm is about something else (the
+    environment, a shape): it is raised as the library raised it."""
     _pretend_gpu(monkeypatch, (9, 0), "NVIDIA H200")
-    monkeypatch.setenv(_fp8.FP8_WITH_COMM_ENV, "1")
     refusal = _library_refusal("moefuse_layer_create: 2 virtual ranks need 6 CUDA hardware "
                                "queues (test)")
     _fp8.raise_if_unsupported(refusal, _fp8_cuda_config(), torch.device("cuda", 0),

@@ -219,18 +219,12 @@ def _cuda_skip_reason():
     return None
 
 
-def test_fp8_with_expert_parallel_is_opt_in(monkeypatch):
-    """apply(precision="fp8", expert_parallel=...): refused unless the environment opts in
-    to FP8 with a comm (MOEFUSE_FP8_EXPERT_PARALLEL=1), and then the ranks' modules run in
-    FP8. No GPU needed: nothing is made before the first forward."""
+def test_fp8_with_expert_parallel():
+    """apply(precision="fp8", expert_parallel=...): the ranks' modules run in FP8. No GPU
+    needed: nothing is made before the first forward."""
     moe = rank_copy(ep_moe(), 0, 1)
     comm = stand_in_comm(1)
     plan = mtt.ExpertParallelPlan(comms=[comm], rank=0, num_ranks=1, max_tokens=64)
-    monkeypatch.delenv("MOEFUSE_FP8_EXPERT_PARALLEL", raising=False)
-    with pytest.raises(moefuse.Fp8UnsupportedError, match="MOEFUSE_FP8_EXPERT_PARALLEL=1"):
-        mtt.apply(moe, precision="fp8", expert_parallel=plan)
-    assert type(moe) is MoE
-    monkeypatch.setenv("MOEFUSE_FP8_EXPERT_PARALLEL", "1")
     assert mtt.apply(moe, precision="fp8", expert_parallel=plan) == [""]
     assert moe.experts.moefuse_ep.precision == "fp8"
     assert mtt.restore(moe) == [""]

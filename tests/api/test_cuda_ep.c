@@ -24,11 +24,9 @@
  *   - MOEFUSE_PRECISION_FP8_BLOCK on the ranks and in the R = 1 reference (each rank's
  *     experts quantized by moefuse_quantize_weights on its layer): the received rows are
  *     the rows one rank gathers, so their codes, and every output, have the R = 1 bits;
- *     R = 2, 4 (uneven, a T = 0 rank; recompute; dropped slots) and 8 (skew). FP8 with a
- *     comm is opt-in (MOEFUSE_FP8_EXPERT_PARALLEL=1, set by these cases); without it the
- *     create refuses, which the first FP8 case checks. And two steps on one set of
- *     layers with different batches, the last rank launched 50 ms late (the received
- *     rows must all be in before they are quantized).
+ *     R = 2, 4 (uneven, a T = 0 rank; recompute; dropped slots) and 8 (skew). And two
+ *     steps on one set of layers with different batches, the last rank launched 50 ms
+ *     late (the received rows must all be in before they are quantized).
  *
  * The failure cases (timeouts, a rejected saved buffer, the comm's refusals) are in
  * test_cuda_ep_failures.c, the 1000 iterations in test_cuda_ep_iterations.c; the
@@ -74,9 +72,6 @@ typedef struct ep_case {
     moefuse_precision precision;
 } ep_case;
 
-/* FP8 with a comm is off unless the environment opts in (pipeline/workspace.cu). */
-static const char kFp8CommEnv[] = "MOEFUSE_FP8_EXPERT_PARALLEL";
-
 static void equality_case(const ep_case *c) {
     if (!ready()) return;
     batch b;
@@ -87,7 +82,6 @@ static void equality_case(const ep_case *c) {
         s.null_if_empty = c->null_if_empty;
         s.pipeline = c->pipeline;
         s.precision = c->precision;
-        if (c->precision == MOEFUSE_PRECISION_FP8_BLOCK) setenv(kFp8CommEnv, "1", 1);
         if (ep_layers_create(&s)) check_equal(&s, &b);
     }
     ep_close(&s);
@@ -156,24 +150,6 @@ static void case_recompute_r4(void) {
     equality_case(&(ep_case){.R = 4, .T = {M, 0, 37, 300}, .mode = MOEFUSE_RECOMPUTE});
 }
 
-/* Without the opt-in the create refuses FP8 with a comm, naming the variable; with it
- * the layers are made. */
-static void case_fp8_opt_in(void) {
-    if (!ready()) return;
-    ep s;
-    memset(&s, 0, sizeof s);
-    if (!ep_open(&s, 2, M, MOEFUSE_SAVE_ACTIVATIONS)) goto done;
-    s.precision = MOEFUSE_PRECISION_FP8_BLOCK;
-    unsetenv(kFp8CommEnv);
-    const moefuse_status st = ep_layer_create(&s, 0);
-    CHECK(st == MOEFUSE_ERR_UNSUPPORTED && strstr(moefuse_last_error(), kFp8CommEnv),
-          "FP8 with a comm, not opted in: %s (%s), expected MOEFUSE_ERR_UNSUPPORTED naming %s",
-          moefuse_status_string(st), moefuse_last_error(), kFp8CommEnv);
-    setenv(kFp8CommEnv, "1", 1);
-    CHECK(ep_layers_create(&s), "FP8 with a comm, opted in: the layers are not made");
-done:
-    ep_close(&s);
-}
 static const moefuse_precision FP8 = MOEFUSE_PRECISION_FP8_BLOCK;
 static void case_fp8_r2(void) { equality_case(&(ep_case){.R = 2, .T = {M, M}, .precision = FP8}); }
 static void case_fp8_r4_uneven(void) {
@@ -198,7 +174,6 @@ static void case_fp8_two_steps_late_rank(void) {
     ep s;
     memset(&s, 0, sizeof s);
     memset(&b2, 0, sizeof b2);
-    setenv(kFp8CommEnv, "1", 1);
     if (batch_make(&b1, 4, T1, ROUTE_RANDOM, -1) && batch_make(&b2, 4, T2, ROUTE_DROPPED, -1) &&
         ep_open(&s, 4, M, MOEFUSE_SAVE_ACTIVATIONS)) {
         s.precision = FP8;
@@ -235,7 +210,6 @@ int main(int argc, char **argv) {
         {case_recompute_r4, "R=4 T={512,0,37,300} recompute"},
         {case_fused_r4, "R=4 T={512,0,37,300} fused forward and backward"},
         {case_fused_skew_r8, "R=8 skew onto rank 0, fused forward and backward"},
-        {case_fp8_opt_in, "fp8 R=2: refused without MOEFUSE_FP8_EXPERT_PARALLEL=1, made with it"},
         {case_fp8_r2, "fp8 R=2 T=512 each"},
         {case_fp8_r4_uneven, "fp8 R=4 T={512,0,37,300}"},
         {case_fp8_recompute_r4, "fp8 R=4 T={512,0,37,300} recompute"},

@@ -7,7 +7,7 @@
  *   - the backward's failures after a good forward: one rank's saved buffer rejected
  *     (the others fail at once, naming it), one rank that never calls its backward
  *     (the others time out); no dx written; new layers give the R = 1 bits;
- *   - the same timeouts with FP8 layers (FP8 with a comm opted in);
+ *   - the same timeouts with FP8 layers;
  *   - the comm's refusals: a call before every rank's layer exists, a call on a layer
  *     larger than the other ranks' layers so far, a layer of another num_experts,
  *     a rank, moefuse_comm_destroy with live layers; the comm works afterwards.
@@ -58,8 +58,6 @@ static int failure_case_open(batch *b, ep *s, moefuse_precision precision) {
         !ep_open(s, 4, kMaxTokens, MOEFUSE_SAVE_ACTIVATIONS))
         return 0;
     s->precision = precision;
-    if (precision == MOEFUSE_PRECISION_FP8_BLOCK)
-        setenv("MOEFUSE_FP8_EXPERT_PARALLEL", "1", 1);   /* opt-in: pipeline/workspace.cu */
     MF_OK(moefuse_comm_set_timeout_ms(s->comm, kTimeoutMs));
     if (!ep_layers_create(s)) return 0;
     for (int r = 0; r < s->R; r++)
@@ -192,7 +190,7 @@ static const moefuse_precision BF16 = MOEFUSE_PRECISION_BF16, FP8 = MOEFUSE_PREC
 static void case_timeout(void) { forward_timeout(BF16); }
 static void case_bwd_rejected_saved(void) { backward_failure(1, BF16); }
 static void case_bwd_missing_rank(void) { backward_failure(0, BF16); }
-/* FP8 with a comm (opted in): the same failures through its paths (x's codes pushed, the
+/* FP8 with a comm: the same failures through its paths (x's codes pushed, the
  * backward's wait for every received row before its quantizers) */
 static void case_fp8_timeout(void) { forward_timeout(FP8); }
 static void case_fp8_bwd_missing_rank(void) { backward_failure(0, FP8); }

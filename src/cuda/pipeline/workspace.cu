@@ -173,15 +173,6 @@ static moefuse_status pick_device(const moefuse_layer *layer, cuda_state *s) {
     return MOEFUSE_OK;
 }
 
-/* FP8 with a comm waits on a run of its virtual-rank tests on an H200
- * (tests/api/test_cuda_ep.c, the fp8 cases); until then a caller opts in. */
-static const char kFp8WithCommEnv[] = "MOEFUSE_FP8_EXPERT_PARALLEL";
-
-static bool fp8_with_comm_enabled(void) {
-    const char *v = getenv(kFp8WithCommEnv);
-    return v && strcmp(v, "1") == 0;
-}
-
 static moefuse_status resolve_plan(const moefuse_layer *layer, cuda_state *s) {
     const moefuse_config *c = &layer->cfg;
     exec_plan &p = s->plan;
@@ -196,13 +187,6 @@ static moefuse_status resolve_plan(const moefuse_layer *layer, cuda_state *s) {
                        "(or MOEFUSE_BACKEND_CPU)", c->hidden, c->intermediate,
                        g->dim_multiple, g->dim_multiple);
     p.operands = c->precision == MOEFUSE_PRECISION_FP8_BLOCK ? &kFp8Operands : &kBf16Operands;
-    if (c->precision == MOEFUSE_PRECISION_FP8_BLOCK && layer->comm && !fp8_with_comm_enabled())
-        return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
-                       "config.precision = MOEFUSE_PRECISION_FP8_BLOCK with a comm: built (the "
-                       "received rows are quantized once all are in) but not yet verified on a "
-                       "GPU, so it is off unless the environment sets %s=1; expected "
-                       "MOEFUSE_PRECISION_BF16 with a comm, or FP8 on one rank (comm NULL)",
-                       kFp8WithCommEnv);
     p.net = layer->comm ? &kPeers : &kLocal;
     p.rows_from_peers = layer->comm != NULL;
     p.fused_forward = c->pipeline == MOEFUSE_PIPELINE_FUSED &&
