@@ -32,9 +32,12 @@ two moments cost 16 bytes per parameter: 10 GB for the embedding and output (2 x
 x 2048) and 10 GB per layer (623M parameters, 604M of them experts). The logits of 16384
 tokens over 151936 entries take ~30 GB at the loss (bf16 and fp32 copies, and their
 gradients), and TorchTitan's MoE keeps ~6 GB of activations per layer at 16384 tokens
-(its routed copies of x are fp32 under autocast). So --layers 6 (the default for 30B-A3B)
-leaves headroom; the peak memory printed per run says how far to go. 235B-A22B: one layer
-(39 GB of state per layer, 20 GB of embedding and output).
+(its routed copies of x are fp32 under autocast). The default --layers is the most that
+this arithmetic fits into the GPU's memory less 3 GB (MEMORY_GB, layers_that_fit): 6 on
+an H200, 2 on an H100 (80 GB); the peak memory printed per run says how far to go.
+235B-A22B (39 GB of state per layer, 20 GB of embedding and output, ~12 GB of
+activations per layer): one layer on an H200, none on an H100 at 16384 tokens (--batch 1
+fits one).
 
 Running it on the GPU machine (no registry there; torch 2.11, Python 3.12, transformers,
 pandas, pyarrow, tensorboard, einops, tokenizers are installed): fetch the wheels here,
@@ -78,17 +81,31 @@ sys.path.insert(0, str(HERE.parent / "python"))  # the checkout's package, when 
 
 from bench_train_step import make_batches, plot  # noqa: E402
 
-DEFAULT_LAYERS = {"debugmodel_moe": None, "30B-A3B": 6, "235B-A22B": 1}
+MODELS = ("debugmodel_moe", "30B-A3B", "235B-A22B")
 IMPLS = ("native", "moefuse")
+# GB per model at 16384 tokens per step (the docstring's arithmetic): the state (fp32
+# parameters, gradients, AdamW's moments) of the embedding and output, the logits at the
+# loss, and per layer its activations and its state.
+MEMORY_GB = {"30B-A3B": (10, 30, 6, 10), "235B-A22B": (20, 30, 12, 39)}
+HEADROOM_GB = 3
+
+
+def layers_that_fit(model: str, tokens: int, gpu_gb: float) -> int:
+    """The most transformer blocks of `model` whose training state and activations fit
+    gpu_gb at `tokens` per step, by MEMORY_GB (logits and activations scale with tokens)."""
+    outside, logits, activations, state = MEMORY_GB[model]
+    scale = tokens / 16384
+    free = gpu_gb - HEADROOM_GB - outside - logits * scale
+    return max(0, int(free // (state + activations * scale)))
 
 
 def parse_args(argv=None):
     out = os.environ.get("OUT")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=sorted(DEFAULT_LAYERS), default="debugmodel_moe")
+    ap.add_argument("--model", choices=MODELS, default="debugmodel_moe")
     ap.add_argument("--layers", type=int, default=None,
-                    help="transformer blocks (default: debugmodel_moe's 8, 6 for 30B-A3B, "
-                         "1 for 235B-A22B)")
+                    help="transformer blocks (default: debugmodel_moe's 8; for 30B-A3B and "
+                         "235B-A22B the most that fit the GPU, see the docstring)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=200)
@@ -114,8 +131,14 @@ def parse_args(argv=None):
         ap.error("--steps must exceed --warmup")
     if args.device == "cpu" and not args.tiny:
         ap.error("--device cpu needs --tiny")
-    if args.layers is None:
-        args.layers = DEFAULT_LAYERS[args.model]
+    if (args.layers is None and args.model in MEMORY_GB and not args.tiny
+            and args.device == "cuda" and torch.cuda.is_available()):   # else main() skips
+        gpu_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
+        args.layers = layers_that_fit(args.model, args.batch * args.seq, gpu_gb)
+        if args.layers == 0:
+            ap.error(f"{args.model}: not one layer fits this GPU's {gpu_gb:.0f} GB at "
+                     f"{args.batch * args.seq} tokens per step by the docstring's arithmetic; "
+                     "fewer tokens (--batch) or --layers to try anyway")
     args.compile = args.device == "cuda" and not args.no_compile
     return args
 

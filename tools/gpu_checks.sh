@@ -18,9 +18,11 @@
 #   tools/gpu_checks.sh step     bench_train_step.py, 12 layers, both precisions, with the
 #                                MoE layers' profiled share (~3 min)
 #   tools/gpu_checks.sh titan    bench/bench_torchtitan.py: TorchTitan's step native and
-#                                with moefuse, debugmodel_moe 200 steps (loss curves) and
-#                                30B-A3B truncated (speed); needs TorchTitan's wheels in .whl
-#                                (carried; the script's docstring says which)
+#                                with moefuse, 30B-A3B and 235B-A22B truncated to what fits
+#                                (speed); needs TorchTitan's wheels in .whl (carried; the
+#                                script's docstring says which)
+#   tools/gpu_checks.sh titan_loss  debugmodel_moe 200 steps (loss curves), and the
+#                                TorchTitan EP virtual-rank tests
 # Several phases in one call: tools/gpu_checks.sh verify deep.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -108,25 +110,37 @@ step_time() {
         --layers 12 --precision bf16 fp8 --plot "$LOG_DIR/loss_curves.png"
 }
 
-titan() {
+install_titan() {
     if ! python3 -c 'import torchtitan' 2>/dev/null; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/site .whl/*.whl > "$LOG_DIR/titan_install.log" 2>&1
         export PYTHONPATH="$PYTHONPATH:/tmp/site"
     fi
-    STEP_TIMEOUT=240 step titan_debugmodel titan_debugmodel.log python3 bench/bench_torchtitan.py \
-        --steps 200 --plot "$LOG_DIR/torchtitan_loss.png"
+}
+
+titan() {   # the step benchmark; the layers that fit the GPU (bench_torchtitan.py)
+    install_titan
     STEP_TIMEOUT=300 step titan_30b titan_30b.log python3 bench/bench_torchtitan.py \
         --model 30B-A3B --steps 30 --warmup 10 --plot "$LOG_DIR/torchtitan_30b_loss.png"
+    STEP_TIMEOUT=240 step titan_235b titan_235b.log python3 bench/bench_torchtitan.py \
+        --model 235B-A22B --steps 20 --warmup 8 --plot "$LOG_DIR/torchtitan_235b_loss.png"
+}
+
+titan_loss() {   # debugmodel_moe, 200 steps: the loss curves, native against moefuse
+    install_titan
+    STEP_TIMEOUT=240 step titan_debugmodel titan_debugmodel.log python3 bench/bench_torchtitan.py \
+        --steps 200 --plot "$LOG_DIR/torchtitan_loss.png"
+    STEP_TIMEOUT=150 step test_torchtitan_ep test_torchtitan_ep.log python3 -m pytest -q -rs \
+        python/tests/test_torchtitan_ep.py
 }
 
 phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(verify)
 for p in "${phases[@]}"; do
     case "$p" in
-    verify | suites | deep | bench | parity | step | titan) ;;
+    verify | suites | deep | bench | parity | step | titan | titan_loss) ;;
     *) echo "tools/gpu_checks.sh: unknown phase '$p' (verify, suites, deep, bench, parity," \
-            "step, titan)" >&2
+            "step, titan, titan_loss)" >&2
        exit 2 ;;
     esac
 done
