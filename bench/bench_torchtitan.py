@@ -131,14 +131,12 @@ def parse_args(argv=None):
         ap.error("--steps must exceed --warmup")
     if args.device == "cpu" and not args.tiny:
         ap.error("--device cpu needs --tiny")
+    device = torch.device(args.device)
+    args.memory_gb = None
     if (args.layers is None and args.model in MEMORY_GB and not args.tiny
-            and args.device == "cuda" and torch.cuda.is_available()):   # else main() skips
-        gpu_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
-        args.layers = layers_that_fit(args.model, args.batch * args.seq, gpu_gb)
-        if args.layers == 0:
-            ap.error(f"{args.model}: not one layer fits this GPU's {gpu_gb:.0f} GB at "
-                     f"{args.batch * args.seq} tokens per step by the docstring's arithmetic; "
-                     "fewer tokens (--batch) or --layers to try anyway")
+            and device.type == "cuda" and torch.cuda.is_available()):   # else main() skips
+        args.memory_gb = torch.cuda.get_device_properties(device).total_memory / 1e9
+        args.layers = layers_that_fit(args.model, args.batch * args.seq, args.memory_gb)
     args.compile = args.device == "cuda" and not args.no_compile
     return args
 
@@ -382,6 +380,12 @@ def main(argv=None) -> int:
         print(f"SKIP bench_torchtitan: TorchTitan is not installed ({err}); see the docstring")
         return 0
     from torchtitan.models.qwen3 import get_train_spec
+
+    if args.layers == 0:
+        print(f"SKIP bench_torchtitan {args.model}: not one layer fits this GPU's "
+              f"{args.memory_gb:.0f} GB at {args.batch * args.seq} tokens per step by the "
+              "docstring's arithmetic; fewer tokens (--batch), or --layers to try anyway")
+        return 0
 
     if device.type == "cpu":
         cpu_histc_for_integers()

@@ -212,8 +212,9 @@ def virtual_comm(num_ranks: int, timeout_ms: int = 30000) -> _lib.Comm:
     launched between two ranks' calls must have run once before (or set
     CUDA_MODULE_LOADING=EAGER): CUDA's lazy loading waits for the device at a kernel's
     first launch, where an earlier rank's call is spinning, and both hang until the
-    timeout. The library loads its own kernels when a layer is created; run the model
-    once without a comm to load PyTorch's (the router's backward, say)."""
+    timeout. The library loads its own kernels when a layer is created; to load
+    PyTorch's (the router's backward, say), run the same path once on one rank (a copy of
+    the model on a one-rank virtual comm, as tests/test_torchtitan_ep.py does)."""
     _check_timeout(timeout_ms)
     comm = _lib.Comm.virtual(num_ranks)
     try:
