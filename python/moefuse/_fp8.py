@@ -89,25 +89,28 @@ def create_layer(cfg: _lib.Config, device: torch.device,
         with _on_device(device):
             return _lib.Layer(cfg, comm)
     except _lib.MoefuseError as err:
-        raise_if_unsupported(err, cfg, device, with_comm=comm is not None)
+        raise_if_unsupported(err, cfg, device)
         raise
 
 
-def raise_if_unsupported(err: _lib.MoefuseError, cfg: _lib.Config, device: torch.device,
-                         with_comm: bool = False) -> None:
+def raise_if_unsupported(err: _lib.MoefuseError, cfg: _lib.Config,
+                         device: torch.device) -> None:
     """Raises Fp8UnsupportedError from err when err is moefuse_layer_create refusing an
-    FP8 config (MOEFUSE_ERR_UNSUPPORTED); returns otherwise (the caller re-raises err)."""
+    FP8 config (MOEFUSE_ERR_UNSUPPORTED) where FP8 does not run: no usable GPU, or one
+    older than sm_90. Returns otherwise (the caller re-raises err): on sm_90 FP8 runs, on
+    one rank or with a comm, so a refusal there is of something else (the environment, a
+    shape) and is raised as the library raised it."""
     if (cfg.precision != _lib.Precision.FP8_BLOCK
             or err.status != _lib.Status.ERR_UNSUPPORTED):
         return
     words, capability = _gpu_words(device)
-    if capability is not None and capability < (9, 0):
+    if capability is None:
+        why = "this library does not run it"
+    elif capability < (9, 0):
         why = ("moefuse's CUDA kernels (FP8 and BF16) are built for sm_90 (H100/H200) "
                "only")
-    elif with_comm:
-        return  # FP8 runs with a comm: the refusal is of something else, raised as it is
     else:
-        why = "this library does not run it"
+        return
     raise Fp8UnsupportedError(
         err.function, err.status, err.status_name,
         f"precision='fp8' on {words}: {why}. {_WHAT_RUNS}. The library said: "

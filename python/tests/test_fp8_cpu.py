@@ -294,10 +294,8 @@ def _pretend_gpu(monkeypatch, capability, name):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
 
 
-@pytest.mark.parametrize("with_comm", [False, True], ids=["one rank", "comm"])
-def test_library_refusals_of_fp8_are_reworded(monkeypatch, with_comm):
-    """What the library still refuses for FP8 on the GPU (a GPU older than sm_90, with a
-    comm or not) becomes Fp8UnsupportedError naming the GPU, the reason and what runs, the
+def test_library_refusals_of_fp8_are_reworded(monkeypatch):
+    """What the library still refuses for FP8 on the GPU (a GPU older than sm_90) becomes Fp8UnsupportedError naming the GPU, the reason and what runs, the
     library's message at its end (the GPU pretended: no GPU needed)."""
     _pretend_gpu(monkeypatch, (8, 0), "NVIDIA A100-SXM4-80GB")
     words = ("(NVIDIA A100-SXM4-80GB, sm_80): moefuse's CUDA kernels (FP8 and BF16) are "
@@ -305,7 +303,7 @@ def test_library_refusals_of_fp8_are_reworded(monkeypatch, with_comm):
     refusal = _library_refusal("config.backend = MOEFUSE_BACKEND_CUDA: refused (test)")
     cfg = _fp8_cuda_config()
     with pytest.raises(moefuse.Fp8UnsupportedError) as reworded:
-        _fp8.raise_if_unsupported(refusal, cfg, torch.device("cuda", 0), with_comm=with_comm)
+        _fp8.raise_if_unsupported(refusal, cfg, torch.device("cuda", 0))
     err = reworded.value
     assert err.status == _lib.Status.ERR_UNSUPPORTED and err.__cause__ is refusal
     assert f"precision='fp8' on cuda:0 {words}" in str(err)
@@ -319,14 +317,16 @@ def test_library_refusals_of_fp8_are_reworded(monkeypatch, with_comm):
     _fp8.raise_if_unsupported(shape, cfg, torch.device("cuda", 0))
 
 
-def test_comm_refusals_on_sm90_are_not_reworded(monkeypatch):
-    """On an sm_90 GPU a refusal of an FP8 layer with a comm is about something else (the
-    environment, a shape): it is raised as the library raised it."""
+def test_refusals_on_sm90_are_not_reworded(monkeypatch):
+    """On an sm_90 GPU FP8 runs, on one rank or with a comm: a refusal of an FP8 layer is
+    about something else (the environment, a shape) and is raised as the library raised
+    it."""
     _pretend_gpu(monkeypatch, (9, 0), "NVIDIA H200")
     refusal = _library_refusal("moefuse_layer_create: 2 virtual ranks need 6 CUDA hardware "
                                "queues (test)")
-    _fp8.raise_if_unsupported(refusal, _fp8_cuda_config(), torch.device("cuda", 0),
-                              with_comm=True)   # returns: the caller re-raises refusal
+    # returns: the caller re-raises refusal
+    assert _fp8.raise_if_unsupported(refusal, _fp8_cuda_config(),
+                                     torch.device("cuda", 0)) is None
 
 
 def test_library_refusal_without_a_gpu_is_reworded():
