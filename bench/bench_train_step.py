@@ -277,11 +277,15 @@ def _png_bytes(width, height, rows) -> bytes:
             + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
 
 
+PLOT_COLOURS = (("blue", (31, 119, 180)), ("orange", (255, 127, 14)), ("green", (44, 160, 44)),
+                ("red", (214, 39, 40)))
+
+
 def write_png_plot(path, curves, width=800, height=500):
     """Pure-Python line plot: white background, axes with ticks, one polyline per curve
     (blue, orange, ...) and a legend of coloured boxes in the top-right corner (legend
     labels are printed by the caller; there is no font here)."""
-    colours = [(31, 119, 180), (255, 127, 14), (44, 160, 44)]
+    colours = [rgb for _, rgb in PLOT_COLOURS]
     rows = [bytearray(b"\xff" * (width * 3)) for _ in range(height)]
 
     def put(x, y, c, thick=1):
@@ -337,7 +341,7 @@ def plot(path, curves, title, xlabel="step", ylabel="loss"):
         import matplotlib.pyplot as plt
     except ImportError:
         lo, hi = write_png_plot(path, curves)
-        names = ", ".join(f"{name} = {c}" for (name, _), c in zip(curves, ("blue", "orange", "green")))
+        names = ", ".join(f"{name} = {c}" for (name, _), c in zip(curves, (n for n, _ in PLOT_COLOURS)))
         print(f"plot: {path} (built-in PNG writer, matplotlib not installed; x: {xlabel} 0.."
               f"{max(len(y) for _, y in curves) - 1}, y: {ylabel} {lo:.3f}..{hi:.3f}; {names})")
         return

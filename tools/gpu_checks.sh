@@ -18,9 +18,10 @@
 #   tools/gpu_checks.sh step     bench_train_step.py, 12 layers, both precisions, with the
 #                                MoE layers' profiled share (~3 min)
 #   tools/gpu_checks.sh titan    bench/bench_torchtitan.py: TorchTitan's step native and
-#                                with moefuse, 30B-A3B and 235B-A22B truncated to what fits
-#                                (speed); needs TorchTitan's wheels in .whl (carried; the
-#                                script's docstring says which)
+#                                with moefuse (bf16, fp8), 30B-A3B truncated to what fits,
+#                                with the for-loop experts' control run; needs TorchTitan's
+#                                wheels in .whl (carried; the script's docstring says which)
+#   tools/gpu_checks.sh titan_235b  the same for 235B-A22B (no control)
 #   tools/gpu_checks.sh titan_loss  debugmodel_moe 200 steps (loss curves), and the
 #                                TorchTitan EP virtual-rank tests
 # Several phases in one call: tools/gpu_checks.sh verify deep.
@@ -120,10 +121,15 @@ install_titan() {
 
 titan() {   # the step benchmark; the layers that fit the GPU (bench_torchtitan.py)
     install_titan
-    STEP_TIMEOUT=300 step titan_30b titan_30b.log python3 bench/bench_torchtitan.py \
-        --model 30B-A3B --steps 30 --warmup 10 --plot "$LOG_DIR/torchtitan_30b_loss.png"
-    STEP_TIMEOUT=240 step titan_235b titan_235b.log python3 bench/bench_torchtitan.py \
-        --model 235B-A22B --steps 20 --warmup 8 --plot "$LOG_DIR/torchtitan_235b_loss.png"
+    STEP_TIMEOUT=480 step titan_30b titan_30b.log python3 bench/bench_torchtitan.py \
+        --model 30B-A3B --steps 30 --warmup 10 --fp8 --control \
+        --plot "$LOG_DIR/torchtitan_30b_loss.png"
+}
+
+titan_235b() {
+    install_titan
+    STEP_TIMEOUT=400 step titan_235b titan_235b.log python3 bench/bench_torchtitan.py \
+        --model 235B-A22B --steps 20 --warmup 8 --fp8 --plot "$LOG_DIR/torchtitan_235b_loss.png"
 }
 
 titan_loss() {   # debugmodel_moe, 200 steps: the loss curves, native against moefuse
@@ -138,9 +144,9 @@ phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(verify)
 for p in "${phases[@]}"; do
     case "$p" in
-    verify | suites | deep | bench | parity | step | titan | titan_loss) ;;
+    verify | suites | deep | bench | parity | step | titan | titan_235b | titan_loss) ;;
     *) echo "tools/gpu_checks.sh: unknown phase '$p' (verify, suites, deep, bench, parity," \
-            "step, titan, titan_loss)" >&2
+            "step, titan, titan_235b, titan_loss)" >&2
        exit 2 ;;
     esac
 done
