@@ -278,7 +278,8 @@ def _png_bytes(width, height, rows) -> bytes:
 
 
 PLOT_COLOURS = (("blue", (31, 119, 180)), ("orange", (255, 127, 14)), ("green", (44, 160, 44)),
-                ("red", (214, 39, 40)))
+                ("red", (214, 39, 40)), ("purple", (148, 103, 189)), ("brown", (140, 86, 75)),
+                ("pink", (227, 119, 194)), ("grey", (127, 127, 127)))
 
 
 def write_png_plot(path, curves, width=800, height=500):

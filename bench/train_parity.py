@@ -104,7 +104,9 @@ def parse_args(argv=None):
                     help="weight of the router's load-balancing loss")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--precisions", nargs="+", default=["bf16", "fp8"],
-                    choices=["bf16", "fp8"])
+                    help="bf16, fp8, or emul:<GEMMs> (the recipe emulated in PyTorch with "
+                         "those GEMMs in FP8: all, none, all-<gemm>, or a comma list of "
+                         "gemm1, gemm2, dgrad2, dgrad1, dw2, dw13; bench/fp8_emulation.py)")
     ap.add_argument("--out", type=pathlib.Path, default=default_out)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a CPU-sized model (script check)")
@@ -115,7 +117,23 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.steps < 1 or args.eval_every < 1 or args.eval_seqs < 1:
         ap.error("--steps, --eval-every and --eval-seqs must be >= 1")
+    for precision in args.precisions:
+        try:
+            emulated_gemms(precision)
+        except ValueError as err:
+            ap.error(f"--precisions {precision}: {err}")
     return args
+
+
+def emulated_gemms(precision: str):
+    """The FP8 GEMMs of an emul:<GEMMs> run; None for bf16 and fp8 (the library's)."""
+    if precision in ("bf16", "fp8"):
+        return None
+    if not precision.startswith("emul:"):
+        raise ValueError("expected bf16, fp8 or emul:<GEMMs>")
+    from fp8_emulation import parse_gemms
+
+    return parse_gemms(precision[len("emul:"):])
 
 
 # ---- data ---------------------------------------------------------------------------------
@@ -200,7 +218,8 @@ def model_config(args):
 
 def build_model(config, seed: int, device: torch.device, precision: str):
     """The seeded fp32 model with moefuse's MoE blocks of `precision` (the same initial
-    weights for every precision: the seed decides them before the swap)."""
+    weights for every precision: the seed decides them before the swap); an emul:<GEMMs>
+    precision computes the experts by bench/fp8_emulation.py on the same parameters."""
     import transformers
 
     import moefuse
@@ -208,9 +227,14 @@ def build_model(config, seed: int, device: torch.device, precision: str):
     torch.manual_seed(seed)
     with torch.device(device):
         model = transformers.Qwen3MoeForCausalLM(config)
+    gemms = emulated_gemms(precision)
     for layer in model.model.layers:
-        layer.mlp = moefuse.MoefuseQwen3MoeBlock.from_transformers(layer.mlp,
-                                                                   precision=precision)
+        layer.mlp = moefuse.MoefuseQwen3MoeBlock.from_transformers(
+            layer.mlp, precision="bf16" if gemms is not None else precision)
+        if gemms is not None:
+            from fp8_emulation import Fp8EmulatedExperts
+
+            layer.mlp.experts = Fp8EmulatedExperts(layer.mlp.experts, gemms)
     return model
 
 
@@ -324,23 +348,30 @@ def gap_words(gap: float) -> str:
 
 
 def report(runs: list, args, eval_steps: list, tokens_per_step: int) -> None:
-    print(f"\n{'precision':<10} {'median step ms':>15} {'tokens/s':>12}")
+    """Step times, the held-out losses side by side, and each run's relative gap to the
+    first run (bf16 unless --precisions says otherwise)."""
+    width = max(10, *(len(run.precision) for run in runs))
+    print(f"\n{'precision':<{width}} {'median step ms':>15} {'tokens/s':>12}")
     for run in runs:
         ms = run.step_ms(set(eval_steps))
-        print(f"{run.precision:<10} {ms:15.2f} {tokens_per_step / ms * 1e3:12.0f}")
+        print(f"{run.precision:<{width}} {ms:15.2f} {tokens_per_step / ms * 1e3:12.0f}")
     done = [s for s in eval_steps if all(s in run.heldout for run in runs)]
+    first, others = runs[0], runs[1:]
     print("\nheld-out loss (nats per byte)")
-    print(f"{'step':>6}  " + "  ".join(f"{run.precision:>10}" for run in runs)
-          + ("  rel gap fp8 vs bf16" if len(runs) == 2 else ""))
+    print(f"{'step':>6}  " + "  ".join(f"{run.precision:>{width}}" for run in runs)
+          + "".join(f"  {'gap ' + run.precision:>{width + 4}}" for run in others))
     for s in done:
-        vals = [run.heldout[s] for run in runs]
-        gap = f"  {(vals[1] - vals[0]) / vals[0]:+19.3%}" if len(vals) == 2 else ""
-        print(f"{s:6d}  " + "  ".join(f"{v:10.4f}" for v in vals) + gap)
-    if len(runs) == 2 and done:
-        bf16, fp8 = runs[0].heldout[done[-1]], runs[1].heldout[done[-1]]
-        gap = (fp8 - bf16) / bf16
-        print(f"final held-out loss at step {done[-1]}: bf16 {bf16:.4f}, fp8 {fp8:.4f}, "
-              f"relative gap {gap:+.3%} ({gap_words(gap)})")
+        ref = first.heldout[s]
+        print(f"{s:6d}  " + "  ".join(f"{run.heldout[s]:{width}.4f}" for run in runs)
+              + "".join(f"  {(run.heldout[s] - ref) / ref:+{width + 4}.3%}" for run in others))
+    if not done:
+        return
+    ref = first.heldout[done[-1]]
+    for run in others:
+        gap = (run.heldout[done[-1]] - ref) / ref
+        print(f"final held-out loss at step {done[-1]}: {first.precision} {ref:.4f}, "
+              f"{run.precision} {run.heldout[done[-1]]:.4f}, relative gap {gap:+.3%} "
+              f"({gap_words(gap)})")
 
 
 def plot_curves(runs: list, eval_steps: list, out: pathlib.Path, title: str) -> None:
@@ -476,7 +507,7 @@ def train_loop(runs: list, batches, heldout, args, device, eval_steps_of, t_star
                 ho = run.evaluate(step + 1, heldout)
                 recent = run.records[-min(args.eval_every, len(run.records)):]
                 train_loss = statistics.fmean(r["loss"] for r in recent)
-                print(f"{run.precision:>5} step {step + 1:5d}  train {train_loss:.4f}  "
+                print(f"{run.precision:>8} step {step + 1:5d}  train {train_loss:.4f}  "
                       f"held-out {ho:.4f}  lr {run.records[-1]['lr']:.2e}  "
                       f"{run.step_ms(set(eval_steps)):.1f} ms/step  "
                       f"({time.perf_counter() - t_start:.0f} s)", flush=True)

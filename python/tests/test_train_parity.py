@@ -52,3 +52,28 @@ def test_tiny_run_writes_both_curves(tmp_path, capsys):
     assert losses["bf16"][0] == pytest.approx(losses["fp8"][0], rel=0.01)  # same weights, data
     assert losses["bf16"] != losses["fp8"]
     assert (tmp_path / "heldout_loss.png").stat().st_size > 0
+
+
+def test_emulated_precisions_follow_the_library(tmp_path, capsys):
+    rc = parity.main(["--tiny", "--device", "cpu", "--steps", "3", "--eval-every", "3",
+                      "--batch", "2", "--seq", "64", "--eval-seqs", "2", "--warmup", "1",
+                      "--precisions", "bf16", "fp8", "emul:all", "emul:none", "emul:all-dw2",
+                      "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for name in ("fp8", "emul:all", "emul:none", "emul:all-dw2"):
+        assert f"final held-out loss at step 3: bf16 " in out and f", {name} " in out, out
+    with open(tmp_path / "parity.csv") as f:
+        rows = list(csv.DictReader(f))
+    losses = {}
+    for r in rows:
+        losses.setdefault(r["precision"], []).append(float(r["train_loss"]))
+    # the emulation is the library's recipe (fp32 sums in another order)
+    assert losses["emul:all"] == pytest.approx(losses["fp8"], rel=1e-3)
+    assert losses["emul:none"] == pytest.approx(losses["bf16"], rel=1e-3)
+
+
+def test_unknown_precision_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parity.parse_args(["--precisions", "bf16", "emul:gemm7"])
+    assert "emul:gemm7" in capsys.readouterr().err
