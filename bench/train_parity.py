@@ -25,15 +25,18 @@ held-out loss (DESIGN.md: a recipe's accuracy is judged by a training run on rea
                adds) weighted by --aux-coef: the drop-in's router is an nn.Linear, which
                transformers' output recorder does not see, so the script takes the
                logits from hooks on each block's gate and calls that function itself.
-    Runs       the two models step in turn on the same batch (both on the device at once),
-               so a run cut short still has both curves up to the same step, and the two
-               step times are measured under the same clocks.
+    Runs       one per --precisions entry (default bf16 and fp8), stepping in turn on the
+               same batch (all on the device at once), so a run cut short still has every
+               curve up to the same step, and the step times are measured under the same
+               clocks. emul:<GEMMs> computes the experts with bench/fp8_emulation.py, the
+               recipe in PyTorch with only those GEMMs in FP8 (emul:all-dw13: every GEMM
+               but dW13), to find which GEMM's quantization costs the loss.
 
 Prints one line per evaluation (every --eval-every steps and at the last step) for each
 run, then the step time (median of CUDA events, the first steps and evaluation steps left
-out) and tokens/s of each run, the held-out losses side by side with their relative gap,
-and the final gap (fp8 - bf16) / bf16 against the target (|gap| <= 0.5%) and the goal
-(0.25%). Writes --out/parity.csv (step, precision, train loss, held-out loss, lr, step ms;
+out) and tokens/s of each run, the held-out losses side by side with each run's relative
+gap to the first run, and the final gaps (run - first) / first against the target (|gap|
+<= 0.5%) and the goal (0.25%). Writes --out/parity.csv (step, precision, train loss, held-out loss, lr, step ms;
 rewritten at each evaluation) and --out/heldout_loss.png (matplotlib when installed, else
 bench_train_step.py's built-in PNG writer).
 
