@@ -23,7 +23,9 @@ forward and backward ms per step (summed over the layers; CUDA events on the MoE
 modules' boundaries in --moe-steps extra steps, run with --ac none only) and their share
 of the step, and the peak memory; then the ratios, the loss curves' agreement
 (max |dloss| and the mean |dloss| of the last 50 steps, PASS when the latter is within
---loss-tol) and a PNG of both curves (--plot, default $OUT/torchtitan_loss.png).
+--loss-tol, or within twice the control's when --control runs TorchTitan's for-loop
+experts too: docs/decisions/0027-torchtitan-loss-control) and a PNG of the curves (--plot,
+default $OUT/torchtitan_loss.png). --fp8 adds moefuse with its expert GEMMs in FP8.
 --profile-steps N also runs N steps under torch.profiler per implementation and prints
 the 15 CUDA kernels that took the most time (trace in $OUT when set).
 
