@@ -1,8 +1,9 @@
 """Per-kernel GPU time of moefuse's forward + backward, cool and at the power limit.
 
 One Qwen3 MoE layer (bench/torch_moe_baseline.py's shapes and random inputs, four input
-sets in turn), the training call of the Python op: moefuse.experts(x, ids, p, w13, w2) and
-torch.autograd.grad over x, p, w13 and w2. torch.profiler records the CUDA kernels of
+sets in turn), the training call of the Python op: moefuse.experts(x, ids, p, w13, w2,
+precision=--precision) and torch.autograd.grad over x, p, w13 and w2 (FP8: the weights are
+quantized at the first call and cached, as within one optimizer step). torch.profiler records the CUDA kernels of
 --calls calls twice:
   cool       after 2 s idle (the SM clock at its maximum);
   sustained  after --sustain-s seconds of back-to-back calls (the clock lowered by the
@@ -13,7 +14,7 @@ and each kernel's time per call, largest first. Watch the clocks beside it with
 docs/decisions/0017-ruled-out has its reading of the step's kernels at the power limit.
 
     python bench/profile_step.py [--model qwen3-30b-a3b] [--tokens 16384] [--calls 12]
-                                 [--sustain-s 4]
+                                 [--sustain-s 4] [--precision bf16|fp8]
 
 Runs only on a CUDA device; without one it prints SKIP and the reason and exits 0.
 """
@@ -64,6 +65,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--calls", type=int, default=12)
     parser.add_argument("--sustain-s", type=float, default=4.0)
+    parser.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("SKIP profile_step: no CUDA device (torch.cuda.is_available() is False)")
@@ -77,14 +79,14 @@ def main() -> None:
 
     def fwd_bwd(i: int) -> None:
         x, ids, p, dy = inputs[i % NUM_INPUT_SETS]
-        y = moefuse.experts(x, ids, p, w13, w2)
+        y = moefuse.experts(x, ids, p, w13, w2, precision=args.precision)
         torch.autograd.grad(y, (x, p, w13, w2), dy)
 
     for i in range(8):   # warm-up: loading, allocation
         fwd_bwd(i)
     torch.cuda.synchronize()
     print(f"# {torch.cuda.get_device_name()}; {args.model}, T = {args.tokens}, "
-          f"{args.calls} calls per profile")
+          f"{args.precision}, {args.calls} calls per profile")
     time.sleep(2.0)
     profile_calls(fwd_bwd, "cool (after 2 s idle)", args.calls)
     t0, i = time.monotonic(), 0
