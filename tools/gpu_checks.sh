@@ -15,6 +15,12 @@
 #   tools/gpu_checks.sh bench    make bench's tables (bench/RESULTS.md)      (~4 min)
 #   tools/gpu_checks.sh parity   bench/train_parity.py: FP8 against BF16 on real text
 #                                (2 x 2000 steps, ~5 min)
+#   tools/gpu_checks.sh fp8_diag where FP8 loses: a 300-step parity run of bf16, fp8 and
+#                                the recipe emulated in PyTorch (emul:all: the library's
+#                                kernels or the recipe?), and profile_step.py's per-kernel
+#                                table of the FP8 layer on both shapes
+#   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
+#                                each GEMM in turn, beside bf16 (two runs of 4 models)
 #   tools/gpu_checks.sh step     bench_train_step.py, 12 layers, both precisions, with the
 #                                MoE layers' profiled share (~3 min)
 #   tools/gpu_checks.sh titan    bench/bench_torchtitan.py: TorchTitan's step native and
@@ -106,6 +112,26 @@ parity() {
         --time-budget 430 --out "${OUT:-$LOG_DIR}/parity"
 }
 
+fp8_diag() {
+    STEP_TIMEOUT=330 step parity_emulated parity_emulated.log python3 bench/train_parity.py \
+        --steps 300 --eval-every 100 --time-budget 280 --precisions bf16 fp8 emul:all \
+        --out "${OUT:-$LOG_DIR}/parity_emulated"
+    for model in qwen3-30b-a3b qwen3-235b-a22b; do
+        STEP_TIMEOUT=90 step profile_fp8_$model profile_fp8_$model.log python3 \
+            bench/profile_step.py --model $model --precision fp8 --sustain-s 2
+    done
+}
+
+ablation() {
+    local i=0 group
+    for group in "gemm1 gemm2 dgrad2" "dgrad1 dw2 dw13"; do
+        i=$((i + 1))
+        STEP_TIMEOUT=290 step ablation_$i ablation_$i.log python3 bench/train_parity.py \
+            --steps 300 --eval-every 100 --time-budget 250 --precisions bf16 \
+            $(printf 'emul:all-%s ' $group) --out "${OUT:-$LOG_DIR}/ablation_$i"
+    done
+}
+
 step_time() {
     STEP_TIMEOUT=400 step bench_train_step train_step.log python3 bench/bench_train_step.py \
         --layers 12 --precision bf16 fp8 --plot "$LOG_DIR/loss_curves.png"
@@ -144,9 +170,10 @@ phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(verify)
 for p in "${phases[@]}"; do
     case "$p" in
-    verify | suites | deep | bench | parity | step | titan | titan_235b | titan_loss) ;;
+    verify | suites | deep | bench | parity | fp8_diag | ablation | step | titan | titan_235b \
+        | titan_loss) ;;
     *) echo "tools/gpu_checks.sh: unknown phase '$p' (verify, suites, deep, bench, parity," \
-            "step, titan, titan_235b, titan_loss)" >&2
+            "fp8_diag, ablation, step, titan, titan_235b, titan_loss)" >&2
        exit 2 ;;
     esac
 done
