@@ -136,41 +136,47 @@ class _Plan:
         self.tiles = int(tiles.sum())
 
 
+def _weight(w: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """A GEMM's weight operand in fp32: its FP8 blocks decoded, or rounded to bf16."""
+    return quant_blocks(w.float()) if fp8 else _bf16(w)
+
+
 class _EmulatedExperts(torch.autograd.Function):
+    """Saves g, u, a in bf16 (their values are bf16) and quantizes the weights again in the
+    backward (the same codes): the memory of the library's saved state, about."""
+
     @staticmethod
     def forward(ctx, x, ids, p, w13, w2, fp8_gemms):
         with _exact_fp32(x.device):
             plan = _Plan(ids, w13.shape[0])
             ps = p.reshape(-1)[plan.slot].to(torch.float32)
             xs = _bf16(x[plan.token])
-            q13 = quant_blocks(w13.float()) if fp8_gemms & {"gemm1", "dgrad1"} else None
-            q2 = quant_blocks(w2.float()) if fp8_gemms & {"gemm2", "dgrad2"} else None
-            b13, b2 = _bf16(w13), _bf16(w2)
             fp8 = "gemm1" in fp8_gemms
-            w = q13 if fp8 else b13
+            w = _weight(w13, fp8)
             gu = _bf16(_per_expert(quant_rows(xs) if fp8 else xs, plan.counts,
                                    lambda e, a: a @ w[e].T))
             inter = w2.shape[2]
             g, u = gu[:, :inter], gu[:, inter:]
             a = _bf16(torch.nn.functional.silu(g) * u)
             fp8 = "gemm2" in fp8_gemms
-            w = q2 if fp8 else b2
+            w = _weight(w2, fp8)
             o = _per_expert(quant_rows(a) if fp8 else a, plan.counts, lambda e, v: v @ w[e].T)
             y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
             y.index_add_(0, plan.token, ps[:, None] * o)
-        ctx.save_for_backward(x, p, w13, w2, g, u, a, ps)
-        ctx.plan, ctx.fp8_gemms, ctx.q = plan, fp8_gemms, (q13, q2, b13, b2)
+        ctx.save_for_backward(x, p, w13, w2, gu.to(_BF16), a.to(_BF16), ps)
+        ctx.plan, ctx.fp8_gemms = plan, fp8_gemms
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, p, w13, w2, g, u, a, ps = ctx.saved_tensors
+        x, p, w13, w2, gu, a, ps = ctx.saved_tensors
         plan, fp8_gemms = ctx.plan, ctx.fp8_gemms
-        q13, q2, b13, b2 = ctx.q
         with _exact_fp32(x.device):
+            gu, a = gu.float(), a.float()
+            g, u = gu[:, :w2.shape[2]], gu[:, w2.shape[2]:]
             dys = _bf16(dy[plan.token])
             fp8 = "dgrad2" in fp8_gemms
-            w = q2 if fp8 else b2
+            w = _weight(w2, fp8)
             da_ = _bf16(_per_expert(quant_rows(dys) if fp8 else dys, plan.counts,
                                     lambda e, v: v @ w[e]))
             dp = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
@@ -179,7 +185,7 @@ class _EmulatedExperts(torch.autograd.Function):
             sig = torch.sigmoid(g)
             dgu = _bf16(torch.cat([da * u * sig * (1 + g * (1 - sig)), da * g * sig], dim=1))
             fp8 = "dgrad1" in fp8_gemms
-            w = q13 if fp8 else b13
+            w = _weight(w13, fp8)
             dxs = _per_expert(quant_rows(dgu) if fp8 else dgu, plan.counts,
                               lambda e, v: v @ w[e])
             dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
