@@ -1,39 +1,46 @@
-"""The FP8 block recipe (docs/decisions/0018-fp8-block-recipe.md) emulated in PyTorch, one
-GEMM at a time: the parity run's ablation (which GEMM's quantization costs the loss).
+"""The FP8 block recipe (docs/decisions/0018-fp8-block-recipe.md) in PyTorch, one GEMM at a
+time: the oracle of the Python FP8 tests (python/tests/fp8_reference.py runs it in fp64 with
+every GEMM in FP8) and the parity run's ablation (bench/train_parity.py --precisions
+emul:<GEMMs> runs it in fp32 with some GEMMs in FP8, to find which one costs the loss).
 
-Each of the six expert GEMMs either runs FP8 (its two operands encoded to E4M3 with the
-recipe's tiles and scale rule, decoded to fp32) or reads bf16 operands as the bf16 pipeline
-does; both then multiply in fp32 (TF32 off): the products of two E4M3 or two bf16 values are
-exact in fp32, so what differs from the library is the order of the fp32 sums, not the
-recipe. The rounding points are the recipe's (and the fp64 reference's): g, u, a, da' and
-[dg; du] rounded to bf16; p dy one fp32 product; d p = <da', a> on the bf16 a; y and dx
-summed in fp32 and rounded once.
+    E4M3    round to nearest even, saturating at +-448 (torch.float8_e4m3fn after a clamp)
+    scale   of a tile = fp32(amax / 448), at least 2^-126, 1 for an all-zero tile, NaN
+            where the tile holds a NaN or an infinity; pow2: rounded up to a power of two
+    code    = e4m3(x / scale), the division in fp32
 
     gemm1   [g; u] = x W13^T        x rows 1 x 128 along H,      W13 128 x 128 blocks
     gemm2   o = a W2^T              a rows 1 x 128 along I,      W2 blocks
     dgrad2  da' = dy W2             dy rows along H,             W2^T (W2's blocks)
     dgrad1  dx = [dg; du] W13       [dg; du] rows along 2I,      W13^T (W13's blocks)
     dw2     dW2 = (p dy)^T a        both 128 tokens per column, counted from the expert's
-    dw13    dW13 = [dg; du]^T x     first row
+    dw13    dW13 = [dg; du]^T x     first row (each expert's rows in token order)
 
-Fp8EmulatedExperts replaces a MoEExperts (the same parameters, so the same state dict);
-`fp8_gemms` names the GEMMs that run FP8: all six is the recipe, none is the bf16 layer.
-The weights are quantized in every call, from their fp32 (or bf16) values, as the library
-quantizes them once per optimizer step: the same codes. Per-expert fp32 matmuls: slower
-than the library by an order of magnitude; for experiments, not for training.
+A GEMM in FP8 reads its operands decoded (code * scale) in the working dtype; one outside
+`fp8_gemms` reads them rounded to bf16, as the bf16 pipeline does. In fp64 the decoded
+products and their sums are exact up to fp64 rounding (the oracle); in fp32 (TF32 off) the
+products of two E4M3 or two bf16 values are exact and what differs from the library is the
+order of the sums. The rounding points are the recipe's: g, u, a, da' and [dg; du] rounded
+to bf16 (through fp32, as a GPU epilogue rounds); p dy one fp32 product; d p = <da', a> on
+the bf16 a; y and dx summed in the working dtype. Weights are quantized from their values
+(bf16 or fp32 masters) in every call: the codes the library makes once per optimizer step.
+Per-expert matmuls, slower than the library's layer: for tests and experiments, not for
+training.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 GEMMS = ("gemm1", "gemm2", "dgrad2", "dgrad1", "dw2", "dw13")
 E4M3_MAX = 448.0
 TILE = 128
 _BF16 = torch.bfloat16
+_TINY = torch.finfo(torch.float32).tiny  # 2^-126
 
 
 def parse_gemms(spec: str) -> frozenset:
@@ -52,72 +59,74 @@ def parse_gemms(spec: str) -> frozenset:
     return frozenset(names)
 
 
-def _scale(amax: torch.Tensor) -> torch.Tensor:
-    """The recipe's scale of a tile from its fp32 amax: amax / 448, at least 2^-126; 1 for
-    an all-zero tile."""
-    s = torch.clamp(amax / E4M3_MAX, min=2.0 ** -126)
-    return torch.where(amax == 0, torch.ones_like(s), s)
+# ---- the quantizers ---------------------------------------------------------------------
 
 
-def _fake_quant(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """encode(v / scale) decoded and scaled back, in fp32 (E4M3, nearest even, saturating)."""
-    q = (v / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.to(torch.float32) * scale
+def scales(amax: torch.Tensor, pow2: bool = False) -> torch.Tensor:
+    """fp32 scales of tiles with the given fp32 amax."""
+    s = torch.clamp_min(amax / E4M3_MAX, _TINY)
+    if pow2:
+        mant, exp = torch.frexp(s)  # s = mant 2^exp, 0.5 <= mant < 1
+        s = torch.ldexp(torch.ones_like(s), torch.where(mant == 0.5, exp - 1, exp))
+    s = torch.where(amax == 0, torch.ones_like(s), s)
+    return torch.where(torch.isfinite(amax), s, torch.full_like(s, math.nan))
 
 
-def quant_rows(a: torch.Tensor) -> torch.Tensor:
-    """a [n, k] fp32, 1 x 128 tiles along k (a short last tile where k is no multiple)."""
-    n, k = a.shape
-    nb = -(-k // TILE)
-    padded = torch.nn.functional.pad(a, (0, nb * TILE - k)).view(n, nb, TILE)
-    scale = _scale(padded.abs().amax(dim=2, keepdim=True))
-    return _fake_quant(padded, scale).view(n, nb * TILE)[:, :k]
+def e4m3(v: torch.Tensor) -> torch.Tensor:
+    """fp32 values to E4M3 (round to nearest even, saturating)."""
+    return v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def quant_tokens(a: torch.Tensor, tile_of_row: torch.Tensor, tiles: int) -> torch.Tensor:
-    """a [rows, c] fp32 in expert order, 128 rows per column per tile (tile_of_row: each
-    row's tile, tiles counted from each expert's first row)."""
-    index = tile_of_row[:, None].expand_as(a)
-    amax = torch.zeros(tiles, a.shape[1], dtype=a.dtype, device=a.device)
-    amax.scatter_reduce_(0, index, a.abs(), "amax")
-    return _fake_quant(a, _scale(amax)[tile_of_row])
+def _tiles(n: int) -> int:
+    return (n + TILE - 1) // TILE
 
 
-def quant_blocks(w: torch.Tensor) -> torch.Tensor:
-    """w [E, r, c] fp32 in 128 x 128 blocks."""
-    e, r, c = w.shape
-    rb, cb = -(-r // TILE), -(-c // TILE)
-    padded = torch.nn.functional.pad(w, (0, cb * TILE - c, 0, rb * TILE - r))
-    blocks = padded.view(e, rb, TILE, cb, TILE)
-    scale = _scale(blocks.abs().amax(dim=(2, 4), keepdim=True))
-    return _fake_quant(blocks, scale).view(e, rb * TILE, cb * TILE)[:, :r, :c]
+def block_codes(w: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., r, c] (fp32 values) in 128 x 128 blocks -> (codes e4m3 [..., r, c], scales
+    fp32 [..., nb(r), nb(c)])."""
+    *lead, r, c = w.shape
+    br, bc = _tiles(r), _tiles(c)
+    blocks = F.pad(w.float(), (0, bc * TILE - c, 0, br * TILE - r))
+    blocks = blocks.view(*lead, br, TILE, bc, TILE)
+    s = scales(blocks.abs().amax(dim=(-3, -1)), pow2)
+    codes = e4m3(blocks / s[..., :, None, :, None])
+    return codes.view(*lead, br * TILE, bc * TILE)[..., :r, :c], s
 
 
-def _bf16(v: torch.Tensor) -> torch.Tensor:
-    return v.to(_BF16).to(torch.float32)
+def quant_blocks(w: torch.Tensor, pow2: bool = False, dtype=torch.float32) -> torch.Tensor:
+    """w [..., r, c] after quantization in 128 x 128 blocks, decoded in dtype."""
+    codes, s = block_codes(w, pow2)
+    full = s.to(dtype).repeat_interleave(TILE, -2).repeat_interleave(TILE, -1)
+    return codes.to(dtype) * full[..., :w.shape[-2], :w.shape[-1]]
 
 
-@contextlib.contextmanager
-def _exact_fp32(device: torch.device):
-    """No autocast and no TF32 inside: the emulation's matmuls are fp32."""
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        with torch.autocast(device.type, enabled=False):
-            yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+def quant_rows(v: torch.Tensor, pow2: bool = False, dtype=torch.float32) -> torch.Tensor:
+    """v [n, k] (fp32 values) after quantization in 1 x 128 tiles along k (a short last
+    tile where k is no multiple of 128), decoded in dtype."""
+    n, k = v.shape
+    nb = _tiles(k)
+    tiles = F.pad(v.float(), (0, nb * TILE - k)).view(n, nb, TILE)
+    s = scales(tiles.abs().amax(dim=2, keepdim=True), pow2)
+    return (e4m3(tiles / s).to(dtype) * s.to(dtype)).view(n, nb * TILE)[:, :k]
 
 
-def _per_expert(a: torch.Tensor, counts: list, fn) -> torch.Tensor:
-    """fn(e, a_e) over the expert segments of a, concatenated."""
-    outs = [fn(e, part) for e, part in enumerate(torch.split(a, counts)) if part.shape[0]]
-    return torch.cat(outs) if outs else a.new_zeros((0,) + a.shape[1:])
+def quant_tokens(v: torch.Tensor, tile_of_row: torch.Tensor, tiles: int, pow2: bool = False,
+                 dtype=torch.float32) -> torch.Tensor:
+    """v [rows, c] (fp32 values) in expert order after quantization in tiles of 128 rows
+    per column (tile_of_row: each row's tile), decoded in dtype."""
+    v = v.float()
+    amax = torch.zeros(tiles, v.shape[1], dtype=torch.float32, device=v.device)
+    amax.scatter_reduce_(0, tile_of_row[:, None].expand_as(v), v.abs(), "amax")
+    s = scales(amax, pow2)[tile_of_row]
+    return e4m3(v / s).to(dtype) * s.to(dtype)
 
 
-class _Plan:
-    """The slots in expert order: token of each, its (t, k) index, per-expert counts and
-    each row's weight-gradient tile."""
+# ---- the layer ------------------------------------------------------------------------------
+
+
+class Plan:
+    """The slots in expert order (each expert's rows in token order): the token and the
+    (t, k) index of each, per-expert counts, each row's weight-gradient tile."""
 
     def __init__(self, ids: torch.Tensor, num_experts: int):
         flat = ids.reshape(-1).long()
@@ -136,94 +145,145 @@ class _Plan:
         self.tiles = int(tiles.sum())
 
 
-def _weight(w: torch.Tensor, fp8: bool) -> torch.Tensor:
-    """A GEMM's weight operand in fp32: its FP8 blocks decoded, or rounded to bf16."""
-    return quant_blocks(w.float()) if fp8 else _bf16(w)
+class Recipe:
+    """Which GEMMs run FP8, the scale rule and the working dtype; the operands of a GEMM."""
+
+    def __init__(self, fp8_gemms, pow2: bool = False, dtype=torch.float32):
+        self.fp8_gemms, self.pow2, self.dtype = frozenset(fp8_gemms), pow2, dtype
+
+    def bf16(self, v: torch.Tensor) -> torch.Tensor:
+        """v rounded to bf16 through fp32 (a GPU epilogue's rounding), in the working dtype."""
+        return v.float().to(_BF16).to(self.dtype)
+
+    def weight(self, gemm: str, w: torch.Tensor) -> torch.Tensor:
+        return (quant_blocks(w, self.pow2, self.dtype) if gemm in self.fp8_gemms
+                else self.bf16(w))
+
+    def rows(self, gemm: str, v: torch.Tensor) -> torch.Tensor:
+        return quant_rows(v, self.pow2, self.dtype) if gemm in self.fp8_gemms else v
+
+    def tokens(self, gemm: str, v: torch.Tensor, plan: Plan) -> torch.Tensor:
+        if gemm not in self.fp8_gemms:
+            return v
+        return quant_tokens(v, plan.tile_of_row, plan.tiles, self.pow2, self.dtype)
+
+
+def _per_expert(a: torch.Tensor, counts: list, fn) -> torch.Tensor:
+    """fn(e, a_e) over the expert segments of a, concatenated."""
+    outs = [fn(e, part) for e, part in enumerate(torch.split(a, counts)) if part.shape[0]]
+    return torch.cat(outs) if outs else a.new_zeros((0,) + a.shape[1:])
+
+
+def _wgrad(lhs: torch.Tensor, rhs: torch.Tensor, counts: list, shape, dtype) -> torch.Tensor:
+    """sum over each expert's rows of lhs_row^T rhs_row, [E, lhs cols, rhs cols]."""
+    out = torch.zeros(shape, dtype=dtype, device=lhs.device)
+    for e, (l, r) in enumerate(zip(torch.split(lhs, counts), torch.split(rhs, counts))):
+        if l.shape[0]:
+            out[e] = l.T @ r
+    return out
+
+
+def experts_forward(x, ids, p, w13, w2, recipe: Recipe):
+    """y [T, H] in the working dtype, and what experts_backward needs: x [T, H] bf16, ids
+    [T, K] (-1 dropped), p [T, K] fp32, w13 [E, 2I, H], w2 [E, H, I] (bf16 or fp32)."""
+    plan = Plan(ids, w13.shape[0])
+    ps = p.reshape(-1)[plan.slot].to(recipe.dtype)
+    xs = x[plan.token].to(recipe.dtype)
+    q13 = recipe.weight("gemm1", w13)
+    gu = recipe.bf16(_per_expert(recipe.rows("gemm1", xs), plan.counts,
+                                 lambda e, v: v @ q13[e].T))
+    inter = w2.shape[2]
+    g, u = gu[:, :inter], gu[:, inter:]
+    a = recipe.bf16(F.silu(g) * u)
+    q2 = recipe.weight("gemm2", w2)
+    o = _per_expert(recipe.rows("gemm2", a), plan.counts, lambda e, v: v @ q2[e].T)
+    y = torch.zeros(x.shape, dtype=recipe.dtype, device=x.device)
+    y.index_add_(0, plan.token, ps[:, None] * o)
+    return y, (plan, gu, a)
+
+
+def experts_backward(dy, x, p, w13, w2, state, recipe: Recipe):
+    """(dx [T, H], d p [T, K], dW13, dW2) in the working dtype for dy [T, H] bf16 and the
+    forward's state."""
+    plan, gu, a = state
+    dtype = recipe.dtype
+    ps = p.reshape(-1)[plan.slot].to(dtype)
+    inter = w2.shape[2]
+    g, u = gu[:, :inter], gu[:, inter:]
+    dys = dy[plan.token].to(dtype)
+    q2 = recipe.weight("dgrad2", w2)
+    da_ = recipe.bf16(_per_expert(recipe.rows("dgrad2", dys), plan.counts,
+                                  lambda e, v: v @ q2[e]))
+    dp = torch.zeros(p.numel(), dtype=dtype, device=p.device)
+    dp[plan.slot] = (da_ * a).sum(dim=1)
+    da = ps[:, None] * da_
+    sig = torch.sigmoid(g)
+    dgu = recipe.bf16(torch.cat([da * u * sig * (1 + g * (1 - sig)), da * g * sig], dim=1))
+    q13 = recipe.weight("dgrad1", w13)
+    dxs = _per_expert(recipe.rows("dgrad1", dgu), plan.counts, lambda e, v: v @ q13[e])
+    dx = torch.zeros(x.shape, dtype=dtype, device=x.device)
+    dx.index_add_(0, plan.token, dxs)
+    pdy = (ps.float()[:, None] * dys.float()).to(dtype)  # one fp32 product
+    dw2 = _wgrad(recipe.tokens("dw2", pdy, plan), recipe.tokens("dw2", a, plan),
+                 plan.counts, w2.shape, dtype)
+    dw13 = _wgrad(recipe.tokens("dw13", dgu, plan), recipe.tokens("dw13", x[plan.token].to(dtype),
+                                                                  plan),
+                  plan.counts, w13.shape, dtype)
+    return dx, dp.view(p.shape), dw13, dw2
+
+
+# ---- as a module, for training -------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _exact_fp32(device: torch.device):
+    """No autocast and no TF32 inside: the emulation's matmuls are fp32."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.autocast(device.type, enabled=False):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 class _EmulatedExperts(torch.autograd.Function):
     """Saves g, u, a in bf16 (their values are bf16) and quantizes the weights again in the
-    backward (the same codes): the memory of the library's saved state, about."""
+    backward (the same codes): about the library's saved memory."""
 
     @staticmethod
-    def forward(ctx, x, ids, p, w13, w2, fp8_gemms):
+    def forward(ctx, x, ids, p, w13, w2, recipe):
         with _exact_fp32(x.device):
-            plan = _Plan(ids, w13.shape[0])
-            ps = p.reshape(-1)[plan.slot].to(torch.float32)
-            xs = _bf16(x[plan.token])
-            fp8 = "gemm1" in fp8_gemms
-            w = _weight(w13, fp8)
-            gu = _bf16(_per_expert(quant_rows(xs) if fp8 else xs, plan.counts,
-                                   lambda e, a: a @ w[e].T))
-            inter = w2.shape[2]
-            g, u = gu[:, :inter], gu[:, inter:]
-            a = _bf16(torch.nn.functional.silu(g) * u)
-            fp8 = "gemm2" in fp8_gemms
-            w = _weight(w2, fp8)
-            o = _per_expert(quant_rows(a) if fp8 else a, plan.counts, lambda e, v: v @ w[e].T)
-            y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-            y.index_add_(0, plan.token, ps[:, None] * o)
-        ctx.save_for_backward(x, p, w13, w2, gu.to(_BF16), a.to(_BF16), ps)
-        ctx.plan, ctx.fp8_gemms = plan, fp8_gemms
+            y, (plan, gu, a) = experts_forward(x, ids, p, w13, w2, recipe)
+        ctx.save_for_backward(x, p, w13, w2, gu.to(_BF16), a.to(_BF16))
+        ctx.plan, ctx.recipe = plan, recipe
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, p, w13, w2, gu, a, ps = ctx.saved_tensors
-        plan, fp8_gemms = ctx.plan, ctx.fp8_gemms
+        x, p, w13, w2, gu, a = ctx.saved_tensors
+        recipe = ctx.recipe
         with _exact_fp32(x.device):
-            gu, a = gu.float(), a.float()
-            g, u = gu[:, :w2.shape[2]], gu[:, w2.shape[2]:]
-            dys = _bf16(dy[plan.token])
-            fp8 = "dgrad2" in fp8_gemms
-            w = _weight(w2, fp8)
-            da_ = _bf16(_per_expert(quant_rows(dys) if fp8 else dys, plan.counts,
-                                    lambda e, v: v @ w[e]))
-            dp = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
-            dp[plan.slot] = (da_ * a).sum(dim=1)
-            da = ps[:, None] * da_
-            sig = torch.sigmoid(g)
-            dgu = _bf16(torch.cat([da * u * sig * (1 + g * (1 - sig)), da * g * sig], dim=1))
-            fp8 = "dgrad1" in fp8_gemms
-            w = _weight(w13, fp8)
-            dxs = _per_expert(quant_rows(dgu) if fp8 else dgu, plan.counts,
-                              lambda e, v: v @ w[e])
-            dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-            dx.index_add_(0, plan.token, dxs)
-
-            def wgrad(name, lhs, rhs, shape):
-                if name in fp8_gemms:
-                    lhs = quant_tokens(lhs, plan.tile_of_row, plan.tiles)
-                    rhs = quant_tokens(rhs, plan.tile_of_row, plan.tiles)
-                out = torch.zeros(shape, dtype=torch.float32, device=x.device)
-                starts = [0]
-                for c in plan.counts:
-                    starts.append(starts[-1] + c)
-                for e, c in enumerate(plan.counts):
-                    if c:
-                        out[e] = lhs[starts[e]:starts[e + 1]].T @ rhs[starts[e]:starts[e + 1]]
-                return out
-
-            dw2 = wgrad("dw2", ps[:, None] * dys, a, w2.shape)
-            dw13 = wgrad("dw13", dgu, _bf16(x[plan.token]), w13.shape)
-        return (dx.to(x.dtype), None, dp.view_as(p).to(p.dtype), dw13.to(w13.dtype),
-                dw2.to(w2.dtype), None)
+            state = (ctx.plan, gu.to(recipe.dtype), a.to(recipe.dtype))
+            dx, dp, dw13, dw2 = experts_backward(dy, x, p, w13, w2, state, recipe)
+        return (dx.to(x.dtype), None, dp.to(p.dtype), dw13.to(w13.dtype), dw2.to(w2.dtype),
+                None)
 
 
 class Fp8EmulatedExperts(nn.Module):
-    """A MoEExperts' forward through the emulation, on the same parameters (gate_up_proj,
-    down_proj); fp8_gemms: the GEMMs that run FP8 (parse_gemms)."""
+    """A MoEExperts' forward through the emulation in fp32, on the same parameters
+    (gate_up_proj, down_proj); fp8_gemms: the GEMMs that run FP8 (parse_gemms)."""
 
     def __init__(self, experts: nn.Module, fp8_gemms: frozenset):
         super().__init__()
         self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
-        self.fp8_gemms = frozenset(fp8_gemms)
+        self.recipe = Recipe(fp8_gemms)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         in_dtype = x.dtype
         y = _EmulatedExperts.apply(x.to(_BF16), ids, p.to(torch.float32), self.gate_up_proj,
-                                   self.down_proj, self.fp8_gemms)
+                                   self.down_proj, self.recipe)
         return y.to(in_dtype)
 
     def extra_repr(self) -> str:
-        return f"fp8_gemms={sorted(self.fp8_gemms, key=GEMMS.index)}"
+        return f"fp8_gemms={sorted(self.recipe.fp8_gemms, key=GEMMS.index)}"

@@ -1,18 +1,9 @@
-"""The FP8 block recipe in PyTorch: the oracle of precision="fp8" in the Python tests, as
-moe_reference.py is of bf16, and the tolerance of an implementation against it. The rules
-are those of docs/decisions/0018-fp8-block-recipe.md (defined in C in src/cpu/fp8.c):
-
-    E4M3: round to nearest even, saturating at +-448 (torch.float8_e4m3fn after a clamp)
-    scale of a tile = fp32(amax / 448), at least 2^-126, 1 for an all-zero tile;
-          with pow2 rounded up to a power of two
-    code = e4m3(x / scale), the division in fp32
-    tiles: 1 x 128 along a GEMM's K for activations and their gradients, 128 x 128 blocks
-    for weights, 128 rows (counted from each expert's first row) for the operands of the
-    weight-gradient GEMMs
-    rounding points those of the bf16 pipeline: bf16 g, u, a, da', [dg; du]; p dy in fp32
-
-Each quantized operand is dequantized into fp64 (code * scale, exact) and the GEMMs run
-in fp64, so the emulation is exact up to fp64 rounding, far below the library's fp32.
+"""The FP8 block recipe's oracle in the Python tests, as moe_reference.py is of bf16, and the
+tolerance of an implementation against it. The recipe itself is bench/fp8_emulation.py
+(the rules of docs/decisions/0018-fp8-block-recipe.md, defined in C in src/cpu/fp8.c), run
+here in fp64 with every GEMM in FP8: each quantized operand is decoded into fp64 (code *
+scale, exact) and the GEMMs run in fp64, so the emulation is exact up to fp64 rounding, far
+below the library's fp32.
 
 Tolerance (the decision's "per layer output"): the CPU backend and the emulation quantize
 at the same points, so they differ by the fp32 accumulation of each GEMM, acc(k) =
@@ -34,115 +25,28 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from bench_helpers import import_bench
 from moe_reference import rel_error, tolerance
 
-TILE = 128
-E4M3_MAX = 448.0
-_TINY = torch.finfo(torch.float32).tiny  # 2^-126
-
-
-# ---- the quantizers ---------------------------------------------------------------------
-
-
-def scales(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
-    """fp32 scales of tiles with the given fp32 amax."""
-    s = torch.clamp_min(amax / E4M3_MAX, _TINY)
-    if pow2:
-        mant, exp = torch.frexp(s)  # s = mant 2^exp, 0.5 <= mant < 1
-        s = torch.ldexp(torch.ones_like(s), torch.where(mant == 0.5, exp - 1, exp))
-    s = torch.where(amax == 0, torch.ones_like(s), s)
-    return torch.where(torch.isfinite(amax), s, torch.full_like(s, math.nan))
-
-
-def e4m3(v: torch.Tensor) -> torch.Tensor:
-    """fp32 values to E4M3 (round to nearest even, saturating)."""
-    return v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-
-
-def _pad(v: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    return F.pad(v, (0, cols - v.shape[1], 0, rows - v.shape[0]))
-
-
-def _tiles(n: int) -> int:
-    return (n + TILE - 1) // TILE
+_recipe = import_bench("fp8_emulation")
+_tiles = _recipe._tiles
 
 
 def quantize_blocks(w: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """w [r, c] (fp32 values) in 128 x 128 blocks -> (codes e4m3 [r, c], scales fp32
     [nb(r), nb(c)])."""
-    r, c = w.shape
-    br, bc = _tiles(r), _tiles(c)
-    blocks = _pad(w.float(), br * TILE, bc * TILE).view(br, TILE, bc, TILE)
-    s = scales(blocks.abs().amax(dim=(1, 3)), pow2)
-    codes = e4m3(blocks / s[:, None, :, None]).view(br * TILE, bc * TILE)[:r, :c]
-    return codes, s
-
-
-def dequantize_blocks(w: torch.Tensor, pow2: bool) -> torch.Tensor:
-    """fp64 values of w [r, c] after quantization in 128 x 128 blocks."""
-    codes, s = quantize_blocks(w, pow2)
-    full = s.double().repeat_interleave(TILE, 0).repeat_interleave(TILE, 1)
-    return codes.double() * full[:w.shape[0], :w.shape[1]]
-
-
-def dequantize_rows(v: torch.Tensor, pow2: bool) -> torch.Tensor:
-    """fp64 values of v [m, k] (fp32 values) after quantization in 1 x 128 tiles along k."""
-    m, k = v.shape
-    nb = _tiles(k)
-    tiles = _pad(v.float(), m, nb * TILE).view(m, nb, TILE)
-    s = scales(tiles.abs().amax(dim=2), pow2)
-    codes = e4m3(tiles / s[:, :, None])
-    return (codes.double() * s.double()[:, :, None]).view(m, nb * TILE)[:, :k]
-
-
-def dequantize_tokens(v: torch.Tensor, pow2: bool) -> torch.Tensor:
-    """fp64 values of v [rows, n] after quantization in tiles of 128 rows per column."""
-    return dequantize_rows(v.T, pow2).T
-
-
-# ---- the layer ------------------------------------------------------------------------------
-
-
-def _bf16(v: torch.Tensor) -> torch.Tensor:
-    """fp64 to bf16 through fp32 (as a GPU epilogue rounds its fp32 value), back in fp64."""
-    return v.float().bfloat16().double()
+    return _recipe.block_codes(w, pow2)
 
 
 def fp8_experts_emulation(x, ids, p, w13, w2, dy, pow2: bool = False):
     """fp64 (y, dx, dp, dw13, dw2) of the recipe for x [T, H] bf16, ids [T, K] (-1
     dropped), p [T, K] fp32, w13 [E, 2I, H] and w2 [E, H, I] (bf16 or fp32, quantized
     from their values), dy [T, H] bf16."""
-    T, H = x.shape
-    E, I = w13.shape[0], w13.shape[1] // 2
-    y, dx = torch.zeros(T, H, dtype=torch.float64), torch.zeros(T, H, dtype=torch.float64)
-    dp = torch.zeros(ids.shape, dtype=torch.float64)
-    dw13 = torch.zeros(w13.shape, dtype=torch.float64)
-    dw2 = torch.zeros(w2.shape, dtype=torch.float64)
-    for e in range(E):
-        tok, slot = torch.where(ids == e)  # this expert's rows, in slot order
-        if tok.numel() == 0:
-            continue
-        q13, q2 = dequantize_blocks(w13[e], pow2), dequantize_blocks(w2[e], pow2)
-        pe = p[tok, slot].double()[:, None]
-        xr = x[tok].float()
-        gu = _bf16(dequantize_rows(xr, pow2) @ q13.T)  # gemm1 -> bf16 g, u
-        g, u = gu[:, :I], gu[:, I:]
-        a = _bf16(F.silu(g) * u)
-        y.index_add_(0, tok, pe * (dequantize_rows(a, pow2) @ q2.T))  # gemm2, combine
-        dyr = dy[tok].float()
-        dap = _bf16(dequantize_rows(dyr, pow2) @ q2)  # dgrad2 -> bf16 da'
-        dp[tok, slot] = (dap * a).sum(dim=1)
-        sg = torch.sigmoid(g)
-        da = pe * dap
-        dgu = _bf16(torch.cat([da * u * sg * (1 + g * (1 - sg)), da * g * sg], dim=1))
-        pdy = (pe * dyr.double()).float()
-        dw2[e] = dequantize_tokens(pdy, pow2).T @ dequantize_tokens(a.float(), pow2)
-        dw13[e] = dequantize_tokens(dgu.float(), pow2).T @ dequantize_tokens(xr, pow2)
-        dx.index_add_(0, tok, dequantize_rows(dgu.float(), pow2) @ q13)  # dgrad1
-    return y, dx, dp, dw13, dw2
+    recipe = _recipe.Recipe(_recipe.GEMMS, pow2, torch.float64)
+    y, state = _recipe.experts_forward(x, ids, p, w13, w2, recipe)
+    return (y, *_recipe.experts_backward(dy, x, p, w13, w2, state, recipe))
 
 
 # ---- the tolerance ---------------------------------------------------------------------------
