@@ -8,6 +8,10 @@ on an sm_90 GPU, one rank), through the binding:
                the recipe (fp8_reference.py), within fp8_tolerances with the FP8 tensor
                cores' accumulation (acc_wgmma_fp8, as tests/api/test_cuda_fp8.c); routing
                cases as the CPU test's, H and I multiples of 128 (the CUDA tiles')
+    training   training-sized calls (bench/train_parity.py's layer and qwen3-30b-a3b at
+    sized      T = 16384, Zipf routing, normal and heavy-tailed x, fp32 master weights)
+               against the recipe emulated in fp32 on the device (bench/fp8_emulation.py),
+               norm-wise and token by token
     bits       two runs bitwise equal, the three saved modes bitwise equal
     training   fp32 master weights get fp32 gradients; the quantization is reused over
                micro-batches and made again after an optimizer step (fused AdamW);
@@ -26,6 +30,7 @@ import torch
 import moefuse
 from moefuse import _fp8, _lib, ops
 
+from bench_helpers import import_bench
 from fp8_reference import (OUTPUTS, acc_wgmma_fp8, assert_checkpoint_equals_plain,
                            assert_compiled_equals_eager, assert_quantized_weights,
                            check_against_emulation, run_fp8, special_weights)
@@ -218,3 +223,47 @@ def test_qwen3_block_from_transformers_in_fp8():
                            block.experts.w2, precision="fp8")
     assert torch.equal(out.detach().view(-1, 256), want)
     assert block.experts.gate_up_proj.grad.abs().sum() > 0 and block.gate.weight.grad is not None
+
+
+# ---- training-sized calls against the recipe emulated on the device ---------------------------
+
+TRAINING_SHAPES = {
+    "parity-model": (16384, 1024, 512, 64, 8),   # bench/train_parity.py's layers
+    "qwen3-30b-a3b": (16384, 2048, 768, 128, 8),
+}
+# Library against the recipe in fp32: the FP8 tensor cores' accumulation (about 1e-4 per
+# GEMM) flips a few bf16 roundings of g, u, da' and some of those an E4M3 code of a or
+# [dg; du] (one step: 2^-3), about 3e-3 of each output's norm. A wrong tile, row or scale
+# is of the order of the values themselves.
+TRAINING_NORM_TOL = 1e-2
+TRAINING_ROW_TOL = 5e-2
+
+
+@pytest.mark.parametrize("values", ["normal", "heavy-tailed"])
+@pytest.mark.parametrize("shape", TRAINING_SHAPES.values(), ids=TRAINING_SHAPES.keys())
+def test_training_sized_calls_match_the_recipe_row_by_row(shape, values):
+    emulation = import_bench("fp8_emulation")
+    x, ids, p, w13, w2, dy = random_problem(*shape, seed=41, drop_fraction=0.01, skew="zipf")
+    if values == "heavy-tailed":  # tiles of wide range: the quantizers' division fallback
+        g = torch.Generator().manual_seed(41)
+        x = (x.float() * torch.exp2(torch.randint(-12, 4, x.shape, generator=g).float())
+             ).to(torch.bfloat16)
+    w13, w2 = w13.float(), w2.float()  # fp32 master weights, as in training
+    got = run_fp8(x, ids, p, w13, w2, dy, device=DEV)
+    moefuse.check_device_errors()
+    recipe = emulation.Recipe(emulation.GEMMS)
+    dev = [t.to(DEV) for t in (x, ids, p, w13, w2, dy)]
+    with emulation._exact_fp32(DEV):
+        y, state = emulation.experts_forward(*dev[:5], recipe)
+        want = (y, *emulation.experts_backward(dev[5], dev[0], dev[2], dev[3], dev[4], state,
+                                               recipe))
+    for name, g_, w in zip(OUTPUTS, got, want):
+        g_, w = g_.to(DEV).double(), w.double()
+        assert torch.isfinite(g_).all(), name
+        err = ((g_ - w).norm() / w.norm()).item()
+        assert err < TRAINING_NORM_TOL, f"{name}: relative error {err:.2e}"
+    for name, g_, w in zip(("y", "dx"), got, want):  # every token's row
+        g_, w = g_.to(DEV).double(), w.double()
+        rows = (g_ - w).norm(dim=1) / w.norm(dim=1).clamp_min(1e-30)
+        worst = int(rows.argmax())
+        assert rows[worst] < TRAINING_ROW_TOL, f"{name}: token {worst} off by {rows[worst]:.2e}"
