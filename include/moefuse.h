@@ -62,7 +62,7 @@ extern "C" {
 #endif
 
 #define MOEFUSE_VERSION_MAJOR 0
-#define MOEFUSE_VERSION_MINOR 6
+#define MOEFUSE_VERSION_MINOR 7
 #define MOEFUSE_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH */
 #define MOEFUSE_VERSION                                                         \
@@ -232,9 +232,9 @@ typedef enum moefuse_dtype {
  *       halves, the gate half in dw13 (or dw13_bf16) and the up half in dw13_up (or
  *       dw13_up_bf16), [E/R, I, H] each.
  * The two layouts give the same bits in every output. The CUDA kernels read and write the
- * halves where they are (no copy is made). moefuse_quantize_weights takes the packed
- * layout only; an FP8_BLOCK layer reads its quantized weights (w13 and w13_up are not
- * read there) and writes dW13 in halves when dw13_up / dw13_up_bf16 is set. */
+ * halves where they are (no copy is made), and so does moefuse_quantize_weights_halves;
+ * an FP8_BLOCK layer reads its quantized weights (w13 and w13_up are not read there) and
+ * writes dW13 in halves when dw13_up / dw13_up_bf16 is set. */
 
 typedef struct moefuse_fwd_args {
     int num_tokens;              /* T, 0 <= T <= max_tokens */
@@ -493,6 +493,14 @@ moefuse_status moefuse_fp8_weights_view(const moefuse_layer *layer, void *buffer
 moefuse_status moefuse_quantize_weights(const moefuse_layer *layer, moefuse_dtype dtype,
                                         const void *w13, const void *w2,
                                         const moefuse_fp8_weights *out, void *stream);
+
+/* moefuse_quantize_weights of W13 in two halves: w13 the gate half [E/R, I, H] and w13_up
+ * the up half [E/R, I, H] (both of `dtype`, contiguous), read where they are; out gets
+ * the codes and scales the packed W13 gets, byte for byte. */
+moefuse_status moefuse_quantize_weights_halves(const moefuse_layer *layer, moefuse_dtype dtype,
+                                               const void *w13, const void *w13_up,
+                                               const void *w2, const moefuse_fp8_weights *out,
+                                               void *stream);
 
 /* The CUDA backend reads expert ids from device memory, so moefuse_forward checks
  * them on the device without a host synchronization: a bad id makes that call write

@@ -11,7 +11,7 @@ import enum
 # The MOEFUSE_VERSION (MAJOR * 10000 + MINOR * 100 + PATCH) whose structs this file
 # mirrors. While MAJOR is 0 a MINOR change may change the structs, so MAJOR and MINOR
 # must match exactly; PATCH may differ.
-EXPECTED_VERSION = 600
+EXPECTED_VERSION = 700
 
 
 class Status(enum.IntEnum):
@@ -259,6 +259,9 @@ _SIGNATURES = {
         _STATUS, [LayerHandle, ctypes.c_void_p, ctypes.POINTER(Fp8Weights)]),
     "moefuse_quantize_weights": (
         _STATUS, [LayerHandle, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                  ctypes.POINTER(Fp8Weights), ctypes.c_void_p]),
+    "moefuse_quantize_weights_halves": (
+        _STATUS, [LayerHandle, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                   ctypes.POINTER(Fp8Weights), ctypes.c_void_p]),
     "moefuse_route_forward": (
         _STATUS, [ctypes.POINTER(RouteArgs), ctypes.c_int, ctypes.c_void_p]),

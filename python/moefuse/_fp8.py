@@ -187,8 +187,7 @@ class Fp8WeightCache:
         with moefuse_quantize_weights on the current stream when missing or stale. The
         struct (and its buffer) stays valid until the entry is replaced or cleared; hold
         the returned object during the call that reads it. w13_up: w13 in two halves
-        (gate in w13), joined for the quantization only (moefuse_quantize_weights reads
-        W13 packed), once per quantization."""
+        (gate in w13), read where they are (moefuse_quantize_weights_halves)."""
         _watch_optimizers()
         up_key = (w13_up.data_ptr(),) if w13_up is not None else ()
         key = (w13.data_ptr(), w2.data_ptr(), tuple(w13.shape), tuple(w2.shape), w13.dtype,
@@ -201,27 +200,29 @@ class Fp8WeightCache:
             if entry is not None and entry.state == state and entry.alive():
                 _ready_on_current_stream(entry.weights)
                 return entry.weights
-        packed = w13 if w13_up is None else torch.cat([w13, w13_up], dim=1)
-        entry = self._quantize(layer, packed, w2, state)
+        entry = self._quantize(layer, w13, w2, w13_up, state)
         if None not in versions:
             self._store(key, entry, weights)
         return entry.weights
 
     def _quantize(self, layer: _lib.Layer, w13: torch.Tensor, w2: torch.Tensor,
-                  state) -> _Entry:
+                  w13_up: Optional[torch.Tensor], state) -> _Entry:
         device = w13.device
-        both_bf16 = w13.dtype == _BF16 and w2.dtype == _BF16
-        # Read as they are: bf16, or fp32 master weights (a bf16 one of a mixed pair
+        sources = (w13, w2) if w13_up is None else (w13, w2, w13_up)
+        all_bf16 = all(w.dtype == _BF16 for w in sources)
+        # Read as they are: bf16, or fp32 master weights (a bf16 one of a mixed set
         # widened exactly), never rounded to bf16 first.
-        src13, src2 = ((w13, w2) if both_bf16 else
-                       (w13.to(torch.float32).contiguous(), w2.to(torch.float32).contiguous()))
-        dtype = _lib.DType.BF16 if both_bf16 else _lib.DType.FP32
+        if not all_bf16:
+            sources = tuple(w.to(torch.float32).contiguous() for w in sources)
+        src13, src2 = sources[:2]
+        up = sources[2].data_ptr() if w13_up is not None else 0
+        dtype = _lib.DType.BF16 if all_bf16 else _lib.DType.FP32
         buffer = _alloc_saved(layer.fp8_weights_bytes(), device)
         weights = layer.fp8_weights_view(buffer.data_ptr())
         weights.buffer = buffer  # the struct points into it: alive as long as the struct
         with layer.lock, _on_device(device):
             layer.quantize_weights(dtype, src13.data_ptr(), src2.data_ptr(), weights,
-                                   _stream(device))
+                                   _stream(device), w13_up=up)
             if device.type == "cuda":
                 weights.stream = torch.cuda.current_stream(device)
                 weights.ready = torch.cuda.Event()

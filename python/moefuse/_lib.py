@@ -337,9 +337,16 @@ class Layer(_Owner):
         return out
 
     def quantize_weights(self, dtype: DType, w13: int, w2: int, out: Fp8Weights,
-                         stream: int = 0) -> None:
+                         stream: int = 0, w13_up: int = 0) -> None:
         """moefuse_quantize_weights: W13 and W2 (addresses of contiguous bf16 or fp32
-        arrays) into out's arrays, with this layer's scale rule."""
+        arrays) into out's arrays, with this layer's scale rule; with w13_up, W13 in two
+        halves, gate w13 and up w13_up (moefuse_quantize_weights_halves)."""
+        if w13_up:
+            check("moefuse_quantize_weights_halves",
+                  self._lib.moefuse_quantize_weights_halves(
+                      self.handle, int(dtype), w13, w13_up, w2, ctypes.byref(out),
+                      stream or None))
+            return
         check("moefuse_quantize_weights",
               self._lib.moefuse_quantize_weights(self.handle, int(dtype), w13, w2,
                                                  ctypes.byref(out), stream or None))

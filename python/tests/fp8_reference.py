@@ -172,6 +172,36 @@ def assert_checkpoint_equals_plain(module, x, ids, p, dy) -> None:
         assert torch.equal(plain, recomputed)
 
 
+def assert_w13_halves_equal_packed(dtype: torch.dtype, device) -> None:
+    """precision="fp8" with W13 as (gate, up), bf16 or fp32 master weights, on `device`:
+    the halves quantized where they are (moefuse_quantize_weights_halves), dW13 written in
+    halves by the library; the packed call's bits."""
+    import moefuse
+    from moe_reference import random_problem
+
+    x, ids, p, w13, w2, dy = (t.to(device) for t in
+                              random_problem(100, 128, 128, 8, 2, seed=5))
+    if dtype == torch.float32:  # values between bf16s
+        w13, w2 = w13.float() * (1 + 2.0 ** -12), w2.float() * (1 - 2.0 ** -13)
+    inter = w13.shape[1] // 2
+    outs = []
+    for halves in (False, True):
+        xs, ps, w2s = (t.detach().clone().requires_grad_() for t in (x, p, w2))
+        if halves:
+            ws = [w13[:, :inter].clone().requires_grad_(),
+                  w13[:, inter:].clone().requires_grad_()]
+            arg = tuple(ws)
+        else:
+            ws = [w13.detach().clone().requires_grad_()]
+            arg = ws[0]
+        y = moefuse.experts(xs, ids, ps, arg, w2s, precision="fp8")
+        y.backward(dy)
+        dw13 = torch.cat([w.grad for w in ws], dim=1) if halves else ws[0].grad
+        outs.append((y.detach(), xs.grad, ps.grad, dw13, w2s.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 def most_rows(ids: torch.Tensor, num_experts: int) -> int:
     """The most rows of one expert (at least 1): the weight-gradient GEMMs' K."""
     return max(1, max(int((ids == e).sum()) for e in range(num_experts)))

@@ -19,8 +19,8 @@ import moefuse
 from moefuse import _fp8, _lib, ops
 
 from fp8_reference import (assert_checkpoint_equals_plain, assert_compiled_equals_eager,
-                           assert_quantized_weights, check_against_emulation, run_fp8,
-                           special_weights)
+                           assert_quantized_weights, assert_w13_halves_equal_packed,
+                           check_against_emulation, run_fp8, special_weights)
 from moe_reference import random_problem
 
 pytestmark = pytest.mark.usefixtures("library")
@@ -345,23 +345,6 @@ def test_library_refusal_without_a_gpu_is_reworded():
     assert str(reworded.value).endswith(f"The library said: {info.value.message}")
 
 
-def test_w13_halves_equal_packed():
-    """precision="fp8" with W13 as (gate, up): the halves joined once for the weights'
-    quantization, dW13 written in halves by the library; the packed call's bits."""
-    x, ids, p, w13, w2, dy = random_problem(100, 128, 128, 8, 2, seed=5)
-    I = w13.shape[1] // 2
-    outs = []
-    for halves in (False, True):
-        xs, ps, w2s = (t.detach().clone().requires_grad_() for t in (x, p, w2))
-        if halves:
-            ws = [w13[:, :I].clone().requires_grad_(), w13[:, I:].clone().requires_grad_()]
-            arg = tuple(ws)
-        else:
-            ws = [w13.detach().clone().requires_grad_()]
-            arg = ws[0]
-        y = moefuse.experts(xs, ids, ps, arg, w2s, precision="fp8")
-        y.backward(dy)
-        dw13 = torch.cat([w.grad for w in ws], dim=1) if halves else ws[0].grad
-        outs.append((y.detach(), xs.grad, ps.grad, dw13, w2s.grad))
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_w13_halves_equal_packed(dtype):
+    assert_w13_halves_equal_packed(dtype, "cpu")

@@ -32,6 +32,7 @@ from moefuse import _fp8, _lib, ops
 
 from bench_helpers import import_bench
 from fp8_reference import (OUTPUTS, acc_wgmma_fp8, assert_checkpoint_equals_plain,
+                           assert_w13_halves_equal_packed,
                            assert_compiled_equals_eager, assert_quantized_weights,
                            check_against_emulation, run_fp8, special_weights)
 from moe_reference import random_problem
@@ -94,6 +95,11 @@ def test_fp8_matches_the_emulation(case, pow2, recompute, quantize_calls):
     assert [t.dtype for t in got] == [torch.bfloat16] * 2 + [torch.float32] + [torch.bfloat16] * 2
     assert torch.all(got[2][problem[1] < 0] == 0), "dropped slots must get d p = 0"
     assert quantize_calls == [int(pow2)]  # the forward's quantization served the backward
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_w13_halves_equal_packed(dtype):
+    assert_w13_halves_equal_packed(dtype, DEV)
 
 
 def test_fp32_master_weights_get_fp32_gradients(quantize_calls):

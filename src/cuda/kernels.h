@@ -405,9 +405,12 @@ cudaError_t mf_quantize_fp8_rows_tokens(const mf_quantize_fp8_rows_params *r,
 /* Weights in 128 x 128 blocks, both orientations: w [E, rows, cols] (bf16, or fp32 with
  * fp32 set) -> codes [E, rows, cols], scale [E, rows/128, cols/128], and codes_t
  * [E, cols, rows], scale_t [E, cols/128, rows/128] (the same codes transposed, the same
- * scales). rows and cols multiples of 128. */
+ * scales). rows and cols multiples of 128. With w_hi set, w is in two arrays: each
+ * expert's rows below split_rows in w [E, split_rows, cols] and the others in w_hi
+ * [E, rows - split_rows, cols] (W13's gate and up halves); split_rows a multiple of 128. */
 typedef struct mf_quantize_fp8_weights_params {
-    const void *w;
+    const void *w, *w_hi;
+    int split_rows;
     int fp32;
     int num_experts, rows, cols, pow2;
     uint8_t *codes, *codes_t;

@@ -126,9 +126,11 @@ static void widen(moefuse_dtype dtype, const void *src, int64_t n, float *dst) {
         for (int64_t i = 0; i < n; i++) dst[i] = ((const float *)src)[i];
 }
 
-moefuse_status moefuse_quantize_weights(const moefuse_layer *layer, moefuse_dtype dtype,
-                                        const void *w13, const void *w2,
-                                        const moefuse_fp8_weights *out, void *stream) {
+/* moefuse_quantize_weights and its halves form (w13_up NULL: W13 packed). */
+static moefuse_status quantize_weights(const moefuse_layer *layer, moefuse_dtype dtype,
+                                       const void *w13, const void *w13_up, const void *w2,
+                                       const moefuse_fp8_weights *out, void *stream,
+                                       const char *fn) {
     mf_clear_error();
     if (!layer) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "layer: expected a layer");
     if (layer->cfg.precision != MOEFUSE_PRECISION_FP8_BLOCK)
@@ -141,12 +143,13 @@ moefuse_status moefuse_quantize_weights(const moefuse_layer *layer, moefuse_dtyp
                        "dtype = %d: expected MOEFUSE_DTYPE_BF16 (0) or MOEFUSE_DTYPE_FP32 (1)",
                        (int)dtype);
     const size_t align = dtype == MOEFUSE_DTYPE_BF16 ? 2 : 4;
-    moefuse_status st = need_array(w13, "moefuse_quantize_weights", "w13", align);
-    if (st == MOEFUSE_OK) st = need_array(w2, "moefuse_quantize_weights", "w2", align);
+    moefuse_status st = need_array(w13, fn, "w13", align);
+    if (st == MOEFUSE_OK && w13_up) st = need_array(w13_up, fn, "w13_up", align);
+    if (st == MOEFUSE_OK) st = need_array(w2, fn, "w2", align);
     if (st == MOEFUSE_OK) st = mf_check_fp8_weights(layer, out, "out");
     if (st != MOEFUSE_OK) return st;
     if (layer->ops->quantize_weights)  /* weights in the backend's (device) memory */
-        return layer->ops->quantize_weights(layer, dtype, w13, w2, out, stream);
+        return layer->ops->quantize_weights(layer, dtype, w13, w13_up, w2, out, stream);
 
     const int64_t E = layer->num_local_experts, H = layer->cfg.hidden;
     const int64_t I = layer->cfg.intermediate, I2 = 2 * I;
@@ -163,8 +166,14 @@ moefuse_status moefuse_quantize_weights(const moefuse_layer *layer, moefuse_dtyp
         for (int64_t e = 0; e < 2 * E; e++) {
             if (!v) continue;
             const int64_t x = e / 2;
-            if (e % 2 == 0) { /* W13_x [2I, H] */
-                widen(dtype, (const char *)w13 + esize * (size_t)(x * I2 * H), I2 * H, v);
+            if (e % 2 == 0) { /* W13_x [2I, H], packed or its gate and up halves [I, H] */
+                if (w13_up) {
+                    widen(dtype, (const char *)w13 + esize * (size_t)(x * I * H), I * H, v);
+                    widen(dtype, (const char *)w13_up + esize * (size_t)(x * I * H), I * H,
+                          v + I * H);
+                } else {
+                    widen(dtype, (const char *)w13 + esize * (size_t)(x * I2 * H), I2 * H, v);
+                }
                 mf_fp8_quantize_blocks(v, I2, H, H, out->pow2_scales, out->w13 + x * I2 * H,
                                        out->w13_scale + x * nb(I2) * nb(H),
                                        out->w13t + x * I2 * H,
@@ -180,7 +189,28 @@ moefuse_status moefuse_quantize_weights(const moefuse_layer *layer, moefuse_dtyp
     }
     if (failed)
         return mf_fail(MOEFUSE_ERR_NO_MEMORY,
-                       "moefuse_quantize_weights: out of host memory for one expert's fp32 "
-                       "copy (%lld MiB per thread)", (long long)((I2 * H * 4) >> 20));
+                       "%s: out of host memory for one expert's fp32 copy (%lld MiB per "
+                       "thread)", fn, (long long)((I2 * H * 4) >> 20));
     return MOEFUSE_OK;
+}
+
+moefuse_status moefuse_quantize_weights(const moefuse_layer *layer, moefuse_dtype dtype,
+                                        const void *w13, const void *w2,
+                                        const moefuse_fp8_weights *out, void *stream) {
+    return quantize_weights(layer, dtype, w13, NULL, w2, out, stream,
+                            "moefuse_quantize_weights");
+}
+
+moefuse_status moefuse_quantize_weights_halves(const moefuse_layer *layer, moefuse_dtype dtype,
+                                               const void *w13, const void *w13_up,
+                                               const void *w2, const moefuse_fp8_weights *out,
+                                               void *stream) {
+    if (!w13_up) {
+        mf_clear_error();
+        return mf_fail(MOEFUSE_ERR_NULL_POINTER,
+                       "moefuse_quantize_weights_halves: w13_up: expected the up half "
+                       "[E/R, I, H] (moefuse_quantize_weights takes W13 packed)");
+    }
+    return quantize_weights(layer, dtype, w13, w13_up, w2, out, stream,
+                            "moefuse_quantize_weights_halves");
 }

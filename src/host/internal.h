@@ -89,10 +89,11 @@ typedef struct mf_backend_ops {
                                void *stream);
     /* moefuse_layer_check; NULL when the backend checks everything on the host. */
     moefuse_status (*check)(moefuse_layer *layer, void *stream);
-    /* moefuse_quantize_weights of weights in the backend's memory (args validated);
-     * NULL: the host quantizes them (src/host/fp8_weights.c). */
+    /* moefuse_quantize_weights(_halves) of weights in the backend's memory (args
+     * validated; w13_up NULL: W13 packed); NULL: the host quantizes them
+     * (src/host/fp8_weights.c). */
     moefuse_status (*quantize_weights)(const moefuse_layer *layer, moefuse_dtype dtype,
-                                       const void *w13, const void *w2,
+                                       const void *w13, const void *w13_up, const void *w2,
                                        const moefuse_fp8_weights *out, void *stream);
     /* moefuse_layer_memory's fields past the header; NULL: the backend has no device
      * memory (only saved_bytes is reported) */

@@ -256,6 +256,20 @@ static void quantized_weights_equal_cpu(void) {
             CHECK(bad == 0, "pow2=%d fp32=%d %s: %zu of %zu bytes differ from the CPU backend's",
                   pow2, fp32, names[i], bad, sizes[i]);
         }
+        /* W13 from its gate and up halves, read where they are: the same bytes */
+        const size_t elem = fp32 ? 4 : 2, half = n13 / 2 * elem;
+        void *gate = malloc(half), *up = malloc(half), *back_halves = malloc(bytes), *dev_halves;
+        w13_repack((void *)h13, gate, up, s.E, s.I, s.H, elem, 1);
+        void *dgate = upload(gate, half), *dup = upload(up, half);
+        CUDA_CHECK(cudaMalloc(&dev_halves, bytes));
+        CUDA_CHECK(cudaMemset(dev_halves, 0xa5, bytes));
+        CHECK_OK(moefuse_fp8_weights_view(gpu, dev_halves, &fd));
+        CHECK_OK(moefuse_quantize_weights_halves(gpu, dt, dgate, dup, d2, &fd, NULL));
+        CUDA_CHECK(cudaMemcpy(back_halves, dev_halves, bytes, cudaMemcpyDeviceToHost));
+        CHECK(!memcmp(back, back_halves, bytes), "pow2=%d fp32=%d: W13 in halves quantizes to "
+              "other bytes than W13 packed", pow2, fp32);
+        cudaFree(dev_halves); cudaFree(dgate); cudaFree(dup);
+        free(gate); free(up); free(back_halves);
         cudaFree(dev); cudaFree(d13); cudaFree(d2);
         free(host); free(back); free(b13); free(b2); free(f13); free(f2);
         moefuse_layer_destroy(gpu);

@@ -113,6 +113,24 @@ static void quantize_weights_matches_blocks(void) {
         CHECK(f.w13_scale[0] == 1.0f && f.w13[0] == 0, "a zero block: scale 1, codes 0");
         CHECK(isnan(f.w13_scale[s.E * s13 - 1]) && isnan(f.w13t_scale[s.E * s13 - 1]) &&
               !isnan(f.w13_scale[s.E * s13 - 2]), "the NaN block only is NaN");
+        /* W13 from its gate and up halves: the packed W13's bytes */
+        const size_t elem = fp32 ? 4 : 2;
+        void *gate = malloc(elem * (size_t)(n13 / 2)), *up = malloc(elem * (size_t)(n13 / 2));
+        w13_repack(fp32 ? (void *)w13 : (void *)b13, gate, up, s.E, s.I, s.H, elem, 1);
+        void *buf_halves = aligned_alloc(256, (bytes + 255) / 256 * 256);
+        moefuse_fp8_weights fh;
+        CHECK_OK(moefuse_fp8_weights_view(layer, buf_halves, &fh));
+        memset(buf_halves, 0x5a, bytes);
+        memset(buf, 0x5a, bytes);
+        CHECK_OK(moefuse_quantize_weights(layer, fp32 ? MOEFUSE_DTYPE_FP32 : MOEFUSE_DTYPE_BF16,
+                                          fp32 ? (const void *)w13 : b13,
+                                          fp32 ? (const void *)w2 : b2, &f, NULL));
+        CHECK_OK(moefuse_quantize_weights_halves(
+            layer, fp32 ? MOEFUSE_DTYPE_FP32 : MOEFUSE_DTYPE_BF16, gate, up,
+            fp32 ? (const void *)w2 : b2, &fh, NULL));
+        CHECK(!memcmp(buf, buf_halves, bytes), "%s pow2=%d fp32=%d: W13 in halves quantizes "
+              "to other bytes than W13 packed", s.name, pow2, fp32);
+        free(gate); free(up); free(buf_halves);
         free(buf);
         free(w13); free(w2); free(b13); free(b2);
         moefuse_layer_destroy(layer);
@@ -147,6 +165,12 @@ static void fp8_weights_errors(void) {
            MOEFUSE_ERR_INVALID_CONFIG, "dtype", "bad dtype");
     expect(moefuse_quantize_weights(l8, MOEFUSE_DTYPE_BF16, NULL, pb.w2, &w, NULL),
            MOEFUSE_ERR_NULL_POINTER, "w13", "w13 NULL");
+    expect(moefuse_quantize_weights_halves(l8, MOEFUSE_DTYPE_BF16, pb.w13, NULL, pb.w2, &w,
+                                           NULL), MOEFUSE_ERR_NULL_POINTER, "w13_up",
+           "halves without the up half");
+    expect(moefuse_quantize_weights_halves(l8, MOEFUSE_DTYPE_FP32, pb.w13,
+                                           (const char *)pb.w13 + 2, pb.w2, &w, NULL),
+           MOEFUSE_ERR_MISALIGNED, "w13_up", "fp32 w13_up misaligned");
     expect(moefuse_quantize_weights(l8, MOEFUSE_DTYPE_FP32, (const char *)pb.w13 + 2, pb.w2, &w,
                                     NULL), MOEFUSE_ERR_MISALIGNED, "w13", "fp32 w13 misaligned");
     expect(moefuse_quantize_weights(l8, MOEFUSE_DTYPE_BF16, pb.w13, pb.w2, NULL, NULL),
@@ -478,7 +502,8 @@ static void print_gpu_tolerances(void) {
 
 int main(void) {
     th_seed_from_env_or_clock();
-    th_run("moefuse_quantize_weights = per-block quantization, W and W^T", quantize_weights_matches_blocks);
+    th_run("moefuse_quantize_weights = per-block quantization, W and W^T; W13 in halves alike",
+           quantize_weights_matches_blocks);
     th_run("FP8 weights: errors name the argument", fp8_weights_errors);
     th_run("qwen3-30b-a3b H/I/K E=16 T=4 vs emulation", qwen3_30b_random);
     th_run("qwen3-30b-a3b H/I/K E=16 T=16 few experts, recompute, pow2, strided", qwen3_30b_few_pow2);

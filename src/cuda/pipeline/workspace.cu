@@ -330,9 +330,10 @@ static size_t saved_bytes(const moefuse_layer *layer, int num_tokens) {
     return layout_for(layer, num_tokens, state_of(layer)->plan.saved_mode).total;
 }
 
-/* W13 [E, 2I, H] and W2 [E, H, I] into the FP8 weights, both orientations, on the stream. */
+/* W13 [E, 2I, H] (or its halves, gate w13 and up w13_up [E, I, H]) and W2 [E, H, I] into
+ * the FP8 weights, both orientations, on the stream. */
 static moefuse_status quantize_weights(const moefuse_layer *layer, moefuse_dtype dtype,
-                                       const void *w13, const void *w2,
+                                       const void *w13, const void *w13_up, const void *w2,
                                        const moefuse_fp8_weights *out, void *stream) {
     const moefuse_config *c = &layer->cfg;
     mf_quantize_fp8_weights_params q = {};
@@ -340,6 +341,8 @@ static moefuse_status quantize_weights(const moefuse_layer *layer, moefuse_dtype
     q.num_experts = layer->num_local_experts;
     q.pow2 = out->pow2_scales;
     q.w = w13;
+    q.w_hi = w13_up;
+    q.split_rows = w13_up ? c->intermediate : 0;
     q.rows = 2 * c->intermediate;
     q.cols = c->hidden;
     q.codes = out->w13;
@@ -348,6 +351,8 @@ static moefuse_status quantize_weights(const moefuse_layer *layer, moefuse_dtype
     q.scale_t = out->w13t_scale;
     MF_CUDA_TRY(mf_quantize_fp8_weights(&q, (cudaStream_t)stream));
     q.w = w2;
+    q.w_hi = NULL;
+    q.split_rows = 0;
     q.rows = c->hidden;
     q.cols = c->intermediate;
     q.codes = out->w2;

@@ -259,9 +259,18 @@ __global__ void __launch_bounds__(kWThreads)
     const int e = blockIdx.x / (nbr * nbc);
     const int br = (blockIdx.x / nbc) % nbr, bc = blockIdx.x % nbc;
     const int64_t base = (int64_t)e * p.rows * p.cols + (int64_t)br * 128 * p.cols + bc * 128;
+    // The block's source: the one array, or the half of the two that holds its rows.
+    int64_t src = base;
+    if (p.w_hi && br * 128 < p.split_rows) {
+        src = ((int64_t)e * p.split_rows + br * 128) * p.cols + bc * 128;
+    } else if (p.w_hi) {
+        w = (const T *)p.w_hi;
+        src = ((int64_t)e * (p.rows - p.split_rows) + br * 128 - p.split_rows) * p.cols +
+              bc * 128;
+    }
     float m = 0.0f;
     for (int i = threadIdx.x; i < 128 * 128; i += kWThreads)
-        m = amax_fold(m, weight_value<T>(w, base + (int64_t)(i / 128) * p.cols + i % 128));
+        m = amax_fold(m, weight_value<T>(w, src + (int64_t)(i / 128) * p.cols + i % 128));
     m = warp_amax(m);
     if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
     __syncthreads();
@@ -271,7 +280,7 @@ __global__ void __launch_bounds__(kWThreads)
     const float s = tile_scale(m, p.pow2);
     for (int i = threadIdx.x; i < 128 * 128; i += kWThreads) {
         const int r = i / 128, c = i % 128;
-        const uint8_t q = quantize(weight_value<T>(w, base + (int64_t)r * p.cols + c), s);
+        const uint8_t q = quantize(weight_value<T>(w, src + (int64_t)r * p.cols + c), s);
         p.codes[base + (int64_t)r * p.cols + c] = q;
         codes_t[c][r] = q;
     }
@@ -354,7 +363,8 @@ extern "C" cudaError_t mf_quantize_fp8_rows_tokens(const mf_quantize_fp8_rows_pa
 extern "C" cudaError_t mf_quantize_fp8_weights(const mf_quantize_fp8_weights_params *p,
                                                cudaStream_t stream) {
     if (!p || !p->w || !p->codes || !p->codes_t || !p->scale || !p->scale_t ||
-        p->num_experts <= 0 || p->rows <= 0 || p->cols <= 0 || p->rows % 128 || p->cols % 128)
+        p->num_experts <= 0 || p->rows <= 0 || p->cols <= 0 || p->rows % 128 || p->cols % 128 ||
+        (p->w_hi && (p->split_rows <= 0 || p->split_rows >= p->rows || p->split_rows % 128)))
         return cudaErrorInvalidValue;
     const int64_t ctas = (int64_t)p->num_experts * (p->rows / 128) * (p->cols / 128);
     if (ctas > INT32_MAX) return cudaErrorInvalidValue;
