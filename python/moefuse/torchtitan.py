@@ -36,12 +36,13 @@ backward: the bits are those of the concatenated W13. (The expert-parallel path 
 still concatenates w1 and w3 per call: ExpertParallelExperts takes one gate_up_proj.)
 
 precision="fp8" runs the routed experts' GEMMs in block-scaled FP8 (moefuse.experts(),
-_fp8.py), with expert_parallel in its ExpertParallelExperts. Under expert parallelism
-W13 is the concatenation made per call, so its FP8 quantization is made once per forward
-(shared by its backward). With bf16 parameters, w1, w3 and w2 reach the FP8 weight cache
-as themselves (their .to(bf16) is a no-op), so they are quantized once per optimizer
-step; fp32 parameters are cast per call, a new tensor each forward, so theirs is
-quantized once per forward and shared by its backward.
+_fp8.py), with expert_parallel in its ExpertParallelExperts. On one rank w1, w3 and w2
+reach the FP8 weight cache as the parameters themselves, fp32 master weights or bf16 (no
+per-call bf16 copy): they are quantized from their own values once per optimizer step,
+w1 and w3 where they are (moefuse_quantize_weights_halves), and fp32 parameters get fp32
+gradients (the recipe's; bf16 runs give TorchTitan's bf16 gradients widened). Under
+expert parallelism W13 is the bf16 concatenation made per call, so its FP8 quantization
+is made once per forward (shared by its backward), from bf16 values.
 
 Not supported (apply() or the forward says so):
 - score_before_experts=True (TorchTitan scales the routed tokens by their scores before
@@ -132,11 +133,13 @@ def routed_experts(x: torch.Tensor, top_scores: torch.Tensor, ids: torch.Tensor,
         w1, w3 [E, F, D], w2 [E, D, F]  ->  y [T, D] in x's dtype,
         y_t = sum_k top_scores[t,k] * w2_e (silu(w1_e x_t) * w3_e x_t),  e = ids[t,k].
 
-    The weights are taken in bf16 as TorchTitan's experts take them (a no-op for bf16
-    parameters); w1 and w3 are W13's gate and up halves, read where they are (see the
-    module docstring). precision: "bf16" or "fp8", as moefuse.experts() takes it."""
-    y = ops.experts(x.to(_BF16), ids, top_scores.to(torch.float32),
-                    (w1.to(_BF16), w3.to(_BF16)), w2.to(_BF16),
+    bf16: the weights are taken in bf16 as TorchTitan's experts take them (a no-op for
+    bf16 parameters); fp8: as they are, for the FP8 weight cache (see the module
+    docstring). w1 and w3 are W13's gate and up halves, read where they are. precision:
+    "bf16" or "fp8", as moefuse.experts() takes it."""
+    if precision != "fp8":
+        w1, w3, w2 = w1.to(_BF16), w3.to(_BF16), w2.to(_BF16)
+    y = ops.experts(x.to(_BF16), ids, top_scores.to(torch.float32), (w1, w3), w2,
                     recompute=recompute, save_inputs=save_inputs, precision=precision)
     return y.to(x.dtype)
 

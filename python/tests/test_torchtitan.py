@@ -255,3 +255,44 @@ def test_fp8_option_is_moefuse_experts_in_fp8():
     with pytest.raises(ValueError, match="precision='fp16'"):
         mtt.apply(moe, precision="fp16")
     assert type(moe) is MoE
+
+
+def test_fp8_quantizes_fp32_masters_once_per_optimizer_step(quantize_calls):
+    """apply(precision="fp8") on fp32 parameters: w1, w3 and w2 reach the FP8 weight cache
+    as themselves (quantized from their fp32 values, once until an optimizer step: two
+    forwards, one quantization), and their gradients are fp32, those of
+    moefuse.experts(precision="fp8") on the fp32 weights."""
+    torch.manual_seed(10)
+    moe = MoE(MoEArgs(num_experts=16, num_shared_experts=0, score_func="softmax",
+                      route_norm=True, top_k=4, score_before_experts=False,
+                      use_grouped_mm=False), dim=128, hidden_dim=128)
+    with torch.no_grad():
+        moe.init_weights(0.02, torch.device("cpu"))
+    selection = record_selection(moe)
+    mtt.apply(moe, precision="fp8")
+    x = torch.randn(BS, SLEN, 128)
+    dy = torch.randn(BS, SLEN, 128)
+    scores = {}
+    moe.router.register_forward_hook(lambda m, i, out: scores.__setitem__("p", out[0]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        moe(x)
+        y = moe(x)
+    assert quantize_calls == [0], "one quantization for two forwards"
+    y.float().backward(dy)
+    e = moe.experts
+    assert e.w1.grad.dtype == e.w3.grad.dtype == e.w2.grad.dtype == torch.float32
+    w13 = torch.cat([e.w1, e.w3], dim=1).detach().requires_grad_()
+    w2 = e.w2.detach().clone().requires_grad_()
+    want = moefuse.experts(x.view(-1, 128).bfloat16(), selection["router"].int(),
+                           scores["p"].detach().float(), w13, w2, precision="fp8")
+    assert torch.equal(y.view(-1, 128), want.to(y.dtype))
+    want.backward(dy.view(-1, 128).bfloat16())
+    half = e.w1.shape[1]
+    assert torch.equal(e.w1.grad, w13.grad[:, :half]) and torch.equal(e.w3.grad, w13.grad[:, half:])
+    assert torch.equal(e.w2.grad, w2.grad)
+    before = len(quantize_calls)  # the adapter's one and the packed reference's
+    torch.optim.SGD(moe.parameters(), lr=0.1).step()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        moe(x)
+        moe(x)
+    assert len(quantize_calls) == before + 1, "quantized again after the optimizer step"
