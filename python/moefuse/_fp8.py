@@ -15,15 +15,20 @@ fp32) weights.
 
 Weights are quantized once per optimizer step, not per call. Fp8WeightCache (the `fp8`
 attribute of ops.layer_cache) keeps the quantized W13, W2 and their transposes of each
-weight pair, keyed by the pair's data pointers, shapes, dtypes and the scale rule, and
-valid while
-  - both version counters (tensor._version) are unchanged: every in-place update
+weight set (w13, w2, and w13_up for W13 in halves), keyed by the tensors' storages (the
+storage objects themselves, not their addresses), offsets, shapes, dtypes and the scale
+rule, and valid while
+  - every version counter (tensor._version) is unchanged: every in-place update
     (optimizer.step() of SGD, Adam, ..., or `with torch.no_grad(): w.copy_(...)`) bumps
     them;
+  - every tensor is still at the address it was quantized from: FSDP2 frees an unsharded
+    parameter's memory after use and all-gathers it again later (untyped_storage().resize_,
+    which bumps no version counter), possibly at another layer's former address, so an
+    address alone would hand a layer another layer's quantization;
   - no optimizer has stepped since: fused optimizers (AdamW(fused=True)) update in place
     without bumping the counters, so a step of any torch.optim optimizer invalidates every
     entry (a post-step hook, registered at the first FP8 call);
-  - both weights' storages are alive (an entry dies with its weights; it never holds them).
+  - the weights' storages are alive (an entry dies with its weights; it never holds them).
 So gradient accumulation over micro-batches, the backward of each forward and the
 recompute of activation checkpointing reuse one quantization. What it cannot see: writes
 through `w.data` (a tensor with its own version counter) outside a torch.optim step, and
@@ -160,6 +165,11 @@ class _Entry:
     def alive(self) -> bool:
         return all(ref() is not None for ref in self.storages)
 
+    def made_from(self, tensors) -> bool:
+        """The entry was made from these tensors' storages (the very storage objects)."""
+        return (len(self.storages) == len(tensors) and
+                all(ref() is t.untyped_storage() for ref, t in zip(self.storages, tensors)))
+
 
 def _ready_on_current_stream(weights: _lib.Fp8Weights) -> None:
     """A cached quantization read from another stream than the one that made it: that
@@ -189,15 +199,14 @@ class Fp8WeightCache:
         the returned object during the call that reads it. w13_up: w13 in two halves
         (gate in w13), read where they are (moefuse_quantize_weights_halves)."""
         _watch_optimizers()
-        up_key = (w13_up.data_ptr(),) if w13_up is not None else ()
-        key = (w13.data_ptr(), w2.data_ptr(), tuple(w13.shape), tuple(w2.shape), w13.dtype,
-               w2.dtype, str(w13.device), int(layer.cfg.fp8_pow2_scales), *up_key)
         weights = (w13, w2) if w13_up is None else (w13, w2, w13_up)
+        key = (tuple((id(w.untyped_storage()), w.storage_offset(), tuple(w.shape), w.dtype)
+                     for w in weights), str(w13.device), int(layer.cfg.fp8_pow2_scales))
         versions = tuple(_version(w) for w in weights)
-        state = (*versions, _optimizer_steps)
+        state = (*versions, *(w.data_ptr() for w in weights), _optimizer_steps)
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and entry.state == state and entry.alive():
+            if entry is not None and entry.state == state and entry.made_from(weights):
                 _ready_on_current_stream(entry.weights)
                 return entry.weights
         entry = self._quantize(layer, w13, w2, w13_up, state)

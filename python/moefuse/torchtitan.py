@@ -24,8 +24,9 @@ The math, in TorchTitan's names (D = H hidden, F = I expert intermediate size):
     out = y (+ shared_experts(x))
 That is moefuse's experts op with W13_e = [w1_e; w3_e] (gate rows, then up rows),
 W2_e = w2_e and p = top_scores. TorchTitan's own experts compute on bf16 copies of the
-weights (`w1.bfloat16()`, whatever the parameter dtype); so does this adapter, so fp32
-master weights get the gradients that TorchTitan's experts give them: bf16, widened.
+weights (`w1.bfloat16()`, whatever the parameter dtype); so does this adapter in bf16, so
+fp32 master weights get the gradients that TorchTitan's experts give them: bf16, widened
+(FP8 reads the parameters themselves: see precision="fp8" below).
 
 w1 and w3 go to the library as W13's two halves (moefuse_fwd_args.w13 and w13_up, see
 "W13 in two halves" in include/moefuse.h): its kernels read each where it is, and the

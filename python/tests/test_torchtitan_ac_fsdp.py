@@ -162,3 +162,27 @@ def test_fsdp2_one_rank_matches_unsharded(one_rank_gloo_mesh, ac, monkeypatch):
         print(f"  {name}: norm-wise relative difference {err:.3e}, largest |difference| "
               f"{peak:.1e} of the largest |gradient|")
         assert err <= tolerance(1), (name, err)
+
+
+def test_fsdp2_fp8_each_layer_gets_its_own_quantization(one_rank_gloo_mesh):
+    """FSDP2 with fp32 parameters and precision="fp8", 8 layers: FSDP frees each layer's
+    unsharded weights after use and all-gathers the next layer's, often into the memory
+    the previous one had (untyped_storage().resize_, no version bump). The FP8 weight cache
+    must not take that address for the previous layer's weights: the loss and the experts'
+    gradients equal those of the unsharded model bit for bit (FSDP in fp32 changes no
+    other numerics here)."""
+    args = tiny_args()
+    args.n_layers, args.moe_inter_dim = 8, 64
+    model = tiny_model(args, dtype=torch.float32)
+    mtt.apply(model, precision="fp8")
+    tokens, labels = step_inputs(args)
+    sharded = copy.deepcopy(model)
+    apply_fsdp(sharded, one_rank_gloo_mesh, param_dtype=torch.float32,
+               reduce_dtype=torch.float32, pp_enabled=False)
+    loss_u, grads_u = train_step(model, tokens, labels, autocast=False)
+    loss_f, grads_f = train_step(sharded, tokens, labels, autocast=False)
+    assert torch.equal(loss_f, loss_u), (loss_f.item(), loss_u.item())
+    experts = [n for n in grads_u if ".moe.experts." in n]
+    assert len(experts) == 3 * args.n_layers
+    differ = [n for n in experts if not torch.equal(grads_f[n], grads_u[n])]
+    assert not differ, f"FP8 experts' gradients differ under FSDP: {differ}"

@@ -28,6 +28,7 @@
 /* The Qwen3 shapes' H, I, K with 16 experts (the fp64 emulation of all 128 is slow), and a
  * small one of whole 128 blocks (the CUDA backend's FP8 needs H, I multiples of 128). */
 static const shape SMALL128 = {"small 128", 256, 128, 8, 4};
+static const shape WIDE256 = {"wide 256", 384, 256, 4, 2};
 
 static int g_have_gpu = -1;
 static char g_skip[256];
@@ -205,10 +206,11 @@ static void check_err(const char *what, const err_acc *e, double tol) {
  * beyond 448. */
 static void quantized_weights_equal_cpu(void) {
     if (!ready()) return;
-    const shape s = SMALL128;
-    const size_t n13 = (size_t)s.E * 2 * s.I * s.H, n2 = (size_t)s.E * s.H * s.I;
     for (int c = 0; c < 4; c++) {
         const int pow2 = c & 1, fp32 = c >> 1;
+        /* I = 256 once: each W13 half two block rows (the up half's offsets past its first) */
+        const shape s = c == 3 ? WIDE256 : SMALL128;
+        const size_t n13 = (size_t)s.E * 2 * s.I * s.H, n2 = (size_t)s.E * s.H * s.I;
         moefuse_layer *gpu = cuda_fp8_layer(s, 8, MOEFUSE_SAVE_ACTIVATIONS, pow2);
         moefuse_layer *cpu = make_layer_precision(s, 8, MOEFUSE_SAVE_ACTIVATIONS, 0,
                                                   MOEFUSE_PRECISION_FP8_BLOCK, pow2);
