@@ -41,7 +41,7 @@ import moefuse.torchtitan as mtt  # noqa: E402
 from moe_reference import assert_close_bf16, rel_error, tolerance  # noqa: E402
 from torchtitan_helpers import (BS, SLEN, assert_flash_rule, compare_three,  # noqa: E402
                                 pin_selection, record_selection, swapped_and_reference,
-                                tiny_args, tiny_model)
+                                tiny_args, tiny_model, tiny_moe)
 
 pytestmark = pytest.mark.usefixtures("library", "cpu_histc")
 
@@ -154,13 +154,7 @@ def test_routed_experts_halves_equal_concatenation(dtype):
 
 def test_moe_compiles_fullgraph():
     """The swapped MoE traces into one graph (moefuse's op is a custom op with a fake)."""
-    torch.manual_seed(5)
-    moe = MoE(MoEArgs(num_experts=16, num_shared_experts=1, score_func="softmax",
-                      route_norm=True, top_k=4, score_before_experts=False,
-                      use_grouped_mm=False), dim=64, hidden_dim=32)
-    with torch.no_grad():
-        moe.init_weights(0.02, torch.device("cpu"))
-    moe = moe.bfloat16()
+    moe = tiny_moe(5, dim=64, hidden_dim=32, num_shared_experts=1).bfloat16()
     mtt.apply(moe)
     x = torch.randn(BS, SLEN, 64).bfloat16()
     eager = moe(x)
@@ -227,13 +221,7 @@ def test_fp8_option_is_moefuse_experts_in_fp8():
     """apply(precision="fp8"): the routed experts are moefuse.experts(precision="fp8") on
     TorchTitan's routing and weights, bit for bit; restore() forgets the option; a bad
     precision is refused before anything changes."""
-    torch.manual_seed(9)
-    moe = MoE(MoEArgs(num_experts=16, num_shared_experts=0, score_func="softmax",
-                      route_norm=True, top_k=4, score_before_experts=False,
-                      use_grouped_mm=False), dim=128, hidden_dim=64)
-    with torch.no_grad():
-        moe.init_weights(0.02, torch.device("cpu"))
-    moe = moe.bfloat16()
+    moe = tiny_moe(9, dim=128, hidden_dim=64).bfloat16()
     selection = record_selection(moe)
     mtt.apply(moe, precision="fp8")
     assert moe.moefuse_precision == "fp8"
@@ -262,12 +250,7 @@ def test_fp8_quantizes_fp32_masters_once_per_optimizer_step(quantize_calls):
     as themselves (quantized from their fp32 values, once until an optimizer step: two
     forwards, one quantization), and their gradients are fp32, those of
     moefuse.experts(precision="fp8") on the fp32 weights."""
-    torch.manual_seed(10)
-    moe = MoE(MoEArgs(num_experts=16, num_shared_experts=0, score_func="softmax",
-                      route_norm=True, top_k=4, score_before_experts=False,
-                      use_grouped_mm=False), dim=128, hidden_dim=128)
-    with torch.no_grad():
-        moe.init_weights(0.02, torch.device("cpu"))
+    moe = tiny_moe(10, dim=128, hidden_dim=128)
     selection = record_selection(moe)
     mtt.apply(moe, precision="fp8")
     x = torch.randn(BS, SLEN, 128)

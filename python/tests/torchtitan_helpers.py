@@ -15,7 +15,7 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from torchtitan.models.moe import MoE
+from torchtitan.models.moe import MoE, MoEArgs
 from torchtitan.models.qwen3 import Qwen3Model, qwen3_args
 
 import moefuse.torchtitan as mtt
@@ -36,6 +36,19 @@ def tiny_args(**moe_overrides):
     for k, v in moe_overrides.items():
         setattr(args.moe_args, k, v)
     return args
+
+
+def tiny_moe(seed: int, dim: int, hidden_dim: int, num_shared_experts: int = 0) -> MoE:
+    """A TorchTitan MoE alone (16 experts, top-4, softmax, route_norm, scores after the
+    experts, for-loop experts), initialized by its init_weights; fp32."""
+    torch.manual_seed(seed)
+    moe = MoE(MoEArgs(num_experts=16, num_shared_experts=num_shared_experts,
+                      score_func="softmax", route_norm=True, top_k=4,
+                      score_before_experts=False, use_grouped_mm=False),
+              dim=dim, hidden_dim=hidden_dim)
+    with torch.no_grad():
+        moe.init_weights(0.02, torch.device("cpu"))
+    return moe
 
 
 def tiny_model(args, seed=0, dtype=torch.bfloat16) -> Qwen3Model:
