@@ -202,6 +202,31 @@ def assert_w13_halves_equal_packed(dtype: torch.dtype, device) -> None:
         assert torch.equal(a, b)
 
 
+def assert_layers_interleaved_equal_alone(shape, device, recompute=False) -> None:
+    """Two layers of one shape, whose calls share one library layer and its workspaces
+    (ops.layer_cache), run in FP8 as a model runs them: forward 1, forward 2, backward 2,
+    backward 1. Each gets the bits of its forward + backward run alone (nothing one call
+    leaves in the shared workspaces reaches the other's)."""
+    import moefuse
+    from moe_reference import random_problem
+
+    problems = [random_problem(*shape, seed=seed, drop_fraction=0.05, skew="zipf")
+                for seed in (51, 52)]
+    alone = [run_fp8(*pb, recompute=recompute, device=device) for pb in problems]
+    leaves, ys = [], []
+    for x, ids, p, w13, w2, _ in problems:
+        leaf = tuple(t.detach().to(device).clone().requires_grad_() for t in (x, p, w13, w2))
+        ys.append(moefuse.experts(leaf[0], ids.to(device), leaf[1], leaf[2], leaf[3],
+                                  recompute=recompute, precision="fp8"))
+        leaves.append(leaf)
+    for problem, y in reversed(list(zip(problems, ys))):
+        y.backward(problem[5].to(device))
+    for i, (leaf, y, want) in enumerate(zip(leaves, ys, alone)):
+        got = (y.detach().cpu(), *(t.grad.cpu() for t in leaf))
+        for name, a, b in zip(OUTPUTS, got, want):
+            assert torch.equal(a, b), f"layer {i + 1}: {name} differs from the layer run alone"
+
+
 def most_rows(ids: torch.Tensor, num_experts: int) -> int:
     """The most rows of one expert (at least 1): the weight-gradient GEMMs' K."""
     return max(1, max(int((ids == e).sum()) for e in range(num_experts)))

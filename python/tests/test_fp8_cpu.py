@@ -19,7 +19,8 @@ import moefuse
 from moefuse import _fp8, _lib, ops
 
 from fp8_reference import (assert_checkpoint_equals_plain, assert_compiled_equals_eager,
-                           assert_quantized_weights, assert_w13_halves_equal_packed,
+                           assert_layers_interleaved_equal_alone, assert_quantized_weights,
+                           assert_w13_halves_equal_packed,
                            check_against_emulation, run_fp8, special_weights)
 from moe_reference import random_problem
 
@@ -343,6 +344,11 @@ def test_library_refusal_without_a_gpu_is_reworded():
         _fp8.raise_if_unsupported(info.value, cfg, torch.device("cuda", 0))
     assert "precision='fp8' on cuda:0: this library does not run it" in str(reworded.value)
     assert str(reworded.value).endswith(f"The library said: {info.value.message}")
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_two_layers_interleaved_as_in_a_model(recompute):
+    assert_layers_interleaved_equal_alone((256, 256, 128, 8, 4), "cpu", recompute)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

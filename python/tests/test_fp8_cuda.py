@@ -12,7 +12,8 @@ on an sm_90 GPU, one rank), through the binding:
     sized      T = 16384, Zipf routing, normal and heavy-tailed x, fp32 master weights)
                against the recipe emulated in fp32 on the device (bench/fp8_emulation.py),
                norm-wise and token by token
-    bits       two runs bitwise equal, the three saved modes bitwise equal
+    bits       two runs bitwise equal, the three saved modes bitwise equal; two layers
+               run as a model runs them (forward 1, 2, backward 2, 1) each its bits alone
     training   fp32 master weights get fp32 gradients; the quantization is reused over
                micro-batches and made again after an optimizer step (fused AdamW);
                torch.compile(fullgraph=True) and activation checkpointing give eager's bits
@@ -32,6 +33,7 @@ from moefuse import _fp8, _lib, ops
 
 from bench_helpers import import_bench
 from fp8_reference import (OUTPUTS, acc_wgmma_fp8, assert_checkpoint_equals_plain,
+                           assert_layers_interleaved_equal_alone,
                            assert_w13_halves_equal_packed,
                            assert_compiled_equals_eager, assert_quantized_weights,
                            check_against_emulation, run_fp8, special_weights)
@@ -121,6 +123,13 @@ def test_two_runs_and_the_saved_modes_are_bitwise_equal():
         again = run_fp8(*problem, device=DEV, **kwargs)
         for name, a, b in zip(OUTPUTS, first, again):
             assert torch.equal(a, b), f"{name} differs ({kwargs})"
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_two_layers_interleaved_as_in_a_model(recompute):
+    """bench/train_parity.py's layer (H = 1024, I = 512, E = 64, K = 8) at T = 4096, two
+    layers of it in a model's order: each layer's bits alone."""
+    assert_layers_interleaved_equal_alone((4096, 1024, 512, 64, 8), DEV, recompute)
 
 
 # ---- training: the cache, torch.compile, checkpointing ---------------------------------------
