@@ -24,8 +24,8 @@
 #                                table of the FP8 layer on both shapes
 #   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
 #                                each GEMM in turn, beside bf16 (two runs of 4 models)
-#   tools/gpu_checks.sh step     bench_train_step.py, 12 layers, both precisions, with the
-#                                MoE layers' profiled share (~3 min)
+#   tools/gpu_checks.sh step     bench_train_step.py, 12 layers (8 on an 80 GB card), both
+#                                precisions, with the MoE layers' profiled share (~3 min)
 #   tools/gpu_checks.sh titan    bench/bench_torchtitan.py: TorchTitan's step native and
 #                                with moefuse (bf16, fp8), 30B-A3B truncated to what fits,
 #                                with the for-loop experts' control run; needs TorchTitan's
@@ -138,8 +138,12 @@ ablation() {
 }
 
 step_time() {
+    # 12 layers where they fit (pure bf16 state, 8 bytes a parameter: ~60 GB at 12 layers,
+    # plus activations: an H200), 8 on an 80 GB card; STEP_LAYERS chooses
+    local layers=${STEP_LAYERS:-$(python3 -c 'import torch
+print(12 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 8)')}
     STEP_TIMEOUT=400 step bench_train_step train_step.log python3 bench/bench_train_step.py \
-        --layers 12 --precision bf16 fp8 --plot "$LOG_DIR/loss_curves.png"
+        --layers "$layers" --precision bf16 fp8 --plot "$LOG_DIR/loss_curves.png"
 }
 
 install_titan() {
