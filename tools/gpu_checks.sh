@@ -23,7 +23,7 @@
 #                                kernels or the recipe?), and profile_step.py's per-kernel
 #                                table of the FP8 layer on both shapes
 #   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
-#                                each GEMM in turn, beside bf16 (two runs of 4 models)
+#                                each GEMM in turn, beside bf16 (three runs of 3 models)
 #   tools/gpu_checks.sh step     bench_train_step.py, 12 layers (8 on an 80 GB card), both
 #                                precisions, with the MoE layers' profiled share (~3 min)
 #   tools/gpu_checks.sh titan    bench/bench_torchtitan.py: TorchTitan's step native and
@@ -128,12 +128,14 @@ fp8_diag() {
 }
 
 ablation() {
-    local i=0 group
-    for group in "gemm1 gemm2 dgrad2" "dgrad1 dw2 dw13"; do
+    # three runs of three models (bf16 and two emulated ones: 13 GB of fp32 weights, grads
+    # and AdamW state each, with activations, fit an 80 GB card), each under its own budget
+    local i=0 group budget=${ABLATION_BUDGET:-150}
+    for group in "gemm1 gemm2" "dgrad2 dgrad1" "dw2 dw13"; do
         i=$((i + 1))
-        STEP_TIMEOUT=290 step ablation_$i ablation_$i.log python3 bench/train_parity.py \
-            --steps 300 --eval-every 100 --time-budget 250 --precisions bf16 \
-            $(printf 'emul:all-%s ' $group) --out "${OUT:-$LOG_DIR}/ablation_$i"
+        STEP_TIMEOUT=$((budget + 35)) step ablation_$i ablation_$i.log python3 \
+            bench/train_parity.py --steps 300 --eval-every 100 --time-budget "$budget" \
+            --precisions bf16 $(printf 'emul:all-%s ' $group) --out "${OUT:-$LOG_DIR}/ablation_$i"
     done
 }
 
