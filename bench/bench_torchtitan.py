@@ -80,7 +80,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))  # the checkout's package, when not installed
 
-from bench_train_step import make_batches, plot  # noqa: E402
+from bench_train_step import make_batches  # noqa: E402
+from loss_plot import plot  # noqa: E402
 
 MODELS = ("debugmodel_moe", "30B-A3B", "235B-A22B")
 IMPLS = ("native", "moefuse")

@@ -36,9 +36,9 @@ Prints one line per evaluation (every --eval-every steps and at the last step) f
 run, then the step time (median of CUDA events, the first steps and evaluation steps left
 out) and tokens/s of each run, the held-out losses side by side with each run's relative
 gap to the first run, and the final gaps (run - first) / first against the target (|gap|
-<= 0.5%) and the goal (0.25%). Writes --out/parity.csv (step, precision, train loss, held-out loss, lr, step ms;
-rewritten at each evaluation) and --out/heldout_loss.png (matplotlib when installed, else
-bench_train_step.py's built-in PNG writer).
+<= 0.5%) and the goal (0.25%). Writes --out/parity.csv (step, precision, train loss,
+held-out loss, lr, step ms; rewritten at each evaluation) and --out/heldout_loss.png
+(bench/loss_plot.py).
 
 Sizing: on an H200 a step of this model is expected at a few tens of ms per run (the
 printed figures are the measure); the default 2 x 2000 steps are meant to fit in 8 minutes.
@@ -378,7 +378,7 @@ def report(runs: list, args, eval_steps: list, tokens_per_step: int) -> None:
 
 
 def plot_curves(runs: list, eval_steps: list, out: pathlib.Path, title: str) -> None:
-    from bench_train_step import plot
+    from loss_plot import plot
 
     done = [s for s in eval_steps if all(s in run.heldout for run in runs)]
     if len(done) < 2:
