@@ -3,8 +3,8 @@
 One Qwen3 MoE layer (bench/torch_moe_baseline.py's shapes and random inputs, four input
 sets in turn), the training call of the Python op: moefuse.experts(x, ids, p, w13, w2,
 precision=--precision) and torch.autograd.grad over x, p, w13 and w2 (FP8: the weights are
-quantized at the first call and cached, as within one optimizer step). torch.profiler records the CUDA kernels of
---calls calls twice:
+quantized at the first call and cached, as within one optimizer step). torch.profiler
+records the CUDA kernels of --calls calls twice:
   cool       after 2 s idle (the SM clock at its maximum);
   sustained  after --sustain-s seconds of back-to-back calls (the clock lowered by the
              power limit, as in bench_forward.py --sustained).

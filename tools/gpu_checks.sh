@@ -18,10 +18,10 @@
 #   tools/gpu_checks.sh fp8_diag where FP8 loses: training-sized FP8 calls against the recipe
 #                                emulated on the device, token by token, and two layers
 #                                interleaved as in a model against each alone; a 300-step
-#                                parity run of bf16, fp8 and
-#                                the recipe emulated in PyTorch (emul:all: the library's
-#                                kernels or the recipe?), and profile_step.py's per-kernel
-#                                table of the FP8 layer on both shapes
+#                                parity run of bf16, fp8 and the recipe emulated in PyTorch
+#                                (emul:all: the library's kernels or the recipe?); and
+#                                profile_step.py's per-kernel table of the FP8 layer on
+#                                both shapes
 #   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
 #                                each GEMM in turn, beside bf16 (three runs of 3 models)
 #   tools/gpu_checks.sh step     bench_train_step.py, 12 layers (8 on an 80 GB card), both

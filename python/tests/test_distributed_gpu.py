@@ -136,11 +136,10 @@ def test_two_virtual_ranks_match_one_rank(pipeline, precision):
     (uneven T), against moefuse.experts on the concatenated batch (staged): y, dx, dp per
     rank and each rank's shard of dW13, dW2, bitwise, with the ranks' forward staged or
     fused; and in FP8 (the received rows quantized as the one rank quantizes its gathered
-    rows). Both modules are made (their layers
-    created) before the first call, and every rank's call is launched before any is
-    waited for. The caching allocator is filled on each stream first: a cudaMalloc
-    between two ranks' launches could serialize them (they wait on each other), which
-    would end in MOEFUSE_ERR_TIMEOUT, not a hang."""
+    rows). Both modules are made (their layers created) before the first call, and every
+    rank's call is launched before any is waited for. The caching allocator is filled on
+    each stream first: a cudaMalloc between two ranks' launches could serialize them (they
+    wait on each other), which would end in MOEFUSE_ERR_TIMEOUT, not a hang."""
     reason = _cuda_skip_reason()
     if reason is not None:
         pytest.skip(reason)
