@@ -77,7 +77,8 @@ def e4m3(v: torch.Tensor) -> torch.Tensor:
     return v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def _tiles(n: int) -> int:
+def tiles_of(n: int) -> int:
+    """ceil(n / 128): the tiles along a dimension of n."""
     return (n + TILE - 1) // TILE
 
 
@@ -85,7 +86,7 @@ def block_codes(w: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torc
     """w [..., r, c] (fp32 values) in 128 x 128 blocks -> (codes e4m3 [..., r, c], scales
     fp32 [..., nb(r), nb(c)])."""
     *lead, r, c = w.shape
-    br, bc = _tiles(r), _tiles(c)
+    br, bc = tiles_of(r), tiles_of(c)
     blocks = F.pad(w.float(), (0, bc * TILE - c, 0, br * TILE - r))
     blocks = blocks.view(*lead, br, TILE, bc, TILE)
     s = scales(blocks.abs().amax(dim=(-3, -1)), pow2)
@@ -104,7 +105,7 @@ def quant_rows(v: torch.Tensor, pow2: bool = False, dtype=torch.float32) -> torc
     """v [n, k] (fp32 values) after quantization in 1 x 128 tiles along k (a short last
     tile where k is no multiple of 128), decoded in dtype."""
     n, k = v.shape
-    nb = _tiles(k)
+    nb = tiles_of(k)
     tiles = F.pad(v.float(), (0, nb * TILE - k)).view(n, nb, TILE)
     s = scales(tiles.abs().amax(dim=2, keepdim=True), pow2)
     return (e4m3(tiles / s).to(dtype) * s.to(dtype)).view(n, nb * TILE)[:, :k]
@@ -236,7 +237,7 @@ def experts_backward(dy, x, p, w13, w2, state, recipe: Recipe):
 
 
 @contextlib.contextmanager
-def _exact_fp32(device: torch.device):
+def exact_fp32(device: torch.device):
     """No autocast and no TF32 inside: the emulation's matmuls are fp32."""
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -253,7 +254,7 @@ class _EmulatedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, ids, p, w13, w2, recipe):
-        with _exact_fp32(x.device):
+        with exact_fp32(x.device):
             y, (plan, gu, a) = experts_forward(x, ids, p, w13, w2, recipe)
         ctx.save_for_backward(x, p, w13, w2, gu.to(_BF16), a.to(_BF16))
         ctx.plan, ctx.recipe = plan, recipe
@@ -263,7 +264,7 @@ class _EmulatedExperts(torch.autograd.Function):
     def backward(ctx, dy):
         x, p, w13, w2, gu, a = ctx.saved_tensors
         recipe = ctx.recipe
-        with _exact_fp32(x.device):
+        with exact_fp32(x.device):
             state = (ctx.plan, gu.to(recipe.dtype), a.to(recipe.dtype))
             dx, dp, dw13, dw2 = experts_backward(dy, x, p, w13, w2, state, recipe)
         return (dx.to(x.dtype), None, dp.to(p.dtype), dw13.to(w13.dtype), dw2.to(w2.dtype),

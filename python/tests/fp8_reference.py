@@ -31,7 +31,7 @@ from bench_helpers import import_bench
 from moe_reference import rel_error, tolerance
 
 _recipe = import_bench("fp8_emulation")
-_tiles = _recipe._tiles
+tiles_of = _recipe.tiles_of
 
 
 def quantize_blocks(w: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,10 +268,10 @@ def assert_quantized_weights(weights, w13: torch.Tensor, w2: torch.Tensor, pow2:
         w = w.cpu()
         codes = _array(buffer, getattr(weights, name), (E, rows, cols), torch.uint8)
         scale = _array(buffer, getattr(weights, name + "_scale"),
-                       (E, _tiles(rows), _tiles(cols)), torch.float32)
+                       (E, tiles_of(rows), tiles_of(cols)), torch.float32)
         codes_t = _array(buffer, getattr(weights, name + "t"), (E, cols, rows), torch.uint8)
         scale_t = _array(buffer, getattr(weights, name + "t_scale"),
-                         (E, _tiles(cols), _tiles(rows)), torch.float32)
+                         (E, tiles_of(cols), tiles_of(rows)), torch.float32)
         for e in range(E):
             want_codes, want_scale = quantize_blocks(w[e], pow2)
             assert torch.equal(codes[e], want_codes.view(torch.uint8)), f"{name}[{e}] codes"

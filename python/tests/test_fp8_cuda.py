@@ -269,7 +269,7 @@ def test_training_sized_calls_match_the_recipe_row_by_row(shape, values):
     moefuse.check_device_errors()
     recipe = emulation.Recipe(emulation.GEMMS)
     dev = [t.to(DEV) for t in (x, ids, p, w13, w2, dy)]
-    with emulation._exact_fp32(DEV):
+    with emulation.exact_fp32(DEV):
         y, state = emulation.experts_forward(*dev[:5], recipe)
         want = (y, *emulation.experts_backward(dev[5], dev[0], dev[2], dev[3], dev[4], state,
                                                recipe))
