@@ -64,7 +64,10 @@ def parse_gemms(spec: str) -> frozenset:
 
 def scales(amax: torch.Tensor, pow2: bool = False) -> torch.Tensor:
     """fp32 scales of tiles with the given fp32 amax."""
-    s = torch.clamp_min(amax / E4M3_MAX, _TINY)
+    # a tensor divisor: PyTorch's CUDA kernels divide by a Python scalar as a product with
+    # its reciprocal, 1 ulp off the library's fp32 division at times (and then an e4m3
+    # code, where a value's quotient lies near a rounding point of two codes)
+    s = torch.clamp_min(amax / torch.full_like(amax, E4M3_MAX), _TINY)
     if pow2:
         mant, exp = torch.frexp(s)  # s = mant 2^exp, 0.5 <= mant < 1
         s = torch.ldexp(torch.ones_like(s), torch.where(mant == 0.5, exp - 1, exp))
