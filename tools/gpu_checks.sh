@@ -15,8 +15,11 @@
 #   tools/gpu_checks.sh parity   bench/train_parity.py: FP8 against BF16 on real text
 #                                (2 x 2000 steps, ~5 min)
 #   tools/gpu_checks.sh fp8_diag where FP8 loses: training-sized FP8 calls against the recipe
-#                                emulated on the device, token by token, and two layers
-#                                interleaved as in a model against each alone; a 300-step
+#                                emulated on the device, token by token, six of them
+#                                bitwise equal, and two layers interleaved as in a model
+#                                against each alone; one layer's calls of FP8 training
+#                                steps against the recipe and repeated (fp8_layer_check.py
+#                                training); a 300-step
 #                                parity run of bf16, fp8 and the recipe emulated in PyTorch
 #                                (emul:all: the library's kernels or the recipe?); and
 #                                profile_step.py's per-kernel table of the FP8 layer on
@@ -120,6 +123,8 @@ parity() {
 fp8_diag() {
     step fp8_training_sized fp8_training_sized.log python3 -m pytest -q -rs \
         python/tests/test_fp8_cuda.py -k "training_sized or interleaved"
+    STEP_TIMEOUT=120 step fp8_training_calls fp8_training_calls.log python3 \
+        tools/fp8_layer_check.py training --steps 0 50 120 --repeat 3
     STEP_TIMEOUT=290 step parity_emulated parity_emulated.log python3 bench/train_parity.py \
         --steps 300 --eval-every 100 --time-budget 240 --precisions bf16 fp8 emul:all \
         --out "${OUT:-$LOG_DIR}/parity_emulated"
