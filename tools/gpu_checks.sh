@@ -19,9 +19,9 @@
 #                                bitwise equal, and two layers interleaved as in a model
 #                                against each alone; one layer's calls of FP8 training
 #                                steps against the recipe and repeated (fp8_layer_check.py
-#                                training); a 300-step
-#                                parity run of bf16, fp8 and the recipe emulated in PyTorch
-#                                (emul:all: the library's kernels or the recipe?); and
+#                                training); a 300-step parity run of bf16, fp8 and the
+#                                recipe emulated in PyTorch (emul:all: the library's
+#                                kernels or the recipe?); and
 #                                profile_step.py's per-kernel table of the FP8 layer on
 #                                both shapes
 #   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
