@@ -168,7 +168,7 @@ th_diff th_elementwise(th_diff d, double c) {
 }
 
 th_diff th_round(th_diff d, double step) {
-    th_diff r = {2.0 * d.m1, d.rms + sqrt(2.0 * step * d.m1)};
+    th_diff r = {d.m1, sqrt(d.rms * d.rms + step * d.m1)};
     return r;
 }
 
@@ -178,9 +178,11 @@ th_diff th_sum(th_diff a, th_diff b) {
 }
 
 th_diff th_quant_fp8(th_diff d) {
-    return th_round(th_sum(d, th_elementwise(d, 4.0)), TH_E4M3_STEP);
+    return th_round(th_sum(d, d), TH_E4M3_STEP);
 }
 
 double th_acc_fp32(int64_t k) { return 0x1p-24 * (2.0 + sqrt((double)k)); }
 
 double th_acc_wgmma_fp8(int64_t k) { return 4.0 * 0x1p-13 + (double)((k + 127) / 128) * 0x1p-24; }
+
+double th_acc_wgmma_fp8_rms(int64_t k) { return 0x1p-13 + (double)((k + 127) / 128) * 0x1p-24; }

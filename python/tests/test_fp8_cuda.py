@@ -6,7 +6,7 @@ on an sm_90 GPU, one rank), through the binding:
                of the CPU test)
     layer      forward + backward (y, dx, d p, dW13, dW2) against the fp64 emulation of
                the recipe (fp8_reference.py), within fp8_tolerances with the FP8 tensor
-               cores' accumulation (acc_wgmma_fp8, as tests/api/test_cuda_fp8.c); routing
+               cores' accumulation (acc_wgmma_fp8_rms, as tests/api/test_cuda_fp8.c); routing
                cases as the CPU test's, H and I multiples of 128 (the CUDA tiles')
     training   training-sized calls (bench/train_parity.py's layer and qwen3-30b-a3b at
     sized      T = 16384, Zipf routing, normal and heavy-tailed x, fp32 master weights)
@@ -33,7 +33,7 @@ import moefuse
 from moefuse import _fp8, _lib, ops
 
 from bench_helpers import import_bench
-from fp8_reference import (OUTPUTS, acc_wgmma_fp8, assert_checkpoint_equals_plain,
+from fp8_reference import (OUTPUTS, acc_wgmma_fp8_rms, assert_checkpoint_equals_plain,
                            assert_layers_interleaved_equal_alone,
                            assert_w13_halves_equal_packed,
                            assert_compiled_equals_eager, assert_quantized_weights,
@@ -94,7 +94,7 @@ def test_fp8_matches_the_emulation(case, pow2, recompute, quantize_calls):
     problem = random_problem(*shape, seed=21, drop_fraction=drop, skew=skew)
     got = run_fp8(*problem, pow2=pow2, recompute=recompute, device=DEV)
     moefuse.check_device_errors()
-    check_against_emulation(got, problem, pow2=pow2, acc=acc_wgmma_fp8)
+    check_against_emulation(got, problem, pow2=pow2, acc=acc_wgmma_fp8_rms)
     assert [t.dtype for t in got] == [torch.bfloat16] * 2 + [torch.float32] + [torch.bfloat16] * 2
     assert torch.all(got[2][problem[1] < 0] == 0), "dropped slots must get d p = 0"
     assert quantize_calls == [int(pow2)]  # the forward's quantization served the backward
@@ -114,7 +114,7 @@ def test_fp32_master_weights_get_fp32_gradients(quantize_calls):
     got = run_fp8(x, ids, p, w13, w2, dy, device=DEV)
     assert got[3].dtype == torch.float32 and got[4].dtype == torch.float32
     check_against_emulation(got, (x, ids, p, w13, w2, dy), bf16_wgrad=False,
-                            acc=acc_wgmma_fp8)
+                            acc=acc_wgmma_fp8_rms)
 
 
 def test_two_runs_and_the_saved_modes_are_bitwise_equal():

@@ -134,7 +134,7 @@ void compare_with_reference(const problem *pb, const outputs *o, errs *er, int r
 /* Tolerances of the FP8 recipe's outputs against its emulation (REF_FP8): each output's
  * chain of rounding points (harness.h, th_gemm ...), rows = the most rows of one expert
  * (the weight-gradient GEMMs' K), acc = the accumulation error of one GEMM
- * (th_acc_fp32: the CPU backend; th_acc_wgmma_fp8: Hopper's FP8 tensor cores). */
+ * (th_acc_fp32: the CPU backend; th_acc_wgmma_fp8_rms: Hopper's FP8 tensor cores). */
 typedef struct fp8_tols { double y, dx, dp, dw13, dw2; } fp8_tols;
 fp8_tols fp8_tolerances(shape s, int64_t rows, double (*acc)(int64_t));
 

@@ -4,7 +4,7 @@
  *     the CPU backend (bf16 and fp32 weights, both scale rules);
  *   - forward + backward against the fp64 emulation of the recipe
  *     (src/cpu/reference_fp8.c), tolerances from each output's chain of rounding points
- *     with the FP8 tensor cores' accumulation (fp8_tolerances, th_acc_wgmma_fp8); every
+ *     with the FP8 tensor cores' accumulation (fp8_tolerances, th_acc_wgmma_fp8_rms); every
  *     output element written (poisoned first);
  *   - bitwise: a second run equal, the three saved modes equal (recompute re-quantizes
  *     x and repeats gemm1; the saved inputs are the same rows), and forward + backward
@@ -336,7 +336,7 @@ static void accuracy_strided(shape s, int T, int max_tokens, routing r, int pow2
         outputs_free(&o2);
         problem_free(&pb);
     }
-    const fp8_tols t = fp8_tolerances(s, rows, th_acc_wgmma_fp8);
+    const fp8_tols t = fp8_tolerances(s, rows, th_acc_wgmma_fp8_rms);
     check_err("y", &emu.y, t.y);
     check_err("dx", &emu.dx, t.dx);
     check_err("dp", &emu.dp, t.dp);

@@ -493,7 +493,7 @@ static void gpu_gemm_rule_against_a_model(void) {
 static void print_gpu_tolerances(void) {
     const shape sh[2] = {QWEN3_30B, QWEN3_235B};
     for (int i = 0; i < 2; i++) {
-        fp8_tols t = fp8_tolerances(sh[i], 16384 * 8 / 128, th_acc_wgmma_fp8);
+        fp8_tols t = fp8_tolerances(sh[i], 16384 * 8 / 128, th_acc_wgmma_fp8_rms);
         printf("    GPU vs emulation, %s: GEMM %.2e; layer y %.2e dx %.2e dp %.2e dW13 %.2e "
                "dW2 %.2e\n", sh[i].name, 2 * th_acc_wgmma_fp8(sh[i].H), t.y, t.dx, t.dp,
                t.dw13, t.dw2);
