@@ -40,7 +40,6 @@ implementations, never in traced code, so torch.compile(fullgraph=True) sees no 
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 import weakref
 from typing import Optional
@@ -145,12 +144,6 @@ def _watch_optimizers() -> None:
                 _hook = register_optimizer_step_post_hook(_count_optimizer_step)
 
 
-# moefuse_quantize_weights_halves reads W13's halves where they are; its CUDA kernel has not
-# run on a GPU yet (its CPU path is tested), so the cache joins the halves (one copy per
-# quantization, the path verified on a GPU) unless the environment sets this to 1.
-QUANTIZE_HALVES_ENV = "MOEFUSE_FP8_QUANTIZE_HALVES"
-
-
 def _version(w: torch.Tensor) -> Optional[int]:
     """The version counter; None for inference tensors, which have none (never cached)."""
     try:
@@ -204,8 +197,7 @@ class Fp8WeightCache:
         with moefuse_quantize_weights on the current stream when missing or stale. The
         struct (and its buffer) stays valid until the entry is replaced or cleared; hold
         the returned object during the call that reads it. w13_up: w13 in two halves
-        (gate in w13), joined once per quantization, or read where they are
-        (moefuse_quantize_weights_halves) where QUANTIZE_HALVES_ENV is set."""
+        (gate in w13), read where they are (moefuse_quantize_weights_halves)."""
         _watch_optimizers()
         weights = (w13, w2) if w13_up is None else (w13, w2, w13_up)
         key = (tuple((id(w.untyped_storage()), w.storage_offset(), tuple(w.shape), w.dtype)
@@ -225,8 +217,6 @@ class Fp8WeightCache:
     def _quantize(self, layer: _lib.Layer, w13: torch.Tensor, w2: torch.Tensor,
                   w13_up: Optional[torch.Tensor], state) -> _Entry:
         device = w13.device
-        if w13_up is not None and os.environ.get(QUANTIZE_HALVES_ENV) != "1":
-            w13, w13_up = torch.cat([w13, w13_up], dim=1), None
         sources = (w13, w2) if w13_up is None else (w13, w2, w13_up)
         all_bf16 = all(w.dtype == _BF16 for w in sources)
         # Read as they are: bf16, or fp32 master weights (a bf16 one of a mixed set

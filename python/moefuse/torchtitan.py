@@ -40,7 +40,7 @@ precision="fp8" runs the routed experts' GEMMs in block-scaled FP8 (moefuse.expe
 _fp8.py), with expert_parallel in its ExpertParallelExperts. On one rank w1, w3 and w2
 reach the FP8 weight cache as the parameters themselves, fp32 master weights or bf16 (no
 per-call bf16 copy): they are quantized from their own values once per optimizer step,
-w1 and w3 joined for it (or where they are: _fp8.QUANTIZE_HALVES_ENV), and fp32 parameters get fp32
+w1 and w3 where they are (moefuse_quantize_weights_halves), and fp32 parameters get fp32
 gradients (the recipe's; bf16 runs give TorchTitan's bf16 gradients widened). Under
 expert parallelism W13 is the bf16 concatenation made per call, so its FP8 quantization
 is made once per forward (shared by its backward), from bf16 values.

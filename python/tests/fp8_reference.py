@@ -173,17 +173,14 @@ def assert_checkpoint_equals_plain(module, x, ids, p, dy) -> None:
         assert torch.equal(plain, recomputed)
 
 
-def assert_w13_halves_equal_packed(dtype: torch.dtype, device, monkeypatch,
-                                   quantize_halves: bool) -> None:
+def assert_w13_halves_equal_packed(dtype: torch.dtype, device, monkeypatch) -> None:
     """precision="fp8" with W13 as (gate, up), bf16 or fp32 master weights, on `device`:
-    the halves joined for the weights' quantization, or with quantize_halves quantized
-    where they are (moefuse_quantize_weights_halves, _fp8.QUANTIZE_HALVES_ENV), dW13
-    written in halves by the library; the packed call's bits."""
+    the halves quantized where they are (moefuse_quantize_weights_halves), dW13 written
+    in halves by the library; the packed call's bits."""
     import moefuse
-    from moefuse import _fp8, _lib, ops
+    from moefuse import _lib, ops
     from moe_reference import random_problem
 
-    monkeypatch.setenv(_fp8.QUANTIZE_HALVES_ENV, "1" if quantize_halves else "0")
     halves_read = []
     quantize = _lib.Layer.quantize_weights
 
@@ -215,7 +212,7 @@ def assert_w13_halves_equal_packed(dtype: torch.dtype, device, monkeypatch,
         outs.append((y.detach(), xs.grad, ps.grad, dw13, w2s.grad))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
-    assert halves_read == [False, quantize_halves], halves_read  # packed, then the halves
+    assert halves_read == [False, True], halves_read  # packed, then the halves
 
 
 def assert_layers_interleaved_equal_alone(shape, device, recompute=False) -> None:

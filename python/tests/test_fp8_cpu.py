@@ -351,7 +351,6 @@ def test_two_layers_interleaved_as_in_a_model(recompute):
     assert_layers_interleaved_equal_alone((256, 256, 128, 8, 4), "cpu", recompute)
 
 
-@pytest.mark.parametrize("quantize_halves", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_w13_halves_equal_packed(dtype, quantize_halves, monkeypatch):
-    assert_w13_halves_equal_packed(dtype, "cpu", monkeypatch, quantize_halves)
+def test_w13_halves_equal_packed(dtype, monkeypatch):
+    assert_w13_halves_equal_packed(dtype, "cpu", monkeypatch)

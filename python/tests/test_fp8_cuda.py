@@ -100,10 +100,9 @@ def test_fp8_matches_the_emulation(case, pow2, recompute, quantize_calls):
     assert quantize_calls == [int(pow2)]  # the forward's quantization served the backward
 
 
-@pytest.mark.parametrize("quantize_halves", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_w13_halves_equal_packed(dtype, quantize_halves, monkeypatch):
-    assert_w13_halves_equal_packed(dtype, DEV, monkeypatch, quantize_halves)
+def test_w13_halves_equal_packed(dtype, monkeypatch):
+    assert_w13_halves_equal_packed(dtype, DEV, monkeypatch)
 
 
 def test_fp32_master_weights_get_fp32_gradients(quantize_calls):
