@@ -313,3 +313,23 @@ def test_training_sized_calls_are_bitwise_deterministic():
             assert len(differ) == 0, (f"run {run}: {name} differs from the first run in "
                                       f"{len(differ)} rows, e.g. {differ[:8].tolist()}")
     moefuse.check_device_errors()
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("shape", [(4096, 1024, 512, 64, 8), (512, 2048, 768, 128, 8)],
+                         ids=["parity-model", "qwen3-30b-a3b"])
+def test_act_quantized_in_gemm1_gives_the_rows_quantizers_bits(shape, recompute, monkeypatch):
+    """MOEFUSE_FP8_ACT_IN_GEMM1=1 (read when a layer is made): gemm1's store warps quantize
+    act as they make it, instead of a rows quantizer's pass over bf16 act; every output
+    the same bits."""
+    x, ids, p, w13, w2, dy = random_problem(*shape, seed=53, skew="zipf", drop_fraction=0.01)
+    outs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MOEFUSE_FP8_ACT_IN_GEMM1", flag)
+        ops.layer_cache.clear()
+        outs.append(run_fp8(x, ids, p, w13.float(), w2.float(), dy, recompute=recompute,
+                            device=DEV))
+        moefuse.check_device_errors()
+    ops.layer_cache.clear()
+    for name, a, b in zip(OUTPUTS, *outs):
+        assert torch.equal(a, b), f"{name} differs with act quantized in gemm1"
