@@ -7,7 +7,8 @@
 # A build follows its flags: a build with CUDA goes to build/, one without to build/cpu/
 # (so switching costs no recompilation), and each directory records the flags its
 # objects were compiled with (flags.host, flags.cuda): a change of compiler or flags
-# rebuilds what they compiled.
+# rebuilds what they compiled. NVCC_EXTRA adds nvcc flags (an opt-in kernel path, e.g.
+# NVCC_EXTRA=-DMF_FP8_FMA_QUOTIENT=1).
 
 CC      ?= cc
 NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
@@ -51,7 +52,7 @@ NCCL_LIBS   := -L$(dir $(NCCL_LIB)) -Wl,-rpath,$(dir $(NCCL_LIB)) -l:libnccl.so.
 endif
 NVCCFLAGS   := -O3 -std=c++17 $(CUDA_ARCH) -lineinfo -Xptxas=--warn-on-spills \
                -Werror=all-warnings -Xcompiler -fPIC -Iinclude -Isrc/host -Isrc/cuda \
-               $(if $(HAVE_NCCL),-I$(NCCL_HOME)/include -DMOEFUSE_HAVE_NCCL=1)
+               $(if $(HAVE_NCCL),-I$(NCCL_HOME)/include -DMOEFUSE_HAVE_NCCL=1) $(NVCC_EXTRA)
 CUDA_OBJ    := $(CUDA_SRC:%.cu=$(BUILD)/%.o)
 CUDA_LIBS   := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++ $(NCCL_LIBS)
 CFLAGS      += $(if $(HAVE_NCCL),-I$(NCCL_HOME)/include -DMOEFUSE_HAVE_NCCL=1) \

@@ -24,6 +24,9 @@
 #                                kernels or the recipe?); and
 #                                profile_step.py's per-kernel table of the FP8 layer on
 #                                both shapes
+#   tools/gpu_checks.sh quotient_ab  the quantizers' division-free quotient
+#                                (MF_FP8_FMA_QUOTIENT) built apart: its tests, then the
+#                                quantizers' times and the FP8 layer's profile, both builds
 #   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
 #                                each GEMM in turn, beside bf16 (three runs of 3 models)
 #   tools/gpu_checks.sh step     bench_train_step.py, 12 layers (8 on an 80 GB card), both
@@ -138,6 +141,22 @@ fp8_diag() {
     done
 }
 
+quotient_ab() {
+    # MF_FP8_FMA_QUOTIENT (fp8_recipe.cuh): its own build, its quantizer and FP8 tests, then
+    # the quantizers' times and the FP8 layer's profile beside the default build's
+    STEP_TIMEOUT=400 step build_fma_quotient build_fma_quotient.log make -j"$(nproc)" \
+        BUILD=build/fma NVCC_EXTRA=-DMF_FP8_FMA_QUOTIENT=1 all
+    step fma_test_fp8_quant fma_test_fp8_quant.log build/fma/tests/kernels/test_fp8_quant
+    step fma_test_cuda_fp8 fma_test_cuda_fp8.log build/fma/tests/api/test_cuda_fp8
+    step quant_time_default quant_time_default.log build/tests/kernels/test_fp8_quant_time
+    step quant_time_fma quant_time_fma.log build/fma/tests/kernels/test_fp8_quant_time
+    for lib in build build/fma; do
+        STEP_TIMEOUT=90 step "profile_fp8_${lib//\//_}" "profile_fp8_${lib//\//_}.log" \
+            env MOEFUSE_LIB="$PWD/$lib/libmoefuse.so" python3 bench/profile_step.py \
+            --model qwen3-30b-a3b --precision fp8 --sustain-s 2
+    done
+}
+
 ablation() {
     # three runs of three models (bf16 and two emulated ones: 13 GB of fp32 weights, grads
     # and AdamW state each, with activations, fit an 80 GB card), each under its own budget
@@ -192,10 +211,10 @@ phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(verify)
 for p in "${phases[@]}"; do
     case "$p" in
-    verify | suites | deep | bench | parity | fp8_diag | ablation | step | titan | titan_235b \
-        | titan_loss) ;;
+    verify | suites | deep | bench | parity | fp8_diag | quotient_ab | ablation | step | titan \
+        | titan_235b | titan_loss) ;;
     *) echo "tools/gpu_checks.sh: unknown phase '$p' (verify, suites, deep, bench, parity," \
-            "fp8_diag, ablation, step, titan, titan_235b, titan_loss)" >&2
+            "fp8_diag, quotient_ab, ablation, step, titan, titan_235b, titan_loss)" >&2
        exit 2 ;;
     esac
 done

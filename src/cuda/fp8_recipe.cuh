@@ -1,9 +1,10 @@
 /* The FP8 block recipe on the device (docs/decisions/0018-fp8-block-recipe.md), bit for
  * bit what src/cpu/fp8.c computes: E4M3 encoding rounded on the fp32 bits (nearest, ties
  * to even, saturating at +-448, NaN -> 0x7f), the scale of a tile from its amax, and
- * quantization as encode(x / scale) with an IEEE fp32 division. Two encoders: the CPU's
- * integer algorithm (e4m3_encode) and the hardware's conversion of two values at once
- * (e4m3x2_encode), which the quantizers use: a test compares them on every fp32 input.
+ * quantization as encode(x / scale) with an IEEE fp32 division (its result computed here
+ * without one: quotient()). Two encoders: the CPU's integer algorithm (e4m3_encode) and the
+ * hardware's conversion of two values at once (e4m3x2_encode), which the quantizers use:
+ * a test compares them on every fp32 input.
  * NOTE: with the integer encoder the row quantizer ran at under 0.9 TB/s (ncu, H200):
  * bound by its instructions, not by memory. Shared by the quantizer kernels
  * (simt/fp8_quant.cu), the dispatch that quantizes the rows it copies
@@ -64,7 +65,41 @@ __device__ __forceinline__ float tile_scale(float amax, int pow2) {
     return s;
 }
 
-__device__ __forceinline__ uint8_t quantize(float v, float scale) {
+/* MF_FP8_FMA_QUOTIENT=1 (make NVCC_EXTRA=-DMF_FP8_FMA_QUOTIENT=1): the quantizers take
+ * x / scale from quotient() below. It has not run on a GPU yet, so the default is still
+ * the product where it provably encodes as the quotient, else div.rn
+ * (product_encodes_as_quotient); tests/kernels/test_fp8_quant.cu checks either. */
+#ifndef MF_FP8_FMA_QUOTIENT
+#define MF_FP8_FMA_QUOTIENT 0
+#endif
+
+/* q = rn(x / scale) without a division, from inv = rn(1 / scale) of the tile: q1 = rn(x inv)
+ * is within an ulp of the quotient, so the residual r = x - q1 scale is exact in one fma,
+ * and rn(q1 + r inv) is the correctly rounded quotient (Markstein's theorem) as long as r
+ * does not underflow. A nonzero x below 2^-100 (whose residual might) is taken times
+ * 2^100 and its quotient times 2^-100 (exact, or far below e4m3's least code). r = 0
+ * keeps q1 (and -0's sign); NaN scales (a non-finite tile) give NaN, code 0x7f either way.
+ * Power-of-two scales give the product (r = 0). Checked on the CPU (tests/cpu/test_fp8.c)
+ * and on the GPU (tests/kernels/test_fp8_quant.cu): the codes of encode(div.rn) for every
+ * bf16 x under bf16 amax scales and for fp32 x around every e4m3 rounding point.
+ * NOTE: this replaced a check that kept the product x inv where it provably encodes alike
+ * (more than 8 steps from a rounding point) and took div.rn out of line otherwise: bf16
+ * values land on or near rounding points so often (x / amax a ratio of 8-bit
+ * significands) that 45% (x) to 84% ([dg; du]) of the warps took the divisions (counted
+ * on the CPU on N(0, 1) data); see docs/decisions/0023-fp8-quantizer-bandwidth. */
+__device__ __forceinline__ float quotient(float x, float scale, float inv) {
+    const float a = fabsf(x);
+    const bool tiny = a != 0.0f && a < 0x1p-100f;
+    const float xs = tiny ? __fmul_rn(x, 0x1p100f) : x;
+    const float q = __fmul_rn(xs, inv);
+    const float r = __fmaf_rn(-q, scale, xs);
+    const float qr = r == 0.0f ? q : __fmaf_rn(r, inv, q);
+    return tiny ? __fmul_rn(qr, 0x1p-100f) : qr;
+}
+
+/* One value's code under a scale and its reciprocal inv = rn(1 / scale). */
+__device__ __forceinline__ uint8_t quantize(float v, float scale, float inv) {
+    if constexpr (MF_FP8_FMA_QUOTIENT) return e4m3_encode(quotient(v, scale, inv));
     return e4m3_encode(__fdiv_rn(v, scale));
 }
 
@@ -77,31 +112,11 @@ __device__ __forceinline__ uint16_t e4m3x2_encode(float lo, float hi) {
     return r;
 }
 
-/* Four codes packed little-endian (element i in byte i). */
-__device__ __forceinline__ uint32_t quantize4(float a, float b, float c, float d, float scale) {
-    return (uint32_t)e4m3x2_encode(__fdiv_rn(a, scale), __fdiv_rn(b, scale)) |
-           ((uint32_t)e4m3x2_encode(__fdiv_rn(c, scale), __fdiv_rn(d, scale)) << 16);
-}
-
 /* ---- 1 x 128 row tiles held by a half-warp, without a division per element -------------- */
 
 /* bf16 (the high or low half of a 32-bit word) as a float. */
 __device__ __forceinline__ float bf16_bits(uint32_t w, int hi) {
     return __uint_as_float(hi ? (w & 0xffff0000u) : (w << 16));
-}
-
-/* q = x / scale rounded to fp32 (div.rn), as the e4m3 code it encodes to, through one
- * multiplication by inv = rn(1 / scale) (per tile). NOTE: |x inv - x / scale| < 1 ulp, so
- * q = rn(x inv) is within 2 ulp (4 steps of fp32 bits) of rn(x / scale); the two encode
- * alike unless an e4m3 rounding point (a midpoint of two codes, bits = 0x80000 mod 2^20 over
- * e4m3's normal range) lies between them. A lane whose q is zero, or at least 2^-6 and more
- * than 8 steps from such a point, keeps its product; any other (and power-of-two scales
- * need none: x inv is exact) makes its 8 values take div.rn, which is what this replaces
- * (MUFU.RCP, 5 FFMA and a range check per element). NaN scales (a non-finite tile) give
- * NaN products: code 0x7f either way. see docs/decisions/0023-fp8-quantizer-bandwidth. */
-__device__ __forceinline__ bool product_encodes_as_quotient(float q) {
-    const uint32_t u = __float_as_uint(q) & 0x7fffffffu;
-    return u == 0 || (u >= 0x3c800000u + 8 && ((u + 8 - 0x80000u) & 0xfffffu) > 16);
 }
 
 __device__ __forceinline__ uint2 encode8(const float (&q)[8]) {
@@ -111,7 +126,18 @@ __device__ __forceinline__ uint2 encode8(const float (&q)[8]) {
                           ((uint32_t)e4m3x2_encode(q[6], q[7]) << 16));
 }
 
-/* The rare path, out of line (eight div.rn inlined at every use would crowd the registers). */
+/* The product x inv where it provably encodes as rn(x / scale) (the default quantizers'
+ * test): |x inv - x / scale| < 1 ulp, so q = rn(x inv) is within 2 ulp (4 steps of fp32
+ * bits) of rn(x / scale); the two encode alike unless an e4m3 rounding point (a midpoint of
+ * two codes, bits = 0x80000 mod 2^20 over e4m3's normal range) lies between them. q zero,
+ * or at least 2^-6 and more than 8 steps from such a point, passes. */
+__device__ __forceinline__ bool product_encodes_as_quotient(float q) {
+    const uint32_t u = __float_as_uint(q) & 0x7fffffffu;
+    return u == 0 || (u >= 0x3c800000u + 8 && ((u + 8 - 0x80000u) & 0xfffffu) > 16);
+}
+
+/* The default quantizers' other path, out of line (eight div.rn inlined at every use
+ * would crowd the registers). */
 static __device__ __noinline__ uint2 quantize8_div(float x0, float x1, float x2, float x3, float x4,
                                             float x5, float x6, float x7, float scale) {
     const float q[8] = {__fdiv_rn(x0, scale), __fdiv_rn(x1, scale), __fdiv_rn(x2, scale),
@@ -120,9 +146,16 @@ static __device__ __noinline__ uint2 quantize8_div(float x0, float x1, float x2,
     return encode8(q);
 }
 
-/* 8 values' codes, element j in byte j of the pair. */
+/* 8 values' codes, element j in byte j of the pair: quotient() (MF_FP8_FMA_QUOTIENT), or
+ * the product where it encodes alike (power-of-two scales: always, it is exact) and
+ * otherwise div.rn for the lane's 8. */
 __device__ __forceinline__ uint2 quantize8(const float (&x)[8], float scale, float inv, int pow2) {
     float q[8];
+    if constexpr (MF_FP8_FMA_QUOTIENT) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) q[j] = quotient(x[j], scale, inv);
+        return encode8(q);
+    }
     bool ok = true;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {

@@ -10,7 +10,8 @@
  *   - gathered (row_slot: the caller's token-major rows, strided, with padding rows) = the
  *     three passes on the rows gathered by hand, byte for byte;
  *   - the quantizers' one multiplication per element (quantize8: the product where it
- *     provably encodes as the division, else div.rn) = encode(div.rn(x, scale)) for all
+ *     provably encodes as the division, else div.rn; with MF_FP8_FMA_QUOTIENT the product
+ *     and one fma correction) = encode(div.rn(x, scale)) for all
  *     65536 bf16 x under thousands of scales (amax / 448 of random amax, and the edges:
  *     the smallest scale, amax near FLT_MAX, subnormal-only tiles), and for fp32 x placed
  *     at every e4m3 rounding midpoint times the scale, +-8 ulp (p dy's values are fp32).

@@ -24,8 +24,8 @@
  * one 8-byte word. Tokens: a CTA per 128 rows x 128 columns, each thread 8 rows x 8
  * columns in registers, the column amax by registers, a shuffle and shared memory, the
  * codes^T through shared memory as swizzled bytes, written 16 bytes per lane. Codes come
- * from one multiplication by the tile's reciprocal where that provably encodes as the
- * division would (quantize8). Weights run once per optimizer step: a CTA per block reads
+ * from one multiplication by the tile's reciprocal, with the division's bits (quantize8).
+ * Weights run once per optimizer step: a CTA per block reads
  * it twice (amax, then codes), the transposed codes through shared memory. */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -127,9 +127,10 @@ struct tokens_block_params {
 };
 
 /* kGather: the rows read through row_slot (the gather's addresses take registers: 2 CTAs
- * an SM, as with kRows). */
+ * an SM, as with kRows; so with MF_FP8_FMA_QUOTIENT, whose codes spilled at 3: 80
+ * registers, ptxas CUDA 13). */
 template <bool kRows, bool kGather>
-__global__ void __launch_bounds__(kTokThreads, kRows || kGather ? 2 : 3)
+__global__ void __launch_bounds__(kTokThreads, MF_FP8_FMA_QUOTIENT || kRows || kGather ? 2 : 3)
     fp8_quantize_tokens_kernel(const tokens_block_params bp) {
     const mf_quantize_fp8_tokens_params &p = bp.t;
     __shared__ __align__(16) uint2 codes_t[kTokCols][16];   /* [column][8-byte unit ^ piece] */
@@ -277,10 +278,10 @@ __global__ void __launch_bounds__(kWThreads)
     m = 0.0f;
 #pragma unroll
     for (int i = 0; i < kWThreads / 32; ++i) m = amax_fold(m, red[i]);
-    const float s = tile_scale(m, p.pow2);
+    const float s = tile_scale(m, p.pow2), inv = __frcp_rn(s);
     for (int i = threadIdx.x; i < 128 * 128; i += kWThreads) {
         const int r = i / 128, c = i % 128;
-        const uint8_t q = quantize(weight_value<T>(w, src + (int64_t)r * p.cols + c), s);
+        const uint8_t q = quantize(weight_value<T>(w, src + (int64_t)r * p.cols + c), s, inv);
         p.codes[base + (int64_t)r * p.cols + c] = q;
         codes_t[c][r] = q;
     }
