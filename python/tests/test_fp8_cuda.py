@@ -290,12 +290,22 @@ def test_training_sized_calls_match_the_recipe_row_by_row(shape, values):
         assert err < TRAINING_ROW_TOL, f"{name}: token {worst} off by {err:.2e}"
 
 
-def test_training_sized_calls_are_bitwise_deterministic():
+@pytest.mark.parametrize("act_in_gemm1", ["0", "1"])
+def test_training_sized_calls_are_bitwise_deterministic(act_in_gemm1, monkeypatch):
     """Six forward + backward calls of the parity model's layer at T = 16384 on one problem
-    give the same bits. Before the fence in mainloop.cuh's k_loop_promoted a consumer warp
-    now and then read a stage's scales after the producer had refilled the slot: 16 rows
-    of one dgrad2 tile wrong in about one backward in two at this size (smaller calls
-    rarely showed it)."""
+    give the same bits (also with act quantized by gemm1, MOEFUSE_FP8_ACT_IN_GEMM1). Before
+    the fence in mainloop.cuh's k_loop_promoted a consumer warp now and then read a stage's
+    scales after the producer had refilled the slot: 16 rows of one dgrad2 tile wrong in
+    about one backward in two at this size (smaller calls rarely showed it)."""
+    monkeypatch.setenv("MOEFUSE_FP8_ACT_IN_GEMM1", act_in_gemm1)
+    ops.layer_cache.clear()
+    try:
+        _six_training_sized_calls_equal()
+    finally:
+        ops.layer_cache.clear()
+
+
+def _six_training_sized_calls_equal():
     x, ids, p, w13, w2, dy = (t.to(DEV) for t in random_problem(
         *TRAINING_SHAPES["parity-model"], seed=52))
     w13, w2 = w13.float(), w2.float()
