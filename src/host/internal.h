@@ -190,7 +190,7 @@ typedef struct mf_tiles {
     int chunk_tokens;
     size_t plan_state_bytes;
 } mf_tiles;
-mf_tiles mf_cuda_tiles(int top_k, int intermediate);
+mf_tiles mf_cuda_tiles(int top_k, int intermediate, moefuse_precision precision);
 
 typedef struct mf_sizes {
     int peers;                 /* a comm: rows come from every rank */

@@ -11,12 +11,14 @@
 const mf_backend_ops *mf_cuda_backend(void) { return NULL; }
 
 /* The rules of the CUDA kernels (sm90/dgrad2_swiglu.cu mf_dgrad2_dp_parts: BN = 256 when
- * I allows it, else 128; simt/moe_plan.cu chunk_tokens: 2048 slots per chunk;
- * sizeof(mf_plan_state) in kernels.h), for the sizes a build without CUDA reports.
- * The CUDA build takes them from the kernels (workspace.cu). */
-mf_tiles mf_cuda_tiles(int top_k, int intermediate) {
+ * I allows it, else 128, and FP8's always 128; simt/moe_plan.cu chunk_tokens: 2048 slots
+ * per chunk; sizeof(mf_plan_state) in kernels.h), for the sizes a build without CUDA
+ * reports. The CUDA build takes them from the kernels (workspace.cu). */
+mf_tiles mf_cuda_tiles(int top_k, int intermediate, moefuse_precision precision) {
     mf_tiles t;
-    t.dp_parts = intermediate % 256 == 0 ? intermediate / 256 : intermediate / 128;
+    t.dp_parts = intermediate % 256 == 0 && precision != MOEFUSE_PRECISION_FP8_BLOCK
+                     ? intermediate / 256
+                     : intermediate / 128;
     t.chunk_tokens = top_k >= 2048 ? 1 : 2048 / top_k;
     t.plan_state_bytes = 48;
     return t;

@@ -82,7 +82,8 @@ moefuse_status moefuse_memory_estimate(const moefuse_config *cfg, int with_comm,
                        "config.saved_mode = MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS with a comm: "
                        "refused at create; expected MOEFUSE_SAVE_ACTIVATIONS or "
                        "MOEFUSE_RECOMPUTE");
-    const mf_sizes z = mf_sizes_of(cfg, with_comm, mf_cuda_tiles(cfg->top_k, cfg->intermediate));
+    const mf_sizes z = mf_sizes_of(cfg, with_comm, mf_cuda_tiles(cfg->top_k, cfg->intermediate,
+                                                                   cfg->precision));
     mf_memory_from_sizes(&z, z.rows_bufs, 1, &m);
     memory_end(&m, out);
     return MOEFUSE_OK;

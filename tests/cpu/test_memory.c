@@ -186,8 +186,9 @@ static void test_cpu_layer_report(void) {
 /* FP8_BLOCK, one GPU: the quantized operands' workspaces are the layer's own, and
  * counted: the row codes [rows, W] with their scales [W / 128, rows rounded to 4] fp32,
  * the weight gradients' token codes [rows, W] and [rows, max(H, I)] with a scale per 128
- * rows and column (W = max(H, 2I)); and no bf16 x rows [rows, H] (x's codes come from the
- * dispatch, the backward's quantizers gather x). */
+ * rows and column (W = max(H, 2I)); no bf16 x rows [rows, H] (x's codes come from the
+ * dispatch, the backward's quantizers gather x); and d p's partials per 128 columns of I
+ * (FP8's dgrad2 tile) instead of BF16's 256 (I = 768: 6 against 3 per row). */
 static void test_estimate_fp8(void) {
     moefuse_config c = qwen30();
     c.num_ranks = 1;
@@ -201,15 +202,18 @@ static void test_estimate_fp8(void) {
                        (size_t)(rows * W + rows / 128 * W * 4) +
                        (size_t)(rows * V + rows / 128 * V * 4);
     const size_t xs = (size_t)(rows * H * 2);
-    CHECK(f8.workspace_bytes == b16.workspace_bytes + fp8 - xs &&
+    const size_t dp_more = (size_t)(rows * (I / 128 - I / 256) * 4);
+    CHECK(f8.workspace_bytes == b16.workspace_bytes + fp8 - xs + dp_more &&
               f8.saved_bytes == b16.saved_bytes,
-          "fp8 own %zu, bf16 own %zu + FP8 operands %zu - x rows %zu; saved %zu / %zu",
-          f8.workspace_bytes, b16.workspace_bytes, fp8, xs, f8.saved_bytes, b16.saved_bytes);
+          "fp8 own %zu, bf16 own %zu + FP8 operands %zu - x rows %zu + d p partials %zu; "
+          "saved %zu / %zu", f8.workspace_bytes, b16.workspace_bytes, fp8, xs, dp_more,
+          f8.saved_bytes, b16.saved_bytes);
 }
 
 /* FP8_BLOCK with a comm (qwen3-30b-a3b, R = 8, T = 16384): the same operand arrays, each
- * 256-byte aligned, in the comm's scratch (shared by its layers, as act and dh are); the
- * layer's own workspaces and its windows and saved state as BF16's. */
+ * 256-byte aligned, in the comm's scratch (shared by its layers, as act and dh are), with
+ * d p's partials per 128 columns there too; the layer's own workspaces and its windows and
+ * saved state as BF16's. */
 static void test_estimate_fp8_comm(void) {
     moefuse_config c = qwen30();
     moefuse_memory b16, f8;
@@ -220,7 +224,8 @@ static void test_estimate_fp8_comm(void) {
                   V = H > I ? H : I;
     const size_t fp8 = a256((size_t)(rows * W)) + a256((size_t)(W / 128 * rows * 4)) +
                        a256((size_t)(rows * W)) + a256((size_t)(rows / 128 * W * 4)) +
-                       a256((size_t)(rows * V)) + a256((size_t)(rows / 128 * V * 4));
+                       a256((size_t)(rows * V)) + a256((size_t)(rows / 128 * V * 4)) +
+                       (size_t)(rows * (I / 128 - I / 256) * 4);   /* d p partials */
     CHECK(f8.comm_scratch_bytes == b16.comm_scratch_bytes + fp8 &&
               f8.layer_scratch_bytes == b16.layer_scratch_bytes + fp8,
           "fp8 scratch %zu / %zu, bf16 %zu + FP8 operands %zu", f8.comm_scratch_bytes,

@@ -385,10 +385,10 @@ static const mf_backend_ops kCudaOps = {
 
 extern "C" const mf_backend_ops *mf_cuda_backend(void) { return &mf::pipeline::kCudaOps; }
 
-/* The kernels' rules for the sizes (internal.h), from the sm_90 BF16 GEMMs a layer of
- * this build runs. */
-extern "C" mf_tiles mf_cuda_tiles(int top_k, int intermediate) {
-    const mf_gemm_ops *g = mf_gemm_ops_find(90, MOEFUSE_PRECISION_BF16);
+/* The kernels' rules for the sizes (internal.h), from the sm_90 GEMMs of the precision a
+ * layer of this build runs. */
+extern "C" mf_tiles mf_cuda_tiles(int top_k, int intermediate, moefuse_precision precision) {
+    const mf_gemm_ops *g = mf_gemm_ops_find(90, precision);
     mf_tiles t;
     t.dp_parts = g ? g->dp_parts(intermediate) : intermediate / MF_ROW_BLOCK_M;
     t.chunk_tokens = mf_plan_chunk_tokens(top_k);
