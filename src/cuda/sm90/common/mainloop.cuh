@@ -184,10 +184,10 @@ __device__ __forceinline__ void k_loop_promoted(const Ring<Cfg> &ring, RingPos<C
         }
         /* The promotions read the stage's scales with generic loads, and the producer's
          * next TMA into the slot (the async proxy) follows this warp's arrival: without
-         * the fence the arrival went out with those loads still in flight (ptxas issues
-         * it right after them) and, where the memory pipe was busy (dgrad2's store
-         * warps), a warp now and then read the next fill's scales: its 16 rows of the
-         * tile wrong, about one FP8 backward in five at T = 16384 (H100). */
+         * the fence the arrival went out with those loads still in flight, and now and
+         * then a warp read the next fill's scales (its 16 rows of a dgrad2 tile wrong in
+         * about one backward in two at T = 16384; see
+         * docs/decisions/0028-fp8-stage-scale-fence). */
         ptx::fence_proxy_async_smem();
         if (threadIdx.x % 32 == 0) ptx::mbar_arrive(&ring.empty[pos.stage]);
         pos.advance();
