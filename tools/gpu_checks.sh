@@ -148,7 +148,10 @@ quotient_ab() {
     STEP_TIMEOUT=400 step build_fma_quotient build_fma_quotient.log make -j"$(nproc)" \
         BUILD=build/fma NVCC_EXTRA=-DMF_FP8_FMA_QUOTIENT=1 all
     step fma_test_fp8_quant fma_test_fp8_quant.log build/fma/tests/kernels/test_fp8_quant
+    step fma_test_dispatch_rows fma_test_dispatch_rows.log build/fma/tests/kernels/test_dispatch_rows
     step fma_test_cuda_fp8 fma_test_cuda_fp8.log build/fma/tests/api/test_cuda_fp8
+    step fma_python_fp8 fma_python_fp8.log env MOEFUSE_LIB="$PWD/build/fma/libmoefuse.so" \
+        python3 -m pytest -q -rs python/tests/test_fp8_cuda.py -k "not training_sized"
     step quant_time_default quant_time_default.log build/tests/kernels/test_fp8_quant_time
     step quant_time_fma quant_time_fma.log build/fma/tests/kernels/test_fp8_quant_time
     for lib in build build/fma; do
