@@ -17,9 +17,10 @@ sizes, repeated calls. A diagnostic, run on an sm_90 GPU:
                                                 what the library returned) against the
                                                 same call made again and against the
                                                 recipe; --repeat: N more calls of it
-    python3 tools/fp8_layer_check.py repeat T:N ...
+    python3 tools/fp8_layer_check.py repeat T:N ... [--shape qwen3-30b-a3b]
                                                 N forward + backward calls of a random
-                                                problem of T tokens: bitwise equal?
+                                                problem of T tokens: bitwise equal? (also
+                                                the calls ncu profiles: gpu_checks ncu_fp8)
     python3 tools/fp8_layer_check.py bisect     where run-to-run differences come from:
                                                 the saved bytes of four forwards, backwards
                                                 from one saved buffer, the differing rows'
@@ -49,6 +50,8 @@ from moefuse import _fp8, _lib, ops  # noqa: E402
 from moe_reference import random_problem  # noqa: E402
 
 DEV = torch.device("cuda")  # --device sets it
+SHAPES = {"parity-model": (1024, 512, 64, 8), "qwen3-30b-a3b": (2048, 768, 128, 8),
+          "qwen3-235b-a22b": (4096, 1536, 128, 8)}  # H, I, E, K
 
 
 def rel(a, b):
@@ -381,6 +384,8 @@ def main(argv=None):
                           help="more bench/train_parity.py arguments (last)")
     repeat = sub.add_parser("repeat")
     repeat.add_argument("specs", nargs="+", help="T:N, e.g. 16384:10")
+    repeat.add_argument("--shape", choices=sorted(SHAPES), default="parity-model",
+                        help="H, I, E, K of the layer")
     sub.add_parser("bisect")
     args = ap.parse_args(argv)
     global DEV
@@ -407,7 +412,7 @@ def main(argv=None):
     elif args.case == "repeat":
         for spec in args.specs:
             T, runs = (int(v) for v in spec.split(":"))
-            repeat_case(T, runs)
+            repeat_case(T, runs, SHAPES[args.shape])
     else:
         bisect_case()
 

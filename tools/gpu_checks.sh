@@ -27,6 +27,8 @@
 #   tools/gpu_checks.sh quotient_ab  the quantizers' division-free quotient
 #                                (MF_FP8_FMA_QUOTIENT) built apart: its tests, then the
 #                                quantizers' times and the FP8 layer's profile, both builds
+#   tools/gpu_checks.sh ncu_fp8  ncu's speed-of-light, memory, warp-state and scheduler
+#                                sections of one launch of each FP8 GEMM and quantizer
 #   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
 #                                each GEMM in turn, beside bf16 (three runs of 3 models)
 #   tools/gpu_checks.sh step     bench_train_step.py, 12 layers (8 on an 80 GB card), both
@@ -161,6 +163,20 @@ quotient_ab() {
     done
 }
 
+ncu_fp8() {
+    # where the FP8 kernels' time goes: ncu's sections of one launch of each (the third,
+    # past the warm-up) in qwen3-30b-a3b's forward + backward at T = 16384
+    local k
+    for k in gemm2_dgrad_swiglu wgrad_grouped gemm1_swiglu fp8_quantize_tokens_kernel \
+        fp8_quantize_rows_kernel; do
+        STEP_TIMEOUT=150 step "ncu_$k" "ncu_$k.log" ncu --kernel-name "regex:$k" \
+            --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+            --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+            --section Occupancy --section LaunchStats python3 tools/fp8_layer_check.py repeat \
+            16384:3 --shape qwen3-30b-a3b
+    done
+}
+
 ablation() {
     # three runs of three models (bf16 and two emulated ones: 13 GB of fp32 weights, grads
     # and AdamW state each, with activations, fit an 80 GB card), each under its own budget
@@ -215,10 +231,10 @@ phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(verify)
 for p in "${phases[@]}"; do
     case "$p" in
-    verify | suites | deep | bench | parity | fp8_diag | quotient_ab | ablation | step | titan \
-        | titan_235b | titan_loss) ;;
+    verify | suites | deep | bench | parity | fp8_diag | quotient_ab | ncu_fp8 | ablation \
+        | step | titan | titan_235b | titan_loss) ;;
     *) echo "tools/gpu_checks.sh: unknown phase '$p' (verify, suites, deep, bench, parity," \
-            "fp8_diag, quotient_ab, ablation, step, titan, titan_235b, titan_loss)" >&2
+            "fp8_diag, quotient_ab, ncu_fp8, ablation, step, titan, titan_235b, titan_loss)" >&2
        exit 2 ;;
     esac
 done
