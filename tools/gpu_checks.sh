@@ -24,8 +24,8 @@
 #                                kernels or the recipe?); and
 #                                profile_step.py's per-kernel table of the FP8 layer on
 #                                both shapes
-#   tools/gpu_checks.sh quotient_ab  the quantizers' division-free quotient
-#                                (MF_FP8_FMA_QUOTIENT) built apart: its tests, then the
+#   tools/gpu_checks.sh quantizers_ab  the quantizers' opt-ins (MF_FP8_FMA_QUOTIENT,
+#                                MF_FP8_WEIGHTS_ONE_READ) built apart: their tests, then the
 #                                quantizers' times and the FP8 layer's profile, both builds
 #   tools/gpu_checks.sh ncu_fp8  ncu's speed-of-light, memory, warp-state and scheduler
 #                                sections of one launch of each FP8 GEMM and quantizer
@@ -144,11 +144,13 @@ fp8_diag() {
     done
 }
 
-quotient_ab() {
-    # MF_FP8_FMA_QUOTIENT (fp8_recipe.cuh): its own build, its quantizer and FP8 tests, then
-    # the quantizers' times and the FP8 layer's profile beside the default build's
-    STEP_TIMEOUT=400 step build_fma_quotient build_fma_quotient.log make -j"$(nproc)" \
-        BUILD=build/fma NVCC_EXTRA=-DMF_FP8_FMA_QUOTIENT=1 all
+quantizers_ab() {
+    # the quantizers' opt-ins, MF_FP8_FMA_QUOTIENT (fp8_recipe.cuh) and
+    # MF_FP8_WEIGHTS_ONE_READ (simt/fp8_quant.cu): their own build, its quantizer and FP8
+    # tests, then the quantizers' times (the weights' too) and the FP8 layer's profile
+    # beside the default build's
+    STEP_TIMEOUT=400 step build_quantizers_next build_quantizers_next.log make -j"$(nproc)" \
+        BUILD=build/fma NVCC_EXTRA="-DMF_FP8_FMA_QUOTIENT=1 -DMF_FP8_WEIGHTS_ONE_READ=1" all
     step fma_test_fp8_quant fma_test_fp8_quant.log build/fma/tests/kernels/test_fp8_quant
     step fma_test_dispatch_rows fma_test_dispatch_rows.log build/fma/tests/kernels/test_dispatch_rows
     step fma_test_cuda_fp8 fma_test_cuda_fp8.log build/fma/tests/api/test_cuda_fp8
@@ -231,10 +233,10 @@ phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(verify)
 for p in "${phases[@]}"; do
     case "$p" in
-    verify | suites | deep | bench | parity | fp8_diag | quotient_ab | ncu_fp8 | ablation \
+    verify | suites | deep | bench | parity | fp8_diag | quantizers_ab | ncu_fp8 | ablation \
         | step | titan | titan_235b | titan_loss) ;;
     *) echo "tools/gpu_checks.sh: unknown phase '$p' (verify, suites, deep, bench, parity," \
-            "fp8_diag, quotient_ab, ncu_fp8, ablation, step, titan, titan_235b, titan_loss)" >&2
+            "fp8_diag, quantizers_ab, ncu_fp8, ablation, step, titan, titan_235b, titan_loss)" >&2
        exit 2 ;;
     esac
 done

@@ -53,7 +53,7 @@ __global__ void fill_heavy_bf16(uint16_t *v, int64_t n, uint32_t seed) {
 
 __global__ void fill_weights(float *p, int n) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
-        p[i] = 0.05f + 0.9f * (float)((i * 7919) % 1000) / 1000.0f;
+        p[i] = 0.05f + 0.9f * (float)((unsigned)i * 7919u % 1000u) / 1000.0f;
 }
 
 struct pass {
@@ -133,6 +133,29 @@ void time_passes(const char *filter) {
                           [r, t] { return mf_quantize_fp8_rows_tokens(&r, &t, 0); }});
     }
 #endif
+    /* the weights, once per optimizer step: qwen3-30b-a3b's fp32 W13 [128, 1536, 2048] and
+     * W2 [128, 2048, 768] (read 4 bytes, write W's and W^T's codes: 6 bytes an element) */
+    const int wE = 128, wI = 768, wH = 2048;
+    const int64_t w13n = (int64_t)wE * 2 * wI * wH, w2n = (int64_t)wE * wH * wI;
+    float *w13 = nullptr, *w2 = nullptr;
+    uint8_t *wcodes = nullptr, *wcodes_t = nullptr;
+    float *wscale = nullptr, *wscale_t = nullptr;
+    CUDA_OK(cudaMalloc(&w13, (size_t)w13n * 4));
+    CUDA_OK(cudaMalloc(&w2, (size_t)w2n * 4));
+    CUDA_OK(cudaMalloc(&wcodes, (size_t)w13n));
+    CUDA_OK(cudaMalloc(&wcodes_t, (size_t)w13n));
+    CUDA_OK(cudaMalloc(&wscale, (size_t)w13n / (128 * 128) * 4));
+    CUDA_OK(cudaMalloc(&wscale_t, (size_t)w13n / (128 * 128) * 4));
+    fill_weights<<<num_sms() * 8, 256>>>(w13, (int)w13n);
+    fill_weights<<<num_sms() * 8, 256>>>(w2, (int)w2n);
+    const mf_quantize_fp8_weights_params q13 = {w13, nullptr, 0, 1, wE, 2 * wI, wH, 0,
+                                                wcodes, wcodes_t, wscale, wscale_t};
+    const mf_quantize_fp8_weights_params q2 = {w2, nullptr, 0, 1, wE, wH, wI, 0,
+                                               wcodes, wcodes_t, wscale, wscale_t};
+    passes.push_back({"weights fp32", (double)(w13n + w2n) * 6.0, [q13, q2] {
+                          const cudaError_t e = mf_quantize_fp8_weights(&q13, 0);
+                          return e != cudaSuccess ? e : mf_quantize_fp8_weights(&q2, 0);
+                      }});
     std::vector<pass> chosen;
     for (const pass &p : passes)
         if (!filter || strstr(p.name.c_str(), filter)) chosen.push_back(p);
@@ -172,6 +195,8 @@ void time_passes(const char *filter) {
     cudaFree(heavy);
     cudaFree(pw); cudaFree(num_rows); cudaFree(codes); cudaFree(codes_t); cudaFree(scales);
     cudaFree(scales_t);
+    cudaFree(w13); cudaFree(w2); cudaFree(wcodes); cudaFree(wcodes_t); cudaFree(wscale);
+    cudaFree(wscale_t);
 }
 
 const char *g_filter = nullptr;
