@@ -86,11 +86,11 @@ __device__ __forceinline__ float tile_scale(float amax, int pow2) {
  * and, in a review, 33.5 G pairs over every significand of x in two binades against 2000
  * scale significands (the fp32 results themselves equal): 0 differ. tests/cpu/test_fp8.c
  * and tests/kernels/test_fp8_quant.cu (the device's) keep subsets.
- * NOTE: this replaced a check that kept the product x inv where it provably encodes alike
- * (more than 8 steps from a rounding point) and took div.rn out of line otherwise: bf16
- * values land on or near rounding points so often (x / amax a ratio of 8-bit
- * significands) that 45% (x) to 84% ([dg; du]) of the warps took the divisions (counted
- * on the CPU on N(0, 1) data); see docs/decisions/0023-fp8-quantizer-bandwidth. */
+ * NOTE: why: the default's check (product_encodes_as_quotient, below) sends a lane to the
+ * out-of-line div.rn far more often than its midpoint arithmetic suggests. bf16 values land
+ * on or near rounding points (x / amax a ratio of 8-bit significands), and 45% (x) to 84%
+ * ([dg; du]) of the warps take the divisions (counted on the CPU on N(0, 1) data); see
+ * docs/decisions/0023-fp8-quantizer-bandwidth. */
 __device__ __forceinline__ float quotient(float x, float scale, float inv) {
     const float a = fabsf(x);
     const bool tiny = a != 0.0f && a < 0x1p-100f;
