@@ -158,10 +158,14 @@ quantizers_ab() {
         python3 -m pytest -q -rs python/tests/test_fp8_cuda.py -k "not training_sized"
     step quant_time_default quant_time_default.log build/tests/kernels/test_fp8_quant_time
     step quant_time_fma quant_time_fma.log build/fma/tests/kernels/test_fp8_quant_time
+    local lib act
     for lib in build build/fma; do
-        STEP_TIMEOUT=90 step "profile_fp8_${lib//\//_}" "profile_fp8_${lib//\//_}.log" \
-            env MOEFUSE_LIB="$PWD/$lib/libmoefuse.so" python3 bench/profile_step.py \
-            --model qwen3-30b-a3b --precision fp8 --sustain-s 2
+        for act in 0 1; do   # act quantized by gemm1's store warps (MOEFUSE_FP8_ACT_IN_GEMM1)
+            STEP_TIMEOUT=90 step "profile_fp8_${lib//\//_}_act$act" \
+                "profile_fp8_${lib//\//_}_act$act.log" env MOEFUSE_FP8_ACT_IN_GEMM1=$act \
+                MOEFUSE_LIB="$PWD/$lib/libmoefuse.so" python3 bench/profile_step.py \
+                --model qwen3-30b-a3b --precision fp8 --sustain-s 2
+        done
     done
 }
 
