@@ -15,6 +15,7 @@ docs/decisions/0017-ruled-out has its reading of the step's kernels at the power
 
     python bench/profile_step.py [--model qwen3-30b-a3b] [--tokens 16384] [--calls 12]
                                  [--sustain-s 4] [--precision bf16|fp8]
+                                 [--saved inputs|activations|recompute]
 
 Runs only on a CUDA device; without one it prints SKIP and the reason and exits 0.
 """
@@ -66,6 +67,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=12)
     parser.add_argument("--sustain-s", type=float, default=4.0)
     parser.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
+    parser.add_argument("--saved", choices=("inputs", "activations", "recompute"),
+                        default="inputs",
+                        help="what the forward keeps: activations and the dispatched inputs "
+                             "(the op's default, save_inputs=True), activations only (FP8: "
+                             "then the dispatch quantizes x), or nothing (recompute)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("SKIP profile_step: no CUDA device (torch.cuda.is_available() is False)")
@@ -79,14 +85,16 @@ def main() -> None:
 
     def fwd_bwd(i: int) -> None:
         x, ids, p, dy = inputs[i % NUM_INPUT_SETS]
-        y = moefuse.experts(x, ids, p, w13, w2, precision=args.precision)
+        y = moefuse.experts(x, ids, p, w13, w2, precision=args.precision,
+                            save_inputs=args.saved == "inputs",
+                            recompute=args.saved == "recompute")
         torch.autograd.grad(y, (x, p, w13, w2), dy)
 
     for i in range(8):   # warm-up: loading, allocation
         fwd_bwd(i)
     torch.cuda.synchronize()
     print(f"# {torch.cuda.get_device_name()}; {args.model}, T = {args.tokens}, "
-          f"{args.precision}, {args.calls} calls per profile")
+          f"{args.precision}, saved {args.saved}, {args.calls} calls per profile")
     time.sleep(2.0)
     profile_calls(fwd_bwd, "cool (after 2 s idle)", args.calls)
     t0, i = time.monotonic(), 0
