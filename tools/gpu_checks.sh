@@ -141,10 +141,6 @@ fp8_diag() {
         STEP_TIMEOUT=90 step profile_fp8_activations_$model profile_fp8_activations_$model.log \
             python3 bench/profile_step.py --model $model --precision fp8 --sustain-s 2 \
             --saved activations
-        # act quantized by gemm1's store warps (opt-in until it has run): the same table
-        STEP_TIMEOUT=90 step profile_fp8_act_in_gemm1_$model profile_fp8_act_$model.log \
-            env MOEFUSE_FP8_ACT_IN_GEMM1=1 python3 bench/profile_step.py --model $model \
-            --precision fp8 --sustain-s 2
     done
 }
 
