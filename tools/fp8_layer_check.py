@@ -101,33 +101,37 @@ def weights_case(E, H, I, wdtype, seed=7):
     weights = _fp8.Fp8WeightCache().get(layer, w13, w2)
     if DEV.type == "cuda":
         torch.cuda.synchronize()
+    from fp8_reference import _array
     buf = weights.buffer
-    base = buf.data_ptr()
     bad = []
     for w, name, rows, cols in ((w13, "w13", 2 * I, H), (w2, "w2", H, I)):
-        def arr(addr, shape, dtype):
-            n = 1
-            for s in shape:
-                n *= s
-            off = addr - base
-            return buf.view(torch.uint8)[off:off + n * torch.empty((), dtype=dtype)
-                                         .element_size()].view(dtype).view(shape)
-        codes = arr(getattr(weights, name), (E, rows, cols), torch.uint8)
-        scale = arr(getattr(weights, name + "_scale"), (E, rows // 128, cols // 128),
-                    torch.float32)
-        codes_t = arr(getattr(weights, name + "t"), (E, cols, rows), torch.uint8)
-        want_codes, want_scale = em.block_codes(w.float())
+        codes = _array(buf, getattr(weights, name), (E, rows, cols), torch.uint8)
+        scale = _array(buf, getattr(weights, name + "_scale"), (E, rows // 128, cols // 128),
+                       torch.float32)
+        codes_t = _array(buf, getattr(weights, name + "t"), (E, cols, rows), torch.uint8)
+        want_codes, want_scale = (t.cpu() for t in em.block_codes(w.float()))
         bad.append(f"{name}: codes differ {(codes != want_codes.view(torch.uint8)).sum().item()}"
                    f", scales differ {(scale != want_scale).sum().item()}, transposes differ "
                    f"{(codes_t != codes.transpose(1, 2)).sum().item()}")
     print(f"weights E={E} H={H} I={I} {wdtype}: " + "; ".join(bad))
 
 
-def _padded_rows(slots, experts):
-    """rows_cap of the saved layout on one GPU (src/host/sizing.c mf_padded_rows)."""
-    padded = min(slots, experts)
-    rows = slots + 127 * padded
-    return (rows + 127) // 128 * 128
+def _saved_sections(saved, T, I, E, K):
+    """The sections of a one-GPU SAVE_ACTIVATIONS saved buffer (src/host/sizing.c
+    mf_saved_layout_of, each 256-byte aligned): expert counts and offsets, slot_row [T, K],
+    gate_up [rows_cap, 2I] bf16."""
+    a256 = lambda n: (n + 255) // 256 * 256  # noqa: E731
+    rows_cap = (T * K + 127 * min(T * K, E) + 127) // 128 * 128   # mf_padded_rows
+    at = a256(16 * 4)
+    counts = saved[at:at + E * 4].view(torch.int32)
+    at += a256(E * 4)
+    offsets = saved[at:at + (E + 1) * 4].view(torch.int32)
+    at += a256((E + 1) * 4) + a256(rows_cap // 128 * 4)
+    slot_row = saved[at:at + T * K * 4].view(torch.int32).view(T, K)
+    at += a256(T * K * 4) + a256(rows_cap * 4)
+    assert saved.numel() == at + a256(rows_cap * 2 * I * 2), (saved.numel(), at)
+    gate_up = saved[at:at + rows_cap * 2 * I * 2].view(torch.bfloat16).view(rows_cap, 2 * I)
+    return counts, offsets, slot_row, gate_up
 
 
 def gate_up_case(shape, skew="uniform", seed=43):
@@ -142,17 +146,11 @@ def gate_up_case(shape, skew="uniform", seed=43):
             x, ids, p, w13, w2, True, int(_lib.SavedMode.SAVE_ACTIVATIONS),
             int(_lib.Precision.FP8_BLOCK), False, None)
     moefuse.check_device_errors()
-    rows_cap = _padded_rows(T * K, E)
-    a256 = lambda n: (n + 255) // 256 * 256  # noqa: E731
-    at = a256(16 * 4) + a256(E * 4) + a256((E + 1) * 4) + a256(rows_cap // 128 * 4)
-    slot_row = saved[at:at + T * K * 4].view(torch.int32)
-    at += a256(T * K * 4) + a256(rows_cap * 4)
-    assert saved.numel() == at + a256(rows_cap * 2 * I * 2), (saved.numel(), at)
-    gu_lib = saved[at:at + rows_cap * 2 * I * 2].view(torch.bfloat16).view(rows_cap, 2 * I)
+    _, _, slot_row, gu_lib = _saved_sections(saved, T, I, E, K)
     recipe = em.Recipe(em.GEMMS)
     with em.exact_fp32(DEV):
         want_y, (plan, gu, a) = em.experts_forward(x, ids, p, w13, w2, recipe)
-        got = gu_lib[slot_row.long()[plan.slot]].float()
+        got = gu_lib[slot_row.reshape(-1).long()[plan.slot]].float()
         xs = x[plan.token].float()
         q13 = recipe.weight("gemm1", w13)
         variants = {
@@ -271,17 +269,6 @@ def _runs(problem, n, **kw):
     return [[t.to(DEV) for t in run_fp8(*problem, device=DEV, **kw)] for _ in range(n)]
 
 
-def _bf16_runs(problem, n):
-    x, ids, p, w13, w2, dy = problem
-    outs = []
-    for _ in range(n):
-        xx, pp, a, b = (t.detach().clone().requires_grad_() for t in (x, p, w13, w2))
-        y = moefuse.experts(xx, ids, pp, a, b)
-        y.backward(dy)
-        outs.append([y.detach(), xx.grad, pp.grad, a.grad, b.grad])
-    return outs
-
-
 def _report_runs(label, outs, ids):
     names = ("y", "dx", "dp", "dw13", "dw2")
     first = outs[0]
@@ -338,15 +325,7 @@ def bisect_case(T=16384, runs=8):
         outs = [torch.ops.moefuse.experts_bwd(dy, x, ids_, p, w13, w2, saved0, mode, fp8, False,
                                               None)[:4] for _ in range(runs)]
         moefuse.check_device_errors()
-        E, K = 64, 8
-        rows_cap = _padded_rows(T * K, E)
-        a256 = lambda n: (n + 255) // 256 * 256  # noqa: E731
-        at = a256(16 * 4)
-        counts = saved0[at:at + E * 4].view(torch.int32)
-        at += a256(E * 4)
-        offsets = saved0[at:at + (E + 1) * 4].view(torch.int32)
-        at += a256((E + 1) * 4) + a256(rows_cap // 128 * 4)
-        slot_row = saved0[at:at + T * K * 4].view(torch.int32).view(T, K)
+        counts, offsets, slot_row, _ = _saved_sections(saved0, T, 512, 64, 8)
         ref = outs[0]
         for i, o in enumerate(outs[1:], 1):
             bad_dp = (o[1] != ref[1])
