@@ -40,14 +40,6 @@ struct QuantizesAct : ProducerRegs<Cfg, 64> {
     static constexpr bool kQuantizesAct = true;
     static_assert(Cfg::kAScaleBytes > 0 && Cfg::BN == 256, "FP8 tiles of 128 act columns");
 };
-template <class Cfg, class = void>
-struct QuantizesActOf {
-    static constexpr bool value = false;
-};
-template <class Cfg>
-struct QuantizesActOf<Cfg, decltype(void(Cfg::kQuantizesAct))> {
-    static constexpr bool value = Cfg::kQuantizesAct;
-};
 
 struct Gemm1Args {
     CUtensorMap map_xs;    /* [rows_cap, H], box 128 x 64 */
@@ -182,7 +174,7 @@ struct Gemm1Epilogue {
     /* Store warps: each lane takes 4 columns of a row (8 bytes of g, 8 of u, 8 of act),
      * so a warp covers 32 / (BN/8) rows per step and every store is a whole row piece. */
     __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf) {
-        if constexpr (QuantizesActOf<Cfg>::value) {
+        if constexpr (Cfg::kQuantizesAct) {
             drain_act_codes(m_block, n_block, wg, buf);
             return;
         }
