@@ -7,8 +7,8 @@
 # A build follows its flags: a build with CUDA goes to build/, one without to build/cpu/
 # (so switching costs no recompilation), and each directory records the flags its
 # objects were compiled with (flags.host, flags.cuda): a change of compiler or flags
-# rebuilds what they compiled. NVCC_EXTRA adds nvcc flags (an opt-in kernel path, e.g.
-# NVCC_EXTRA=-DMF_FP8_FMA_QUOTIENT=1).
+# rebuilds what they compiled. NVCC_EXTRA adds nvcc flags (e.g. a macro that selects an
+# opt-in kernel path, -DNAME=1).
 
 CC      ?= cc
 NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)

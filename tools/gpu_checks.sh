@@ -24,9 +24,6 @@
 #                                kernels or the recipe?); and
 #                                profile_step.py's per-kernel table of the FP8 layer on
 #                                both shapes
-#   tools/gpu_checks.sh quantizers_ab  the quantizers' opt-ins (MF_FP8_FMA_QUOTIENT,
-#                                MF_FP8_WEIGHTS_ONE_READ) built apart: their tests, then the
-#                                quantizers' times and the FP8 layer's profile, both builds
 #   tools/gpu_checks.sh ncu_fp8  ncu's speed-of-light, memory, warp-state and scheduler
 #                                sections of one launch of each FP8 GEMM and quantizer
 #   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
@@ -144,31 +141,6 @@ fp8_diag() {
     done
 }
 
-quantizers_ab() {
-    # the quantizers' opt-ins, MF_FP8_FMA_QUOTIENT (fp8_recipe.cuh) and
-    # MF_FP8_WEIGHTS_ONE_READ (simt/fp8_quant.cu): their own build, its quantizer and FP8
-    # tests, then the quantizers' times (the weights' too) and the FP8 layer's profile
-    # beside the default build's
-    STEP_TIMEOUT=400 step build_quantizers_next build_quantizers_next.log make -j"$(nproc)" \
-        BUILD=build/fma NVCC_EXTRA="-DMF_FP8_FMA_QUOTIENT=1 -DMF_FP8_WEIGHTS_ONE_READ=1" all
-    step fma_test_fp8_quant fma_test_fp8_quant.log build/fma/tests/kernels/test_fp8_quant
-    step fma_test_dispatch_rows fma_test_dispatch_rows.log build/fma/tests/kernels/test_dispatch_rows
-    step fma_test_cuda_fp8 fma_test_cuda_fp8.log build/fma/tests/api/test_cuda_fp8
-    step fma_python_fp8 fma_python_fp8.log env MOEFUSE_LIB="$PWD/build/fma/libmoefuse.so" \
-        python3 -m pytest -q -rs python/tests/test_fp8_cuda.py -k "not training_sized"
-    step quant_time_default quant_time_default.log build/tests/kernels/test_fp8_quant_time
-    step quant_time_fma quant_time_fma.log build/fma/tests/kernels/test_fp8_quant_time
-    local lib act
-    for lib in build build/fma; do
-        for act in 0 1; do   # act quantized by gemm1's store warps (MOEFUSE_FP8_ACT_IN_GEMM1)
-            STEP_TIMEOUT=90 step "profile_fp8_${lib//\//_}_act$act" \
-                "profile_fp8_${lib//\//_}_act$act.log" env MOEFUSE_FP8_ACT_IN_GEMM1=$act \
-                MOEFUSE_LIB="$PWD/$lib/libmoefuse.so" python3 bench/profile_step.py \
-                --model qwen3-30b-a3b --precision fp8 --sustain-s 2
-        done
-    done
-}
-
 ncu_fp8() {
     # where the FP8 kernels' time goes: ncu's sections of one launch of each (the third,
     # past the warm-up) in qwen3-30b-a3b's forward + backward at T = 16384
@@ -237,10 +209,10 @@ phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(verify)
 for p in "${phases[@]}"; do
     case "$p" in
-    verify | suites | deep | bench | parity | fp8_diag | quantizers_ab | ncu_fp8 | ablation \
+    verify | suites | deep | bench | parity | fp8_diag | ncu_fp8 | ablation \
         | step | titan | titan_235b | titan_loss) ;;
     *) echo "tools/gpu_checks.sh: unknown phase '$p' (verify, suites, deep, bench, parity," \
-            "fp8_diag, quantizers_ab, ncu_fp8, ablation, step, titan, titan_235b, titan_loss)" >&2
+            "fp8_diag, ncu_fp8, ablation, step, titan, titan_235b, titan_loss)" >&2
        exit 2 ;;
     esac
 done

@@ -290,22 +290,12 @@ def test_training_sized_calls_match_the_recipe_row_by_row(shape, values):
         assert err < TRAINING_ROW_TOL, f"{name}: token {worst} off by {err:.2e}"
 
 
-@pytest.mark.parametrize("act_in_gemm1", ["0", "1"])
-def test_training_sized_calls_are_bitwise_deterministic(act_in_gemm1, monkeypatch):
+def test_training_sized_calls_are_bitwise_deterministic():
     """Six forward + backward calls of the parity model's layer at T = 16384 on one problem
-    give the same bits (also with act quantized by gemm1, MOEFUSE_FP8_ACT_IN_GEMM1). Before
-    the fence in mainloop.cuh's k_loop_promoted a consumer warp now and then read a stage's
-    scales after the producer had refilled the slot: 16 rows of one dgrad2 tile wrong in
-    about one backward in two at this size (smaller calls rarely showed it)."""
-    monkeypatch.setenv("MOEFUSE_FP8_ACT_IN_GEMM1", act_in_gemm1)
-    ops.layer_cache.clear()
-    try:
-        _six_training_sized_calls_equal()
-    finally:
-        ops.layer_cache.clear()
-
-
-def _six_training_sized_calls_equal():
+    give the same bits. Before the fence in mainloop.cuh's k_loop_promoted a consumer warp
+    now and then read a stage's scales after the producer had refilled the slot: 16 rows
+    of one dgrad2 tile wrong in about one backward in two at this size (smaller calls
+    rarely showed it)."""
     x, ids, p, w13, w2, dy = (t.to(DEV) for t in random_problem(
         *TRAINING_SHAPES["parity-model"], seed=52))
     w13, w2 = w13.float(), w2.float()
@@ -323,37 +313,3 @@ def _six_training_sized_calls_equal():
             assert len(differ) == 0, (f"run {run}: {name} differs from the first run in "
                                       f"{len(differ)} rows, e.g. {differ[:8].tolist()}")
     moefuse.check_device_errors()
-
-
-def _rows_quantizer_launches(call) -> int:
-    """How many times call() launches the rows quantizer kernel (the profiler's CUDA
-    activity)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        call()
-        torch.cuda.synchronize()
-    return sum(e.count for e in prof.key_averages() if "fp8_quantize_rows_kernel" in e.key)
-
-
-@pytest.mark.parametrize("recompute, pow2", [(False, False), (True, False), (False, True)])
-@pytest.mark.parametrize("shape", [(4096, 1024, 512, 64, 8), (512, 2048, 768, 128, 8)],
-                         ids=["parity-model", "qwen3-30b-a3b"])
-def test_act_quantized_in_gemm1_gives_the_rows_quantizers_bits(shape, recompute, pow2,
-                                                               monkeypatch):
-    """MOEFUSE_FP8_ACT_IN_GEMM1=1 (read when a layer is made): gemm1's store warps quantize
-    act as they make it, the rows quantizer's pass over bf16 act is gone from the call
-    (the recompute's pass over x stays), and every output has that pass's bits."""
-    x, ids, p, w13, w2, dy = random_problem(*shape, seed=53, skew="zipf", drop_fraction=0.01)
-    outs, launches = [], []
-    try:
-        for flag in ("0", "1"):
-            monkeypatch.setenv("MOEFUSE_FP8_ACT_IN_GEMM1", flag)
-            ops.layer_cache.clear()
-            launches.append(_rows_quantizer_launches(lambda: outs.append(run_fp8(
-                x, ids, p, w13.float(), w2.float(), dy, pow2=pow2, recompute=recompute,
-                device=DEV))))
-            moefuse.check_device_errors()
-    finally:
-        ops.layer_cache.clear()   # no layer made with the opt-in outlives the test
-    assert launches[1] == launches[0] - 1, launches  # the forward's pass over act, gone
-    for name, a, b in zip(OUTPUTS, *outs):
-        assert torch.equal(a, b), f"{name} differs with act quantized in gemm1"

@@ -65,14 +65,6 @@ __device__ __forceinline__ float tile_scale(float amax, int pow2) {
     return s;
 }
 
-/* MF_FP8_FMA_QUOTIENT=1 (make NVCC_EXTRA=-DMF_FP8_FMA_QUOTIENT=1): the quantizers take
- * x / scale from quotient() below. It has not run on a GPU yet, so the default is still
- * the product where it provably encodes as the quotient, else div.rn
- * (product_encodes_as_quotient); tests/kernels/test_fp8_quant.cu checks either. */
-#ifndef MF_FP8_FMA_QUOTIENT
-#define MF_FP8_FMA_QUOTIENT 0
-#endif
-
 /* The code of rn(x / scale) without a division, from inv = rn(1 / scale) of the tile:
  * q1 = rn(x inv) is within about 1.5 ulp of the quotient, the residual r = x - q1 scale is
  * exact in one fma (no underflow), and rn(q1 + r inv) corrects q1 (Markstein's step; his
@@ -86,11 +78,13 @@ __device__ __forceinline__ float tile_scale(float amax, int pow2) {
  * and, in a review, 33.5 G pairs over every significand of x in two binades against 2000
  * scale significands (the fp32 results themselves equal): 0 differ. tests/cpu/test_fp8.c
  * and tests/kernels/test_fp8_quant.cu (the device's) keep subsets.
- * NOTE: why: the default's check (product_encodes_as_quotient, below) sends a lane to the
- * out-of-line div.rn far more often than its midpoint arithmetic suggests. bf16 values land
- * on or near rounding points (x / amax a ratio of 8-bit significands), and 45% (x) to 84%
- * ([dg; du]) of the warps take the divisions (counted on the CPU on N(0, 1) data); see
- * docs/decisions/0023-fp8-quantizer-bandwidth. */
+ * Precondition: x / scale finite (a tile's values are within 448 scales); beyond, q1
+ * overflows and the result is NaN where the division saturates.
+ * NOTE: why not the product where it provably encodes as the quotient and div.rn
+ * otherwise: bf16 values land on or near e4m3 rounding points (x / amax a ratio of 8-bit
+ * significands), so 45% (x) to 84% ([dg; du]) of the warps took the divisions; this
+ * form cut the FP8 layer from 8.53 to 7.49 ms (qwen3-30b-a3b, T = 16384, H100; see
+ * docs/decisions/0023-fp8-quantizer-bandwidth). */
 __device__ __forceinline__ float quotient(float x, float scale, float inv) {
     const float a = fabsf(x);
     const bool tiny = a != 0.0f && a < 0x1p-100f;
@@ -103,8 +97,7 @@ __device__ __forceinline__ float quotient(float x, float scale, float inv) {
 
 /* One value's code under a scale and its reciprocal inv = rn(1 / scale). */
 __device__ __forceinline__ uint8_t quantize(float v, float scale, float inv) {
-    if constexpr (MF_FP8_FMA_QUOTIENT) return e4m3_encode(quotient(v, scale, inv));
-    return e4m3_encode(__fdiv_rn(v, scale));
+    return e4m3_encode(quotient(v, scale, inv));
 }
 
 /* Two values encoded by the hardware (cvt.rn.satfinite.e4m3x2.f32: nearest even, +-448 at
@@ -130,44 +123,12 @@ __device__ __forceinline__ uint2 encode8(const float (&q)[8]) {
                           ((uint32_t)e4m3x2_encode(q[6], q[7]) << 16));
 }
 
-/* The product x inv where it provably encodes as rn(x / scale) (the default quantizers'
- * test): |x inv - x / scale| < 1 ulp, so q = rn(x inv) is within 2 ulp (4 steps of fp32
- * bits) of rn(x / scale); the two encode alike unless an e4m3 rounding point (a midpoint of
- * two codes, bits = 0x80000 mod 2^20 over e4m3's normal range) lies between them. q zero,
- * or at least 2^-6 and more than 8 steps from such a point, passes. */
-__device__ __forceinline__ bool product_encodes_as_quotient(float q) {
-    const uint32_t u = __float_as_uint(q) & 0x7fffffffu;
-    return u == 0 || (u >= 0x3c800000u + 8 && ((u + 8 - 0x80000u) & 0xfffffu) > 16);
-}
-
-/* The default quantizers' other path, out of line (eight div.rn inlined at every use
- * would crowd the registers). */
-static __device__ __noinline__ uint2 quantize8_div(float x0, float x1, float x2, float x3, float x4,
-                                            float x5, float x6, float x7, float scale) {
-    const float q[8] = {__fdiv_rn(x0, scale), __fdiv_rn(x1, scale), __fdiv_rn(x2, scale),
-                        __fdiv_rn(x3, scale), __fdiv_rn(x4, scale), __fdiv_rn(x5, scale),
-                        __fdiv_rn(x6, scale), __fdiv_rn(x7, scale)};
-    return encode8(q);
-}
-
-/* 8 values' codes, element j in byte j of the pair: quotient() (MF_FP8_FMA_QUOTIENT), or
- * the product where it encodes alike (power-of-two scales: always, it is exact) and
- * otherwise div.rn for the lane's 8. */
-__device__ __forceinline__ uint2 quantize8(const float (&x)[8], float scale, float inv, int pow2) {
+/* 8 values' codes under a scale and its reciprocal, element j in byte j of the pair. */
+__device__ __forceinline__ uint2 quantize8(const float (&x)[8], float scale, float inv) {
     float q[8];
-    if constexpr (MF_FP8_FMA_QUOTIENT) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) q[j] = quotient(x[j], scale, inv);
-        return encode8(q);
-    }
-    bool ok = true;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        q[j] = __fmul_rn(x[j], inv);
-        ok = ok && product_encodes_as_quotient(q[j]);
-    }
-    if (ok || pow2) return encode8(q);
-    return quantize8_div(x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], scale);
+    for (int j = 0; j < 8; ++j) q[j] = quotient(x[j], scale, inv);
+    return encode8(q);
 }
 
 /* |v| folded into a running amax, NaN-propagating (max.NaN: a NaN in either is NaN; the
@@ -199,7 +160,7 @@ __device__ __forceinline__ uint2 row_tile_codes(const uint4 piece, unsigned half
     for (int o = 8; o > 0; o >>= 1) m = amax_nan(m, __shfl_xor_sync(half_lanes, m, o));
     const float s = tile_scale(m, pow2);
     *scale = s;
-    return quantize8(x, s, __frcp_rn(s), pow2);
+    return quantize8(x, s, __frcp_rn(s));
 }
 
 }  // namespace fp8

@@ -8,8 +8,7 @@
  *             reads the saved xs; FP8: neither, its quantizers gather the caller's rows,
  *             and only the rows' p are written); peers, a push on the side stream
  *   gemm1     MOEFUSE_RECOMPUTE only: xs -> [g | u] (the forward's very call, so the
- *             forward's bits; act goes to the act workspace, or its FP8 codes to the lhs
- *             token codes (exec_plan.gemm1_quantizes_act), and is not read)
+ *             forward's bits; act goes to the act workspace and is not read)
  *   dgrad2    dys W2_e with the SwiGLU backward -> dh = [dg | du], act_p = bf16(p a),
  *             d p partial sums per column block
  *             (beside a push, gemm1 and dgrad2 take each row block once it is in)
@@ -128,8 +127,7 @@ moefuse_status backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *s
     const row_arrivals arrivals = plan.net->arrivals(layer, c, true);
 
     // ---- 2. [g | u]: saved, or recomputed by the forward's gemm1 ----
-    // (act is not read: dgrad2 overwrites it with act_p, and its FP8 codes, where gemm1
-    // writes them, with p dy's token codes)
+    // (act is not read: dgrad2 overwrites it with act_p)
     const uint16_t *gate_up = (const uint16_t *)(c.base + c.lay.gate_up);
     if (plan.saved_mode == MOEFUSE_RECOMPUTE) {
         mf_gemm1_params g1 = gemm1_params(layer, c, a->w13, a->w13_up, s->gate_up);

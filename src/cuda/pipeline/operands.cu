@@ -22,9 +22,6 @@
  *         quantization does not overlap the push; the forward's gemm1 reads the pushed
  *         codes block by block as they arrive, as BF16's does. The
  *         received rows are the rows a single rank would gather, so the codes are too.
- *         Opt-in (exec_plan.gemm1_quantizes_act, MOEFUSE_FP8_ACT_IN_GEMM1=1): gemm1's
- *         store warps quantize a as they make it, into the lhs token codes, and gemm2 reads
- *         those; no bf16 a is written or read again (the same codes, not yet run on a GPU).
  * NOTE: the FP8 quantizations are passes of their own over rows a kernel just wrote
  * (about 3 bytes per element moved: read bf16, write the code; the scales add 1/32):
  * the dispatch and the epilogues that hold these tiles could write them instead.
@@ -202,25 +199,10 @@ mf_operand weight(const uint8_t *codes, const float *scales) {
     return mf_operand{codes, MF_DTYPE_E4M3, scales, MF_SCALES_128X128};
 }
 
-/* gemm1_quantizes_act: act's codes and scales, in the lhs token codes (free in the
- * forward; in the backward's recompute nothing reads them, and dgrad2 writes p dy there
- * after) */
-mf_operand act_codes_operand(const moefuse_layer *layer) {
-    const cuda_state *s = state_of(layer);
-    return mf_operand{s->fp8_lhs_t, MF_DTYPE_E4M3, s->fp8_lhs_scales, MF_SCALES_1X128};
-}
-
 moefuse_status fp8_gemm1(const moefuse_layer *layer, const call_bufs &c,
                          const moefuse_fp8_weights *w, mf_gemm1_params *p, cudaStream_t stream) {
     p->w13 = weight(w->w13, w->w13_scale);
     p->w13_up = NULL;   /* the quantized weights are packed */
-    if (state_of(layer)->plan.gemm1_quantizes_act) {
-        const mf_operand a = act_codes_operand(layer);
-        p->act_codes = (uint8_t *)a.data;
-        p->act_scales = (float *)a.scales;
-        p->act_scale_ld = scale_ld(c.lay.rows_cap);
-        p->act_pow2 = layer->cfg.fp8_pow2_scales;
-    }
     if (c.x_codes) {    /* the dispatch wrote them (peers: into the x rows window) */
         p->xs = x_codes_operand(layer, c);
         return MOEFUSE_OK;
@@ -234,10 +216,6 @@ moefuse_status fp8_gemm1(const moefuse_layer *layer, const call_bufs &c,
 moefuse_status fp8_gemm2(const moefuse_layer *layer, const call_bufs &c,
                          const moefuse_fp8_weights *w, mf_gemm2_params *p, cudaStream_t stream) {
     p->w2 = weight(w->w2, w->w2_scale);
-    if (state_of(layer)->plan.gemm1_quantizes_act) {   /* gemm1 wrote them */
-        p->act = act_codes_operand(layer);
-        return MOEFUSE_OK;
-    }
     return quantized_rows(layer, c, sorted_rows(p->act.data, p->intermediate), p->intermediate,
                           stream, &p->act);
 }

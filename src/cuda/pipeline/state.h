@@ -52,14 +52,6 @@ struct exec_plan {
     /* FP8 on the local transport: the backward's quantizers read dy and x where the caller
      * has them (gathered through row_slot), so its dispatch writes no bf16 rows of them */
     bool quantizers_gather;
-    /* FP8: gemm1's epilogue quantizes act (1 x 128) into the lhs token codes, which gemm2
-     * reads, instead of act in bf16 and a rows quantizer's pass over it. Opt-in
-     * (MOEFUSE_FP8_ACT_IN_GEMM1=1 at layer create) until its kernel has run on a GPU;
-     * the same bits by construction (fp8::row_tile_codes). An earlier form, with a
-     * division per element, doubled gemm1 (store-warp bound; commit adaacf8, decision
-     * 0021); this one quantizes as the rows pass does, without divisions under
-     * MF_FP8_FMA_QUOTIENT: measure both before it becomes the default */
-    bool gemm1_quantizes_act;
     moefuse_saved_mode saved_mode;
     int block_m;                /* the GEMMs' row tile = the plan's row block */
     int dp_parts;               /* d p partial sums per row (dgrad2's column blocks) */

@@ -196,9 +196,6 @@ static moefuse_status resolve_plan(const moefuse_layer *layer, cuda_state *s) {
     p.dw13_before_wait = p.rows_from_peers;
     p.dispatch_quantizes_x = c->precision == MOEFUSE_PRECISION_FP8_BLOCK;
     p.quantizers_gather = p.dispatch_quantizes_x && !p.rows_from_peers;
-    const char *act_in_gemm1 = getenv("MOEFUSE_FP8_ACT_IN_GEMM1");
-    p.gemm1_quantizes_act = c->precision == MOEFUSE_PRECISION_FP8_BLOCK && act_in_gemm1 &&
-                            !strcmp(act_in_gemm1, "1");
     if (p.quantizers_gather && (p.fused_forward || p.fused_backward))
         return mf_fail(MOEFUSE_ERR_UNSUPPORTED,
                        "the %s GEMMs offer a fused kernel, but FP8 on one GPU dispatches no "

@@ -24,9 +24,9 @@
  * one 8-byte word. Tokens: a CTA per 128 rows x 128 columns, each thread 8 rows x 8
  * columns in registers, the column amax by registers, a shuffle and shared memory, the
  * codes^T through shared memory as swizzled bytes, written 16 bytes per lane. Codes come
- * from one multiplication by the tile's reciprocal, with the division's bits (quantize8).
- * Weights run once per optimizer step: a CTA per block reads
- * it twice (amax, then codes), the transposed codes through shared memory. */
+ * from the tile's reciprocal and an fma correction, with the division's bits (quotient()).
+ * Weights run once per optimizer step: a CTA per block reads it once, the transposed
+ * codes through shared memory. */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -126,11 +126,10 @@ struct tokens_block_params {
     int scale_ld;
 };
 
-/* kGather: the rows read through row_slot (the gather's addresses take registers: 2 CTAs
- * an SM, as with kRows; so with MF_FP8_FMA_QUOTIENT, whose codes spilled at 3: 80
- * registers, ptxas CUDA 13). */
+/* kGather: the rows read through row_slot. 2 CTAs an SM: quotient()'s codes spill at 3
+ * (80 registers, ptxas CUDA 13). */
 template <bool kRows, bool kGather>
-__global__ void __launch_bounds__(kTokThreads, MF_FP8_FMA_QUOTIENT || kRows || kGather ? 2 : 3)
+__global__ void __launch_bounds__(kTokThreads, 2)
     fp8_quantize_tokens_kernel(const tokens_block_params bp) {
     const mf_quantize_fp8_tokens_params &p = bp.t;
     __shared__ __align__(16) uint2 codes_t[kTokCols][16];   /* [column][8-byte unit ^ piece] */
@@ -175,7 +174,7 @@ __global__ void __launch_bounds__(kTokThreads, MF_FP8_FMA_QUOTIENT || kRows || k
             const float s = tile_scale(m, p.pow2);
             const int64_t r = r0 + 8 * group + i;
             *reinterpret_cast<uint2 *>(bp.row_codes + r * p.cols + c) =
-                quantize8(x, s, __frcp_rn(s), p.pow2);
+                quantize8(x, s, __frcp_rn(s));
             if (piece == 0) row_scales[r] = s;
         }
     }
@@ -216,7 +215,7 @@ __global__ void __launch_bounds__(kTokThreads, MF_FP8_FMA_QUOTIENT || kRows || k
         float x[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) x[i] = __fmul_rn(pw[i], bf16_at(v[i], j));
-        codes_t[8 * piece + j][group ^ piece] = quantize8(x, s, __frcp_rn(s), p.pow2);
+        codes_t[8 * piece + j][group ^ piece] = quantize8(x, s, __frcp_rn(s));
     }
     __syncthreads();
 
@@ -241,14 +240,6 @@ __global__ void __launch_bounds__(kTokThreads, MF_FP8_FMA_QUOTIENT || kRows || k
 constexpr int kWThreads = 256;
 constexpr int kWPerThread = 128 * 128 / kWThreads;
 
-/* MF_FP8_WEIGHTS_ONE_READ=1 (make NVCC_EXTRA=...): each thread keeps its 64 values in
- * registers from the amax to the codes, so a block is read from memory once, not twice
- * (the second read mostly missed L2: 2.1 ms for qwen3-30b-a3b's fp32 W13 and W2 on an
- * H100, against ~1.1 ms for one read and the codes' writes). Not run on a GPU yet. */
-#ifndef MF_FP8_WEIGHTS_ONE_READ
-#define MF_FP8_WEIGHTS_ONE_READ 0
-#endif
-
 template <class T>
 __device__ __forceinline__ float weight_value(const T *w, int64_t i);
 template <>
@@ -260,15 +251,13 @@ __device__ __forceinline__ float weight_value<uint16_t>(const uint16_t *w, int64
     return __uint_as_float((uint32_t)w[i] << 16);
 }
 
-/* One read: 2 CTAs an SM (128 registers), so that one's loads overlap the other's codes. */
-#if MF_FP8_WEIGHTS_ONE_READ
-#define MF_WEIGHTS_LAUNCH_BOUNDS __launch_bounds__(kWThreads, 2)
-#else
-#define MF_WEIGHTS_LAUNCH_BOUNDS __launch_bounds__(kWThreads)
-#endif
-
+/* A 128 x 128 block of W (bf16 or fp32) to W's codes and W^T's, and its scale. Each thread
+ * keeps its 64 values in registers from the amax to the codes, so the block is read once:
+ * reading it again for the codes mostly missed L2 (2.73 ms for qwen3-30b-a3b's fp32 W13 and
+ * W2 on an H100; 2.47 ms with one read and quotient(), floor 0.91 ms). 2 CTAs an SM (128
+ * registers), so that one's loads overlap the other's codes. */
 template <class T>
-__global__ void MF_WEIGHTS_LAUNCH_BOUNDS
+__global__ void __launch_bounds__(kWThreads, 2)
     fp8_quantize_weights_kernel(const mf_quantize_fp8_weights_params p, const T *w) {
     __shared__ uint8_t codes_t[128][128 + 4];
     __shared__ float red[kWThreads / 32];
@@ -286,19 +275,14 @@ __global__ void MF_WEIGHTS_LAUNCH_BOUNDS
               bc * 128;
     }
     float m = 0.0f;
-    float held[kWPerThread];   /* MF_FP8_WEIGHTS_ONE_READ: this thread's values, i = t + k 256 */
-    if constexpr (MF_FP8_WEIGHTS_ONE_READ) {
+    float held[kWPerThread];   /* this thread's values, element i = t + k 256 */
 #pragma unroll
-        for (int k = 0; k < kWPerThread; ++k) {
-            const int i = threadIdx.x + k * kWThreads;
-            held[k] = weight_value<T>(w, src + (int64_t)(i / 128) * p.cols + i % 128);
-        }
-#pragma unroll
-        for (int k = 0; k < kWPerThread; ++k) m = amax_fold(m, held[k]);
-    } else {
-        for (int i = threadIdx.x; i < 128 * 128; i += kWThreads)
-            m = amax_fold(m, weight_value<T>(w, src + (int64_t)(i / 128) * p.cols + i % 128));
+    for (int k = 0; k < kWPerThread; ++k) {
+        const int i = threadIdx.x + k * kWThreads;
+        held[k] = weight_value<T>(w, src + (int64_t)(i / 128) * p.cols + i % 128);
     }
+#pragma unroll
+    for (int k = 0; k < kWPerThread; ++k) m = amax_fold(m, held[k]);
     m = warp_amax(m);
     if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
     __syncthreads();
@@ -310,15 +294,9 @@ __global__ void MF_WEIGHTS_LAUNCH_BOUNDS
         p.codes[base + (int64_t)(i / 128) * p.cols + i % 128] = q;
         codes_t[i % 128][i / 128] = q;
     };
-    if constexpr (MF_FP8_WEIGHTS_ONE_READ) {
 #pragma unroll
-        for (int k = 0; k < kWPerThread; ++k)
-            put(threadIdx.x + k * kWThreads, quantize(held[k], s, inv));
-    } else {
-        for (int i = threadIdx.x; i < 128 * 128; i += kWThreads)
-            put(i, quantize(weight_value<T>(w, src + (int64_t)(i / 128) * p.cols + i % 128), s,
-                            inv));
-    }
+    for (int k = 0; k < kWPerThread; ++k)
+        put(threadIdx.x + k * kWThreads, quantize(held[k], s, inv));
     if (threadIdx.x == 0) {
         p.scale[((int64_t)e * nbr + br) * nbc + bc] = s;
         p.scale_t[((int64_t)e * nbc + bc) * nbr + br] = s;

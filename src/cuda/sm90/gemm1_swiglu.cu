@@ -30,7 +30,6 @@ using Precision = Bf16;
 using WideCfg = RowGemmTiles<Precision>::Wide;
 using NarrowCfg = RowGemmTiles<Precision>::Narrow;
 using Fp8WideCfg = RowGemmTiles<Fp8E4m3>::Wide;
-using Fp8WideActCfg = QuantizesAct<Fp8WideCfg>;   /* act_codes set */
 using Fp8NarrowCfg = RowGemmTiles<Fp8E4m3>::Narrow;
 
 template <class Cfg>
@@ -56,7 +55,6 @@ extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p,
 extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_fp8(const mf_gemm1_params *p, cudaStream_t stream) {
     if (!gemm1_params_ok<Fp8E4m3>(p)) return cudaErrorInvalidValue;
     if (p->rows.rows_cap == 0) return cudaSuccess;
-    if (p->act_codes) return launch<Fp8WideActCfg>(p, stream);   /* I % 128 == 0: FP8's */
     if (p->intermediate % 128 == 0) return launch<Fp8WideCfg>(p, stream);
     return launch<Fp8NarrowCfg>(p, stream);
 }
@@ -64,6 +62,5 @@ extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_fp8(const mf_gemm1_params *p, cu
 extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_load(void) {
     return mf_load_kernels(sm90_gemm1_swiglu_fwd_kernel<WideCfg>, sm90_gemm1_swiglu_fwd_kernel<NarrowCfg>,
                            sm90_gemm1_swiglu_fwd_kernel<Fp8WideCfg>,
-                           sm90_gemm1_swiglu_fwd_kernel<Fp8WideActCfg>,
                            sm90_gemm1_swiglu_fwd_kernel<Fp8NarrowCfg>);
 }

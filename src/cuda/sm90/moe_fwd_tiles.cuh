@@ -20,7 +20,6 @@
 
 #include <cuda_bf16.h>
 
-#include "fp8_recipe.cuh"
 #include "transport/ep_wait.cuh"
 #include "kernels.h"
 #include "sm90/common/grouped_gemm.cuh"
@@ -30,16 +29,6 @@ namespace mf {
 namespace sm90 {
 
 /* ---- gemm1 -------------------------------------------------------------------------- */
-
-/* FP8 with act quantized by the store warps (Gemm1Epilogue::drain_act_codes, the tile's
- * 128 act columns one 1 x 128 tile): they take 64 registers (spilled at 56, ptxas CUDA
- * 13), the consumers keep 216. A configuration of its own, so that gemm1 without it
- * keeps its registers. */
-template <class Cfg>
-struct QuantizesAct : ProducerRegs<Cfg, 64> {
-    static constexpr bool kQuantizesAct = true;
-    static_assert(Cfg::kAScaleBytes > 0 && Cfg::BN == 256, "FP8 tiles of 128 act columns");
-};
 
 struct Gemm1Args {
     CUtensorMap map_xs;    /* [rows_cap, H], box 128 x 64 */
@@ -51,10 +40,6 @@ struct Gemm1Args {
     ep::RowArrivals rows_in;         /* EP: the blocks' rows arriving (arrivals null: none) */
     int rows_cap, hidden, intermediate;
     BlockScales scales;              /* FP8: xs's row scales, W13's block scales */
-    /* FP8: act's 1 x 128 codes and scales written instead of act (null: act) */
-    uint8_t *act_codes;
-    float *act_scales;
-    int act_scale_ld, act_pow2;
 };
 
 /* What the gemm1 kernels of precision P take of any shape (the tile width is picked
@@ -69,11 +54,6 @@ inline bool gemm1_params_ok(const mf_gemm1_params *p) {
     const int i_multiple = P::kAScaleBytes ? 128 : 64;
     if (p->hidden <= 0 || p->hidden % P::kBlockK || p->intermediate <= 0 ||
         p->intermediate % i_multiple || p->num_sms <= 0)
-        return false;
-    /* act's codes: FP8 only (its tile's act columns are one 1 x 128 tile) */
-    if (p->act_codes && (!P::kAScaleBytes || !p->act_scales ||
-                         p->act_scale_ld < p->rows.rows_cap || p->act_scale_ld % 4 ||
-                         misaligned16(p->act_codes)))
         return false;
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
     return !misaligned16(p->xs.data, p->w13.data, p->w13_up, p->act, p->gate_up, p->xs.scales);
@@ -100,10 +80,6 @@ cudaError_t gemm1_args_from(const mf_gemm1_params *p, Gemm1Args *args) {
     args->hidden = p->hidden;
     args->intermediate = p->intermediate;
     args->scales = block_scales_of(p->xs, p->w13, p->rows.rows_cap);
-    args->act_codes = p->act_codes;
-    args->act_scales = p->act_scales;
-    args->act_scale_ld = p->act_scale_ld;
-    args->act_pow2 = p->act_pow2;
     return cudaSuccess;
 }
 
@@ -174,10 +150,6 @@ struct Gemm1Epilogue {
     /* Store warps: each lane takes 4 columns of a row (8 bytes of g, 8 of u, 8 of act),
      * so a warp covers 32 / (BN/8) rows per step and every store is a whole row piece. */
     __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf) {
-        if constexpr (Cfg::kQuantizesAct) {
-            drain_act_codes(m_block, n_block, wg, buf);
-            return;
-        }
         constexpr int kCols = Cfg::BN / 2;             /* act columns of the tile */
         constexpr int kLanesPerRow = kCols / 4;
         constexpr int kRowsPerStep = 32 / kLanesPerRow;
@@ -203,46 +175,6 @@ struct Gemm1Epilogue {
                 __nv_bfloat16 *gu_row = args.gate_up + row * 2 * I + col;
                 *reinterpret_cast<uint2 *>(gu_row) = g;
                 *reinterpret_cast<uint2 *>(gu_row + I) = u;
-            }
-        }
-    }
-
-    /* FP8, act's codes instead of act: the tile's 128 act columns are one 1 x 128 tile of
-     * each row, so a half-warp takes a row, 8 columns a lane (16 bytes of g and of u), rounds
-     * act to bf16 as drain does and quantizes it as the rows quantizer does
-     * (fp8::row_tile_codes: the same codes and scale from the same bf16 values), two rows a
-     * warp step. */
-    __device__ __forceinline__ void drain_act_codes(int m_block, int n_block, int wg,
-                                                    const uint8_t *buf) {
-        constexpr int kCols = Cfg::BN / 2;
-        static_assert(kCols == 128, "a tile's act columns are one 1 x 128 tile");
-        const int I = args.intermediate;
-        const int sw = threadIdx.x / 32 - kFirstStoreWarp, lane = threadIdx.x % 32;
-        const int l16 = lane % 16;
-        const unsigned half_lanes = lane < 16 ? 0x0000ffffu : 0xffff0000u;
-        const int64_t row0 = (int64_t)m_block * kBlockM + wg * 64;
-        const int col = n_block * kCols + 8 * l16;
-        /* 64 rows, 2 a step: every half-warp runs as many steps as its partner */
-        for (int r = sw * 2 + lane / 16; r < 64; r += kStoreWarps * 2) {
-            const uint8_t *src = buf + r * Cfg::kEpiRowBytes + 16 * l16;
-            const uint4 g = *reinterpret_cast<const uint4 *>(src);
-            const uint4 u = *reinterpret_cast<const uint4 *>(src + kCols * 2);
-            const uint32_t gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
-            uint32_t aw[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-                aw[j] = pack_bf16x2_rn(swiglu(bf16_lo(gw[j]), bf16_lo(uw[j])).a,
-                                       swiglu(bf16_hi(gw[j]), bf16_hi(uw[j])).a);
-            float scale;
-            const uint2 codes = fp8::row_tile_codes(make_uint4(aw[0], aw[1], aw[2], aw[3]),
-                                                    half_lanes, args.act_pow2, &scale);
-            const int64_t row = row0 + r;
-            *reinterpret_cast<uint2 *>(args.act_codes + row * I + col) = codes;
-            if (l16 == 0) args.act_scales[(int64_t)n_block * args.act_scale_ld + row] = scale;
-            if (args.gate_up) {
-                __nv_bfloat16 *gu_row = args.gate_up + row * 2 * I + col;
-                *reinterpret_cast<uint4 *>(gu_row) = g;
-                *reinterpret_cast<uint4 *>(gu_row + I) = u;
             }
         }
     }

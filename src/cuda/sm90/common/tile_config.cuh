@@ -60,7 +60,6 @@ struct TileConfig {
     static constexpr int kExtraBytes = EXTRA_BYTES;
     static constexpr int kStoreRowBytes = STORE_ROW_BYTES;
     static constexpr bool kStoreWarps = STORE_ROW_BYTES > 0;
-    static constexpr bool kQuantizesAct = false;   /* gemm1's FP8 act codes (moe_fwd_tiles.cuh) */
     static constexpr int kProducerRegs = sm90::kProducerRegs;   /* setmaxnreg of the roles */
     static constexpr int kConsumerRegs = sm90::kConsumerRegs;
     /* +16 bytes per row: rows 4 banks apart, so the 4-byte stores of the accumulator
