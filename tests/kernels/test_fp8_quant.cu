@@ -95,9 +95,10 @@ __global__ void quotient_agrees_kernel(const float *scales, int num_scales, int 
         for (int j = 0; j < 8; ++j) {
             const uint32_t word = j < 4 ? got.x : got.y;
             const uint8_t code = (uint8_t)(word >> (8 * (j & 3)));
-            /* a tile's values are within 448 scales (quotient()'s precondition); twice
-             * that keeps saturating quotients in the check */
-            if (!(fabsf(x[j]) <= 896.0f * s)) continue;
+            /* a tile's values are within 448 scales and finite (quotient()'s
+             * precondition; a tile with an infinity has a NaN scale); twice that keeps
+             * saturating quotients in the check */
+            if (!(fabsf(x[j]) <= fminf(896.0f * s, 3.402823466e38f))) continue;
             if (code != mf::fp8::e4m3_encode(__fdiv_rn(x[j], s))) {
                 if (atomicAdd(mismatches, 1ull) == 0) *first = __float_as_uint(x[j]);
             }
