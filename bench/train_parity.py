@@ -31,6 +31,10 @@ held-out loss (DESIGN.md: a recipe's accuracy is judged by a training run on rea
                clocks. emul:<GEMMs> computes the experts with bench/fp8_emulation.py, the
                recipe in PyTorch with only those GEMMs in FP8 (emul:all-dw13: every GEMM
                but dW13), to find which GEMM's quantization costs the loss.
+               <precision>@<seed> starts that precision from another seed's initial
+               weights (the data order stays --seed's): bf16@1 beside bf16 measures how
+               far two BF16 trainings' held-out losses lie apart, the spread FP8's gap is
+               read against.
 
 Prints one line per evaluation (every --eval-every steps and at the last step) for each
 run, then the step time (median of CUDA events, the first steps and evaluation steps left
@@ -109,7 +113,8 @@ def parse_args(argv=None):
     ap.add_argument("--precisions", nargs="+", default=["bf16", "fp8"],
                     help="bf16, fp8, or emul:<GEMMs> (the recipe emulated in PyTorch with "
                          "those GEMMs in FP8: all, none, all-<gemm>, or a comma list of "
-                         "gemm1, gemm2, dgrad2, dgrad1, dw2, dw13; bench/fp8_emulation.py)")
+                         "gemm1, gemm2, dgrad2, dgrad1, dw2, dw13; bench/fp8_emulation.py), "
+                         "each optionally @<seed>: its initial weights from that seed")
     ap.add_argument("--out", type=pathlib.Path, default=default_out)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a CPU-sized model (script check)")
@@ -120,12 +125,23 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.steps < 1 or args.eval_every < 1 or args.eval_seqs < 1:
         ap.error("--steps, --eval-every and --eval-seqs must be >= 1")
-    for precision in args.precisions:
+    for spec in args.precisions:
         try:
-            emulated_gemms(precision)
+            emulated_gemms(run_spec(spec, args.seed)[0])
         except ValueError as err:
-            ap.error(f"--precisions {precision}: {err}")
+            ap.error(f"--precisions {spec}: {err}")
     return args
+
+
+def run_spec(spec: str, default_seed: int) -> tuple[str, int]:
+    """A --precisions entry, precision[@seed], as (precision, initial weights' seed)."""
+    precision, at, seed = spec.partition("@")
+    if not at:
+        return precision, default_seed
+    try:
+        return precision, int(seed)
+    except ValueError:
+        raise ValueError(f"the seed after @ must be an integer, not {seed!r}") from None
 
 
 def emulated_gemms(precision: str):
@@ -249,11 +265,13 @@ def lr_factor(step: int, args) -> float:
 
 
 class Run:
-    """One precision's model, optimizer, router-logit hooks and records."""
+    """One --precisions entry's model, optimizer, router-logit hooks and records (its
+    `precision` is the entry as given, the label of its curve and CSV rows)."""
 
-    def __init__(self, precision: str, config, args, device: torch.device):
-        self.precision, self.args, self.device = precision, args, device
-        self.model = build_model(config, args.seed, device, precision)
+    def __init__(self, spec: str, config, args, device: torch.device):
+        self.precision, self.args, self.device = spec, args, device
+        precision, seed = run_spec(spec, args.seed)
+        self.model = build_model(config, seed, device, precision)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                      weight_decay=0.1, fused=device.type == "cuda")
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, args))
@@ -423,11 +441,12 @@ def main(argv=None) -> int:
 
     moefuse._lib.load()
     precisions = list(dict.fromkeys(args.precisions))
-    if "fp8" in precisions:
+    fp8_runs = [p for p in precisions if run_spec(p, args.seed)[0] == "fp8"]
+    if fp8_runs:
         reason = fp8_skip_reason(device)
         if reason is not None:
-            print(f"SKIP the fp8 run: {reason}")
-            precisions.remove("fp8")
+            print(f"SKIP the fp8 runs ({', '.join(fp8_runs)}): {reason}")
+            precisions = [p for p in precisions if p not in fp8_runs]
     if not precisions:
         return 0
 

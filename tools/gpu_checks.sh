@@ -13,7 +13,8 @@
 #                                local memory), compute-sanitizer memcheck and racecheck
 #   tools/gpu_checks.sh bench    make bench's tables (bench/RESULTS.md)      (~4 min)
 #   tools/gpu_checks.sh parity   bench/train_parity.py: FP8 against BF16 on real text
-#                                (2 x 2000 steps, ~5 min)
+#                                (2 x 2000 steps, ~7.5 min on an H100; PARITY_RUNS="bf16@1
+#                                fp8@1" for another seed's initial weights)
 #   tools/gpu_checks.sh fp8_diag where FP8 loses: training-sized FP8 calls against the recipe
 #                                emulated on the device, token by token, six of them
 #                                bitwise equal, and two layers interleaved as in a model
@@ -119,8 +120,10 @@ bench() {
 parity() {
     # the loop's own budget below the call's 10 minutes; its CSV lands in $OUT as it goes
     # (2000 steps of bf16 + fp8 take about 420 s on an H100)
+    # PARITY_RUNS picks the runs (e.g. "bf16@1 fp8@1": both from seed 1's weights, a
+    # second sample of the gap, and bf16's spread against seed 0's bf16 run)
     STEP_TIMEOUT=540 step train_parity train_parity.log python3 bench/train_parity.py \
-        --time-budget 480 --out "${OUT:-$LOG_DIR}/parity"
+        --time-budget 480 --precisions ${PARITY_RUNS:-bf16 fp8} --out "${OUT:-$LOG_DIR}/parity"
 }
 
 fp8_diag() {

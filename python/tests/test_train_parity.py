@@ -77,3 +77,24 @@ def test_unknown_precision_is_refused(capsys):
     with pytest.raises(SystemExit):
         parity.parse_args(["--precisions", "bf16", "emul:gemm7"])
     assert "emul:gemm7" in capsys.readouterr().err
+
+
+def test_a_seeded_run_starts_from_other_weights_on_the_same_data(tmp_path, capsys):
+    """precision@seed: that precision from another seed's initial weights, the batches
+    unchanged (bf16@0 is bf16 itself when --seed is 0); a bad seed is refused."""
+    rc = parity.main(["--tiny", "--device", "cpu", "--steps", "2", "--eval-every", "2",
+                      "--batch", "2", "--seq", "64", "--eval-seqs", "2", "--warmup", "1",
+                      "--precisions", "bf16", "bf16@0", "bf16@1", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "final held-out loss at step 2: bf16 " in out and ", bf16@1 " in out, out
+    with open(tmp_path / "parity.csv") as f:
+        rows = list(csv.DictReader(f))
+    losses = {}
+    for r in rows:
+        losses.setdefault(r["precision"], []).append(float(r["train_loss"]))
+    assert losses["bf16@0"] == losses["bf16"]
+    assert losses["bf16@1"][0] != losses["bf16"][0]
+    with pytest.raises(SystemExit):
+        parity.parse_args(["--precisions", "bf16@one"])
+    assert "bf16@one" in capsys.readouterr().err
