@@ -74,8 +74,8 @@ th_diff th_sum(th_diff a, th_diff b);
 double th_acc_fp32(int64_t k);
 double th_acc_wgmma_fp8(int64_t k);
 /* The rms of that accumulator's difference, which the layer chains carry: 2^-13 inside
- * each 128-block (the truncating accumulator's model in tests/cpu/test_cpu_fp8.c gives
- * 1.1-1.2e-4 at K = 2048 and 4096) and the same fp32 block sums. */
+ * each 128-block (the truncating accumulator's model in tests/cpu/test_fp8_accumulator.c
+ * gives 1.1-1.2e-4 at K = 2048 and 4096) and the same fp32 block sums. */
 double th_acc_wgmma_fp8_rms(int64_t k);
 #define TH_BF16_STEP (1.0 / 128.0)
 #define TH_E4M3_STEP (1.0 / 8.0)
