@@ -25,6 +25,9 @@
 #                                kernels or the recipe?); and
 #                                profile_step.py's per-kernel table of the FP8 layer on
 #                                both shapes
+#   tools/gpu_checks.sh opt_in_ab  an opt-in kernel path (OPT_IN="-DNAME=1 ...", by default
+#                                the weights' vector quantizer) built apart: its FP8 tests,
+#                                the quantizers' times beside the default build's
 #   tools/gpu_checks.sh ncu_fp8  ncu's speed-of-light, memory, warp-state and scheduler
 #                                sections of one launch of each FP8 GEMM and quantizer
 #   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
@@ -144,6 +147,20 @@ fp8_diag() {
     done
 }
 
+opt_in_ab() {
+    # an opt-in kernel path built apart (OPT_IN: its nvcc -D flags; by default the
+    # weights' vector quantizer, MF_FP8_WEIGHTS_VECTOR in simt/fp8_quant.cu): its FP8
+    # tests, then the quantizers' times (the weights' among them) of both builds
+    STEP_TIMEOUT=400 step build_opt_in build_opt_in.log make -j"$(nproc)" BUILD=build/opt \
+        NVCC_EXTRA="${OPT_IN:--DMF_FP8_WEIGHTS_VECTOR=1}" all
+    step opt_test_fp8_quant opt_test_fp8_quant.log build/opt/tests/kernels/test_fp8_quant
+    step opt_test_cuda_fp8 opt_test_cuda_fp8.log build/opt/tests/api/test_cuda_fp8
+    step opt_python_fp8 opt_python_fp8.log env MOEFUSE_LIB="$PWD/build/opt/libmoefuse.so" \
+        python3 -m pytest -q -rs python/tests/test_fp8_cuda.py -k "not training_sized"
+    step quant_time_default quant_time_default.log build/tests/kernels/test_fp8_quant_time
+    step quant_time_opt quant_time_opt.log build/opt/tests/kernels/test_fp8_quant_time
+}
+
 ncu_fp8() {
     # where the FP8 kernels' time goes: ncu's sections of one launch of each (the third,
     # past the warm-up) in qwen3-30b-a3b's forward + backward at T = 16384
@@ -212,10 +229,10 @@ phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(verify)
 for p in "${phases[@]}"; do
     case "$p" in
-    verify | suites | deep | bench | parity | fp8_diag | ncu_fp8 | ablation \
+    verify | suites | deep | bench | parity | fp8_diag | opt_in_ab | ncu_fp8 | ablation \
         | step | titan | titan_235b | titan_loss) ;;
     *) echo "tools/gpu_checks.sh: unknown phase '$p' (verify, suites, deep, bench, parity," \
-            "fp8_diag, ncu_fp8, ablation, step, titan, titan_235b, titan_loss)" >&2
+            "fp8_diag, opt_in_ab, ncu_fp8, ablation, step, titan, titan_235b, titan_loss)" >&2
        exit 2 ;;
     esac
 done
