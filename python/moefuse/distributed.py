@@ -10,7 +10,9 @@ kernels (include/moefuse.h, "expert parallelism").
     ExpertParallelExperts(hidden, intermediate, num_experts, top_k, max_tokens, comm,
                           rank, num_ranks)
         nn.Module with this rank's experts only: W13 [E/R, 2I, H], W2 [E/R, H, I];
-        forward(x [T, H] bf16, ids [T, K] global expert ids, p [T, K] fp32) -> y [T, H].
+        forward(x [T, H] bf16, ids [T, K] global expert ids, p [T, K] fp32) -> y [T, H];
+        forward(x, ids, p, w13=(gate, up), w2=w2) computes with weights given per call
+        instead, W13 packed or in two halves [E/R, I, H] each (TorchTitan's w1, w3).
     load_local_experts(w13_global, w2_global, rank, num_ranks) -> (w13, w2) of the rank.
     memory_estimate(hidden, intermediate, num_experts, top_k, max_tokens, num_ranks, ...)
         -> dict: the device bytes of such a layer (windows and scratch shared by the
@@ -103,14 +105,17 @@ def load_local_experts(w13_global: torch.Tensor, w2_global: torch.Tensor, rank: 
 class _ExpertParallelFn(torch.autograd.Function):
     """y = the routed experts of this rank's tokens; the layer's kernels exchange rows
     with the other ranks. Backward: dx, d p and this rank's dW13, dW2 (written by the
-    library in bf16 for bf16 weights, else in fp32; returned in each weight's dtype)."""
+    library in bf16 for bf16 weights, else in fp32; returned in each weight's dtype).
+    w13_up: W13 in two halves (w13 the gate half, both [E/R, I, H]), read where they are
+    and quantized from there (FP8); each half gets its own gradient."""
 
     @staticmethod
-    def forward(ctx, x, ids, p, w13, w2, layer: _lib.Layer, need_saved: bool):
+    def forward(ctx, x, ids, p, w13, w2, layer: _lib.Layer, need_saved: bool,
+                w13_up: Optional[torch.Tensor] = None):
         T, H = x.shape
         device = x.device
         x = _as_rows(x, H)
-        weight_fields, _alive = _fp8.weight_args(layer, w13, w2, layer_cache.fp8)
+        weight_fields, _alive = _fp8.weight_args(layer, w13, w2, layer_cache.fp8, w13_up)
         y = torch.empty((T, H), dtype=_BF16, device=device)
         # With R > 1 the saved buffer holds the rows this rank receives: not empty even
         # at T = 0, and every rank's backward needs one.
@@ -122,12 +127,12 @@ class _ExpertParallelFn(torch.autograd.Function):
         with layer.lock, _on_device(device):
             layer.forward(args, _stream(device))
         ctx.layer = layer
-        ctx.save_for_backward(x, ids, p, w13, w2, saved)
+        ctx.save_for_backward(x, ids, p, w13, w2, saved, w13_up)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, ids, p, w13, w2, saved = ctx.saved_tensors
+        x, ids, p, w13, w2, saved, w13_up = ctx.saved_tensors
         if saved is None:
             raise RuntimeError("ExpertParallelExperts: backward through a forward that kept "
                                "nothing for it (it ran with grad disabled)")
@@ -140,21 +145,26 @@ class _ExpertParallelFn(torch.autograd.Function):
         wgrad_dtype = _wgrad_dtype(w13, w2)
         dw13 = torch.empty(w13.shape, dtype=wgrad_dtype, device=device)
         dw2 = torch.empty(w2.shape, dtype=wgrad_dtype, device=device)
-        weight_fields, _alive = _fp8.weight_args(layer, w13, w2, layer_cache.fp8)
+        dw13_up = (torch.empty(w13_up.shape, dtype=wgrad_dtype, device=device)
+                   if w13_up is not None else None)
+        weight_fields, _alive = _fp8.weight_args(layer, w13, w2, layer_cache.fp8, w13_up)
         saved = _aligned_saved(saved)
         args = _lib.BwdArgs(
             num_tokens=T, x=_ptr(x), x_stride=_row_stride(x, H), ids=_ptr(ids),
             weights=_ptr(p), saved=saved.data_ptr(), saved_bytes=saved.numel(), dy=_ptr(dy),
             dy_stride=_row_stride(dy, H), dx=_ptr(dx), dx_stride=H, dweights=_ptr(dp),
-            accumulate=0, **_wgrad_fields(dw13, dw2), **weight_fields)
+            accumulate=0, **_wgrad_fields(dw13, dw2, dw13_up), **weight_fields)
         # Always called, whatever needs a gradient: the other ranks' backwards wait for
         # this rank's.
         with layer.lock, _on_device(device):
             layer.backward(args, _stream(device))
         need = ctx.needs_input_grad
+        # w13_up is the eighth input only where it was passed (apply() without it
+        # leaves seven).
+        need_up = w13_up is not None and len(need) > 7 and need[7]
         return (dx if need[0] else None, None, dp if need[2] else None,
                 dw13.to(w13.dtype) if need[3] else None, dw2.to(w2.dtype) if need[4] else None,
-                None, None)
+                None, None, dw13_up.to(w13_up.dtype) if need_up else None)
 
 
 # ---- memory ----------------------------------------------------------------------------------
@@ -250,6 +260,12 @@ class ExpertParallelExperts(MoEExperts):
     the module's CUDA device; T <= max_tokens (the same max_tokens on every rank). Runs
     on torch.cuda.current_stream() and never synchronizes; check() reports device-side
     errors. Gradients flow to x, p and the local weights.
+    forward(x, ids, p, w13=..., w2=...): the local weights given for this call in place of
+    the parameters (None: the parameter), as moefuse.experts() takes them: w13 W13
+    [E/R, 2I, H], or its two halves, a pair (gate [E/R, I, H], up [E/R, I, H]) of one dtype
+    (TorchTitan's w1 and w3), read where they are and each given its own gradient; w2
+    [E/R, H, I]. Each contiguous, bf16 or fp32 (cast to bf16 per call; with "fp8"
+    quantized from their own values once per optimizer step).
 
     Collective: every rank of the comm runs the same sequence of forwards and backwards
     (see the module docstring), and creates and closes its module together with the
@@ -368,23 +384,67 @@ class ExpertParallelExperts(MoEExperts):
         if x.device.type != "cuda":
             raise ValueError(f"{where}: expert parallelism runs on CUDA tensors, x is on "
                              f"{x.device}")
-        for name, t in (("ids", ids), ("p", p), ("gate_up_proj", self.gate_up_proj),
-                        ("down_proj", self.down_proj)):
+        for name, t in (("ids", ids), ("p", p)):
             if t.device != x.device:
                 raise ValueError(f"{where}: {name} is on {t.device} but x is on {x.device}")
-        for name, w in (("gate_up_proj", self.gate_up_proj), ("down_proj", self.down_proj)):
-            if not w.is_contiguous():
-                raise ValueError(f"{where}: {name} must be contiguous, got strides {w.stride()}")
         return _ids_as_int32(ids, where)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """x [T, H] bf16, ids [T, K] global expert ids, p [T, K] fp32 -> y [T, H] bf16."""
+    def _weights(self, x, w13, w2) -> tuple:
+        """(w13, w13_up, w2) of the call: the parameters, or the weights forward() was
+        given (w13 packed, or its halves (gate, up): then w13 the gate half and w13_up the
+        up half). Raises TypeError / ValueError naming the argument."""
+        where = "ExpertParallelExperts.forward"
+        E, H, I = self.num_local_experts, self.hidden_size, self.intermediate_size
+        if w13 is None:
+            w13, w13_up, names13 = self.gate_up_proj, None, ("gate_up_proj",)
+        elif isinstance(w13, (tuple, list)):
+            if len(w13) != 2:
+                raise ValueError(f"{where}: w13 as halves must be (gate, up), got {len(w13)} "
+                                 "tensors")
+            (w13, w13_up), names13 = w13, ("w13[0] (gate)", "w13[1] (up)")
+        else:
+            w13_up, names13 = None, ("w13",)
+        name2 = "down_proj" if w2 is None else "w2"
+        w2 = self.down_proj if w2 is None else w2
+        weights = tuple(zip(names13, (w13, w13_up))) + ((name2, w2),)
+        rows = 2 * I if w13_up is None else I
+        shapes = [(E, rows, H)] * len(names13) + [(E, H, I)]
+        for (name, w), shape in zip(weights, shapes):
+            if not isinstance(w, torch.Tensor):
+                raise TypeError(f"{where}: {name} must be a torch.Tensor, got "
+                                f"{type(w).__name__}")
+            if w.dtype not in (_BF16, torch.float32):
+                raise TypeError(f"{where}: {name} must be bfloat16 (or float32 master weights), "
+                                f"got {w.dtype}")
+            if tuple(w.shape) != shape:
+                raise ValueError(f"{where}: {name} must be {list(shape)} (this rank's experts), "
+                                 f"got {tuple(w.shape)}")
+            if w.device != x.device:
+                raise ValueError(f"{where}: {name} is on {w.device} but x is on {x.device}")
+            # A copy of every local expert's weights per call would hide a layout mistake
+            # (a transposed view) behind a large slowdown, as in moefuse.experts.
+            if not w.is_contiguous():
+                raise ValueError(f"{where}: {name} must be contiguous, got strides {w.stride()}")
+        # The library writes both halves' gradients in one dtype, and reads one dtype when
+        # it quantizes them.
+        if w13_up is not None and w13_up.dtype != w13.dtype:
+            raise TypeError(f"{where}: w13's halves must share a dtype, got {w13.dtype} and "
+                            f"{w13_up.dtype}")
+        return w13, w13_up, w2
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor,
+                w13: Union[None, torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = None,
+                w2: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [T, H] bf16, ids [T, K] global expert ids, p [T, K] fp32 -> y [T, H] bf16.
+        w13 ([E/R, 2I, H], or the pair (gate, up) [E/R, I, H] each) and w2 [E/R, H, I]:
+        the local weights of this call; None, the module's parameter."""
         ids = self._validate(x, ids, p).contiguous()
+        w13, w13_up, w2 = self._weights(x, w13, w2)
         layer = self._layer_on(x.device)
-        w13, w2 = self.gate_up_proj, self.down_proj
         need_saved = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (x, p, w13, w2))
-        return _ExpertParallelFn.apply(x, ids, p.contiguous(), w13, w2, layer, need_saved)
+            t is not None and t.requires_grad for t in (x, p, w13, w13_up, w2))
+        return _ExpertParallelFn.apply(x, ids, p.contiguous(), w13, w2, layer, need_saved,
+                                       w13_up)
 
     def memory(self) -> Optional[dict]:
         """The layer's moefuse_layer_memory (bytes and rows by field name), None before the

@@ -33,17 +33,16 @@ w1 and w3 go to the library as W13's two halves (moefuse_fwd_args.w13 and w13_up
 backward writes the gradients of w1 and w3 into two tensors of their own. So no
 [E, 2F, D] concatenation is made per call (E * 2F * D * 2 bytes written and read again:
 about 0.4 ms per forward on qwen3-30b-a3b on an H200), and no split of dW13 after the
-backward: the bits are those of the concatenated W13. (The expert-parallel path below
-still concatenates w1 and w3 per call: ExpertParallelExperts takes one gate_up_proj.)
+backward: the bits are those of the concatenated W13. The expert-parallel path below
+does the same: ExpertParallelExperts takes this rank's w1 and w3 as the pair (gate, up).
 
 precision="fp8" runs the routed experts' GEMMs in block-scaled FP8 (moefuse.experts(),
-_fp8.py), with expert_parallel in its ExpertParallelExperts. On one rank w1, w3 and w2
-reach the FP8 weight cache as the parameters themselves, fp32 master weights or bf16 (no
-per-call bf16 copy): they are quantized from their own values once per optimizer step,
-w1 and w3 where they are (moefuse_quantize_weights_halves), and fp32 parameters get fp32
-gradients (the recipe's; bf16 runs give TorchTitan's bf16 gradients widened). Under
-expert parallelism W13 is the bf16 concatenation made per call, so its FP8 quantization
-is made once per forward (shared by its backward), from bf16 values.
+_fp8.py), with expert_parallel in its ExpertParallelExperts. On one rank and under expert
+parallelism (there this rank's local tensors of them) w1, w3 and w2 reach the FP8 weight
+cache as the parameters themselves, fp32 master weights or bf16 (no per-call bf16 copy):
+they are quantized from their own values once per optimizer step, w1 and w3 where they
+are (moefuse_quantize_weights_halves), and fp32 parameters get fp32 gradients (the
+recipe's; bf16 runs give TorchTitan's bf16 gradients widened).
 
 Not supported (apply() or the forward says so):
 - score_before_experts=True (TorchTitan scales the routed tokens by their scores before
@@ -138,11 +137,21 @@ def routed_experts(x: torch.Tensor, top_scores: torch.Tensor, ids: torch.Tensor,
     bf16 parameters); fp8: as they are, for the FP8 weight cache (see the module
     docstring). w1 and w3 are W13's gate and up halves, read where they are. precision:
     "bf16" or "fp8", as moefuse.experts() takes it."""
-    if precision != "fp8":
-        w1, w3, w2 = w1.to(_BF16), w3.to(_BF16), w2.to(_BF16)
+    w1, w3, w2 = _expert_weights(w1, w3, w2, precision)
     y = ops.experts(x.to(_BF16), ids, top_scores.to(torch.float32), (w1, w3), w2,
                     recompute=recompute, save_inputs=save_inputs, precision=precision)
     return y.to(x.dtype)
+
+
+def _expert_weights(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                    precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weights as moefuse takes them, on one rank and under expert parallelism: bf16
+    (TorchTitan's experts compute on bf16 copies, so fp32 master weights get its gradients:
+    bf16, widened); fp8 as they are, so the FP8 weight cache quantizes the parameters
+    themselves once per optimizer step."""
+    if precision == "fp8":
+        return w1, w3, w2
+    return w1.to(_BF16), w3.to(_BF16), w2.to(_BF16)
 
 
 class MoefuseMoE(_tt_moe.MoE):
@@ -257,15 +266,13 @@ class MoefuseExperts(_tt_moe.GroupedExperts):
         if isinstance(top_scores, _Fp32):
             top_scores = top_scores.tensor
         ep = self.__dict__["moefuse_ep"]
-        w1 = _ep_local(self.w1, "experts.w1", ep)
-        w3 = _ep_local(self.w3, "experts.w3", ep)
-        w2 = _ep_local(self.w2, "experts.w2", ep)
-        w13 = torch.cat([w1.to(_BF16), w3.to(_BF16)], dim=1)  # [E/R, 2F, D]
+        w1, w3, w2 = _expert_weights(_ep_local(self.w1, "experts.w1", ep),
+                                     _ep_local(self.w3, "experts.w3", ep),
+                                     _ep_local(self.w2, "experts.w2", ep), ep.precision)
         # The module's own parameters are on the meta device (it holds the layer, not the
-        # weights): the call takes this rank's slices of TorchTitan's.
-        y = torch.func.functional_call(
-            ep, {"gate_up_proj": w13, "down_proj": w2.to(_BF16).contiguous()},
-            (x.to(_BF16), ids, top_scores.to(torch.float32)))
+        # weights): the call takes this rank's slices of TorchTitan's, w1 and w3 as W13's
+        # two halves, as on one rank.
+        y = ep(x.to(_BF16), ids, top_scores.to(torch.float32), w13=(w1, w3), w2=w2)
         return y.to(x.dtype)
 
 

@@ -2,7 +2,9 @@
 
 load_local_experts' sharding, ExpertParallelExperts' argument checks, which raise before
 the library is touched, and the module's autograd function driving a one-rank CPU layer
-(its args structs, saved buffer and gradients), bitwise equal to moefuse.experts.
+(its args structs, saved buffer and gradients), bitwise equal to moefuse.experts, with W13
+packed or in two halves (bf16 and FP8, the FP8 weights quantized from the halves and
+cached until one is updated).
 
 The comms are tested in test_distributed_comms.py, the GPU paths in
 test_distributed_gpu.py, bench/bench_ep.py's options in test_bench_ep.py.
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 import moefuse
-from moefuse import _lib, distributed
+from moefuse import _fp8, _lib, distributed, ops
 from moefuse.distributed import load_local_experts
 
 from moe_reference import random_problem
@@ -199,9 +201,10 @@ def cpu_layer():
     """A one-rank CPU layer (no comm) of the tests' tiny shape: what the function drives
     on CUDA with a comm, here on the CPU backend, so its args structs, saved buffer and
     gradients run in CI."""
-    def make(saved_mode=_lib.SavedMode.SAVE_ACTIVATIONS):
+    def make(saved_mode=_lib.SavedMode.SAVE_ACTIVATIONS, precision=_lib.Precision.BF16):
         cfg = _lib.config_init(64, 32, 8, 2, 64)
         cfg.saved_mode = saved_mode
+        cfg.precision = precision
         layer = _lib.Layer(cfg)
         layers.append(layer)
         return layer
@@ -266,3 +269,185 @@ def test_function_backward_needs_a_saved_forward(cpu_layer):
     y = distributed._ExpertParallelFn.apply(x, ids, p, w13, w2, cpu_layer(), False)
     with pytest.raises(RuntimeError, match="kept nothing"):
         y.backward(dy)
+
+
+# ---- W13 in two halves -------------------------------------------------------------------------
+
+
+def _halves_run(layer, problem, w13, w2, halves):
+    """(y, dx, dp, dW13, dW2) of _ExpertParallelFn on `layer`, W13 packed or as its two
+    halves (then dW13 the halves' gradients joined, and each half's gradient checked to be
+    in its own tensor of the half's shape)."""
+    x, ids, p, _, _, dy = problem
+    inter = w13.shape[1] // 2
+    xs, ps, w2s = _fn_leaves(x, p, w2)
+    if halves:
+        ws = _fn_leaves(w13[:, :inter], w13[:, inter:])
+        y = distributed._ExpertParallelFn.apply(xs, ids, ps, ws[0], w2s, layer, True, ws[1])
+    else:
+        ws = _fn_leaves(w13)
+        y = distributed._ExpertParallelFn.apply(xs, ids, ps, ws[0], w2s, layer, True)
+    y.backward(dy)
+    for w in ws:
+        assert w.grad.shape == w.shape and w.grad.dtype == w.dtype
+    return y.detach(), xs.grad, ps.grad, torch.cat([w.grad for w in ws], dim=1), w2s.grad
+
+
+@pytest.mark.parametrize("precision", [_lib.Precision.BF16, _lib.Precision.FP8_BLOCK],
+                         ids=["bf16", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("saved_mode", [_lib.SavedMode.SAVE_ACTIVATIONS,
+                                        _lib.SavedMode.RECOMPUTE], ids=lambda m: m.name)
+def test_function_w13_halves_give_the_packed_bits(cpu_layer, precision, dtype, saved_mode,
+                                                  monkeypatch):
+    """W13 as (gate, up), read where they are (FP8: quantized from the halves by
+    moefuse_quantize_weights_halves), gives the packed W13's y, dx, d p and dW2, and each
+    half the matching half of its dW13, bit for bit; bf16 and fp32 master weights."""
+    problem = random_problem(37, 64, 32, 8, 2, seed=11, drop_fraction=0.2)
+    w13, w2 = problem[3], problem[4]
+    if dtype == torch.float32:  # values between bf16s, so a rounding to bf16 would show
+        w13, w2 = w13.float() * (1 + 2.0 ** -12), w2.float() * (1 - 2.0 ** -13)
+    halves_read = []
+    quantize = _lib.Layer.quantize_weights
+
+    def spy(self, *args, **kwargs):
+        halves_read.append(bool(kwargs.get("w13_up")))
+        return quantize(self, *args, **kwargs)
+    monkeypatch.setattr(_lib.Layer, "quantize_weights", spy)
+    ops.layer_cache.fp8.clear()
+    layer = cpu_layer(saved_mode, precision)
+    packed = _halves_run(layer, problem, w13, w2, halves=False)
+    halves = _halves_run(layer, problem, w13, w2, halves=True)
+    assert_bitwise(halves, packed)
+    if precision == _lib.Precision.FP8_BLOCK:
+        assert halves_read == [False, True], halves_read  # each quantized once, as it is
+    else:
+        assert halves_read == []
+
+
+def test_function_w13_halves_with_zero_tokens(cpu_layer):
+    """T = 0 (a rank with no tokens still runs its backward): each half gets a zero
+    gradient of its own shape."""
+    gate, up = (torch.randn(8, 32, 64, requires_grad=True) for _ in range(2))
+    w2 = torch.randn(8, 64, 32, requires_grad=True)
+    x = torch.zeros(0, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = distributed._ExpertParallelFn.apply(x, torch.zeros(0, 2, dtype=torch.int32),
+                                            torch.zeros(0, 2), gate, w2, cpu_layer(), True, up)
+    y.float().sum().backward()
+    for w in (gate, up, w2):
+        assert w.grad.shape == w.shape and w.grad.dtype == torch.float32
+        assert not w.grad.any()
+
+
+@pytest.mark.parametrize("half", ["gate", "up"])
+def test_fp8_halves_requantized_when_a_half_is_updated(cpu_layer, half, quantize_calls):
+    """The FP8 weights of (gate, up, w2) are made once for a forward and its backward and
+    reused by the next call; an in-place update of either half (its version counter) makes
+    the next call quantize again, and that call gives the bits of fresh tensors holding
+    the new values."""
+    layer = cpu_layer(precision=_lib.Precision.FP8_BLOCK)
+    x, ids, p, w13, w2, dy = random_problem(37, 64, 32, 8, 2, seed=13, drop_fraction=0.1)
+    gate, up, w2 = _fn_leaves(w13[:, :32], w13[:, 32:], w2)
+
+    def run(g, u, w):
+        return distributed._ExpertParallelFn.apply(x, ids, p, g, w, layer, True, u)
+    run(gate, up, w2).backward(dy)
+    run(gate, up, w2).backward(dy)
+    assert len(quantize_calls) == 1  # one quantization for both calls and their backwards
+    with torch.no_grad():
+        (gate if half == "gate" else up).mul_(0.5)
+        y_after = run(gate, up, w2)
+    assert len(quantize_calls) == 2
+    fresh = [t.detach().clone() for t in (gate, up, w2)]
+    with torch.no_grad():
+        assert torch.equal(y_after, run(*fresh))
+    assert len(quantize_calls) == 3
+    with torch.no_grad():
+        run(gate, up, w2)  # no update since: reused
+    assert len(quantize_calls) == 3
+
+
+# ---- ExpertParallelExperts: the weights given per call ------------------------------------------
+
+
+@pytest.fixture
+def module_on_a_cpu_layer(monkeypatch):
+    """A one-rank module whose layer is a one-rank CPU layer and whose check that x is on
+    CUDA is skipped (as test_torchtitan_ep.py does), so its forward's weight arguments run
+    here; the weights' own checks still run."""
+    layers = []
+
+    def cpu_layer(self, device):
+        if self._layer is None:
+            cfg = _lib.config_init(self.hidden_size, self.intermediate_size, self.num_experts,
+                                   self.top_k, self.max_tokens)
+            cfg.saved_mode = self.saved_mode
+            cfg.precision, _ = _fp8.resolve_precision(self.precision, False, "test")
+            self._layer = _lib.Layer(cfg)
+            self._layer.device = torch.device("cpu")
+            layers.append(self._layer)
+        return self._layer
+    monkeypatch.setattr(distributed.ExpertParallelExperts, "_layer_on", cpu_layer)
+    monkeypatch.setattr(distributed.ExpertParallelExperts, "_validate",
+                        lambda self, x, ids, p: ids.to(torch.int32))
+
+    def make(**overrides):
+        torch.manual_seed(3)
+        return make_module(comm=stand_in_comm(1), rank=0, num_ranks=1, max_tokens=64,
+                           **overrides)
+    yield make
+    for layer in layers:
+        layer.close()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_module_forward_takes_w13_halves(module_on_a_cpu_layer, precision):
+    """forward(x, ids, p, w13=(gate, up), w2=w2) gives the bits of the module's own
+    gate_up_proj and down_proj holding the same values; each half's gradient is its half of
+    gate_up_proj's."""
+    m = module_on_a_cpu_layer(precision=precision)
+    x, ids, p, _, _, dy = random_problem(40, H, I, E, K, seed=17, drop_fraction=0.1)
+    got, want = [], []
+    for results, halves in ((want, False), (got, True)):
+        xs, ps = _fn_leaves(x, p)
+        if halves:
+            ws = _fn_leaves(*(w.detach() for w in (m.gate_up_proj[:, :I], m.gate_up_proj[:, I:],
+                                                          m.down_proj)))
+            y = m(xs, ids, ps, w13=(ws[0], ws[1]), w2=ws[2])
+        else:
+            m.zero_grad()
+            y = m(xs, ids, ps)
+        y.backward(dy)
+        grads = ([torch.cat([ws[0].grad, ws[1].grad], dim=1), ws[2].grad] if halves else
+                 [m.gate_up_proj.grad, m.down_proj.grad])
+        results.extend([y.detach(), xs.grad, ps.grad] + grads)
+    assert_bitwise(got, want)
+    # a packed w13 given per call is the parameter's form
+    xs = x.clone().requires_grad_()
+    y = m(xs, ids, p, w13=m.gate_up_proj.detach().clone(), w2=m.down_proj.detach().clone())
+    assert torch.equal(y, want[0])
+
+
+def test_module_forward_refuses_bad_weights(module_on_a_cpu_layer):
+    m = module_on_a_cpu_layer()
+    x, ids, p = _inputs(k=K)
+    gate = torch.zeros(E, I, H, dtype=torch.bfloat16)
+    w2 = torch.zeros(E, H, I, dtype=torch.bfloat16)
+    cases = [
+        (dict(w13=(gate, gate, gate)), ValueError, "w13 as halves must be \\(gate, up\\), got 3"),
+        (dict(w13=(gate, "up")), TypeError, "w13\\[1\\] \\(up\\) must be a torch.Tensor"),
+        (dict(w13=(gate, gate.float())), TypeError, "w13's halves must share a dtype"),
+        (dict(w13=(gate, gate[:, :64])), ValueError,
+         "w13\\[1\\] \\(up\\) must be \\[8, 128, 128\\] \\(this rank's experts\\)"),
+        (dict(w13=gate), ValueError, "w13 must be \\[8, 256, 128\\]"),
+        (dict(w13=(gate, gate.half())), TypeError, "w13\\[1\\] \\(up\\) must be bfloat16"),
+        (dict(w13=(gate, gate.transpose(1, 2))), ValueError,
+         "w13\\[1\\] \\(up\\) must be contiguous"),
+        (dict(w13=(gate, gate), w2=w2[:, :, :64]), ValueError, "w2 must be \\[8, 128, 128\\]"),
+        (dict(w13=(gate, gate.to("meta"))), ValueError,
+         "w13\\[1\\] \\(up\\) is on meta but x is on cpu"),
+    ]
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            m(x, ids, p, **kwargs)
+    assert m._layer is None  # refused before the library

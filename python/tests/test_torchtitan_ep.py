@@ -128,13 +128,17 @@ def test_expert_parallel_refusals(one_rank_gloo_mesh):
             comm.close()
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ep", "ep_fsdp"])
-def test_expert_parallel_path_on_a_cpu_layer(one_rank_gloo_mesh, monkeypatch, fsdp):
+@pytest.mark.parametrize("fsdp, precision", [(False, "bf16"), (True, "bf16"), (False, "fp8")],
+                         ids=["ep", "ep_fsdp", "ep_fp8"])
+def test_expert_parallel_path_on_a_cpu_layer(one_rank_gloo_mesh, monkeypatch, fsdp, precision):
     """The expert-parallel path from TorchTitan's DTensor weights (shard_experts, one rank)
     to the library and back, on the CPU: ExpertParallelExperts' layer is a one-rank CPU
     layer here and its check that x is on CUDA is skipped (the CUDA-only parts, run by the
     GPU tests below). Output and gradients equal the swapped MoE without EP bit for bit;
-    the experts' gradients arrive as DTensors sharded as their weights.
+    the experts' gradients arrive as DTensors sharded as their weights. w1 and w3 reach the
+    library as W13's two halves (no concatenation), and with fp8 the FP8 weights are
+    quantized from them (moefuse_quantize_weights_halves), once for the forward and its
+    backward.
 
     ep_fsdp: FSDP2 as TorchTitan's apply_fsdp wraps an MoE under EP, the experts a unit of
     their own on the 'efsdp' mesh (bf16 parameters, fp32 reduction): its hooks run around
@@ -150,6 +154,7 @@ def test_expert_parallel_path_on_a_cpu_layer(one_rank_gloo_mesh, monkeypatch, fs
             cfg = _lib.config_init(self.hidden_size, self.intermediate_size, self.num_experts,
                                    self.top_k, self.max_tokens)
             cfg.saved_mode = self.saved_mode
+            cfg.precision = _lib.Precision.FP8_BLOCK if precision == "fp8" else _lib.Precision.BF16
             self._layer = _lib.Layer(cfg)
             self._layer.device = torch.device("cpu")
             layers.append(self._layer)
@@ -157,6 +162,21 @@ def test_expert_parallel_path_on_a_cpu_layer(one_rank_gloo_mesh, monkeypatch, fs
     monkeypatch.setattr(distributed.ExpertParallelExperts, "_layer_on", cpu_layer)
     monkeypatch.setattr(distributed.ExpertParallelExperts, "_validate",
                         lambda self, x, ids, p: ids.to(torch.int32))
+    w13_ups = []  # the up half each call of the EP function got (None: W13 packed)
+    apply_fn = distributed._ExpertParallelFn.apply
+
+    def apply_spy(*args):
+        w13_ups.append(args[7] if len(args) > 7 else None)
+        return apply_fn(*args)
+    monkeypatch.setattr(distributed._ExpertParallelFn, "apply", apply_spy)
+    halves_read = []
+    quantize = _lib.Layer.quantize_weights
+
+    def quantize_spy(self, *args, **kwargs):
+        halves_read.append(bool(kwargs.get("w13_up")))
+        return quantize(self, *args, **kwargs)
+    monkeypatch.setattr(_lib.Layer, "quantize_weights", quantize_spy)
+    moefuse.ops.layer_cache.fp8.clear()
     seen = []
     ep_local = mtt._ep_local
 
@@ -168,11 +188,11 @@ def test_expert_parallel_path_on_a_cpu_layer(one_rank_gloo_mesh, monkeypatch, fs
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("efsdp", "ep"))
     one_rank = ep_moe()
     ep = copy.deepcopy(one_rank)
-    mtt.apply(one_rank)
+    mtt.apply(one_rank, precision=precision)
     mtt.shard_experts(ep, mesh["ep"])
     comm = stand_in_comm(1)
     plan = mtt.ExpertParallelPlan([comm], rank=0, num_ranks=1, max_tokens=BS * SLEN)
-    mtt.apply(ep, expert_parallel=plan)
+    mtt.apply(ep, precision=precision, expert_parallel=plan)
     if fsdp:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         fully_shard(ep.experts, mesh=mesh["efsdp"], mp_policy=mp)
@@ -190,6 +210,15 @@ def test_expert_parallel_path_on_a_cpu_layer(one_rank_gloo_mesh, monkeypatch, fs
         results.append({"y": y.detach(), "dx": xi.grad,
                         **{n: p.grad for n, p in m.named_parameters()}})
     assert len(layers) == 1  # the EP path ran the library through ExpertParallelExperts
+    # w3's local tensor as the up half, as it is: no concatenation, no copy
+    assert len(w13_ups) == 1 and w13_ups[0] is not None
+    assert w13_ups[0].shape == (EP_E, EP_F, EP_D)
+    if precision == "fp8":
+        # one rank's weights, then the EP path's (a deepcopy), each quantized once from
+        # its halves for its forward and backward
+        assert halves_read == [True, True], halves_read
+    else:
+        assert halves_read == []
     # inside the forward moefuse sees each weight on the 'ep' mesh, sharded on the experts
     assert [(t, p) for _, t, p in seen] == [("DTensor", (Shard(0),))] * 3, seen
     want, got = results
@@ -259,9 +288,9 @@ def _warm_streams(streams):
 def _load_kernels(moe, max_tokens, runs):
     """Runs each of `runs` (a callable taking a module: a forward and its backward) on a
     one-rank copy of `moe` swapped with a plan over a virtual comm of one rank: the ranks'
-    own path, so every PyTorch kernel they launch between their calls (w1 and w3's
-    concatenation and its backward, the casts, the router's backward and its GEMMs at
-    these shapes) has run once before any rank's call spins on the device. CUDA's lazy
+    own path, so every PyTorch kernel they launch between their calls (the casts, the
+    router's backward and its GEMMs at these shapes) has run once before any rank's call
+    spins on the device. CUDA's lazy
     loading loads a kernel at its first launch after waiting for the device, and between
     two virtual ranks' calls that wait never ends; the library loads its own kernels when a
     layer is created (docs/decisions/0015-ep-transport.md)."""
