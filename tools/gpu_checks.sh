@@ -25,9 +25,10 @@
 #                                kernels or the recipe?); and
 #                                profile_step.py's per-kernel table of the FP8 layer on
 #                                both shapes
-#   tools/gpu_checks.sh opt_in_ab  an opt-in kernel path (OPT_IN="-DNAME=1 ...", by default
-#                                the weights' vector quantizer) built apart: its FP8 tests,
-#                                the quantizers' times beside the default build's
+#   tools/gpu_checks.sh opt_in_ab  opt-in kernel paths (OPT_IN="-DNAME=1 ...", by default
+#                                the weights' vector quantizer and the pipelined tokens
+#                                quantizers) built apart: their FP8 tests, the quantizers'
+#                                times and the FP8 layer's profile beside the default's
 #   tools/gpu_checks.sh ncu_fp8  ncu's speed-of-light, memory, warp-state and scheduler
 #                                sections of one launch of each FP8 GEMM and quantizer
 #   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
@@ -148,17 +149,23 @@ fp8_diag() {
 }
 
 opt_in_ab() {
-    # an opt-in kernel path built apart (OPT_IN: its nvcc -D flags; by default the
-    # weights' vector quantizer, MF_FP8_WEIGHTS_VECTOR in simt/fp8_quant.cu): its FP8
-    # tests, then the quantizers' times (the weights' among them) of both builds
+    # opt-in kernel paths built apart (OPT_IN: their nvcc -D flags; by default the
+    # weights' vector quantizer and the pipelined tokens quantizers, simt/fp8_quant.cu):
+    # their FP8 tests, then the quantizers' times and the FP8 layer's profile, both builds
     STEP_TIMEOUT=400 step build_opt_in build_opt_in.log make -j"$(nproc)" BUILD=build/opt \
-        NVCC_EXTRA="${OPT_IN:--DMF_FP8_WEIGHTS_VECTOR=1}" all
+        NVCC_EXTRA="${OPT_IN:--DMF_FP8_WEIGHTS_VECTOR=1 -DMF_FP8_TOKENS_PIPELINED=1}" all
     step opt_test_fp8_quant opt_test_fp8_quant.log build/opt/tests/kernels/test_fp8_quant
     step opt_test_cuda_fp8 opt_test_cuda_fp8.log build/opt/tests/api/test_cuda_fp8
     step opt_python_fp8 opt_python_fp8.log env MOEFUSE_LIB="$PWD/build/opt/libmoefuse.so" \
         python3 -m pytest -q -rs python/tests/test_fp8_cuda.py -k "not training_sized"
-    step quant_time_default quant_time_default.log build/tests/kernels/test_fp8_quant_time
-    step quant_time_opt quant_time_opt.log build/opt/tests/kernels/test_fp8_quant_time
+    local lib
+    for lib in build build/opt; do
+        step "quant_time_${lib//\//_}" "quant_time_${lib//\//_}.log" \
+            "$lib/tests/kernels/test_fp8_quant_time"
+        STEP_TIMEOUT=90 step "profile_fp8_${lib//\//_}" "profile_fp8_${lib//\//_}.log" \
+            env MOEFUSE_LIB="$PWD/$lib/libmoefuse.so" python3 bench/profile_step.py \
+            --model qwen3-30b-a3b --precision fp8 --sustain-s 2
+    done
 }
 
 ncu_fp8() {

@@ -126,38 +126,24 @@ struct tokens_block_params {
     int scale_ld;
 };
 
-/* kGather: the rows read through row_slot. 2 CTAs an SM: quotient()'s codes spill at 3
- * (80 registers, ptxas CUDA 13). */
-template <bool kRows, bool kGather>
-__global__ void __launch_bounds__(kTokThreads, 2)
-    fp8_quantize_tokens_kernel(const tokens_block_params bp) {
+/* The shared memory of one block's codes (beside its rows' values, in registers). */
+struct TokensSmem {
+    uint2 codes_t[kTokCols][16];          /* [column][8-byte unit ^ piece] */
+    float red[kTokThreads / 32][kTokCols];
+    float col_scale[kTokCols];
+};
+
+/* One 128 x 128 block's codes from this thread's 8 rows x 8 columns v (rows 8 group ..,
+ * columns c0 + 8 piece ..) and the rows' weights pw: with kRows each row's 1 x 128 codes,
+ * then the columns' scales and codes^T. Ends with the block's shared memory read. */
+template <bool kRows>
+__device__ __forceinline__ void tokens_block_codes(const tokens_block_params &bp, int row_block,
+                                                   int c0, const uint4 (&v)[8],
+                                                   const float (&pw)[8], TokensSmem &sm) {
     const mf_quantize_fp8_tokens_params &p = bp.t;
-    __shared__ __align__(16) uint2 codes_t[kTokCols][16];   /* [column][8-byte unit ^ piece] */
-    __shared__ __align__(16) float red[kTokThreads / 32][kTokCols];
-    __shared__ __align__(16) float col_scale[kTokCols];
-    const int col_blocks = (p.cols + kTokCols - 1) / kTokCols;
-    const int row_block = blockIdx.x / col_blocks;
-    const int c0 = (blockIdx.x % col_blocks) * kTokCols;
-    const int rows = p.num_rows ? *p.num_rows : p.rows_cap;
-    if (row_block * 128 >= rows) return;
     const int64_t r0 = (int64_t)row_block * 128;
     const int piece = threadIdx.x % 16, group = threadIdx.x / 16;
     const int c = c0 + 8 * piece;
-    const bool has_cols = c < p.cols;   /* cols % 8 == 0: a piece is whole or absent */
-
-    /* ---- 8 rows x 8 columns: loads first ---- */
-    uint4 v[8];
-    float pw[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const int64_t r = r0 + 8 * group + i;
-        if constexpr (kGather)
-            v[i] = has_cols ? load_row_piece(p.in, p.ld, p.row_slot, p.top_k, r, c)
-                            : make_uint4(0, 0, 0, 0);
-        else
-            v[i] = has_cols ? load_stream(p.in + r * p.ld + c) : make_uint4(0, 0, 0, 0);
-        pw[i] = p.row_weight ? p.row_weight[r] : 1.0f;
-    }
 
     /* ---- rows: each row's tile of 128 columns (kRows: cols % 128 == 0) ---- */
     if constexpr (kRows) {
@@ -193,7 +179,7 @@ __global__ void __launch_bounds__(kTokThreads, 2)
 #pragma unroll
     for (int j = 0; j < 8; ++j) cm[j] = amax_nan(cm[j], __shfl_xor_sync(0xffffffffu, cm[j], 16));
     if ((threadIdx.x % 32) < 16) {
-        float4 *d = reinterpret_cast<float4 *>(&red[threadIdx.x / 32][8 * piece]);
+        float4 *d = reinterpret_cast<float4 *>(&sm.red[threadIdx.x / 32][8 * piece]);
         d[0] = make_float4(cm[0], cm[1], cm[2], cm[3]);
         d[1] = make_float4(cm[4], cm[5], cm[6], cm[7]);
     }
@@ -201,9 +187,9 @@ __global__ void __launch_bounds__(kTokThreads, 2)
     if (threadIdx.x < kTokCols) {
         float m = 0.0f;
 #pragma unroll
-        for (int w = 0; w < kTokThreads / 32; ++w) m = amax_nan(m, red[w][threadIdx.x]);
+        for (int w = 0; w < kTokThreads / 32; ++w) m = amax_nan(m, sm.red[w][threadIdx.x]);
         const float s = tile_scale(m, p.pow2);
-        col_scale[threadIdx.x] = s;
+        sm.col_scale[threadIdx.x] = s;
         if (c0 + (int)threadIdx.x < p.cols) p.scales[(int64_t)row_block * p.cols + c0 + threadIdx.x] = s;
     }
     __syncthreads();
@@ -211,11 +197,11 @@ __global__ void __launch_bounds__(kTokThreads, 2)
     /* ---- codes: column j of this piece, this group's 8 tokens -> one 8-byte unit ---- */
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-        const float s = col_scale[8 * piece + j];
+        const float s = sm.col_scale[8 * piece + j];
         float x[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) x[i] = __fmul_rn(pw[i], bf16_at(v[i], j));
-        codes_t[8 * piece + j][group ^ piece] = quantize8(x, s, __frcp_rn(s));
+        sm.codes_t[8 * piece + j][group ^ piece] = quantize8(x, s, __frcp_rn(s));
     }
     __syncthreads();
 
@@ -228,11 +214,166 @@ __global__ void __launch_bounds__(kTokThreads, 2)
         const int sw = (col / 8) % 16;          /* the piece that wrote the column */
         /* units 2 chunk and 2 chunk + 1 sit at (2 chunk) ^ sw and (2 chunk + 1) ^ sw: one
          * 16-byte pair, swapped when sw is odd */
-        const uint4 q = *reinterpret_cast<const uint4 *>(&codes_t[col][((2 * chunk) ^ sw) & ~1]);
+        const uint4 q = *reinterpret_cast<const uint4 *>(&sm.codes_t[col][((2 * chunk) ^ sw) & ~1]);
         const uint4 out = (sw & 1) ? make_uint4(q.z, q.w, q.x, q.y) : q;
         *reinterpret_cast<uint4 *>(p.codes_t + (int64_t)(c0 + col) * p.rows_cap + r0 + 16 * chunk) =
             out;
     }
+}
+
+/* kGather: the rows read through row_slot. 2 CTAs an SM: quotient()'s codes spill at 3
+ * (80 registers, ptxas CUDA 13). A CTA per block: its loads first, eight 16-byte ones per
+ * thread (32 KB a CTA). */
+template <bool kRows, bool kGather>
+__global__ void __launch_bounds__(kTokThreads, 2)
+    fp8_quantize_tokens_kernel(const tokens_block_params bp) {
+    const mf_quantize_fp8_tokens_params &p = bp.t;
+    __shared__ __align__(16) TokensSmem sm;
+    const int col_blocks = (p.cols + kTokCols - 1) / kTokCols;
+    const int row_block = blockIdx.x / col_blocks;
+    const int c0 = (blockIdx.x % col_blocks) * kTokCols;
+    const int rows = p.num_rows ? *p.num_rows : p.rows_cap;
+    if (row_block * 128 >= rows) return;
+    const int64_t r0 = (int64_t)row_block * 128;
+    const int piece = threadIdx.x % 16, group = threadIdx.x / 16;
+    const int c = c0 + 8 * piece;
+    const bool has_cols = c < p.cols;   /* cols % 8 == 0: a piece is whole or absent */
+    uint4 v[8];
+    float pw[8];   /* the rows' weights (1 without row_weight) */
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int64_t r = r0 + 8 * group + i;
+        if constexpr (kGather)
+            v[i] = has_cols ? load_row_piece(p.in, p.ld, p.row_slot, p.top_k, r, c)
+                            : make_uint4(0, 0, 0, 0);
+        else
+            v[i] = has_cols ? load_stream(p.in + r * p.ld + c) : make_uint4(0, 0, 0, 0);
+        pw[i] = p.row_weight ? p.row_weight[r] : 1.0f;
+    }
+    tokens_block_codes<kRows>(bp, row_block, c0, v, pw, sm);
+}
+
+/* MF_FP8_TOKENS_PIPELINED=1 (make NVCC_EXTRA=...): the tokens kernels below instead of the
+ * ones above, until they have run on a GPU. Above, a CTA loads its block and then computes
+ * and stores with nothing in flight; at 2 CTAs an SM the loads stop half the time (H200:
+ * tokens 69-73% of the floor speed, rows + tokens 58%). Below, persistent CTAs (2 an SM)
+ * copy the next block's rows into shared memory (cp.async, 32 KB) while they compute the
+ * current one from the other buffer. */
+#ifndef MF_FP8_TOKENS_PIPELINED
+#define MF_FP8_TOKENS_PIPELINED 0
+#endif
+
+constexpr int kTokStageBytes = 128 * kTokCols * 2;   /* one block's bf16 rows */
+constexpr int kTokPipelinedSmem = 2 * kTokStageBytes;
+
+/* 16 bytes from global to shared memory, asynchronously; bytes = 0: zeros (src unread). */
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, int bytes) {
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(bytes)
+                 : "memory");
+}
+
+/* This thread's 8 row pieces of a block (rows 8 group .., columns c0 + 8 piece ..) into
+ * stage[row][piece]: as load_row_piece reads them, zeros for a padding row or a piece past
+ * cols. One cp.async group. */
+template <bool kGather>
+__device__ __forceinline__ void tokens_block_prefetch(const mf_quantize_fp8_tokens_params &p,
+                                                      int row_block, int c0, uint4 *stage) {
+    const int piece = threadIdx.x % 16, group = threadIdx.x / 16;
+    const int c = c0 + 8 * piece;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int64_t r = (int64_t)row_block * 128 + 8 * group + i;
+        const uint16_t *src = p.in;
+        int bytes = 0;
+        if (c < p.cols) {
+            if constexpr (kGather) {
+                const int slot = __ldg(p.row_slot + r);
+                if (slot >= 0) src = p.in + (int64_t)(slot / p.top_k) * p.ld + c, bytes = 16;
+            } else {
+                src = p.in + r * p.ld + c, bytes = 16;
+            }
+        }
+        cp_async16(stage + (8 * group + i) * 16 + piece, src, bytes);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <bool kRows, bool kGather>
+__global__ void __launch_bounds__(kTokThreads, 2)
+    fp8_quantize_tokens_pipelined_kernel(const tokens_block_params bp) {
+    const mf_quantize_fp8_tokens_params &p = bp.t;
+    __shared__ __align__(16) TokensSmem sm;
+    extern __shared__ __align__(16) uint4 stages[];   /* 2 x [128 rows][16 pieces] */
+    const int col_blocks = (p.cols + kTokCols - 1) / kTokCols;
+    const int rows = p.num_rows ? *p.num_rows : p.rows_cap;
+    const int blocks = (rows + 127) / 128 * col_blocks;
+    int b = blockIdx.x;
+    if (b >= blocks) return;
+    tokens_block_prefetch<kGather>(p, b / col_blocks, b % col_blocks * kTokCols, stages);
+    for (int it = 0; b < blocks; ++it, b += gridDim.x) {
+        const int next = b + (int)gridDim.x;
+        uint4 *stage = stages + (it & 1) * (kTokStageBytes / 16);
+        if (next < blocks)   /* the other buffer, read by the previous iteration */
+            tokens_block_prefetch<kGather>(p, next / col_blocks, next % col_blocks * kTokCols,
+                                           stages + ((it + 1) & 1) * (kTokStageBytes / 16));
+        else
+            asm volatile("cp.async.commit_group;" ::: "memory");   /* an empty group */
+        asm volatile("cp.async.wait_group 1;" ::: "memory");       /* this block's copies */
+        __syncthreads();                                             /* everyone's */
+        const int row_block = b / col_blocks, c0 = b % col_blocks * kTokCols;
+        const int group = threadIdx.x / 16, piece = threadIdx.x % 16;
+        uint4 v[8];
+        float pw[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            v[i] = stage[(8 * group + i) * 16 + piece];
+            pw[i] = p.row_weight ? p.row_weight[(int64_t)row_block * 128 + 8 * group + i] : 1.0f;
+        }
+        tokens_block_codes<kRows>(bp, row_block, c0, v, pw, sm);
+        __syncthreads();   /* the stage and sm read before they are written again */
+    }
+}
+
+/* The pipelined kernels' 64 KB of stages, above the default 48 KB of dynamic shared
+ * memory (idempotent: at load, and before each launch for callers that did not load). */
+cudaError_t tokens_pipelined_allow_smem(void) {
+    const void *kernels[] = {(const void *)fp8_quantize_tokens_pipelined_kernel<false, false>,
+                             (const void *)fp8_quantize_tokens_pipelined_kernel<true, false>,
+                             (const void *)fp8_quantize_tokens_pipelined_kernel<false, true>,
+                             (const void *)fp8_quantize_tokens_pipelined_kernel<true, true>};
+    for (const void *k : kernels) {
+        const cudaError_t err = cudaFuncSetAttribute(
+            k, cudaFuncAttributeMaxDynamicSharedMemorySize, kTokPipelinedSmem);
+        if (err != cudaSuccess) return err;
+    }
+    return cudaSuccess;
+}
+
+/* Launches the tokens kernel of kRows / row_slot: one CTA per block, or (pipelined) two
+ * persistent CTAs an SM. */
+template <bool kRows>
+cudaError_t launch_tokens(const tokens_block_params &bp, int64_t ctas, cudaStream_t stream) {
+    if (MF_FP8_TOKENS_PIPELINED) {
+        int device = 0, sms = 0;
+        cudaError_t err = tokens_pipelined_allow_smem();
+        if (err == cudaSuccess) err = cudaGetDevice(&device);
+        if (err == cudaSuccess)
+            err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+        if (err != cudaSuccess) return err;
+        const unsigned grid = (unsigned)(ctas < 2 * sms ? ctas : 2 * sms);
+        if (bp.t.row_slot)
+            fp8_quantize_tokens_pipelined_kernel<kRows, true>
+                <<<grid, kTokThreads, kTokPipelinedSmem, stream>>>(bp);
+        else
+            fp8_quantize_tokens_pipelined_kernel<kRows, false>
+                <<<grid, kTokThreads, kTokPipelinedSmem, stream>>>(bp);
+    } else if (bp.t.row_slot) {
+        fp8_quantize_tokens_kernel<kRows, true><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
+    } else {
+        fp8_quantize_tokens_kernel<kRows, false><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
+    }
+    return cudaGetLastError();
 }
 
 /* ---- weights: 128 x 128 blocks, W and W^T ------------------------------------------- */
@@ -449,11 +590,7 @@ extern "C" cudaError_t mf_quantize_fp8_tokens(const mf_quantize_fp8_tokens_param
     const int64_t ctas = tokens_ctas(p);
     if (ctas > INT32_MAX) return cudaErrorInvalidValue;
     const tokens_block_params bp = {*p, nullptr, nullptr, 0};
-    if (p->row_slot)
-        fp8_quantize_tokens_kernel<false, true><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
-    else
-        fp8_quantize_tokens_kernel<false, false><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
-    return cudaGetLastError();
+    return launch_tokens<false>(bp, ctas, stream);
 }
 
 extern "C" cudaError_t mf_quantize_fp8_rows_tokens(const mf_quantize_fp8_rows_params *r,
@@ -468,11 +605,7 @@ extern "C" cudaError_t mf_quantize_fp8_rows_tokens(const mf_quantize_fp8_rows_pa
     const int64_t ctas = tokens_ctas(t);
     if (ctas > INT32_MAX) return cudaErrorInvalidValue;
     const tokens_block_params bp = {*t, r->codes, r->scales, r->scale_ld};
-    if (t->row_slot)
-        fp8_quantize_tokens_kernel<true, true><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
-    else
-        fp8_quantize_tokens_kernel<true, false><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
-    return cudaGetLastError();
+    return launch_tokens<true>(bp, ctas, stream);
 }
 
 extern "C" cudaError_t mf_quantize_fp8_weights(const mf_quantize_fp8_weights_params *p,
@@ -507,6 +640,8 @@ extern "C" cudaError_t mf_quantize_fp8_weights(const mf_quantize_fp8_weights_par
 }
 
 extern "C" cudaError_t mf_quantize_fp8_load(void) {
+    const cudaError_t err = tokens_pipelined_allow_smem();
+    if (err != cudaSuccess) return err;
     return mf_load_kernels(fp8_quantize_rows_kernel, fp8_quantize_tokens_kernel<false, false>,
                            fp8_quantize_tokens_kernel<true, false>,
                            fp8_quantize_tokens_kernel<false, true>,
@@ -514,5 +649,9 @@ extern "C" cudaError_t mf_quantize_fp8_load(void) {
                            fp8_quantize_weights_kernel<float>,
                            fp8_quantize_weights_kernel<uint16_t>,
                            fp8_quantize_weights_vector_kernel<float>,
-                           fp8_quantize_weights_vector_kernel<uint16_t>);
+                           fp8_quantize_weights_vector_kernel<uint16_t>,
+                           fp8_quantize_tokens_pipelined_kernel<false, false>,
+                           fp8_quantize_tokens_pipelined_kernel<true, false>,
+                           fp8_quantize_tokens_pipelined_kernel<false, true>,
+                           fp8_quantize_tokens_pipelined_kernel<true, true>);
 }
