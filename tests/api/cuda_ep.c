@@ -107,8 +107,30 @@ int fixture_setup(void) {
     return ok;
 }
 
+/* G.w13's gate and up halves [E, I, H] each, in arrays of their own; made once, waited
+ * for (the ranks' non-blocking streams do not wait for a device-to-device copy). */
+int fixture_halves(void) {
+    if (G.w13_gate) return 1;
+    const size_t half = (size_t)kI * kH * 2, bytes = (size_t)kE * half;
+    CUDA_OK(cudaMalloc((void **)&G.w13_gate, bytes));
+    CUDA_OK(cudaMalloc((void **)&G.w13_up, bytes));
+    CUDA_OK(cudaMemcpy2DAsync(G.w13_gate, half, G.w13, 2 * half, half, kE,
+                              cudaMemcpyDeviceToDevice, G.stream));
+    CUDA_OK(cudaMemcpy2DAsync(G.w13_up, half, (const char *)G.w13 + half, 2 * half, half, kE,
+                              cudaMemcpyDeviceToDevice, G.stream));
+    CUDA_OK(cudaStreamSynchronize(G.stream));
+    return 1;
+done:
+    cudaFree(G.w13_gate);
+    cudaFree(G.w13_up);
+    G.w13_gate = G.w13_up = NULL;
+    return 0;
+}
+
 static void fixture_teardown(void) {
     cudaFree(G.w13);
+    cudaFree(G.w13_gate);
+    cudaFree(G.w13_up);
     cudaFree(G.w2);
     cudaFree(G.dw13);
     cudaFree(G.dw2);
@@ -196,10 +218,11 @@ int64_t count_nan(elem k, const void *v, int64_t n) {
 }
 
 /* got == want bit for bit, n elements in rows of `cols` (row0: the id of the first
- * row). Else records how many differ, the first one and the largest |difference|.
- * 1 when equal. */
+ * row; want_name: what made want). Else records how many differ, the first one and the
+ * largest |difference|. 1 when equal. */
 int same_bits(int rank, const char *what, elem k, const void *got, const void *want,
-              int64_t n, int64_t cols, const char *row_name, int64_t row0) {
+              const char *want_name, int64_t n, int64_t cols, const char *row_name,
+              int64_t row0) {
     const size_t es = k == ELEM_BF16 ? 2 : 4;
     if (n == 0 || !memcmp(got, want, (size_t)n * es)) return 1;
     int64_t ndiff = 0, nnan = 0, first = n;
@@ -215,64 +238,76 @@ int same_bits(int rank, const char *what, elem k, const void *got, const void *w
         if (d != d) nnan++;
         else if (d > maxd) maxd = d;
     }
-    CHECK(0, "rank %d: %s differs from R = 1 in %lld of %lld elements; first at %s %lld "
-          "element %lld (%.9g, R = 1: %.9g); max |diff| %.3e; %lld NaN", rank, what,
+    CHECK(0, "rank %d: %s differs from %s in %lld of %lld elements; first at %s %lld "
+          "element %lld (%.9g, %s: %.9g); max |diff| %.3e; %lld NaN", rank, what, want_name,
           (long long)ndiff, (long long)n, row_name, (long long)(row0 + first / cols),
-          (long long)(first % cols), elem_value(k, got, first), elem_value(k, want, first),
-          maxd, (long long)nnan);
+          (long long)(first % cols), elem_value(k, got, first), want_name,
+          elem_value(k, want, first), maxd, (long long)nnan);
     return 0;
 }
 
-/* Each rank's part of `got` against the same part of `ref`; the number of parts that
- * differ. */
-int compare_results(const batch *b, const result *ref, const result *got) {
+/* Each rank's part of `got` against the same part of `want`; the number of parts that
+ * differ. dW13 per expert: its gate rows [0, I) (elements below I * H), then its up rows
+ * [I, 2I). */
+int compare_results(const batch *b, const result *want, const char *want_name,
+                    const result *got) {
     const int Er = kE / b->R;
+    const char *n = want_name;
     int bad = 0;
     for (int r = 0; r < b->R; r++) {
         const int64_t t0 = b->off[r], nt = b->T[r], e0 = (int64_t)r * Er;
-        bad += !same_bits(r, "y", ELEM_BF16, got->y + t0 * kH, ref->y + t0 * kH, nt * kH, kH,
-                          "rank-local token", 0);
-        bad += !same_bits(r, "dx", ELEM_BF16, got->dx + t0 * kH, ref->dx + t0 * kH, nt * kH, kH,
-                          "rank-local token", 0);
-        bad += !same_bits(r, "dweights", ELEM_F32, got->dp + t0 * kK, ref->dp + t0 * kK, nt * kK,
-                          kK, "rank-local token", 0);
+        bad += !same_bits(r, "y", ELEM_BF16, got->y + t0 * kH, want->y + t0 * kH, n, nt * kH,
+                          kH, "rank-local token", 0);
+        bad += !same_bits(r, "dx", ELEM_BF16, got->dx + t0 * kH, want->dx + t0 * kH, n, nt * kH,
+                          kH, "rank-local token", 0);
+        bad += !same_bits(r, "dweights", ELEM_F32, got->dp + t0 * kK, want->dp + t0 * kK, n,
+                          nt * kK, kK, "rank-local token", 0);
         bad += !same_bits(r, "dW13", ELEM_F32, got->dw13 + e0 * kW13Expert,
-                          ref->dw13 + e0 * kW13Expert, Er * kW13Expert, kW13Expert, "expert", e0);
+                          want->dw13 + e0 * kW13Expert, n, Er * kW13Expert, kW13Expert, "expert",
+                          e0);
         bad += !same_bits(r, "dW2", ELEM_F32, got->dw2 + e0 * kW2Expert,
-                          ref->dw2 + e0 * kW2Expert, Er * kW2Expert, kW2Expert, "expert", e0);
-        bad += !same_bits(r, "expert_counts", ELEM_I32, got->counts + e0, ref->counts + e0, Er, 1,
-                          "expert", e0);
+                          want->dw2 + e0 * kW2Expert, n, Er * kW2Expert, kW2Expert, "expert", e0);
+        bad += !same_bits(r, "expert_counts", ELEM_I32, got->counts + e0, want->counts + e0, n,
+                          Er, 1, "expert", e0);
     }
     return bad;
 }
 
-/* The R = 1 run wrote every output (else equal poison would pass as equal bits), and
- * its expert_counts are the host's. */
-void check_reference(const batch *b, const result *res) {
+/* The run that made res (what) wrote every output (else equal poison would pass as
+ * equal bits), and its expert_counts are the host's. */
+void check_reference(const batch *b, const result *res, const char *what) {
     const int64_t nt = b->off[b->R];
     const int64_t nan = count_nan(ELEM_BF16, res->y, nt * kH) +
                         count_nan(ELEM_BF16, res->dx, nt * kH) +
                         count_nan(ELEM_F32, res->dp, nt * kK) +
                         count_nan(ELEM_F32, res->dw13, kE * kW13Expert) +
                         count_nan(ELEM_F32, res->dw2, kE * kW2Expert);
-    CHECK(nan == 0, "the R = 1 run left %lld outputs unwritten (NaN)", (long long)nan);
+    CHECK(nan == 0, "%s left %lld outputs unwritten (NaN)", what, (long long)nan);
     int32_t want[kE];
     memset(want, 0, sizeof want);
     for (int64_t s = 0; s < nt * kK; s++)
         if (b->ids[s] >= 0) want[b->ids[s]]++;
-    CHECK(!memcmp(want, res->counts, sizeof want), "the R = 1 run's expert_counts are wrong");
+    CHECK(!memcmp(want, res->counts, sizeof want), "%s: expert_counts are wrong", what);
 }
 
 /* ---- the reference: one layer, R = 1, on the concatenated batch ----------------------- */
 
-int fp8_weights_make(moefuse_layer *layer, int64_t e0, cudaStream_t stream, void **buf,
-                     moefuse_fp8_weights *w) {
+/* The buffer is poisoned (0xff: NaN codes and scales) first: a new allocation may
+ * reuse a freed one's bytes, the weights of another run. */
+int fp8_weights_make(moefuse_layer *layer, int64_t e0, int halves, cudaStream_t stream,
+                     void **buf, moefuse_fp8_weights *w) {
+    const int64_t h0 = e0 * kI * kH; /* expert e0 in a half [E, I, H] */
     size_t bytes = 0;
     MF_OK(moefuse_fp8_weights_bytes(layer, &bytes));
     CUDA_OK(cudaMalloc(buf, bytes));
+    CUDA_OK(cudaMemsetAsync(*buf, 0xff, bytes, stream));
     MF_OK(moefuse_fp8_weights_view(layer, *buf, w));
-    MF_OK(moefuse_quantize_weights(layer, MOEFUSE_DTYPE_BF16, G.w13 + e0 * kW13Expert,
-                                   G.w2 + e0 * kW2Expert, w, stream));
+    if (halves)
+        MF_OK(moefuse_quantize_weights_halves(layer, MOEFUSE_DTYPE_BF16, G.w13_gate + h0,
+                                              G.w13_up + h0, G.w2 + e0 * kW2Expert, w, stream));
+    else
+        MF_OK(moefuse_quantize_weights(layer, MOEFUSE_DTYPE_BF16, G.w13 + e0 * kW13Expert,
+                                       G.w2 + e0 * kW2Expert, w, stream));
     return 1;
 done:
     return 0;
@@ -297,7 +332,7 @@ int ref_run(const batch *b, int max_tokens, moefuse_saved_mode mode, moefuse_pre
     cfg.precision = precision;
     MF_OK(moefuse_layer_create(&cfg, NULL, &layer));
     const int is_fp8 = precision == MOEFUSE_PRECISION_FP8_BLOCK;
-    if (is_fp8 && !fp8_weights_make(layer, 0, st, &fp8_buf, &fp8)) goto done;
+    if (is_fp8 && !fp8_weights_make(layer, 0, 0, st, &fp8_buf, &fp8)) goto done;
     MF_OK(moefuse_saved_bytes(layer, (int)nt, &saved_bytes));
     CUDA_OK(cudaMalloc((void **)&x, (size_t)(n1 * kH) * 2));
     CUDA_OK(cudaMalloc((void **)&dy, (size_t)(n1 * kH) * 2));
@@ -338,7 +373,7 @@ int ref_run(const batch *b, int max_tokens, moefuse_saved_mode mode, moefuse_pre
     CUDA_OK(cudaMemcpy(out->counts, counts, (size_t)kE * 4, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(out->dw13, G.dw13, (size_t)(kE * kW13Expert) * 4, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(out->dw2, G.dw2, (size_t)(kE * kW2Expert) * 4, cudaMemcpyDeviceToHost));
-    check_reference(b, out);
+    check_reference(b, out, "the R = 1 run");
     ok = 1;
 done:
     cudaStreamSynchronize(st);

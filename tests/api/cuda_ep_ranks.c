@@ -95,16 +95,23 @@ moefuse_status ep_layer_create(ep *s, int r) {
     return moefuse_layer_create(&c, s->comm, &s->rk[r].layer);
 }
 
-/* The layers, and with FP8 each rank's experts' quantized weights. */
+/* The layers, with FP8 each rank's experts' quantized weights, and with W13 in halves
+ * each rank's buffer of dW13's up half. */
 int ep_layers_create(ep *s) {
+    const int64_t Er = kE / s->R;
+    if (s->w13_halves && !fixture_halves()) return 0;
     for (int r = 0; r < s->R; r++) {
         rank_state *k = &s->rk[r];
         if (!rank_ok(ep_layer_create(s, r), r, "moefuse_layer_create")) return 0;
+        if (s->w13_halves && !k->dw13_up)
+            CUDA_OK(cudaMalloc((void **)&k->dw13_up, (size_t)(Er * kI * kH) * 4));
         if (s->precision == MOEFUSE_PRECISION_FP8_BLOCK && !k->fp8_buf &&
-            !fp8_weights_make(k->layer, (int64_t)r * (kE / s->R), k->stream, &k->fp8_buf, &k->fp8))
+            !fp8_weights_make(k->layer, r * Er, s->w13_halves, k->stream, &k->fp8_buf, &k->fp8))
             return 0;
     }
     return 1;
+done:
+    return 0;
 }
 
 void ep_layers_destroy(ep *s) {
@@ -164,6 +171,7 @@ void ep_close(ep *s) {
         cudaFree(k->counts);
         cudaFree(k->dw13);
         cudaFree(k->dw2);
+        cudaFree(k->dw13_up);
         cudaFree(k->saved);
         cudaFree(k->fp8_buf);
         if (k->stream) cudaStreamDestroy(k->stream);
@@ -222,6 +230,8 @@ int ep_poison(const ep *s) {
         CUDA_OK(cudaMemsetAsync(k->counts, 0xff, (size_t)Er * 4, k->stream));
         CUDA_OK(cudaMemsetAsync(k->dw13, 0xff, (size_t)(Er * kW13Expert) * 4, k->stream));
         CUDA_OK(cudaMemsetAsync(k->dw2, 0xff, (size_t)(Er * kW2Expert) * 4, k->stream));
+        if (k->dw13_up)
+            CUDA_OK(cudaMemsetAsync(k->dw13_up, 0xff, (size_t)(Er * kI * kH) * 4, k->stream));
     }
     return 1;
 done:
@@ -232,26 +242,42 @@ done:
 moefuse_fwd_args ep_fwd_args(const ep *s, const batch *b, int r) {
     const rank_state *k = &s->rk[r];
     const int none = b->T[r] == 0 && s->null_if_empty;
-    const int64_t e0 = (int64_t)r * (kE / s->R);
-    const moefuse_fwd_args a = {
+    const int fp8 = s->precision == MOEFUSE_PRECISION_FP8_BLOCK;
+    const int64_t e0 = (int64_t)r * (kE / s->R), h0 = e0 * kI * kH;
+    moefuse_fwd_args a = {
         .num_tokens = b->T[r], .x = none ? NULL : k->x, .x_stride = kH,
         .ids = none ? NULL : k->ids, .weights = none ? NULL : k->p,
         .w13 = G.w13 + e0 * kW13Expert, .w2 = G.w2 + e0 * kW2Expert,
         .y = none ? NULL : k->y, .y_stride = kH, .saved = k->saved, .expert_counts = k->counts,
-        .fp8_weights = s->precision == MOEFUSE_PRECISION_FP8_BLOCK ? &k->fp8 : NULL,
+        .fp8_weights = fp8 ? &k->fp8 : NULL,
     };
+    if (s->w13_halves) { /* FP8: no bf16 weights, as the PyTorch binding passes them */
+        a.w13 = fp8 ? NULL : G.w13_gate + h0;
+        a.w13_up = fp8 ? NULL : G.w13_up + h0;
+        a.w2 = fp8 ? NULL : a.w2;
+    }
     return a;
 }
 
+/* The weight gradients go to dw13 / dw2 (and dW13's up half to dw13_up), fp32, or with
+ * dw_bf16 as bf16 into the same buffers' bytes. */
 moefuse_bwd_args ep_bwd_args(const ep *s, const batch *b, int r) {
     const rank_state *k = &s->rk[r];
     const moefuse_fwd_args a = ep_fwd_args(s, b, r);
-    const moefuse_bwd_args g = {
+    float *up = s->w13_halves ? k->dw13_up : NULL;
+    moefuse_bwd_args g = {
         .num_tokens = a.num_tokens, .x = a.x, .x_stride = kH, .ids = a.ids, .weights = a.weights,
         .w13 = a.w13, .w2 = a.w2, .saved = k->saved, .saved_bytes = k->saved_cap, .dy = a.x ? k->dy : NULL, .dy_stride = kH,
         .dx = a.x ? k->dx : NULL, .dx_stride = kH, .dweights = a.x ? k->dp : NULL,
         .dw13 = k->dw13, .dw2 = k->dw2, .accumulate = 0, .fp8_weights = a.fp8_weights,
+        .w13_up = a.w13_up, .dw13_up = up,
     };
+    if (s->dw_bf16) {
+        g.dw13_bf16 = (uint16_t *)k->dw13;
+        g.dw2_bf16 = (uint16_t *)k->dw2;
+        g.dw13_up_bf16 = (uint16_t *)up;
+        g.dw13 = g.dw2 = g.dw13_up = NULL;
+    }
     return g;
 }
 
@@ -308,6 +334,30 @@ int fetch_rows(void *dst, const void *src, int n, int cap, size_t row_bytes,
     return ok;
 }
 
+/* A rank's weight gradient of `experts` experts of n elements each into fp32 dst: from
+ * src, or with up set from the halves src and up ([experts, n / 2] each: dW13's gate and
+ * up rows) packed back; bf16 (dw_bf16) widened to fp32, every bit kept (the poison too). */
+static int fetch_dw(float *dst, const void *src, const void *up, int64_t experts, int64_t n,
+                    int bf16, const char *what, int r) {
+    const size_t es = bf16 ? 2 : 4, bytes = (size_t)(experts * n) * es, half = (size_t)n / 2 * es;
+    void *h = bf16 ? malloc(bytes) : (void *)dst;
+    cudaError_t e = h ? cudaSuccess : cudaErrorMemoryAllocation;
+    if (e == cudaSuccess && !up) e = cudaMemcpy(h, src, bytes, cudaMemcpyDeviceToHost);
+    if (e == cudaSuccess && up)
+        e = cudaMemcpy2D(h, 2 * half, src, half, half, experts, cudaMemcpyDeviceToHost);
+    if (e == cudaSuccess && up)
+        e = cudaMemcpy2D((char *)h + half, 2 * half, up, half, half, experts,
+                         cudaMemcpyDeviceToHost);
+    if (e == cudaSuccess && bf16)
+        for (int64_t i = 0; i < experts * n; i++) {
+            const uint32_t u = (uint32_t)((const uint16_t *)h)[i] << 16;
+            memcpy(dst + i, &u, 4);
+        }
+    if (bf16) free(h);
+    CHECK(e == cudaSuccess, "rank %d: copy of %s: %s", r, what, cudaGetErrorString(e));
+    return e == cudaSuccess;
+}
+
 /* Every rank's outputs into `out`, in the concatenated order (after ep_wait). */
 int ep_gather(const ep *s, const batch *b, result *out) {
     const int64_t Er = kE / s->R;
@@ -317,11 +367,10 @@ int ep_gather(const ep *s, const batch *b, result *out) {
         const int64_t o = b->off[r], e0 = r * Er;
         ok = fetch_rows(out->y + o * kH, k->y, b->T[r], s->max_tokens, kH * 2, "y", r) &&
              fetch_rows(out->dx + o * kH, k->dx, b->T[r], s->max_tokens, kH * 2, "dx", r) &&
-             fetch_rows(out->dp + o * kK, k->dp, b->T[r], s->max_tokens, kK * 4, "dweights", r);
-        CUDA_OK(cudaMemcpy(out->dw13 + e0 * kW13Expert, k->dw13, (size_t)(Er * kW13Expert) * 4,
-                           cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(out->dw2 + e0 * kW2Expert, k->dw2, (size_t)(Er * kW2Expert) * 4,
-                           cudaMemcpyDeviceToHost));
+             fetch_rows(out->dp + o * kK, k->dp, b->T[r], s->max_tokens, kK * 4, "dweights", r) &&
+             fetch_dw(out->dw13 + e0 * kW13Expert, k->dw13, s->w13_halves ? k->dw13_up : NULL,
+                      Er, kW13Expert, s->dw_bf16, "dW13", r) &&
+             fetch_dw(out->dw2 + e0 * kW2Expert, k->dw2, NULL, Er, kW2Expert, s->dw_bf16, "dW2", r);
         CUDA_OK(cudaMemcpy(out->counts + e0, k->counts, (size_t)Er * 4, cudaMemcpyDeviceToHost));
     }
     return ok;
@@ -340,7 +389,7 @@ void check_equal(ep *s, const batch *b) {
     if (!ref_run(b, s->R * s->max_tokens, s->mode, s->precision, &G.ref) ||
         !ep_step(s, b, &G.got))
         return;
-    const int bad = compare_results(b, &G.ref, &G.got);
+    const int bad = compare_results(b, &G.ref, "R = 1", &G.got);
     int rows[kMaxRanks];
     const int Er = kE / s->R;
     for (int r = 0; r < s->R; r++) {

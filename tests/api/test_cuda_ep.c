@@ -27,6 +27,15 @@
  *     R = 2, 4 (uneven, a T = 0 rank; recompute; dropped slots) and 8 (skew). And two
  *     steps on one set of layers with different batches, the last rank launched 50 ms
  *     late (the received rows must all be in before they are quantized).
+ *   - W13 and dW13 in two halves (moefuse.h, "W13 in two halves": w13_up, dw13_up,
+ *     dw13_up_bf16), as the PyTorch EP path passes TorchTitan's w1 and w3: the same batch
+ *     on R ranks with W13 packed, then on new layers with the gate and up halves in arrays
+ *     of their own (FP8: quantized from them by moefuse_quantize_weights_halves, and no
+ *     bf16 weights passed, as the binding does), bit for bit: y, dx, dweights, dW2,
+ *     expert_counts, and each local expert's dW13 gate half = the packed dW13's rows
+ *     [0, I), its up half = rows [I, 2I). R = 2 and 4 (uneven, a T = 0 rank, dropped
+ *     slots), BF16 (staged, recompute, fused) and FP8, fp32 dW and bf16 dW (dw13_bf16 /
+ *     dw13_up_bf16, as for bf16 parameters). The packed run must write every output.
  *
  * The failure cases (timeouts, a rejected saved buffer, the comm's refusals) are in
  * test_cuda_ep_failures.c, the 1000 iterations in test_cuda_ep_iterations.c; the
@@ -191,6 +200,62 @@ static void case_fp8_skew_r8(void) {
     equality_case(&(ep_case){.R = 8, .T = {M, M, M, M, M, M, M, M}, .skew = 1, .skew_rank = 0,
                              .precision = FP8});
 }
+
+/* The batch of c on R ranks twice, each time on a comm and layers of its own: W13 packed
+ * (into G.ref; it must write every output), then W13 and dW13 in two halves (into G.got,
+ * the halves packed back by ep_gather), with the weight gradients in bf16 when dw_bf16.
+ * The packed run (fp32 dW) at these configurations is checked against R = 1 by the cases
+ * above. */
+static void halves_case(const ep_case *c, int dw_bf16) {
+    if (!ready()) return;
+    batch b;
+    ep s;
+    memset(&s, 0, sizeof s);
+    int ok = batch_make(&b, c->R, c->T, c->route, -1);
+    for (int halves = 0; halves < 2 && ok; halves++) {
+        ok = ep_open(&s, c->R, kMaxTokens, c->mode);
+        s.pipeline = c->pipeline;
+        s.precision = c->precision;
+        s.w13_halves = halves;
+        s.dw_bf16 = dw_bf16;
+        ok = ok && ep_layers_create(&s) && ep_step(&s, &b, halves ? &G.got : &G.ref);
+        ep_close(&s);
+    }
+    if (ok) {
+        check_reference(&b, &G.ref, "the packed run");
+        const int bad = compare_results(&b, &G.ref, "W13 packed", &G.got);
+        char ts[96];
+        printf("    R=%d T=%s, %s%s%s, %s dW: %s\n", c->R, fmt_ints(ts, sizeof ts, b.T, c->R),
+               c->mode == MOEFUSE_RECOMPUTE ? "recompute" : "saved activations",
+               c->pipeline == MOEFUSE_PIPELINE_FUSED ? ", fused" : "",
+               c->precision == FP8 ? ", fp8" : "", dw_bf16 ? "bf16" : "fp32",
+               bad ? "W13 in halves DIFFERS from packed"
+                   : "W13 in halves: every output bitwise equal to packed");
+    }
+    batch_free(&b);
+}
+
+static void case_halves_r2(void) { halves_case(&(ep_case){.R = 2, .T = {M, M}}, 0); }
+static void case_halves_r4_bf16_dw(void) {
+    halves_case(&(ep_case){.R = 4, .T = {M, 0, 37, 300}}, 1);
+}
+static void case_halves_recompute_r4(void) {
+    halves_case(&(ep_case){.R = 4, .T = {M, 0, 37, 300}, .mode = MOEFUSE_RECOMPUTE}, 1);
+}
+static void case_halves_fused_r4(void) {
+    halves_case(&(ep_case){.R = 4, .T = {M, 0, 37, 300}, .pipeline = MOEFUSE_PIPELINE_FUSED}, 1);
+}
+static void case_halves_fp8_r2(void) {
+    halves_case(&(ep_case){.R = 2, .T = {M, M}, .precision = FP8}, 0);
+}
+static void case_halves_fp8_r4_dropped_bf16_dw(void) {
+    halves_case(&(ep_case){.R = 4, .T = {300, M, 64, 0}, .route = ROUTE_DROPPED,
+                           .precision = FP8}, 1);
+}
+static void case_halves_fp8_recompute_r4(void) {
+    halves_case(&(ep_case){.R = 4, .T = {M, 0, 37, 300}, .mode = MOEFUSE_RECOMPUTE,
+                           .precision = FP8}, 1);
+}
 #undef M
 /* test_cuda_ep [case-substring] */
 int main(int argc, char **argv) {
@@ -216,6 +281,15 @@ int main(int argc, char **argv) {
         {case_fp8_r4_dropped, "fp8 R=4 T={300,512,64,0} dropped slots and tokens"},
         {case_fp8_skew_r8, "fp8 R=8 skew: every slot on rank 0's experts"},
         {case_fp8_two_steps_late_rank, "fp8 R=4 two steps, two batches, the last rank 50 ms late"},
+        {case_halves_r2, "W13 halves = packed: R=2 T=512 each, fp32 dW"},
+        {case_halves_r4_bf16_dw, "W13 halves = packed: R=4 T={512,0,37,300}, bf16 dW"},
+        {case_halves_recompute_r4, "W13 halves = packed: R=4 T={512,0,37,300} recompute, bf16 dW"},
+        {case_halves_fused_r4, "W13 halves = packed: R=4 T={512,0,37,300} fused, bf16 dW"},
+        {case_halves_fp8_r2, "W13 halves = packed: fp8 R=2 T=512 each, fp32 dW"},
+        {case_halves_fp8_r4_dropped_bf16_dw,
+         "W13 halves = packed: fp8 R=4 T={300,512,64,0} dropped slots, bf16 dW"},
+        {case_halves_fp8_recompute_r4,
+         "W13 halves = packed: fp8 R=4 T={512,0,37,300} recompute, bf16 dW"},
     };
     return ep_main(argc, argv, cases, (int)(sizeof cases / sizeof cases[0]));
 }

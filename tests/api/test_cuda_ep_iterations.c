@@ -67,7 +67,7 @@ static void case_iterations(void) {
         if (!ep_gather(&s, &v, &G.got) ||
             !ref_run(&v, R * kIterTokens, s.mode, s.precision, &G.ref))
             goto done;
-        const int bad = compare_results(&v, &G.ref, &G.got);
+        const int bad = compare_results(&v, &G.ref, "R = 1", &G.got);
         differing += bad != 0;
         printf("    iteration %d: %s\n", it, bad ? "DIFFERS from R = 1" : "bitwise equal to R = 1");
         last = it;

@@ -90,7 +90,7 @@ static int run_nested(ep *s, const batch *b, int n) {
         if (!ep_check(&s[i]) || !ep_gather(&s[i], &b[i], &G.got) ||
             !ref_run(&b[i], s[i].R * s[i].max_tokens, s[i].mode, s[i].precision, &G.ref))
             return -1;
-        const int bad = compare_results(&b[i], &G.ref, &G.got);
+        const int bad = compare_results(&b[i], &G.ref, "R = 1", &G.got);
         printf("    set %d of %d: %s\n", i + 1, n,
                bad ? "DIFFERS from R = 1" : "every output bitwise equal to R = 1");
         differing += bad != 0;
