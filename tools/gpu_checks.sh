@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's checks, in phases that each fit one call of the lent machine (at most
 # 10 minutes), most important first. Logs go to build/gpu-logs, or to $OUT/gpu-logs on the
-# lent machine, with the summary and any plots. A summary is printed last.
+# lent machine (packed into $OUT/gpu-logs.tgz at the end), with the summary and any plots.
+# A summary is printed last.
 #
 #   tools/gpu_checks.sh verify   build; the correctness tests of the newest CUDA code:
 #                                the kernels' tests, FP8, EP (FP8 with a comm included),
@@ -249,3 +250,8 @@ for p in "${phases[@]}"; do
     if [ "$p" = step ]; then step_time; else "$p"; fi
 done
 printf '%s\n' "${summary[@]}" | tee "$LOG_DIR/summary.txt"
+# At most 8 files come back from $OUT: the logs go back as one archive (a call cut off
+# before this point still returns the first of them as they are).
+if [ -n "${OUT:-}" ]; then
+    tar czf "$OUT/gpu-logs.tgz" -C "$OUT" gpu-logs && rm -rf "$OUT/gpu-logs"
+fi
