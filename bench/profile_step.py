@@ -15,6 +15,7 @@ docs/decisions/0017-ruled-out has its reading of the step's kernels at the power
 
     python bench/profile_step.py [--model qwen3-30b-a3b] [--tokens 16384] [--calls 12]
                                  [--sustain-s 4] [--precision bf16|fp8]
+                                 [--weights bf16|fp32]
                                  [--saved inputs|activations|recompute]
 
 Runs only on a CUDA device; without one it prints SKIP and the reason and exits 0.
@@ -67,6 +68,10 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=12)
     parser.add_argument("--sustain-s", type=float, default=4.0)
     parser.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
+    parser.add_argument("--weights", choices=("bf16", "fp32"), default="bf16",
+                        help="the weights' dtype: bf16 (their gradients written in bf16 by "
+                             "the store warps) or fp32 master weights (fp32 gradients, "
+                             "stored by the consumers)")
     parser.add_argument("--saved", choices=("inputs", "activations", "recompute"),
                         default="inputs",
                         help="what the forward keeps: activations and the dispatched inputs "
@@ -82,6 +87,8 @@ def main() -> None:
     shape = baseline.MODELS[args.model]
     inputs, w13, w2 = baseline.make_problem_sets(args.tokens, shape, torch.device("cuda"),
                                                  NUM_INPUT_SETS)
+    if args.weights == "fp32":
+        w13, w2 = (w.detach().float().requires_grad_() for w in (w13, w2))
 
     def fwd_bwd(i: int) -> None:
         x, ids, p, dy = inputs[i % NUM_INPUT_SETS]
@@ -94,7 +101,8 @@ def main() -> None:
         fwd_bwd(i)
     torch.cuda.synchronize()
     print(f"# {torch.cuda.get_device_name()}; {args.model}, T = {args.tokens}, "
-          f"{args.precision}, saved {args.saved}, {args.calls} calls per profile")
+          f"{args.precision}, {args.weights} weights, saved {args.saved}, {args.calls} calls "
+          f"per profile")
     time.sleep(2.0)
     profile_calls(fwd_bwd, "cool (after 2 s idle)", args.calls)
     t0, i = time.monotonic(), 0

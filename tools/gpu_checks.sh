@@ -30,6 +30,9 @@
 #                                the weights' vector quantizer and the pipelined tokens
 #                                quantizers) built apart: their FP8 tests, the quantizers'
 #                                times and the FP8 layer's profile beside the default's
+#   tools/gpu_checks.sh wgrad_stagger  the wgrad kernels' odd CTAs started late
+#                                (MOEFUSE_WGRAD_STAGGER_NS): profiles with fp32 weights and
+#                                bench_precision_cuda at several delays
 #   tools/gpu_checks.sh ncu_fp8  ncu's speed-of-light, memory, warp-state and scheduler
 #                                sections of one launch of each FP8 GEMM and quantizer
 #   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
@@ -169,6 +172,26 @@ opt_in_ab() {
     done
 }
 
+wgrad_stagger() {
+    # the wgrad kernels' odd CTAs started late (MOEFUSE_WGRAD_STAGGER_NS, an experiment):
+    # with fp32 master weights the consumers store each fp32 tile themselves, all SMs at
+    # once; the FP8 and BF16 layer's profile at several delays (an FP8 wgrad tile of
+    # qwen3-30b-a3b takes about 11 us on an H100), then bench_precision_cuda (fp32 dW)
+    local ns precision
+    for precision in fp8 bf16; do
+        for ns in 0 3000 6000; do
+            STEP_TIMEOUT=90 step "stagger_${precision}_$ns" "stagger_${precision}_$ns.log" \
+                env MOEFUSE_WGRAD_STAGGER_NS=$ns python3 bench/profile_step.py \
+                --model qwen3-30b-a3b --precision $precision --weights fp32 --sustain-s 2
+        done
+    done
+    for ns in 0 3000 6000 0; do
+        STEP_TIMEOUT=90 step "stagger_precision_$ns" "stagger_precision_$ns.log" \
+            env MOEFUSE_WGRAD_STAGGER_NS=$ns MOEFUSE_BENCH_CASE=qwen3-30b-a3b:16384 \
+            build/bench/bench_precision_cuda
+    done
+}
+
 ncu_fp8() {
     # where the FP8 kernels' time goes: ncu's sections of one launch of each (the third,
     # past the warm-up) in qwen3-30b-a3b's forward + backward at T = 16384
@@ -237,10 +260,11 @@ phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(verify)
 for p in "${phases[@]}"; do
     case "$p" in
-    verify | suites | deep | bench | parity | fp8_diag | opt_in_ab | ncu_fp8 | ablation \
-        | step | titan | titan_235b | titan_loss) ;;
+    verify | suites | deep | bench | parity | fp8_diag | opt_in_ab | wgrad_stagger | ncu_fp8 \
+        | ablation | step | titan | titan_235b | titan_loss) ;;
     *) echo "tools/gpu_checks.sh: unknown phase '$p' (verify, suites, deep, bench, parity," \
-            "fp8_diag, opt_in_ab, ncu_fp8, ablation, step, titan, titan_235b, titan_loss)" >&2
+            "fp8_diag, opt_in_ab, wgrad_stagger, ncu_fp8, ablation, step, titan, titan_235b," \
+            "titan_loss)" >&2
        exit 2 ;;
     esac
 done

@@ -218,6 +218,9 @@ static moefuse_status resolve_plan(const moefuse_layer *layer, cuda_state *s) {
     p.beside_push_sms = p.num_sms - p.push_sms > 0 ? p.num_sms - p.push_sms : 1;
     /* peers plan this rank's slots over all E experts first (the sends) */
     p.plan_experts = p.rows_from_peers ? c->num_experts : layer->num_local_experts;
+    const char *stagger = getenv("MOEFUSE_WGRAD_STAGGER_NS");
+    const long ns = stagger ? strtol(stagger, NULL, 10) : 0;
+    p.wgrad_stagger_ns = ns > 0 && ns <= 1000000 ? (int)ns : 0;
     return MOEFUSE_OK;
 }
 
