@@ -1,11 +1,12 @@
 """What the tests of moefuse.distributed share: the smallest sizes the CUDA backend takes,
-a stand-in comm, a two-rank CPU module and the bitwise comparison with one rank."""
+a stand-in comm, a two-rank CPU module, one-rank modules run on CPU layers and the bitwise
+comparison with one rank."""
 
 from __future__ import annotations
 
 import torch
 
-from moefuse import _lib
+from moefuse import _fp8, _lib, distributed
 from moefuse.distributed import ExpertParallelExperts
 
 # The smallest sizes the CUDA backend takes (H, I multiples of 128).
@@ -33,3 +34,25 @@ def assert_bitwise(got, ref, names=("y", "dx", "dp", "dw13", "dw2")):
             diff = (a.double() - b.double()).abs().max().item()
             raise AssertionError(f"{name} is not bitwise equal to one rank's: max |diff| "
                                  f"{diff:.3e}")
+
+
+def modules_on_cpu_layers(monkeypatch) -> list:
+    """ExpertParallelExperts made to run on the CPU: its layer a one-rank CPU layer of the
+    module's config and precision, its check that x is on CUDA skipped (the weights' own
+    checks still run). Returns the list of the layers made, for the caller to close."""
+    layers = []
+
+    def cpu_layer(self, device):
+        if self._layer is None:
+            cfg = _lib.config_init(self.hidden_size, self.intermediate_size, self.num_experts,
+                                   self.top_k, self.max_tokens)
+            cfg.saved_mode = self.saved_mode
+            cfg.precision, _ = _fp8.resolve_precision(self.precision, False, "test")
+            self._layer = _lib.Layer(cfg)
+            self._layer.device = torch.device("cpu")
+            layers.append(self._layer)
+        return self._layer
+    monkeypatch.setattr(distributed.ExpertParallelExperts, "_layer_on", cpu_layer)
+    monkeypatch.setattr(distributed.ExpertParallelExperts, "_validate",
+                        lambda self, x, ids, p: ids.to(torch.int32))
+    return layers

@@ -173,13 +173,10 @@ def assert_checkpoint_equals_plain(module, x, ids, p, dy) -> None:
         assert torch.equal(plain, recomputed)
 
 
-def assert_w13_halves_equal_packed(dtype: torch.dtype, device, monkeypatch) -> None:
-    """precision="fp8" with W13 as (gate, up), bf16 or fp32 master weights, on `device`:
-    the halves quantized where they are (moefuse_quantize_weights_halves), dW13 written
-    in halves by the library; the packed call's bits."""
-    import moefuse
+def spy_weight_quantizations(monkeypatch) -> list:
+    """The FP8 weight cache emptied, and a list that then gets, for each weight
+    quantization through the library, whether W13 came as halves (w13_up set)."""
     from moefuse import _lib, ops
-    from moe_reference import random_problem
 
     halves_read = []
     quantize = _lib.Layer.quantize_weights
@@ -190,7 +187,17 @@ def assert_w13_halves_equal_packed(dtype: torch.dtype, device, monkeypatch) -> N
 
     monkeypatch.setattr(_lib.Layer, "quantize_weights", spy)
     ops.layer_cache.fp8.clear()
+    return halves_read
 
+
+def assert_w13_halves_equal_packed(dtype: torch.dtype, device, monkeypatch) -> None:
+    """precision="fp8" with W13 as (gate, up), bf16 or fp32 master weights, on `device`:
+    the halves quantized where they are (moefuse_quantize_weights_halves), dW13 written
+    in halves by the library; the packed call's bits."""
+    import moefuse
+    from moe_reference import random_problem
+
+    halves_read = spy_weight_quantizations(monkeypatch)
     x, ids, p, w13, w2, dy = (t.to(device) for t in
                               random_problem(100, 128, 128, 8, 2, seed=5))
     if dtype == torch.float32:  # values between bf16s

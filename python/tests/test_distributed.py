@@ -16,11 +16,13 @@ import pytest
 import torch
 
 import moefuse
-from moefuse import _fp8, _lib, distributed, ops
+from moefuse import _lib, distributed
 from moefuse.distributed import load_local_experts
 
+from fp8_reference import spy_weight_quantizations
 from moe_reference import random_problem
-from distributed_helpers import E, H, I, K, assert_bitwise, make_module, stand_in_comm
+from distributed_helpers import (E, H, I, K, assert_bitwise, make_module, modules_on_cpu_layers,
+                                 stand_in_comm)
 
 pytestmark = pytest.mark.usefixtures("library")
 
@@ -307,14 +309,7 @@ def test_function_w13_halves_give_the_packed_bits(cpu_layer, precision, dtype, s
     w13, w2 = problem[3], problem[4]
     if dtype == torch.float32:  # values between bf16s, so a rounding to bf16 would show
         w13, w2 = w13.float() * (1 + 2.0 ** -12), w2.float() * (1 - 2.0 ** -13)
-    halves_read = []
-    quantize = _lib.Layer.quantize_weights
-
-    def spy(self, *args, **kwargs):
-        halves_read.append(bool(kwargs.get("w13_up")))
-        return quantize(self, *args, **kwargs)
-    monkeypatch.setattr(_lib.Layer, "quantize_weights", spy)
-    ops.layer_cache.fp8.clear()
+    halves_read = spy_weight_quantizations(monkeypatch)
     layer = cpu_layer(saved_mode, precision)
     packed = _halves_run(layer, problem, w13, w2, halves=False)
     halves = _halves_run(layer, problem, w13, w2, halves=True)
@@ -375,21 +370,7 @@ def module_on_a_cpu_layer(monkeypatch):
     """A one-rank module whose layer is a one-rank CPU layer and whose check that x is on
     CUDA is skipped (as test_torchtitan_ep.py does), so its forward's weight arguments run
     here; the weights' own checks still run."""
-    layers = []
-
-    def cpu_layer(self, device):
-        if self._layer is None:
-            cfg = _lib.config_init(self.hidden_size, self.intermediate_size, self.num_experts,
-                                   self.top_k, self.max_tokens)
-            cfg.saved_mode = self.saved_mode
-            cfg.precision, _ = _fp8.resolve_precision(self.precision, False, "test")
-            self._layer = _lib.Layer(cfg)
-            self._layer.device = torch.device("cpu")
-            layers.append(self._layer)
-        return self._layer
-    monkeypatch.setattr(distributed.ExpertParallelExperts, "_layer_on", cpu_layer)
-    monkeypatch.setattr(distributed.ExpertParallelExperts, "_validate",
-                        lambda self, x, ids, p: ids.to(torch.int32))
+    layers = modules_on_cpu_layers(monkeypatch)
 
     def make(**overrides):
         torch.manual_seed(3)

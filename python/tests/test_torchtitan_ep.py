@@ -26,9 +26,10 @@ from torchtitan.models.moe import MoE, MoEArgs  # noqa: E402
 
 import moefuse  # noqa: E402
 import moefuse.torchtitan as mtt  # noqa: E402
-from moefuse import _lib, distributed  # noqa: E402
+from moefuse import distributed  # noqa: E402
 
-from distributed_helpers import stand_in_comm  # noqa: E402
+from distributed_helpers import modules_on_cpu_layers, stand_in_comm  # noqa: E402
+from fp8_reference import spy_weight_quantizations  # noqa: E402
 from moe_reference import random_problem  # noqa: E402
 from torchtitan_helpers import BS, SLEN  # noqa: E402
 
@@ -147,21 +148,7 @@ def test_expert_parallel_path_on_a_cpu_layer(one_rank_gloo_mesh, monkeypatch, fs
     (passed as _Fp32: cast, they changed y by a norm-wise 3e-3)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    layers = []
-
-    def cpu_layer(self, device):
-        if self._layer is None:
-            cfg = _lib.config_init(self.hidden_size, self.intermediate_size, self.num_experts,
-                                   self.top_k, self.max_tokens)
-            cfg.saved_mode = self.saved_mode
-            cfg.precision = _lib.Precision.FP8_BLOCK if precision == "fp8" else _lib.Precision.BF16
-            self._layer = _lib.Layer(cfg)
-            self._layer.device = torch.device("cpu")
-            layers.append(self._layer)
-        return self._layer
-    monkeypatch.setattr(distributed.ExpertParallelExperts, "_layer_on", cpu_layer)
-    monkeypatch.setattr(distributed.ExpertParallelExperts, "_validate",
-                        lambda self, x, ids, p: ids.to(torch.int32))
+    layers = modules_on_cpu_layers(monkeypatch)
     w13_ups = []  # the up half each call of the EP function got (None: W13 packed)
     apply_fn = distributed._ExpertParallelFn.apply
 
@@ -169,14 +156,7 @@ def test_expert_parallel_path_on_a_cpu_layer(one_rank_gloo_mesh, monkeypatch, fs
         w13_ups.append(args[7] if len(args) > 7 else None)
         return apply_fn(*args)
     monkeypatch.setattr(distributed._ExpertParallelFn, "apply", apply_spy)
-    halves_read = []
-    quantize = _lib.Layer.quantize_weights
-
-    def quantize_spy(self, *args, **kwargs):
-        halves_read.append(bool(kwargs.get("w13_up")))
-        return quantize(self, *args, **kwargs)
-    monkeypatch.setattr(_lib.Layer, "quantize_weights", quantize_spy)
-    moefuse.ops.layer_cache.fp8.clear()
+    halves_read = spy_weight_quantizations(monkeypatch)
     seen = []
     ep_local = mtt._ep_local
 

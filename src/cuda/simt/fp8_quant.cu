@@ -381,6 +381,45 @@ cudaError_t launch_tokens(const tokens_block_params &bp, int64_t ctas, cudaStrea
 constexpr int kWThreads = 256;
 constexpr int kWPerThread = 128 * 128 / kWThreads;
 
+/* This CTA's 128 x 128 block of the weights: expert e, block row br and column bc of the
+ * nbr x nbc; base, its first element in the codes (W's layout); w and src, the array and
+ * the element it is read from: the one array, or the half of the two that holds its rows. */
+template <class T>
+struct WeightsBlock {
+    int nbr, nbc, e, br, bc;
+    int64_t base, src;
+    const T *w;
+
+    __device__ __forceinline__ WeightsBlock(const mf_quantize_fp8_weights_params &p, const T *lo)
+        : nbr(p.rows / 128), nbc(p.cols / 128) {
+        e = blockIdx.x / (nbr * nbc);
+        br = (blockIdx.x / nbc) % nbr;
+        bc = blockIdx.x % nbc;
+        base = (int64_t)e * p.rows * p.cols + (int64_t)br * 128 * p.cols + bc * 128;
+        src = base;
+        w = lo;
+        if (p.w_hi && br * 128 < p.split_rows) {
+            src = ((int64_t)e * p.split_rows + br * 128) * p.cols + bc * 128;
+        } else if (p.w_hi) {
+            w = (const T *)p.w_hi;
+            src = ((int64_t)e * (p.rows - p.split_rows) + br * 128 - p.split_rows) * p.cols +
+                  bc * 128;
+        }
+    }
+};
+
+/* The amax of the CTA's kWThreads partial ones m (every thread gets it); red: a warp's
+ * slot each in shared memory. */
+__device__ __forceinline__ float block_amax(float m, float *red) {
+    m = warp_amax(m);
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
+    __syncthreads();
+    m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kWThreads / 32; ++i) m = amax_fold(m, red[i]);
+    return m;
+}
+
 template <class T>
 __device__ __forceinline__ float weight_value(const T *w, int64_t i);
 template <>
@@ -402,19 +441,10 @@ __global__ void __launch_bounds__(kWThreads, 2)
     fp8_quantize_weights_kernel(const mf_quantize_fp8_weights_params p, const T *w) {
     __shared__ uint8_t codes_t[128][128 + 4];
     __shared__ float red[kWThreads / 32];
-    const int nbr = p.rows / 128, nbc = p.cols / 128;
-    const int e = blockIdx.x / (nbr * nbc);
-    const int br = (blockIdx.x / nbc) % nbr, bc = blockIdx.x % nbc;
-    const int64_t base = (int64_t)e * p.rows * p.cols + (int64_t)br * 128 * p.cols + bc * 128;
-    // The block's source: the one array, or the half of the two that holds its rows.
-    int64_t src = base;
-    if (p.w_hi && br * 128 < p.split_rows) {
-        src = ((int64_t)e * p.split_rows + br * 128) * p.cols + bc * 128;
-    } else if (p.w_hi) {
-        w = (const T *)p.w_hi;
-        src = ((int64_t)e * (p.rows - p.split_rows) + br * 128 - p.split_rows) * p.cols +
-              bc * 128;
-    }
+    const WeightsBlock<T> blk(p, w);
+    const int nbr = blk.nbr, nbc = blk.nbc, e = blk.e, br = blk.br, bc = blk.bc;
+    const int64_t base = blk.base, src = blk.src;
+    w = blk.w;
     float m = 0.0f;
     float held[kWPerThread];   /* this thread's values, element i = t + k 256 */
 #pragma unroll
@@ -424,12 +454,7 @@ __global__ void __launch_bounds__(kWThreads, 2)
     }
 #pragma unroll
     for (int k = 0; k < kWPerThread; ++k) m = amax_fold(m, held[k]);
-    m = warp_amax(m);
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
-    __syncthreads();
-    m = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kWThreads / 32; ++i) m = amax_fold(m, red[i]);
+    m = block_amax(m, red);
     const float s = tile_scale(m, p.pow2), inv = __frcp_rn(s);
     auto put = [&](int i, uint8_t q) {   /* element i of the block: W's code and W^T's */
         p.codes[base + (int64_t)(i / 128) * p.cols + i % 128] = q;
@@ -493,18 +518,10 @@ template <class T>
 __global__ void __launch_bounds__(kWThreads, 2)
     fp8_quantize_weights_vector_kernel(const mf_quantize_fp8_weights_params p, const T *w) {
     __shared__ float red[kWThreads / 32];
-    const int nbr = p.rows / 128, nbc = p.cols / 128;
-    const int e = blockIdx.x / (nbr * nbc);
-    const int br = (blockIdx.x / nbc) % nbr, bc = blockIdx.x % nbc;
-    const int64_t base = (int64_t)e * p.rows * p.cols + (int64_t)br * 128 * p.cols + bc * 128;
-    int64_t src = base;   /* the one array, or the half of the two that holds the rows */
-    if (p.w_hi && br * 128 < p.split_rows) {
-        src = ((int64_t)e * p.split_rows + br * 128) * p.cols + bc * 128;
-    } else if (p.w_hi) {
-        w = (const T *)p.w_hi;
-        src = ((int64_t)e * (p.rows - p.split_rows) + br * 128 - p.split_rows) * p.cols +
-              bc * 128;
-    }
+    const WeightsBlock<T> blk(p, w);
+    const int nbr = blk.nbr, nbc = blk.nbc, e = blk.e, br = blk.br, bc = blk.bc;
+    const int64_t base = blk.base, src = blk.src;
+    w = blk.w;
     const int col = 4 * (threadIdx.x % 32), row0 = 16 * (threadIdx.x / 32);
     float v[16][4];
 #pragma unroll
@@ -514,12 +531,7 @@ __global__ void __launch_bounds__(kWThreads, 2)
     for (int k = 0; k < 16; ++k)
 #pragma unroll
         for (int j = 0; j < 4; ++j) m = amax_fold(m, v[k][j]);
-    m = warp_amax(m);
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
-    __syncthreads();
-    m = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kWThreads / 32; ++i) m = amax_fold(m, red[i]);
+    m = block_amax(m, red);
     const float s = tile_scale(m, p.pow2), inv = __frcp_rn(s);
     uint32_t words[16];   /* row k's 4 codes, column j in byte j */
 #pragma unroll
