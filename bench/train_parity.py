@@ -237,8 +237,9 @@ def model_config(args):
 
 def build_model(config, seed: int, device: torch.device, precision: str):
     """The seeded fp32 model with moefuse's MoE blocks of `precision` (the same initial
-    weights for every precision: the seed decides them before the swap); an emul:<GEMMs>
-    precision computes the experts by bench/fp8_emulation.py on the same parameters."""
+    weights for every precision of one seed: the seed decides them before the swap); an
+    emul:<GEMMs> precision computes the experts by bench/fp8_emulation.py on the same
+    parameters."""
     import transformers
 
     import moefuse

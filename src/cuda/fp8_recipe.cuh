@@ -82,9 +82,8 @@ __device__ __forceinline__ float tile_scale(float amax, int pow2) {
  * overflows and the result is NaN where the division saturates.
  * NOTE: why not the product where it provably encodes as the quotient and div.rn
  * otherwise: bf16 values land on or near e4m3 rounding points (x / amax a ratio of 8-bit
- * significands), so 45% (x) to 84% ([dg; du]) of the warps took the divisions; this
- * form cut the FP8 layer from 8.53 to 7.49 ms (qwen3-30b-a3b, T = 16384, H100; see
- * docs/decisions/0023-fp8-quantizer-bandwidth). */
+ * significands), so most warps took the divisions; the figures are in
+ * docs/decisions/0023-fp8-quantizer-bandwidth.md. */
 __device__ __forceinline__ float quotient(float x, float scale, float inv) {
     const float a = fabsf(x);
     const bool tiny = a != 0.0f && a < 0x1p-100f;
@@ -116,11 +115,13 @@ __device__ __forceinline__ float bf16_bits(uint32_t w, int hi) {
     return __uint_as_float(hi ? (w & 0xffff0000u) : (w << 16));
 }
 
+/* 4 values' codes, element j in byte j. */
+__device__ __forceinline__ uint32_t encode4(float q0, float q1, float q2, float q3) {
+    return (uint32_t)e4m3x2_encode(q0, q1) | ((uint32_t)e4m3x2_encode(q2, q3) << 16);
+}
+
 __device__ __forceinline__ uint2 encode8(const float (&q)[8]) {
-    return make_uint2((uint32_t)e4m3x2_encode(q[0], q[1]) |
-                          ((uint32_t)e4m3x2_encode(q[2], q[3]) << 16),
-                      (uint32_t)e4m3x2_encode(q[4], q[5]) |
-                          ((uint32_t)e4m3x2_encode(q[6], q[7]) << 16));
+    return make_uint2(encode4(q[0], q[1], q[2], q[3]), encode4(q[4], q[5], q[6], q[7]));
 }
 
 /* 8 values' codes under a scale and its reciprocal, element j in byte j of the pair. */

@@ -10,10 +10,12 @@
  *   - gathered (row_slot: the caller's token-major rows, strided, with padding rows) = the
  *     three passes on the rows gathered by hand, byte for byte;
  *   - the quantizers' division-free x / scale (quantize8: the product by the reciprocal and
- *     one fma correction, quotient()) = encode(div.rn(x, scale)) for all
- *     65536 bf16 x within twice a tile's range (|x| <= 896 scale) under thousands of scales (amax / 448 of random amax, and the edges:
- *     the smallest scale, amax near FLT_MAX, subnormal-only tiles), and for fp32 x placed
- *     at every e4m3 rounding midpoint times the scale, +-8 ulp (p dy's values are fp32).
+ *     one fma correction, quotient()) = encode(div.rn(x, scale)) for all 65536 bf16 x
+ *     within twice a tile's range (finite, |x| <= 896 scale) under thousands of scales
+ *     (amax / 448 of random amax, and the edges: the smallest scale, amax near FLT_MAX,
+ *     subnormal-only tiles), and for fp32 x placed at every e4m3 rounding midpoint times
+ *     the scale, +-8 ulp (p dy's values are fp32);
+ *   - the persistent (pipelined) tokens kernels on more blocks than they have CTAs.
  * The weights' quantizer is checked through moefuse_quantize_weights against the CPU
  * backend (tests/api/test_cuda_fp8.c). */
 #include <math.h>
@@ -248,6 +250,8 @@ void tokens_match(void) {
             tokens_case(384, 256, 776, pow2, w);
             tokens_case(2048, 1920, 2048, pow2, w);
         }
+    /* more blocks (62 x 16) than two CTAs an SM: a persistent CTA takes several */
+    tokens_case(8192, 7936, 2048, 0, true);
 }
 
 /* The rows and tokens passes' outputs on the device, poisoned (0xab bytes). */
@@ -373,6 +377,7 @@ void gathered_match(void) {
             gathered_case(512, 384, 768, pow2, w, 8);
             gathered_case(2048, 1920, 2048, pow2, w, 4);
         }
+    gathered_case(8192, 7936, 2048, 0, true, 8);   /* several blocks per persistent CTA */
 }
 
 void rows_tokens_match(void) {
@@ -383,6 +388,7 @@ void rows_tokens_match(void) {
             rows_tokens_case(512, 384, 768, pow2, w);
             rows_tokens_case(2048, 1920, 2048, pow2, w);
         }
+    rows_tokens_case(8192, 7936, 2048, 1, true);   /* several blocks per persistent CTA */
 }
 
 }  // namespace

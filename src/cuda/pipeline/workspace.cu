@@ -219,8 +219,15 @@ static moefuse_status resolve_plan(const moefuse_layer *layer, cuda_state *s) {
     /* peers plan this rank's slots over all E experts first (the sends) */
     p.plan_experts = p.rows_from_peers ? c->num_experts : layer->num_local_experts;
     const char *stagger = getenv("MOEFUSE_WGRAD_STAGGER_NS");
-    const long ns = stagger ? strtol(stagger, NULL, 10) : 0;
-    p.wgrad_stagger_ns = ns > 0 && ns <= 1000000 ? (int)ns : 0;
+    if (stagger && *stagger) {
+        char *end = NULL;
+        const long ns = strtol(stagger, &end, 10);
+        if (*end || ns < 0 || ns > 1000000)
+            return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
+                           "MOEFUSE_WGRAD_STAGGER_NS = \"%s\": expected nanoseconds, 0 to "
+                           "1000000", stagger);
+        p.wgrad_stagger_ns = (int)ns;
+    }
     return MOEFUSE_OK;
 }
 

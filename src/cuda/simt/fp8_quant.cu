@@ -255,8 +255,9 @@ __global__ void __launch_bounds__(kTokThreads, 2)
 
 /* MF_FP8_TOKENS_PIPELINED=1 (make NVCC_EXTRA=...): the tokens kernels below instead of the
  * ones above, until they have run on a GPU. Above, a CTA loads its block and then computes
- * and stores with nothing in flight; at 2 CTAs an SM the loads stop half the time (H200:
- * tokens 69-73% of the floor speed, rows + tokens 58%). Below, persistent CTAs (2 an SM)
+ * and stores with nothing in flight; at 2 CTAs an SM the loads stop half the time (their
+ * speed against the floor: docs/decisions/0023-fp8-quantizer-bandwidth.md). Below,
+ * persistent CTAs (2 an SM)
  * copy the next block's rows into shared memory (cp.async, 32 KB) while they compute the
  * current one from the other buffer. */
 #ifndef MF_FP8_TOKENS_PIPELINED
@@ -306,7 +307,8 @@ __global__ void __launch_bounds__(kTokThreads, 2)
     __shared__ __align__(16) TokensSmem sm;
     extern __shared__ __align__(16) uint4 stages[];   /* 2 x [128 rows][16 pieces] */
     const int col_blocks = (p.cols + kTokCols - 1) / kTokCols;
-    const int rows = p.num_rows ? *p.num_rows : p.rows_cap;
+    /* within rows_cap: the grid bounds the kernel above, nothing bounds this loop */
+    const int rows = p.num_rows ? min(max(*p.num_rows, 0), p.rows_cap) : p.rows_cap;
     const int blocks = (rows + 127) / 128 * col_blocks;
     int b = blockIdx.x;
     if (b >= blocks) return;
@@ -336,7 +338,8 @@ __global__ void __launch_bounds__(kTokThreads, 2)
 }
 
 /* The pipelined kernels' 64 KB of stages, above the default 48 KB of dynamic shared
- * memory (idempotent: at load, and before each launch for callers that did not load). */
+ * memory (idempotent: at load, and at a device's first launch for callers that did not
+ * load). */
 cudaError_t tokens_pipelined_allow_smem(void) {
     const void *kernels[] = {(const void *)fp8_quantize_tokens_pipelined_kernel<false, false>,
                              (const void *)fp8_quantize_tokens_pipelined_kernel<true, false>,
@@ -350,16 +353,32 @@ cudaError_t tokens_pipelined_allow_smem(void) {
     return cudaSuccess;
 }
 
+/* The current device's SM count, the pipelined kernels' shared memory allowed on it first
+ * (both once per device; a race only repeats idempotent calls). */
+cudaError_t tokens_pipelined_sms(int *sms) {
+    constexpr int kMaxDevices = 64;
+    static int sms_of[kMaxDevices];
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    if (device < kMaxDevices && sms_of[device] > 0) {
+        *sms = sms_of[device];
+        return cudaSuccess;
+    }
+    err = tokens_pipelined_allow_smem();
+    if (err == cudaSuccess)
+        err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess && device < kMaxDevices) sms_of[device] = *sms;
+    return err;
+}
+
 /* Launches the tokens kernel of kRows / row_slot: one CTA per block, or (pipelined) two
  * persistent CTAs an SM. */
 template <bool kRows>
 cudaError_t launch_tokens(const tokens_block_params &bp, int64_t ctas, cudaStream_t stream) {
     if (MF_FP8_TOKENS_PIPELINED) {
-        int device = 0, sms = 0;
-        cudaError_t err = tokens_pipelined_allow_smem();
-        if (err == cudaSuccess) err = cudaGetDevice(&device);
-        if (err == cudaSuccess)
-            err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+        int sms = 0;
+        const cudaError_t err = tokens_pipelined_sms(&sms);
         if (err != cudaSuccess) return err;
         const unsigned grid = (unsigned)(ctas < 2 * sms ? ctas : 2 * sms);
         if (bp.t.row_slot)
@@ -432,9 +451,8 @@ __device__ __forceinline__ float weight_value<uint16_t>(const uint16_t *w, int64
 }
 
 /* A 128 x 128 block of W (bf16 or fp32) to W's codes and W^T's, and its scale. Each thread
- * keeps its 64 values in registers from the amax to the codes, so the block is read once:
- * reading it again for the codes mostly missed L2 (2.73 ms for qwen3-30b-a3b's fp32 W13 and
- * W2 on an H100; 2.47 ms with one read and quotient(), floor 0.91 ms). 2 CTAs an SM (128
+ * keeps its 64 values in registers from the amax to the codes, so the block is read once
+ * (reading it again for the codes mostly missed L2; decision 0023). 2 CTAs an SM (128
  * registers), so that one's loads overlap the other's codes. */
 template <class T>
 __global__ void __launch_bounds__(kWThreads, 2)
@@ -478,8 +496,8 @@ __global__ void __launch_bounds__(kWThreads, 2)
 
 /* MF_FP8_WEIGHTS_VECTOR=1 (make NVCC_EXTRA=...): the weights' kernel below instead of the
  * one above, until it has run on a GPU. The one above stores every code as a byte, twice
- * (W's to memory, W^T's to shared memory and then memory a byte a thread): 37% of its floor
- * speed on an H200 (2.42 ms against 0.91 for qwen3-30b-a3b's fp32 W13 and W2). */
+ * (W's to memory, W^T's to shared memory and then memory a byte a thread), far below its
+ * floor speed (docs/decisions/0023-fp8-quantizer-bandwidth.md). */
 #ifndef MF_FP8_WEIGHTS_VECTOR
 #define MF_FP8_WEIGHTS_VECTOR 0
 #endif
@@ -539,7 +557,7 @@ __global__ void __launch_bounds__(kWThreads, 2)
         float q[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) q[j] = quotient(v[k][j], s, inv);
-        words[k] = (uint32_t)e4m3x2_encode(q[0], q[1]) | ((uint32_t)e4m3x2_encode(q[2], q[3]) << 16);
+        words[k] = encode4(q[0], q[1], q[2], q[3]);
         *reinterpret_cast<uint32_t *>(p.codes + base + (int64_t)(row0 + k) * p.cols + col) =
             words[k];
     }

@@ -50,8 +50,8 @@ __device__ inline void count_arrival(const mf_ep_push_params &p, int q, int row,
 }
 
 /* FP8: a token's x row quantized into row `row` of window `win` (mf_ep_push_params,
- * x_codes): each 1 x 128 tile by a half-warp, 16 bytes a lane, one piece at a time (the
- * rare exact-division path is a call, and pieces held across it spilled). */
+ * x_codes): each 1 x 128 tile by a half-warp, 16 bytes a lane, one piece at a time (pieces
+ * held across the quantization spilled when it had an out-of-line division). */
 __device__ inline void push_row_codes(uint8_t *win, int row, const uint16_t *x,
                                       const mf_ep_push_params &p, int lane) {
     const int vecs = p.hidden / 8;   /* % 16 == 0: a tile's pieces are all there or none */
