@@ -469,6 +469,10 @@ def main(argv=None) -> int:
           f"params; {args.steps} steps of {args.batch} x {args.seq} = {tokens_per_step} "
           f"tokens; AdamW lr {args.lr} (warm-up {args.warmup}, cosine to "
           f"{args.min_lr_ratio} x), aux coef {args.aux_coef}; runs: {', '.join(precisions)}")
+    # past one pass the held-out loss may turn up (the model memorizes the stream): the
+    # gap at the end is then read between two overfitting curves
+    print(f"# {args.steps * tokens_per_step / info['train_bytes']:.1f} passes over the "
+          f"training stream")
     print(f"# library: {moefuse.library_path()}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
 
