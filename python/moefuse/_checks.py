@@ -147,36 +147,69 @@ def _shape_of(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
             ids.shape[1])
 
 
-def _w13_halves(w13) -> tuple:
+def _w13_halves(w13, where: str = "moefuse.experts") -> tuple:
     """experts()'s w13 as (w13, w13_up): a tensor [E, 2I, H] is packed (w13_up None); a
     pair (gate [E, I, H], up [E, I, H]) is W13 in two halves (moefuse.h), as TorchTitan's
     w1 and w3."""
     if isinstance(w13, (tuple, list)):
         if len(w13) != 2:
-            raise ValueError(f"moefuse.experts: w13 as halves must be (gate, up), got "
+            raise ValueError(f"{where}: w13 as halves must be (gate, up), got "
                              f"{len(w13)} tensors")
         return w13[0], w13[1]
     return w13, None
 
 
+def _weight_names(w13_up, packed: str = "w13") -> tuple:
+    """The names the checks give W13: packed, or its two halves."""
+    return (packed,) if w13_up is None else ("w13[0] (gate)", "w13[1] (up)")
+
+
+def _check_weight_tensors(where: str, weights, device) -> None:
+    """Each (name, w) of weights a bf16 or fp32 tensor on device, and W13's halves (named
+    as _weight_names names them) of one dtype. Raises TypeError / ValueError naming it."""
+    for name, w in weights:
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(w).__name__}")
+        if w.dtype not in (_BF16, torch.float32):
+            raise TypeError(f"{where}: {name} must be bfloat16 (or float32 master weights), "
+                            f"got {w.dtype}")
+        if w.device != device:
+            raise ValueError(f"{where}: {name} is on {w.device} but x is on {device}; all "
+                             "operands must be on one device")
+    halves = dict(weights)
+    gate, up = halves.get("w13[0] (gate)"), halves.get("w13[1] (up)")
+    # The library writes both halves' gradients in one dtype, and reads one dtype when it
+    # quantizes them.
+    if up is not None and gate.dtype != up.dtype:
+        raise TypeError(f"{where}: w13's halves must share a dtype, got {gate.dtype} and "
+                        f"{up.dtype}")
+
+
+def _check_weights_contiguous(where: str, weights) -> None:
+    """Each (name, w) contiguous (after the shapes are checked: a transposed view has the
+    wrong shape first)."""
+    for name, w in weights:
+        # A silent copy of every expert's weights per call would hide a layout mistake
+        # (a transposed view) behind a large slowdown.
+        if not w.is_contiguous():
+            raise ValueError(f"{where}: {name} must be contiguous (row-major [E, out, in] "
+                             f"like nn.Linear weights), got strides {w.stride()}")
+
+
 def _validate_experts(x, ids, p, w13, w2, w13_up=None) -> torch.Tensor:
     """Raises TypeError / ValueError naming the argument; returns ids as int32. With
     w13_up, w13 and w13_up are the gate and up halves [E, I, H] of W13."""
-    weights = (("w13", w13), ("w2", w2)) if w13_up is None else (
-        ("w13[0] (gate)", w13), ("w13[1] (up)", w13_up), ("w2", w2))
-    for name, t in (("x", x), ("ids", ids), ("p", p)) + weights:
+    weights = tuple(zip(_weight_names(w13_up), (w13, w13_up))) + (("w2", w2),)
+    for name, t in (("x", x), ("ids", ids), ("p", p)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"moefuse.experts: {name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_weight_tensors("moefuse.experts", weights, x.device)
     if x.dtype != _BF16:
         raise TypeError(f"moefuse.experts: x must be bfloat16, got {x.dtype}")
     if ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"moefuse.experts: ids must be int32 (or int64), got {ids.dtype}")
     if p.dtype != torch.float32:
         raise TypeError(f"moefuse.experts: p must be float32, got {p.dtype}")
-    for name, w in weights:
-        if w.dtype not in (_BF16, torch.float32):
-            raise TypeError(f"moefuse.experts: {name} must be bfloat16 (or float32 master "
-                            f"weights), got {w.dtype}")
     if x.dim() != 2:
         raise ValueError(f"moefuse.experts: x must be [T, H], got shape {tuple(x.shape)}")
     T, H = x.shape
@@ -195,9 +228,6 @@ def _validate_experts(x, ids, p, w13, w2, w13_up=None) -> torch.Tensor:
         if w13.dim() != 3 or w13.shape[2] != H or tuple(w13_up.shape) != tuple(w13.shape):
             raise ValueError(f"moefuse.experts: w13's halves (gate, up) must both be [E, I, "
                              f"H={H}], got {tuple(w13.shape)} and {tuple(w13_up.shape)}")
-        if w13.dtype != w13_up.dtype:
-            raise TypeError(f"moefuse.experts: w13's halves must share a dtype, got "
-                            f"{w13.dtype} and {w13_up.dtype}")
         E, I = w13.shape[0], w13.shape[1]
     if tuple(w2.shape) != (E, H, I):
         raise ValueError(f"moefuse.experts: w2 must be [E={E}, H={H}, I={I}] to match "
@@ -208,14 +238,9 @@ def _validate_experts(x, ids, p, w13, w2, w13_up=None) -> torch.Tensor:
     device = x.device
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"moefuse.experts: tensors must be on the CPU or a CUDA device, got {device}")
-    for name, t in (("ids", ids), ("p", p)) + weights:
+    for name, t in (("ids", ids), ("p", p)):
         if t.device != device:
             raise ValueError(f"moefuse.experts: {name} is on {t.device} but x is on {device}; "
                              "all operands must be on one device")
-    for name, w in weights:
-        # A silent copy of every expert's weights per call would hide a layout mistake
-        # (a transposed view) behind a large slowdown.
-        if not w.is_contiguous():
-            raise ValueError(f"moefuse.experts: {name} must be contiguous (row-major "
-                             f"[E, out, in] like nn.Linear weights), got strides {w.stride()}")
+    _check_weights_contiguous("moefuse.experts", weights)
     return _ids_as_int32(ids, "moefuse.experts")

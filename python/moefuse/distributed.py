@@ -49,8 +49,9 @@ from typing import Optional, Union
 import torch
 
 from . import _fp8, _lib
-from ._checks import (_BF16, _aligned_saved, _alloc_saved, _as_rows, _ids_as_int32,
-                      _normalize_device, _on_device, _ptr, _row_stride, _stream, _wgrad_dtype,
+from ._checks import (_BF16, _aligned_saved, _alloc_saved, _as_rows, _check_weight_tensors,
+                      _check_weights_contiguous, _ids_as_int32, _normalize_device, _on_device,
+                      _ptr, _row_stride, _stream, _w13_halves, _weight_names, _wgrad_dtype,
                       _wgrad_fields)
 from ._comms import (_NCCL_SIGNATURES, NcclComm, NcclError, _check_timeout, _loaded_nccl_path,
                      _nccl_check, _NcclUniqueId, load_nccl, nccl_comm_from_group,
@@ -395,41 +396,18 @@ class ExpertParallelExperts(MoEExperts):
         up half). Raises TypeError / ValueError naming the argument."""
         where = "ExpertParallelExperts.forward"
         E, H, I = self.num_local_experts, self.hidden_size, self.intermediate_size
-        if w13 is None:
-            w13, w13_up, names13 = self.gate_up_proj, None, ("gate_up_proj",)
-        elif isinstance(w13, (tuple, list)):
-            if len(w13) != 2:
-                raise ValueError(f"{where}: w13 as halves must be (gate, up), got {len(w13)} "
-                                 "tensors")
-            (w13, w13_up), names13 = w13, ("w13[0] (gate)", "w13[1] (up)")
-        else:
-            w13_up, names13 = None, ("w13",)
+        packed_name = "w13" if w13 is not None else "gate_up_proj"
+        w13, w13_up = _w13_halves(self.gate_up_proj if w13 is None else w13, where)
         name2 = "down_proj" if w2 is None else "w2"
         w2 = self.down_proj if w2 is None else w2
-        weights = tuple(zip(names13, (w13, w13_up))) + ((name2, w2),)
+        weights = tuple(zip(_weight_names(w13_up, packed_name), (w13, w13_up))) + ((name2, w2),)
+        _check_weight_tensors(where, weights, x.device)
         rows = 2 * I if w13_up is None else I
-        shapes = [(E, rows, H)] * len(names13) + [(E, H, I)]
-        for (name, w), shape in zip(weights, shapes):
-            if not isinstance(w, torch.Tensor):
-                raise TypeError(f"{where}: {name} must be a torch.Tensor, got "
-                                f"{type(w).__name__}")
-            if w.dtype not in (_BF16, torch.float32):
-                raise TypeError(f"{where}: {name} must be bfloat16 (or float32 master weights), "
-                                f"got {w.dtype}")
+        for (name, w), shape in zip(weights, [(E, rows, H)] * (len(weights) - 1) + [(E, H, I)]):
             if tuple(w.shape) != shape:
                 raise ValueError(f"{where}: {name} must be {list(shape)} (this rank's experts), "
                                  f"got {tuple(w.shape)}")
-            if w.device != x.device:
-                raise ValueError(f"{where}: {name} is on {w.device} but x is on {x.device}")
-            # A copy of every local expert's weights per call would hide a layout mistake
-            # (a transposed view) behind a large slowdown, as in moefuse.experts.
-            if not w.is_contiguous():
-                raise ValueError(f"{where}: {name} must be contiguous, got strides {w.stride()}")
-        # The library writes both halves' gradients in one dtype, and reads one dtype when
-        # it quantizes them.
-        if w13_up is not None and w13_up.dtype != w13.dtype:
-            raise TypeError(f"{where}: w13's halves must share a dtype, got {w13.dtype} and "
-                            f"{w13_up.dtype}")
+        _check_weights_contiguous(where, weights)
         return w13, w13_up, w2
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor,
