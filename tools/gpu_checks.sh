@@ -154,7 +154,7 @@ fp8_diag() {
 
 opt_in_ab() {
     # opt-in kernel paths built apart (OPT_IN: their nvcc -D flags; by default the
-    # weights' vector quantizer and the pipelined tokens quantizers, simt/fp8_quant.cu):
+    # weights' vector quantizer and the pipelined tokens quantizers, simt/fp8_quant*.cu):
     # their FP8 tests, then the quantizers' times and the FP8 layer's profile, both builds
     STEP_TIMEOUT=400 step build_opt_in build_opt_in.log make -j"$(nproc)" BUILD=build/opt \
         NVCC_EXTRA="${OPT_IN:--DMF_FP8_WEIGHTS_VECTOR=1 -DMF_FP8_TOKENS_PIPELINED=1}" all

@@ -349,7 +349,8 @@ typedef struct mf_ep_push_dp_params {
 
 cudaError_t mf_ep_push_dp(const mf_ep_push_dp_params *p, cudaStream_t stream);
 
-/* ---- FP8 block recipe quantizers (simt/fp8_quant.cu; bit for bit src/cpu/fp8.c) ------ */
+/* ---- FP8 block recipe quantizers (simt/fp8_quant.cu, weights simt/fp8_quant_weights.cu;
+ * bit for bit src/cpu/fp8.c) ---------------------------------------------------------- */
 
 /* 1 x 128 tiles along each row: codes [rows_cap, cols] (row stride cols), scales
  * MN-major [cols / 128, scale_ld], the scale of (row r, tile b) at scales[b * scale_ld + r].
@@ -434,6 +435,7 @@ cudaError_t mf_ep_push_rows_load(void);
 cudaError_t mf_ep_push_dp_load(void);
 cudaError_t mf_ep_signal_wait_load(void);
 cudaError_t mf_quantize_fp8_load(void);
+cudaError_t mf_quantize_fp8_weights_load(void);
 
 #ifdef __cplusplus
 }

@@ -246,6 +246,7 @@ static moefuse_status load_kernels(const mf_gemm_ops *gemm) {
         {mf_ep_push_dp_load, "ep push dp"},
         {mf_ep_signal_wait_load, "ep signal"},
         {mf_quantize_fp8_load, "fp8 quantize"},
+        {mf_quantize_fp8_weights_load, "fp8 quantize weights"},
     };
     const int others = (int)(sizeof kOthers / sizeof kOthers[0]);
     for (int i = 0; i < gemm->num_loaders + others; i++) {
