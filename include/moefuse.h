@@ -486,8 +486,8 @@ moefuse_status moefuse_fp8_weights_view(const moefuse_layer *layer, void *buffer
                                         moefuse_fp8_weights *out);
 
 /* Quantizes W13 [E/R, 2I, H] (packed: the layout of "W13 in two halves" without w13_up)
- * and W2 [E/R, H, I] (bf16 or fp32, contiguous) into out's
- * eight arrays, in 128x128 blocks with the layer's scale rule; once per optimizer step.
+ * and W2 [E/R, H, I] (bf16 or fp32, contiguous; 16-byte aligned on the CUDA backend,
+ * naturally aligned on the CPU) into out's eight arrays, in 128x128 blocks with the layer's scale rule; once per optimizer step.
  * Needs a layer of precision MOEFUSE_PRECISION_FP8_BLOCK. Deterministic; a NaN or
  * infinity in a weight makes its block NaN. stream: as for moefuse_forward. */
 moefuse_status moefuse_quantize_weights(const moefuse_layer *layer, moefuse_dtype dtype,

@@ -47,7 +47,7 @@ from typing import Optional
 import torch
 
 from . import _lib
-from ._checks import _BF16, _alloc_saved, _bf16_weight, _on_device, _stream
+from ._checks import _BF16, _CUDA_ALIGN, _alloc_saved, _bf16_weight, _on_device, _stream
 
 PRECISIONS = {"bf16": _lib.Precision.BF16, "fp8": _lib.Precision.FP8_BLOCK}
 
@@ -223,6 +223,9 @@ class Fp8WeightCache:
         # widened exactly), never rounded to bf16 first.
         if not all_bf16:
             sources = tuple(w.to(torch.float32).contiguous() for w in sources)
+        if device.type == "cuda":  # the device's quantizer reads 16-byte pieces
+            sources = tuple(w if w.data_ptr() % _CUDA_ALIGN == 0 else w.clone()
+                            for w in sources)
         src13, src2 = sources[:2]
         up = sources[2].data_ptr() if w13_up is not None else 0
         dtype = _lib.DType.BF16 if all_bf16 else _lib.DType.FP32

@@ -3,7 +3,7 @@ on an sm_90 GPU, one rank), through the binding:
 
     weights    the device-quantized weights code for code and scale for scale those of
                the recipe's quantizer (fp8_reference.quantize_blocks; the special values
-               of the CPU test)
+               of the CPU test), also from a weight off the 16-byte alignment
     layer      forward + backward (y, dx, d p, dW13, dW2) against the fp64 emulation of
                the recipe (fp8_reference.py), within fp8_tolerances with the FP8 tensor
                cores' accumulation (acc_wgmma_fp8_rms, as tests/api/test_cuda_fp8.c); routing
@@ -85,6 +85,24 @@ CASES = [
     ((1, 128, 128, 8, 8), 0.0, "uniform"),  # T = 1, K = E
     ((40, 128, 128, 128, 8), 0.0, "zipf"),  # most experts empty
 ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_off_the_16_byte_alignment_are_quantized_from_a_copy(dtype):
+    """The device's quantizer reads 16-byte pieces: a weight view at an odd offset is
+    copied first, and gives the codes and scales of the aligned weights."""
+    E, H, I = 3, 256, 128
+    w13, w2 = special_weights(E, H, I)
+    w13, w2 = w13.to(dtype).to(DEV), w2.to(dtype).to(DEV)
+    storage = torch.empty(w13.numel() + 1, dtype=dtype, device=DEV)
+    odd = storage[1:].view_as(w13)
+    odd.copy_(w13)
+    assert odd.data_ptr() % 16 != 0
+    layer = ops.layer_cache.get(H, I, E, 2, 1, DEV, _lib.SavedMode.SAVE_ACTIVATIONS,
+                                _lib.Precision.FP8_BLOCK, False)
+    weights = _fp8.Fp8WeightCache().get(layer, odd, w2)
+    torch.cuda.synchronize()
+    assert_quantized_weights(weights, w13.float().cpu(), w2.float().cpu(), False)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[2]}-drop{c[1]}")

@@ -94,11 +94,6 @@ __device__ __forceinline__ float quotient(float x, float scale, float inv) {
     return tiny ? __fmul_rn(qr, 0x1p-100f) : qr;
 }
 
-/* One value's code under a scale and its reciprocal inv = rn(1 / scale). */
-__device__ __forceinline__ uint8_t quantize(float v, float scale, float inv) {
-    return e4m3_encode(quotient(v, scale, inv));
-}
-
 /* Two values encoded by the hardware (cvt.rn.satfinite.e4m3x2.f32: nearest even, +-448 at
  * most, NaN -> 0x7f), lo in the low byte; the same codes as e4m3_encode for every fp32
  * input (tests/kernels/test_fp8_quant.cu checks all 2^32). */

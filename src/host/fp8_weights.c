@@ -142,7 +142,10 @@ static moefuse_status quantize_weights(const moefuse_layer *layer, moefuse_dtype
         return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
                        "dtype = %d: expected MOEFUSE_DTYPE_BF16 (0) or MOEFUSE_DTYPE_FP32 (1)",
                        (int)dtype);
-    const size_t align = dtype == MOEFUSE_DTYPE_BF16 ? 2 : 4;
+    /* the GPU's quantizer reads 16-byte pieces; the host, values */
+    const size_t align = layer->cfg.backend == MOEFUSE_BACKEND_CUDA ? 16
+                         : dtype == MOEFUSE_DTYPE_BF16                ? 2
+                                                                      : 4;
     moefuse_status st = need_array(w13, fn, "w13", align);
     if (st == MOEFUSE_OK && w13_up) st = need_array(w13_up, fn, "w13_up", align);
     if (st == MOEFUSE_OK) st = need_array(w2, fn, "w2", align);

@@ -270,6 +270,13 @@ static void quantized_weights_equal_cpu(void) {
         CUDA_CHECK(cudaMemcpy(back_halves, dev_halves, bytes, cudaMemcpyDeviceToHost));
         CHECK(!memcmp(back, back_halves, bytes), "pow2=%d fp32=%d: W13 in halves quantizes to "
               "other bytes than W13 packed", pow2, fp32);
+        /* weights off the 16-byte alignment the device's quantizer reads: refused by name */
+        const moefuse_status st = moefuse_quantize_weights(gpu, dt, (const char *)d13 + elem,
+                                                           d2, &fd, NULL);
+        CHECK(st == MOEFUSE_ERR_MISALIGNED && strstr(moefuse_last_error(), "w13"),
+              "pow2=%d fp32=%d: w13 + %zu bytes: status %d (%s), expected "
+              "MOEFUSE_ERR_MISALIGNED naming w13", pow2, fp32, elem, (int)st,
+              moefuse_last_error());
         cudaFree(dev_halves); cudaFree(dgate); cudaFree(dup);
         free(gate); free(up); free(back_halves);
         cudaFree(dev); cudaFree(d13); cudaFree(d2);
@@ -492,7 +499,7 @@ int main(int argc, char **argv) {
         const char *name;
         void (*fn)(void);
     } cases[] = {
-        {"cuda fp8: device-quantized weights = the CPU backend's, bf16/fp32, pow2", quantized_weights_equal_cpu},
+        {"cuda fp8: device-quantized weights = the CPU backend's, bf16/fp32, pow2; misaligned refused", quantized_weights_equal_cpu},
         {"cuda fp8: qwen3-30b-a3b H/I/K E=16 T=1 vs emulation", qwen3_30b_t1},
         {"cuda fp8: qwen3-30b-a3b H/I/K E=16 T=7, saved modes equal", qwen3_30b_t7},
         {"cuda fp8: qwen3-30b-a3b H/I/K E=16 T=64 pow2, saved modes equal", qwen3_30b_t64_pow2},

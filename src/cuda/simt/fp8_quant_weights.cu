@@ -6,8 +6,8 @@
  *            blocks (W^T's codes are W's transposed: the same blocks and scales), W13
  *            packed or from its two halves.
  *
- * A CTA per block reads it once; the transposed codes through shared memory (or, opt-in,
- * transposed in registers). */
+ * A CTA per block reads it once, in 16-byte pieces, and transposes the codes in registers
+ * (docs/decisions/0023-fp8-quantizer-bandwidth.md). */
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -22,7 +22,6 @@ using namespace mf::fp8;
 /* ---- weights: 128 x 128 blocks, W and W^T ------------------------------------------- */
 
 constexpr int kWThreads = 256;
-constexpr int kWPerThread = 128 * 128 / kWThreads;
 
 /* This CTA's 128 x 128 block of the weights: expert e, block row br and column bc of the
  * nbr x nbc; base, its first element in the codes (W's layout); w and src, the array and
@@ -63,69 +62,6 @@ __device__ __forceinline__ float block_amax(float m, float *red) {
     return m;
 }
 
-template <class T>
-__device__ __forceinline__ float weight_value(const T *w, int64_t i);
-template <>
-__device__ __forceinline__ float weight_value<float>(const float *w, int64_t i) {
-    return w[i];
-}
-template <>
-__device__ __forceinline__ float weight_value<uint16_t>(const uint16_t *w, int64_t i) {
-    return __uint_as_float((uint32_t)w[i] << 16);
-}
-
-/* A 128 x 128 block of W (bf16 or fp32) to W's codes and W^T's, and its scale. Each thread
- * keeps its 64 values in registers from the amax to the codes, so the block is read once
- * (reading it again for the codes mostly missed L2; decision 0023). 2 CTAs an SM (128
- * registers), so that one's loads overlap the other's codes. */
-template <class T>
-__global__ void __launch_bounds__(kWThreads, 2)
-    fp8_quantize_weights_kernel(const mf_quantize_fp8_weights_params p, const T *w) {
-    __shared__ uint8_t codes_t[128][128 + 4];
-    __shared__ float red[kWThreads / 32];
-    const WeightsBlock<T> blk(p, w);
-    const int nbr = blk.nbr, nbc = blk.nbc, e = blk.e, br = blk.br, bc = blk.bc;
-    const int64_t base = blk.base, src = blk.src;
-    w = blk.w;
-    float m = 0.0f;
-    float held[kWPerThread];   /* this thread's values, element i = t + k 256 */
-#pragma unroll
-    for (int k = 0; k < kWPerThread; ++k) {
-        const int i = threadIdx.x + k * kWThreads;
-        held[k] = weight_value<T>(w, src + (int64_t)(i / 128) * p.cols + i % 128);
-    }
-#pragma unroll
-    for (int k = 0; k < kWPerThread; ++k) m = amax_fold(m, held[k]);
-    m = block_amax(m, red);
-    const float s = tile_scale(m, p.pow2), inv = __frcp_rn(s);
-    auto put = [&](int i, uint8_t q) {   /* element i of the block: W's code and W^T's */
-        p.codes[base + (int64_t)(i / 128) * p.cols + i % 128] = q;
-        codes_t[i % 128][i / 128] = q;
-    };
-#pragma unroll
-    for (int k = 0; k < kWPerThread; ++k)
-        put(threadIdx.x + k * kWThreads, quantize(held[k], s, inv));
-    if (threadIdx.x == 0) {
-        p.scale[((int64_t)e * nbr + br) * nbc + bc] = s;
-        p.scale_t[((int64_t)e * nbc + bc) * nbr + br] = s;
-    }
-    __syncthreads();
-    const int64_t base_t = (int64_t)e * p.rows * p.cols + (int64_t)bc * 128 * p.rows + br * 128;
-    for (int i = threadIdx.x; i < 128 * 128; i += kWThreads) {
-        const int c = i / 128, r = i % 128;
-        p.codes_t[base_t + (int64_t)c * p.rows + r] = codes_t[c][r];
-    }
-}
-
-
-/* MF_FP8_WEIGHTS_VECTOR=1 (make NVCC_EXTRA=...): the weights' kernel below instead of the
- * one above, until it has run on a GPU. The one above stores every code as a byte, twice
- * (W's to memory, W^T's to shared memory and then memory a byte a thread), far below its
- * floor speed (docs/decisions/0023-fp8-quantizer-bandwidth.md). */
-#ifndef MF_FP8_WEIGHTS_VECTOR
-#define MF_FP8_WEIGHTS_VECTOR 0
-#endif
-
 /* 4 consecutive weights as floats: 16 bytes of fp32, 8 of bf16 (aligned: the launcher's
  * check). */
 __device__ __forceinline__ void load4(const float *w, float (&v)[4]) {
@@ -151,14 +87,16 @@ __device__ __forceinline__ void transpose4x4(const uint32_t (&rows)[4], uint32_t
     cols[3] = __byte_perm(hi01, hi23, 0x7632);
 }
 
-/* The same block's codes and scale, without shared memory for the codes: thread t takes
- * columns 4 (t % 32) .. + 3 of rows 16 (t / 32) .. + 15, so each load of a warp is a whole
- * row of the block (512 bytes of fp32, 256 of bf16), W's codes go out as one 4-byte word
- * per row (a warp: 128 contiguous bytes) and W^T's, transposed in registers, as one
- * 16-byte piece per column (16 rows of it). */
+/* A 128 x 128 block of W (bf16 or fp32) to W's codes and W^T's, and its scale, without
+ * shared memory for the codes: thread t takes columns 4 (t % 32) .. + 3 of rows
+ * 16 (t / 32) .. + 15 and keeps them in registers from the amax to the codes (the block is
+ * read once), so each load of a warp is a whole row of the block (512 bytes of fp32, 256 of
+ * bf16), W's codes go out as one 4-byte word per row (a warp: 128 contiguous bytes) and
+ * W^T's, transposed in registers, as one 16-byte piece per column (16 rows of it). 2 CTAs
+ * an SM, so that one's loads overlap the other's codes. */
 template <class T>
 __global__ void __launch_bounds__(kWThreads, 2)
-    fp8_quantize_weights_vector_kernel(const mf_quantize_fp8_weights_params p, const T *w) {
+    fp8_quantize_weights_kernel(const mf_quantize_fp8_weights_params p, const T *w) {
     __shared__ float red[kWThreads / 32];
     const WeightsBlock<T> blk(p, w);
     const int nbr = blk.nbr, nbc = blk.nbc, e = blk.e, br = blk.br, bc = blk.bc;
@@ -216,32 +154,22 @@ extern "C" cudaError_t mf_quantize_fp8_weights(const mf_quantize_fp8_weights_par
         return cudaErrorInvalidValue;
     const int64_t ctas = (int64_t)p->num_experts * (p->rows / 128) * (p->cols / 128);
     if (ctas > INT32_MAX) return cudaErrorInvalidValue;
-    /* the vector kernel's 16-byte loads of fp32 (8-byte of bf16) and 16-byte codes^T; the
-     * API asks only natural alignment of the weights, so others take the byte kernel
-     * (to settle when the vector kernel becomes the default: ask 16 bytes on CUDA) */
+    /* 16-byte loads of fp32 (8-byte of bf16), 4-byte codes, 16-byte codes^T (the API asks
+     * 16-byte aligned arrays on CUDA) */
     const uintptr_t a = p->fp32 ? 16 : 8;
-    const bool aligned = (uintptr_t)p->w % a == 0 && (uintptr_t)p->w_hi % a == 0 &&
-                         (uintptr_t)p->codes % 4 == 0 && (uintptr_t)p->codes_t % 16 == 0;
-    if (MF_FP8_WEIGHTS_VECTOR && aligned) {
-        if (p->fp32)
-            fp8_quantize_weights_vector_kernel<float>
-                <<<(unsigned)ctas, kWThreads, 0, stream>>>(*p, (const float *)p->w);
-        else
-            fp8_quantize_weights_vector_kernel<uint16_t>
-                <<<(unsigned)ctas, kWThreads, 0, stream>>>(*p, (const uint16_t *)p->w);
-    } else if (p->fp32) {
+    if ((uintptr_t)p->w % a || (uintptr_t)p->w_hi % a || (uintptr_t)p->codes % 4 ||
+        (uintptr_t)p->codes_t % 16)
+        return cudaErrorMisalignedAddress;
+    if (p->fp32)
         fp8_quantize_weights_kernel<float>
             <<<(unsigned)ctas, kWThreads, 0, stream>>>(*p, (const float *)p->w);
-    } else {
+    else
         fp8_quantize_weights_kernel<uint16_t>
             <<<(unsigned)ctas, kWThreads, 0, stream>>>(*p, (const uint16_t *)p->w);
-    }
     return cudaGetLastError();
 }
 
 extern "C" cudaError_t mf_quantize_fp8_weights_load(void) {
     return mf_load_kernels(fp8_quantize_weights_kernel<float>,
-                           fp8_quantize_weights_kernel<uint16_t>,
-                           fp8_quantize_weights_vector_kernel<float>,
-                           fp8_quantize_weights_vector_kernel<uint16_t>);
+                           fp8_quantize_weights_kernel<uint16_t>);
 }
