@@ -26,19 +26,16 @@
 #                                kernels or the recipe?); and
 #                                profile_step.py's per-kernel table of the FP8 layer on
 #                                both shapes
-#   tools/gpu_checks.sh opt_in_ab  opt-in kernel paths (OPT_IN="-DNAME=1 ...", by default
-#                                the weights' vector quantizer and the pipelined tokens
-#                                quantizers) built apart: their FP8 tests, the quantizers'
-#                                times and the FP8 layer's profile beside the default's
-#   tools/gpu_checks.sh wgrad_stagger  the wgrad kernels' odd CTAs started late
-#                                (MOEFUSE_WGRAD_STAGGER_NS): profiles with fp32 weights and
-#                                bench_precision_cuda at several delays
+#   tools/gpu_checks.sh opt_in_ab  an opt-in kernel path (OPT_IN="-DNAME=1 ...", its nvcc
+#                                flags) built apart: its FP8 tests, the quantizers' times
+#                                and the FP8 layer's profile beside the default's
 #   tools/gpu_checks.sh ncu_fp8  ncu's speed-of-light, memory, warp-state and scheduler
 #                                sections of one launch of each FP8 GEMM and quantizer
 #   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
 #                                each GEMM in turn, beside bf16 (three runs of 3 models)
-#   tools/gpu_checks.sh step     bench_train_step.py, 12 layers (8 on an 80 GB card), both
-#                                precisions, with the MoE layers' profiled share (~3 min)
+#   tools/gpu_checks.sh step     bench_train_step.py, 12 layers (6 on an 80 GB card), both
+#                                precisions, with the MoE layers' profiled share and the
+#                                longest kernels (~3 min)
 #   tools/gpu_checks.sh titan    bench/bench_torchtitan.py: TorchTitan's step native and
 #                                with moefuse (bf16, fp8), 30B-A3B truncated to what fits,
 #                                with the for-loop experts' control run; needs TorchTitan's
@@ -153,11 +150,14 @@ fp8_diag() {
 }
 
 opt_in_ab() {
-    # opt-in kernel paths built apart (OPT_IN: their nvcc -D flags; by default the
-    # weights' vector quantizer and the pipelined tokens quantizers, simt/fp8_quant*.cu):
-    # their FP8 tests, then the quantizers' times and the FP8 layer's profile, both builds
+    # an opt-in kernel path built apart (OPT_IN: its nvcc -D flags): its FP8 tests, then
+    # the quantizers' times and the FP8 layer's profile, both builds
+    if [ -z "${OPT_IN:-}" ]; then
+        echo "opt_in_ab: set OPT_IN to the opt-in's nvcc flags (-DNAME=1 ...)" >&2
+        return 2
+    fi
     STEP_TIMEOUT=400 step build_opt_in build_opt_in.log make -j"$(nproc)" BUILD=build/opt \
-        NVCC_EXTRA="${OPT_IN:--DMF_FP8_WEIGHTS_VECTOR=1 -DMF_FP8_TOKENS_PIPELINED=1}" all
+        NVCC_EXTRA="$OPT_IN" all
     step opt_test_fp8_quant opt_test_fp8_quant.log build/opt/tests/kernels/test_fp8_quant
     step opt_test_cuda_fp8 opt_test_cuda_fp8.log build/opt/tests/api/test_cuda_fp8
     step opt_python_fp8 opt_python_fp8.log env MOEFUSE_LIB="$PWD/build/opt/libmoefuse.so" \
@@ -169,28 +169,6 @@ opt_in_ab() {
         STEP_TIMEOUT=90 step "profile_fp8_${lib//\//_}" "profile_fp8_${lib//\//_}.log" \
             env MOEFUSE_LIB="$PWD/$lib/libmoefuse.so" python3 bench/profile_step.py \
             --model qwen3-30b-a3b --precision fp8 --sustain-s 2
-    done
-}
-
-wgrad_stagger() {
-    # the wgrad kernels' odd CTAs started late (MOEFUSE_WGRAD_STAGGER_NS, an experiment):
-    # with fp32 master weights the consumers store each fp32 tile themselves, all SMs at
-    # once; the FP8 and BF16 layer's profile at several delays (an FP8 wgrad tile of
-    # qwen3-30b-a3b takes about 11 us on an H100), then bench_precision_cuda (fp32 dW)
-    local ns precision
-    for precision in fp8 bf16; do
-        for ns in 0 3000 6000; do
-            STEP_TIMEOUT=50 step "stagger_${precision}_$ns" "stagger_${precision}_$ns.log" \
-                env MOEFUSE_WGRAD_STAGGER_NS=$ns python3 bench/profile_step.py \
-                --model qwen3-30b-a3b --precision $precision --weights fp32 --sustain-s 2
-        done
-    done
-    local run=0
-    for ns in 0 3000 6000 0; do   # the baseline again last: the clocks' drift
-        run=$((run + 1))
-        STEP_TIMEOUT=60 step "stagger_precision_${run}_$ns" "stagger_precision_${run}_$ns.log" \
-            env MOEFUSE_WGRAD_STAGGER_NS=$ns MOEFUSE_BENCH_CASE=qwen3-30b-a3b:16384 \
-            build/bench/bench_precision_cuda
     done
 }
 
@@ -222,10 +200,12 @@ ablation() {
 
 step_time() {
     # 12 layers where they fit (pure bf16 state, 8 bytes a parameter: ~60 GB at 12 layers,
-    # plus activations: an H200), 8 on an 80 GB card; STEP_LAYERS chooses
+    # plus activations: an H200), 6 on an 80 GB card (8 ran out of memory in the FP8 run's
+    # loss); STEP_LAYERS chooses
     local layers=${STEP_LAYERS:-$(python3 -c 'import torch
-print(12 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 8)')}
-    STEP_TIMEOUT=400 step bench_train_step train_step.log python3 bench/bench_train_step.py \
+print(12 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 6)')}
+    STEP_TIMEOUT=400 step bench_train_step train_step.log env \
+        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/bench_train_step.py \
         --layers "$layers" --precision bf16 fp8 --plot "$LOG_DIR/loss_curves.png"
 }
 
@@ -262,10 +242,10 @@ phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(verify)
 for p in "${phases[@]}"; do
     case "$p" in
-    verify | suites | deep | bench | parity | fp8_diag | opt_in_ab | wgrad_stagger | ncu_fp8 \
+    verify | suites | deep | bench | parity | fp8_diag | opt_in_ab | ncu_fp8 \
         | ablation | step | titan | titan_235b | titan_loss) ;;
     *) echo "tools/gpu_checks.sh: unknown phase '$p' (verify, suites, deep, bench, parity," \
-            "fp8_diag, opt_in_ab, wgrad_stagger, ncu_fp8, ablation, step, titan, titan_235b," \
+            "fp8_diag, opt_in_ab, ncu_fp8, ablation, step, titan, titan_235b," \
             "titan_loss)" >&2
        exit 2 ;;
     esac

@@ -210,9 +210,6 @@ typedef struct mf_wgrad_params {
      * multiple of 256 (no 128-row tile spans both). NULL: dw / dw_bf16 holds all M rows. */
     float *dw_up;
     uint16_t *dw_bf16_up;
-    /* > 0: the odd CTAs start this many ns late (an experiment: fp32 tiles' stores out of
-     * step with the other CTAs' K loops); the same results either way */
-    int stagger_ns;
 } mf_wgrad_params;
 
 cudaError_t mf_sm90_wgrad_grouped_bf16(const mf_wgrad_params *p, cudaStream_t stream);

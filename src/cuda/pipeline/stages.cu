@@ -92,7 +92,6 @@ static mf_wgrad_params wgrad_common(const moefuse_layer *layer, const moefuse_bw
     w.expert_order = s->expert_order;
     w.accumulate = a->accumulate;
     w.num_sms = s->plan.num_sms;
-    w.stagger_ns = s->plan.wgrad_stagger_ns;
     return w;
 }
 

@@ -59,11 +59,6 @@ struct exec_plan {
     int push_sms;               /* peers: SMs of the row push */
     int beside_push_sms;        /* peers: the GEMMs' grid while the push runs beside them */
     int plan_experts;           /* experts the plan sorts into: E_local, or E (peers' sends) */
-    /* MOEFUSE_WGRAD_STAGGER_NS at layer create (an experiment, 0 by default): the staged
-     * wgrad kernels' odd CTAs start this much later, so that their fp32 tiles' stores fall
-     * in the even CTAs' K loops instead of all SMs storing at once
-     * (docs/decisions/0021-fp8-gpu-kernels.md; the fused backward ignores it) */
-    int wgrad_stagger_ns;
 };
 
 /* Saved buffer sections (byte offsets), each at a 256-byte boundary (src/host/sizing.c). */

@@ -218,16 +218,6 @@ static moefuse_status resolve_plan(const moefuse_layer *layer, cuda_state *s) {
     p.beside_push_sms = p.num_sms - p.push_sms > 0 ? p.num_sms - p.push_sms : 1;
     /* peers plan this rank's slots over all E experts first (the sends) */
     p.plan_experts = p.rows_from_peers ? c->num_experts : layer->num_local_experts;
-    const char *stagger = getenv("MOEFUSE_WGRAD_STAGGER_NS");
-    if (stagger && *stagger) {
-        char *end = NULL;
-        const long ns = strtol(stagger, &end, 10);
-        if (*end || ns < 0 || ns > 1000000)
-            return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
-                           "MOEFUSE_WGRAD_STAGGER_NS = \"%s\": expected nanoseconds, 0 to "
-                           "1000000", stagger);
-        p.wgrad_stagger_ns = (int)ns;
-    }
     return MOEFUSE_OK;
 }
 

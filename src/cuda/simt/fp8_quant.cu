@@ -249,144 +249,13 @@ __global__ void __launch_bounds__(kTokThreads, 2)
     tokens_block_codes<kRows>(bp, row_block, c0, v, pw, sm);
 }
 
-/* MF_FP8_TOKENS_PIPELINED=1 (make NVCC_EXTRA=...): the tokens kernels below instead of the
- * ones above, until they have run on a GPU. Above, a CTA loads its block and then computes
- * and stores with nothing in flight; at 2 CTAs an SM the loads stop half the time (their
- * speed against the floor: docs/decisions/0023-fp8-quantizer-bandwidth.md). Below,
- * persistent CTAs (2 an SM)
- * copy the next block's rows into shared memory (cp.async, 32 KB) while they compute the
- * current one from the other buffer. */
-#ifndef MF_FP8_TOKENS_PIPELINED
-#define MF_FP8_TOKENS_PIPELINED 0
-#endif
-
-constexpr int kTokStageBytes = 128 * kTokCols * 2;   /* one block's bf16 rows */
-constexpr int kTokPipelinedSmem = 2 * kTokStageBytes;
-
-/* 16 bytes from global to shared memory, asynchronously; bytes = 0: zeros (src unread). */
-__device__ __forceinline__ void cp_async16(void *dst, const void *src, int bytes) {
-    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(bytes)
-                 : "memory");
-}
-
-/* This thread's 8 row pieces of a block (rows 8 group .., columns c0 + 8 piece ..) into
- * stage[row][piece]: as load_row_piece reads them, zeros for a padding row or a piece past
- * cols. One cp.async group. */
-template <bool kGather>
-__device__ __forceinline__ void tokens_block_prefetch(const mf_quantize_fp8_tokens_params &p,
-                                                      int row_block, int c0, uint4 *stage) {
-    const int piece = threadIdx.x % 16, group = threadIdx.x / 16;
-    const int c = c0 + 8 * piece;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const int64_t r = (int64_t)row_block * 128 + 8 * group + i;
-        const uint16_t *src = p.in;
-        int bytes = 0;
-        if (c < p.cols) {
-            if constexpr (kGather) {
-                const int slot = __ldg(p.row_slot + r);
-                if (slot >= 0) src = p.in + (int64_t)(slot / p.top_k) * p.ld + c, bytes = 16;
-            } else {
-                src = p.in + r * p.ld + c, bytes = 16;
-            }
-        }
-        cp_async16(stage + (8 * group + i) * 16 + piece, src, bytes);
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-template <bool kRows, bool kGather>
-__global__ void __launch_bounds__(kTokThreads, 2)
-    fp8_quantize_tokens_pipelined_kernel(const tokens_block_params bp) {
-    const mf_quantize_fp8_tokens_params &p = bp.t;
-    __shared__ __align__(16) TokensSmem sm;
-    extern __shared__ __align__(16) uint4 stages[];   /* 2 x [128 rows][16 pieces] */
-    const int col_blocks = (p.cols + kTokCols - 1) / kTokCols;
-    /* within rows_cap: the grid bounds the kernel above, nothing bounds this loop */
-    const int rows = p.num_rows ? min(max(*p.num_rows, 0), p.rows_cap) : p.rows_cap;
-    const int blocks = (rows + 127) / 128 * col_blocks;
-    int b = blockIdx.x;
-    if (b >= blocks) return;
-    tokens_block_prefetch<kGather>(p, b / col_blocks, b % col_blocks * kTokCols, stages);
-    for (int it = 0; b < blocks; ++it, b += gridDim.x) {
-        const int next = b + (int)gridDim.x;
-        uint4 *stage = stages + (it & 1) * (kTokStageBytes / 16);
-        if (next < blocks)   /* the other buffer, read by the previous iteration */
-            tokens_block_prefetch<kGather>(p, next / col_blocks, next % col_blocks * kTokCols,
-                                           stages + ((it + 1) & 1) * (kTokStageBytes / 16));
-        else
-            asm volatile("cp.async.commit_group;" ::: "memory");   /* an empty group */
-        asm volatile("cp.async.wait_group 1;" ::: "memory");       /* this block's copies */
-        __syncthreads();                                             /* everyone's */
-        const int row_block = b / col_blocks, c0 = b % col_blocks * kTokCols;
-        const int group = threadIdx.x / 16, piece = threadIdx.x % 16;
-        uint4 v[8];
-        float pw[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            v[i] = stage[(8 * group + i) * 16 + piece];
-            pw[i] = p.row_weight ? p.row_weight[(int64_t)row_block * 128 + 8 * group + i] : 1.0f;
-        }
-        tokens_block_codes<kRows>(bp, row_block, c0, v, pw, sm);
-        __syncthreads();   /* the stage and sm read before they are written again */
-    }
-}
-
-/* The pipelined kernels' 64 KB of stages, above the default 48 KB of dynamic shared
- * memory (at a device's first launch: tokens_pipelined_sms). */
-cudaError_t tokens_pipelined_allow_smem(void) {
-    const void *kernels[] = {(const void *)fp8_quantize_tokens_pipelined_kernel<false, false>,
-                             (const void *)fp8_quantize_tokens_pipelined_kernel<true, false>,
-                             (const void *)fp8_quantize_tokens_pipelined_kernel<false, true>,
-                             (const void *)fp8_quantize_tokens_pipelined_kernel<true, true>};
-    for (const void *k : kernels) {
-        const cudaError_t err = cudaFuncSetAttribute(
-            k, cudaFuncAttributeMaxDynamicSharedMemorySize, kTokPipelinedSmem);
-        if (err != cudaSuccess) return err;
-    }
-    return cudaSuccess;
-}
-
-/* The current device's SM count, the pipelined kernels' shared memory allowed on it first
- * (both once per device; a race only repeats idempotent calls). */
-cudaError_t tokens_pipelined_sms(int *sms) {
-    constexpr int kMaxDevices = 64;
-    static int sms_of[kMaxDevices];
-    int device = 0;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err != cudaSuccess) return err;
-    if (device < kMaxDevices && sms_of[device] > 0) {
-        *sms = sms_of[device];
-        return cudaSuccess;
-    }
-    err = tokens_pipelined_allow_smem();
-    if (err == cudaSuccess)
-        err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
-    if (err == cudaSuccess && device < kMaxDevices) sms_of[device] = *sms;
-    return err;
-}
-
-/* Launches the tokens kernel of kRows / row_slot: one CTA per block, or (pipelined) two
- * persistent CTAs an SM. */
+/* Launches the tokens kernel of kRows / row_slot: one CTA per block. */
 template <bool kRows>
 cudaError_t launch_tokens(const tokens_block_params &bp, int64_t ctas, cudaStream_t stream) {
-    if (MF_FP8_TOKENS_PIPELINED) {
-        int sms = 0;
-        const cudaError_t err = tokens_pipelined_sms(&sms);
-        if (err != cudaSuccess) return err;
-        const unsigned grid = (unsigned)(ctas < 2 * sms ? ctas : 2 * sms);
-        if (bp.t.row_slot)
-            fp8_quantize_tokens_pipelined_kernel<kRows, true>
-                <<<grid, kTokThreads, kTokPipelinedSmem, stream>>>(bp);
-        else
-            fp8_quantize_tokens_pipelined_kernel<kRows, false>
-                <<<grid, kTokThreads, kTokPipelinedSmem, stream>>>(bp);
-    } else if (bp.t.row_slot) {
+    if (bp.t.row_slot)
         fp8_quantize_tokens_kernel<kRows, true><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
-    } else {
+    else
         fp8_quantize_tokens_kernel<kRows, false><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
-    }
     return cudaGetLastError();
 }
 
@@ -449,9 +318,5 @@ extern "C" cudaError_t mf_quantize_fp8_load(void) {
     return mf_load_kernels(fp8_quantize_rows_kernel, fp8_quantize_tokens_kernel<false, false>,
                            fp8_quantize_tokens_kernel<true, false>,
                            fp8_quantize_tokens_kernel<false, true>,
-                           fp8_quantize_tokens_kernel<true, true>,
-                           fp8_quantize_tokens_pipelined_kernel<false, false>,
-                           fp8_quantize_tokens_pipelined_kernel<true, false>,
-                           fp8_quantize_tokens_pipelined_kernel<false, true>,
-                           fp8_quantize_tokens_pipelined_kernel<true, true>);
+                           fp8_quantize_tokens_kernel<true, true>);
 }

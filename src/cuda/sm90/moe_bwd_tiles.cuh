@@ -36,7 +36,6 @@ struct WgradArgs {
     /* FP8: lhs^T [M, rows_cap] and rhs^T [N, rows_cap] codes (K-major), their scales
      * [rows_cap / 128, M] and [rows_cap / 128, N] */
     const float *lhs_scales, *rhs_scales;
-    int stagger_ns;   /* mf_wgrad_params.stagger_ns */
 };
 
 /* Tile i of the order: the ((i / (m_blocks n_blocks))-th expert of it, n fastest. */
@@ -90,7 +89,6 @@ cudaError_t wgrad_args_from(const mf_wgrad_params *p, WgradArgs *args) {
     }
     args->lhs_scales = p->lhs.scales;
     args->rhs_scales = p->rhs.scales;
-    args->stagger_ns = p->stagger_ns;
     args->expert_offsets = p->rows.expert_offsets;
     args->expert_order = p->expert_order;
     args->dw = p->dw;

@@ -71,11 +71,6 @@ template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_wgrad_grouped_kernel(const __grid_constant__ WgradArgs args) {
     extern __shared__ __align__(1024) uint8_t smem_raw[];
-    if (args.stagger_ns > 0 && (blockIdx.x & 1)) {   /* an experiment: see WgradArgs */
-        const uint64_t until = ptx::globaltimer_ns() + (uint64_t)args.stagger_ns;
-        while (ptx::globaltimer_ns() < until) {
-        }
-    }
     WgradLoad<Cfg> load{args, 0, 0, 0};
     const WgradScheduler<Cfg> sched(args, Cfg::kStoreWarps);
     WgradEpilogue<Cfg> epi(args, ring_from_smem<Cfg>(smem_raw), sched.total);
