@@ -27,8 +27,10 @@
 #                                profile_step.py's per-kernel table of the FP8 layer on
 #                                both shapes
 #   tools/gpu_checks.sh opt_in_ab  an opt-in kernel path (OPT_IN="-DNAME=1 ...", its nvcc
-#                                flags) built apart: its FP8 tests, the quantizers' times
-#                                and the FP8 layer's profile beside the default's
+#                                flags) built apart: the backward GEMMs' and FP8 tests, the
+#                                quantizers' times and the layer's profile beside the
+#                                default's (OPT_IN_PRECISIONS, default fp8; OPT_IN_PROFILE:
+#                                more profile_step.py flags, e.g. "--weights fp32")
 #   tools/gpu_checks.sh ncu_fp8  ncu's speed-of-light, memory, warp-state and scheduler
 #                                sections of one launch of each FP8 GEMM and quantizer
 #   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
@@ -150,25 +152,31 @@ fp8_diag() {
 }
 
 opt_in_ab() {
-    # an opt-in kernel path built apart (OPT_IN: its nvcc -D flags): its FP8 tests, then
-    # the quantizers' times and the FP8 layer's profile, both builds
+    # an opt-in kernel path built apart (OPT_IN: its nvcc -D flags): the backward GEMMs'
+    # tests, the BF16 backward suite and the FP8 tests on it, then the quantizers' times
+    # and the layer's profile (OPT_IN_PRECISIONS, OPT_IN_PROFILE), both builds
     if [ -z "${OPT_IN:-}" ]; then
         echo "opt_in_ab: set OPT_IN to the opt-in's nvcc flags (-DNAME=1 ...)" >&2
         return 2
     fi
     STEP_TIMEOUT=400 step build_opt_in build_opt_in.log make -j"$(nproc)" BUILD=build/opt \
         NVCC_EXTRA="$OPT_IN" all
+    step opt_test_gemm_sm90_bwd opt_test_gemm_bwd.log build/opt/tests/kernels/test_gemm_sm90_bwd
+    step opt_test_cuda_backward opt_test_cuda_backward.log build/opt/tests/api/test_cuda_backward
     step opt_test_fp8_quant opt_test_fp8_quant.log build/opt/tests/kernels/test_fp8_quant
     step opt_test_cuda_fp8 opt_test_cuda_fp8.log build/opt/tests/api/test_cuda_fp8
     step opt_python_fp8 opt_python_fp8.log env MOEFUSE_LIB="$PWD/build/opt/libmoefuse.so" \
         python3 -m pytest -q -rs python/tests/test_fp8_cuda.py -k "not training_sized"
-    local lib
+    local lib precision
     for lib in build build/opt; do
         step "quant_time_${lib//\//_}" "quant_time_${lib//\//_}.log" \
             "$lib/tests/kernels/test_fp8_quant_time"
-        STEP_TIMEOUT=90 step "profile_fp8_${lib//\//_}" "profile_fp8_${lib//\//_}.log" \
-            env MOEFUSE_LIB="$PWD/$lib/libmoefuse.so" python3 bench/profile_step.py \
-            --model qwen3-30b-a3b --precision fp8 --sustain-s 2
+        for precision in ${OPT_IN_PRECISIONS:-fp8}; do
+            STEP_TIMEOUT=90 step "profile_${precision}_${lib//\//_}" \
+                "profile_${precision}_${lib//\//_}.log" env MOEFUSE_LIB="$PWD/$lib/libmoefuse.so" \
+                python3 bench/profile_step.py --model qwen3-30b-a3b --precision "$precision" \
+                --sustain-s 2 ${OPT_IN_PROFILE:-}
+        done
     done
 }
 

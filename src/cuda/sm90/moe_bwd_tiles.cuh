@@ -170,14 +170,18 @@ struct WgradLoad {
     }
 };
 
-/* ---- epilogue: rows of dw_e, fp32 written or accumulated by the consumers, or bf16 by
- * the store warps (Cfg::kStoreRowBytes > 0).
+/* ---- epilogue: rows of dw_e, fp32 written or accumulated by the consumers, or written
+ * by the store warps (Cfg::kStoreRowBytes > 0: bf16, or fp32 where kStoreRowBytes is BN
+ * fp32; write mode only).
  * Accumulator layout of m64nN (per warpgroup): register 4c + 2h + {0,1} of lane l in warp
  * w holds row 16w + l/4 + 8h, columns 8c + 2(l%4) + {0,1}. */
 constexpr int kZeroRows = 16;   /* rows of a zero tile per idle_work piece */
 
 template <class Cfg>
 struct WgradEpilogue {
+    /* the store warps' output: fp32 (rows of BN * 4 bytes) or bf16 */
+    static constexpr bool kStoresF32 = Cfg::kStoreRowBytes == Cfg::BN * 4;
+    using Out = typename std::conditional<kStoresF32, float, uint16_t>::type;
     const WgradArgs &args;
     Ring<Cfg> ring;
     StoreHandoff handoff;
@@ -207,33 +211,44 @@ struct WgradEpilogue {
 
     __device__ __forceinline__ void operator()(int m_block, int n_block,
                                                float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
-        if constexpr (Cfg::kStoreRowBytes > 0) {
+        if constexpr (kStoresF32) {
+            handoff.stage(ring, buf, [&](uint8_t *b) { epi_write_acc_fp32<Cfg>(b, acc); });
+        } else if constexpr (Cfg::kStoreRowBytes > 0) {
             handoff.stage(ring, buf, [&](uint8_t *b) { epi_write_acc_bf16<Cfg>(b, acc); });
         } else {
             store_fp32(m_block, n_block, acc);
         }
     }
 
-    /* Store warps (bf16): warpgroup wg's rows of the tile. */
-    __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf) {
-        uint16_t *row0 = first_row(args.dw_bf16, args.dw_bf16_up, m_block, wg) + n_block * Cfg::BN;
-        drain_rows_bf16<Cfg>(buf, [&](int r) -> uint16_t * { return row0 + (int64_t)r * args.n; });
+    /* The output the store warps write: dw (fp32) or dw_bf16, and its up half. */
+    __device__ __forceinline__ Out *out_lo() const {
+        if constexpr (kStoresF32) return args.dw; else return args.dw_bf16;
+    }
+    __device__ __forceinline__ Out *out_hi() const {
+        if constexpr (kStoresF32) return args.dw_up; else return args.dw_bf16_up;
     }
 
-    /* Store warps (bf16), between drains: kZeroRows rows of this warp's next zero tile (an
-     * expert without rows: its gradient is 0); false when none is left. A piece is 8 KB
-     * at BN = 256, so a consumer whose buffer is ready waits at most that long. */
+    /* Store warps: warpgroup wg's rows of the tile. */
+    __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf) {
+        Out *row0 = first_row(out_lo(), out_hi(), m_block, wg) + n_block * Cfg::BN;
+        drain_rows<Cfg>(buf, [&](int r) -> Out * { return row0 + (int64_t)r * args.n; });
+    }
+
+    /* Store warps, between drains: kZeroRows rows of this warp's next zero tile (an
+     * expert without rows: its gradient is 0); false when none is left. A piece is
+     * kZeroRows rows (8 KB of 512-byte rows), so a consumer whose buffer is ready waits at
+     * most that long. */
     __device__ __forceinline__ bool idle_work() {
         if (zero_tile >= zero_end) return false;
         int m_block, n_block;
         wgrad_tile(args.expert_order, args.m_blocks, args.n_blocks, zero_tile, m_block, n_block);
-        uint16_t *tile = first_row(args.dw_bf16, args.dw_bf16_up, m_block, 0) +
-                         (int64_t)zero_row * args.n + n_block * Cfg::BN;
-        constexpr int kVecs = Cfg::BN * 2 / 16, kRowsPerStep = 32 / kVecs;
+        Out *tile = first_row(out_lo(), out_hi(), m_block, 0) + (int64_t)zero_row * args.n +
+                    n_block * Cfg::BN;
+        constexpr int kVecs = Cfg::kStoreRowBytes / 16, kRowsPerStep = 32 / kVecs;
         const int lane = threadIdx.x % 32;
         uint4 *piece =
             reinterpret_cast<uint4 *>(tile + (int64_t)(lane / kVecs) * args.n) + lane % kVecs;
-        const int64_t step = (int64_t)kRowsPerStep * args.n / 8;   /* in uint4 */
+        const int64_t step = (int64_t)kRowsPerStep * args.n * (int64_t)sizeof(Out) / 16;   /* in uint4 */
 #pragma unroll 1
         for (int r = 0; r < kZeroRows; r += kRowsPerStep, piece += step)
             *piece = make_uint4(0, 0, 0, 0);

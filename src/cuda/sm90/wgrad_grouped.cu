@@ -23,6 +23,11 @@
  * by the store warps (whole 16-byte row pieces, half the bytes of fp32) while the
  * consumers run the next tile's K loop: a separate instantiation (TileConfig with
  * STORE_ROW_BYTES), since its buffers take a stage's shared memory.
+ * MF_WGRAD_F32_STORE_WARPS=1 (make NVCC_EXTRA=..., an experiment until it has run on a
+ * GPU): fp32 output in write mode goes the same way, BN = 128 (rows of 512 bytes, as
+ * bf16's at 256) with 4 stages, instead of the consumers storing each 128 x 256 fp32 tile
+ * from their registers between K loops (docs/decisions/0021-fp8-gpu-kernels.md: 0.47 ms
+ * of the FP8 wgrad at qwen3-30b-a3b, T = 16384, on an H100).
  *
  * FLOPs: 2 * rows * M * N. qwen3-30b-a3b at 131072 rows: dW2 412 GFLOP, dW13 825 GFLOP;
  * the fp32 outputs are E * M * N * 4 bytes (0.8 GB / 1.6 GB, written once, read once more
@@ -92,6 +97,15 @@ using Fp8NarrowBf16Cfg =
     ProducerRegs<TileConfig<Fp8E4m3TokenScaled<128>, 128, 5, false, false, 0, 256>, 48>;
 using Fp8WideF32Cfg = TileConfig<Fp8E4m3TokenScaled<256>, 256, 4, false, false>;
 using Fp8NarrowF32Cfg = TileConfig<Fp8E4m3TokenScaled<128>, 128, 6, false, false>;
+/* fp32 by the store warps (MF_WGRAD_F32_STORE_WARPS): 4 stages of 32 KB beside the two
+ * 34 KB buffers; 48 registers for the store warps, as bf16's narrow tile. */
+using F32StoredCfg = ProducerRegs<TileConfig<Bf16, 128, 4, true, true, 0, 512, 32>, 48>;
+using Fp8F32StoredCfg =
+    ProducerRegs<TileConfig<Fp8E4m3TokenScaled<128>, 128, 4, false, false, 0, 512, 32>, 48>;
+
+#ifndef MF_WGRAD_F32_STORE_WARPS
+#define MF_WGRAD_F32_STORE_WARPS 0
+#endif
 
 template <class Cfg>
 cudaError_t launch(const mf_wgrad_params *p, cudaStream_t stream) {
@@ -123,6 +137,9 @@ extern "C" cudaError_t mf_sm90_wgrad_grouped_bf16(const mf_wgrad_params *p,
     if (p->rows.rows_cap == 0) return wgrad_without_rows(p, stream);
     if (p->dw_bf16) return p->n % 256 == 0 ? launch<WideBf16Cfg>(p, stream)
                                            : launch<NarrowBf16Cfg>(p, stream);
+#if MF_WGRAD_F32_STORE_WARPS
+    if (!p->accumulate) return launch<F32StoredCfg>(p, stream);
+#endif
     return p->n % 256 == 0 ? launch<WideF32Cfg>(p, stream) : launch<NarrowF32Cfg>(p, stream);
 }
 
@@ -132,6 +149,9 @@ extern "C" cudaError_t mf_sm90_wgrad_grouped_fp8(const mf_wgrad_params *p,
     if (p->rows.rows_cap == 0) return wgrad_without_rows(p, stream);
     if (p->dw_bf16) return p->n % 256 == 0 ? launch<Fp8WideBf16Cfg>(p, stream)
                                            : launch<Fp8NarrowBf16Cfg>(p, stream);
+#if MF_WGRAD_F32_STORE_WARPS
+    if (!p->accumulate) return launch<Fp8F32StoredCfg>(p, stream);
+#endif
     return p->n % 256 == 0 ? launch<Fp8WideF32Cfg>(p, stream) : launch<Fp8NarrowF32Cfg>(p, stream);
 }
 
@@ -140,5 +160,9 @@ extern "C" cudaError_t mf_sm90_wgrad_grouped_load(void) {
         sm90_wgrad_grouped_kernel<WideBf16Cfg>, sm90_wgrad_grouped_kernel<NarrowBf16Cfg>,
         sm90_wgrad_grouped_kernel<WideF32Cfg>, sm90_wgrad_grouped_kernel<NarrowF32Cfg>,
         sm90_wgrad_grouped_kernel<Fp8WideBf16Cfg>, sm90_wgrad_grouped_kernel<Fp8NarrowBf16Cfg>,
-        sm90_wgrad_grouped_kernel<Fp8WideF32Cfg>, sm90_wgrad_grouped_kernel<Fp8NarrowF32Cfg>);
+        sm90_wgrad_grouped_kernel<Fp8WideF32Cfg>, sm90_wgrad_grouped_kernel<Fp8NarrowF32Cfg>
+#if MF_WGRAD_F32_STORE_WARPS
+        , sm90_wgrad_grouped_kernel<F32StoredCfg>, sm90_wgrad_grouped_kernel<Fp8F32StoredCfg>
+#endif
+    );
 }

@@ -274,7 +274,7 @@ struct ScatterRowsEpilogue {
     /* Store warps: the rows of warpgroup wg to their slots. */
     __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf) {
         const int64_t row0 = first_row(m_block, wg);
-        drain_rows_bf16<Cfg>(buf, [&](int r) -> uint16_t * {
+        drain_rows<Cfg>(buf, [&](int r) -> uint16_t * {
             uint16_t *row = to.row_ptr(row0 + r);
             return row ? row + n_block * Cfg::BN : nullptr;
         });

@@ -54,7 +54,7 @@ struct StoreHandoff {
         ptx::mbar_arrive(&ring.epi_full[wg]);
     }
     /* The consumer side in one call: wait for the buffer, write(buf), hand it over.
-     * kBulkDrain: the drain reads buf by bulk copies (drain_rows_bf16, the async proxy),
+     * kBulkDrain: the drain reads buf by bulk copies (drain_rows, the async proxy),
      * so the writes are fenced into that proxy first; false for a drain that reads buf
      * by generic loads only (gemm1's, dgrad2's). */
     template <bool kBulkDrain = true, class Cfg, class Write>
@@ -106,8 +106,26 @@ __device__ __forceinline__ void epi_write_acc_bf16(uint8_t *buf, float (&acc)[Cf
     });
 }
 
-/* Store-warp side: the buffer's 64 rows of BN bf16, each to dst(r) (16-byte aligned;
- * nullptr drops the row). Each row leaves as one bulk copy (cp.async.bulk, the TMA
+/* Consumer side: the warpgroup's 64 rows x BN fp32 into the buffer (rows of BN * 4
+ * bytes, kEpiRowBytes = 32 (mod 128) apart: a half-warp's 8-byte writes, 4 rows x 32
+ * bytes, hit 32 distinct banks). */
+template <class Cfg>
+__device__ __forceinline__ void epi_write_acc_fp32(uint8_t *buf, float (&acc)[Cfg::kAccRegs]) {
+    static_assert(Cfg::kStoreRowBytes == Cfg::BN * 4 && Cfg::kEpiRowBytes % 128 == 32,
+                  "the buffer holds the tile's fp32 rows, 8 banks apart");
+    const int t = threadIdx.x % 128;
+    const int warp = t / 32, lane = t % 32;
+    uint8_t *my_row = buf + (warp * 16 + lane / 4) * Cfg::kEpiRowBytes + (lane % 4) * 8;
+#pragma unroll
+    for (int c = 0; c < Cfg::BN / 8; ++c)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            *reinterpret_cast<float2 *>(my_row + h * 8 * Cfg::kEpiRowBytes + c * 32) =
+                make_float2(acc[4 * c + 2 * h], acc[4 * c + 2 * h + 1]);
+}
+
+/* Store-warp side: the buffer's 64 rows (kStoreRowBytes each: BN bf16, or BN fp32), each
+ * to dst(r) (16-byte aligned; nullptr drops the row). Each row leaves as one bulk copy (cp.async.bulk, the TMA
  * engine), row r issued by lane r / kStoreWarps of store warp r % kStoreWarps. The thread
  * waits until its copy has read the buffer (the caller then hands the buffer back), not
  * for the global writes: store_role waits for those before the CTA ends. The consumers'
@@ -116,14 +134,15 @@ __device__ __forceinline__ void epi_write_acc_bf16(uint8_t *buf, float (&acc)[Cf
  * instructions a row), still fewer than the 16-byte loads and stores of three warps this
  * replaced (see docs/decisions/0007-bulk-row-drains). */
 template <class Cfg, class Dst>
-__device__ __forceinline__ void drain_rows_bf16(const uint8_t *buf, Dst &&dst) {
-    static_assert(Cfg::kStoreRowBytes == Cfg::BN * 2, "the buffer holds the tile's rows");
+__device__ __forceinline__ void drain_rows(const uint8_t *buf, Dst &&dst) {
+    static_assert(Cfg::kStoreRowBytes == Cfg::BN * 2 || Cfg::kStoreRowBytes == Cfg::BN * 4,
+                  "the buffer holds the tile's rows");
     static_assert(kStoreWarps * 32 >= 64, "a row per store-warp lane at most");
     const int sw = threadIdx.x / 32 - kFirstStoreWarp, lane = threadIdx.x % 32;
     const int r = sw + kStoreWarps * lane;
     if (r < 64) {
         void *d = dst(r);
-        if (d) ptx::bulk_store_s2g(d, buf + r * Cfg::kEpiRowBytes, Cfg::BN * 2);
+        if (d) ptx::bulk_store_s2g(d, buf + r * Cfg::kEpiRowBytes, Cfg::kStoreRowBytes);
     }
     ptx::bulk_commit();
     ptx::bulk_wait_read_all();
@@ -172,7 +191,7 @@ __device__ __forceinline__ void store_role(const Ring<Cfg> &ring, Sched sched, E
     }
     if constexpr (HasIdleWork<Epi>::value)
         while (epi.idle_work()) {}
-    ptx::bulk_wait_all();   /* drain_rows_bf16's bulk copies written out before the CTA ends */
+    ptx::bulk_wait_all();   /* drain_rows' bulk copies written out before the CTA ends */
 }
 
 }  // namespace sm90

@@ -50,9 +50,10 @@ static_assert(kConsumerWarpgroups * 128 * kConsumerRegs + 128 * kProducerRegs <=
  * box can land there): the fused kernels' tile queue, which has its own barriers. */
 /* STORE_ROW_BYTES: 0, the consumers store their rows themselves from the registers (no
  * buffers); else the store warps do, from a buffer per consumer warpgroup of 64 rows of
- * that many bytes (+16). */
+ * that many bytes (+EPI_ROW_PAD: 16 for the consumers' 4-byte writes, 32 for 8-byte ones,
+ * so that the rows a warp writes at once fall on distinct banks). */
 template <class P, int BN_, int STAGES_, bool A_MN_MAJOR = false, bool B_MN_MAJOR = false,
-          int EXTRA_BYTES = 0, int STORE_ROW_BYTES = 0>
+          int EXTRA_BYTES = 0, int STORE_ROW_BYTES = 0, int EPI_ROW_PAD = 16>
 struct TileConfig {
     using Precision = P;
     static constexpr int BN = BN_;
@@ -63,8 +64,9 @@ struct TileConfig {
     static constexpr int kProducerRegs = sm90::kProducerRegs;   /* setmaxnreg of the roles */
     static constexpr int kConsumerRegs = sm90::kConsumerRegs;
     /* +16 bytes per row: rows 4 banks apart, so the 4-byte stores of the accumulator
-     * layout (8 rows x 4 words per warp) hit 32 distinct banks. */
-    static constexpr int kEpiRowBytes = STORE_ROW_BYTES ? STORE_ROW_BYTES + 16 : 0;
+     * layout (8 rows x 4 words per warp) hit 32 distinct banks; +32: rows 8 banks apart,
+     * so each half-warp's 8-byte stores (4 rows x 4 pairs) do. */
+    static constexpr int kEpiRowBytes = STORE_ROW_BYTES ? STORE_ROW_BYTES + EPI_ROW_PAD : 0;
     static constexpr int kEpiBytes = 64 * kEpiRowBytes;   /* per consumer warpgroup */
     static constexpr bool kAMnMajor = A_MN_MAJOR;   /* A stored [K, M]: M contiguous */
     static constexpr bool kBMnMajor = B_MN_MAJOR;   /* B stored [K, N]: N contiguous */
@@ -103,6 +105,7 @@ struct TileConfig {
                   "MN-major tiles are whole boxes (128 bytes of MN) of whole swizzle atoms");
     static_assert(STORE_ROW_BYTES % 128 == 0 && STORE_ROW_BYTES <= 512,
                   "store warps move rows of 8 to 32 pieces of 16 bytes");
+    static_assert(EPI_ROW_PAD == 16 || EPI_ROW_PAD == 32, "rows 4 or 8 banks apart");
 };
 
 /* The tiles of the row GEMMs (gemm1, gemm2, dgrad1; the launcher picks one by the output
