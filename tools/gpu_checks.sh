@@ -31,6 +31,9 @@
 #                                quantizers' times and the layer's profile beside the
 #                                default's (OPT_IN_PRECISIONS, default fp8; OPT_IN_PROFILE:
 #                                more profile_step.py flags, e.g. "--weights fp32")
+#   tools/gpu_checks.sh saved_modes  profile_step.py of both precisions in the three saved
+#                                modes (qwen3-30b-a3b; FP8 without saved inputs quantizes x
+#                                in its dispatch: which mode is fastest for each precision)
 #   tools/gpu_checks.sh ncu_fp8  ncu's speed-of-light, memory, warp-state and scheduler
 #                                sections of one launch of each FP8 GEMM and quantizer
 #   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
@@ -180,6 +183,19 @@ opt_in_ab() {
     done
 }
 
+saved_modes() {
+    # the Python default saves the inputs (decision 0012: 2.4% faster in bf16); an FP8
+    # forward that saves them dispatches bf16 rows and quantizes them again (0026)
+    local precision saved
+    for precision in bf16 fp8; do
+        for saved in inputs activations recompute; do
+            STEP_TIMEOUT=60 step "profile_${precision}_$saved" "profile_${precision}_$saved.log" \
+                python3 bench/profile_step.py --model qwen3-30b-a3b --precision "$precision" \
+                --saved "$saved" --sustain-s 2
+        done
+    done
+}
+
 ncu_fp8() {
     # where the FP8 kernels' time goes: ncu's sections of one launch of each (the third,
     # past the warm-up) in qwen3-30b-a3b's forward + backward at T = 16384
@@ -250,10 +266,10 @@ phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(verify)
 for p in "${phases[@]}"; do
     case "$p" in
-    verify | suites | deep | bench | parity | fp8_diag | opt_in_ab | ncu_fp8 \
+    verify | suites | deep | bench | parity | fp8_diag | opt_in_ab | saved_modes | ncu_fp8 \
         | ablation | step | titan | titan_235b | titan_loss) ;;
     *) echo "tools/gpu_checks.sh: unknown phase '$p' (verify, suites, deep, bench, parity," \
-            "fp8_diag, opt_in_ab, ncu_fp8, ablation, step, titan, titan_235b," \
+            "fp8_diag, opt_in_ab, saved_modes, ncu_fp8, ablation, step, titan, titan_235b," \
             "titan_loss)" >&2
        exit 2 ;;
     esac
