@@ -487,7 +487,8 @@ moefuse_status moefuse_fp8_weights_view(const moefuse_layer *layer, void *buffer
 
 /* Quantizes W13 [E/R, 2I, H] (packed: the layout of "W13 in two halves" without w13_up)
  * and W2 [E/R, H, I] (bf16 or fp32, contiguous; 16-byte aligned on the CUDA backend,
- * naturally aligned on the CPU) into out's eight arrays, in 128x128 blocks with the layer's scale rule; once per optimizer step.
+ * whose quantizer reads 16-byte pieces, naturally aligned on the CPU) into out's eight
+ * arrays, in 128x128 blocks with the layer's scale rule; once per optimizer step.
  * Needs a layer of precision MOEFUSE_PRECISION_FP8_BLOCK. Deterministic; a NaN or
  * infinity in a weight makes its block NaN. stream: as for moefuse_forward. */
 moefuse_status moefuse_quantize_weights(const moefuse_layer *layer, moefuse_dtype dtype,
@@ -495,7 +496,8 @@ moefuse_status moefuse_quantize_weights(const moefuse_layer *layer, moefuse_dtyp
                                         const moefuse_fp8_weights *out, void *stream);
 
 /* moefuse_quantize_weights of W13 in two halves: w13 the gate half [E/R, I, H] and w13_up
- * the up half [E/R, I, H] (both of `dtype`, contiguous), read where they are; out gets
+ * the up half [E/R, I, H] (both of `dtype`, contiguous, aligned as W13), read where they
+ * are; out gets
  * the codes and scales the packed W13 gets, byte for byte. */
 moefuse_status moefuse_quantize_weights_halves(const moefuse_layer *layer, moefuse_dtype dtype,
                                                const void *w13, const void *w13_up,

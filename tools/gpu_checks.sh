@@ -157,28 +157,31 @@ fp8_diag() {
 opt_in_ab() {
     # an opt-in kernel path built apart (OPT_IN: its nvcc -D flags): the backward GEMMs'
     # tests, the BF16 backward suite and the FP8 tests on it, then the quantizers' times
-    # and the layer's profile (OPT_IN_PRECISIONS, OPT_IN_PROFILE), both builds
-    if [ -z "${OPT_IN:-}" ]; then
-        echo "opt_in_ab: set OPT_IN to the opt-in's nvcc flags (-DNAME=1 ...)" >&2
-        return 2
-    fi
+    # and the layer's profile (OPT_IN_PRECISIONS, OPT_IN_PROFILE), the builds interleaved
+    # and the default's profile again last (the clocks' drift); OPT_IN is checked at start
     STEP_TIMEOUT=400 step build_opt_in build_opt_in.log make -j"$(nproc)" BUILD=build/opt \
         NVCC_EXTRA="$OPT_IN" all
     step opt_test_gemm_sm90_bwd opt_test_gemm_bwd.log build/opt/tests/kernels/test_gemm_sm90_bwd
-    step opt_test_cuda_backward opt_test_cuda_backward.log build/opt/tests/api/test_cuda_backward
+    local t
+    for t in backward backward_modes backward_halves; do
+        step opt_test_cuda_$t opt_test_cuda_$t.log build/opt/tests/api/test_cuda_$t
+    done
     step opt_test_fp8_quant opt_test_fp8_quant.log build/opt/tests/kernels/test_fp8_quant
     step opt_test_cuda_fp8 opt_test_cuda_fp8.log build/opt/tests/api/test_cuda_fp8
     step opt_python_fp8 opt_python_fp8.log env MOEFUSE_LIB="$PWD/build/opt/libmoefuse.so" \
         python3 -m pytest -q -rs python/tests/test_fp8_cuda.py -k "not training_sized"
-    local lib precision
+    local lib precision run=0
     for lib in build build/opt; do
         step "quant_time_${lib//\//_}" "quant_time_${lib//\//_}.log" \
             "$lib/tests/kernels/test_fp8_quant_time"
-        for precision in ${OPT_IN_PRECISIONS:-fp8}; do
-            STEP_TIMEOUT=90 step "profile_${precision}_${lib//\//_}" \
-                "profile_${precision}_${lib//\//_}.log" env MOEFUSE_LIB="$PWD/$lib/libmoefuse.so" \
-                python3 bench/profile_step.py --model qwen3-30b-a3b --precision "$precision" \
-                --sustain-s 2 ${OPT_IN_PROFILE:-}
+    done
+    for precision in ${OPT_IN_PRECISIONS:-fp8}; do
+        for lib in build build/opt build; do
+            run=$((run + 1))
+            STEP_TIMEOUT=90 step "profile_${run}_${precision}_${lib//\//_}" \
+                "profile_${run}_${precision}_${lib//\//_}.log" \
+                env MOEFUSE_LIB="$PWD/$lib/libmoefuse.so" python3 bench/profile_step.py \
+                --model qwen3-30b-a3b --precision "$precision" --sustain-s 2 ${OPT_IN_PROFILE:-}
         done
     done
 }
@@ -273,6 +276,11 @@ for p in "${phases[@]}"; do
             "titan_loss)" >&2
        exit 2 ;;
     esac
+    if [ "$p" = opt_in_ab ] && [ -z "${OPT_IN:-}" ]; then
+        echo "tools/gpu_checks.sh opt_in_ab: set OPT_IN to the opt-in's nvcc flags" \
+            "(-DNAME=1 ...)" >&2
+        exit 2
+    fi
 done
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 step build build.log make -j"$(nproc)" all || { tail -30 "$LOG_DIR/build.log"; exit 1; }

@@ -408,7 +408,9 @@ cudaError_t mf_quantize_fp8_rows_tokens(const mf_quantize_fp8_rows_params *r,
  * [E, cols, rows], scale_t [E, cols/128, rows/128] (the same codes transposed, the same
  * scales). rows and cols multiples of 128. With w_hi set, w is in two arrays: each
  * expert's rows below split_rows in w [E, split_rows, cols] and the others in w_hi
- * [E, rows - split_rows, cols] (W13's gate and up halves); split_rows a multiple of 128. */
+ * [E, rows - split_rows, cols] (W13's gate and up halves); split_rows a multiple of 128.
+ * The kernel reads 16-byte pieces: w and w_hi 16-byte aligned (fp32) or 8-byte (bf16),
+ * codes 4-byte, codes_t 16-byte, else cudaErrorMisalignedAddress. */
 typedef struct mf_quantize_fp8_weights_params {
     const void *w, *w_hi;
     int split_rows;

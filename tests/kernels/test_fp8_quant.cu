@@ -15,7 +15,7 @@
  *     (amax / 448 of random amax, and the edges: the smallest scale, amax near FLT_MAX,
  *     subnormal-only tiles), and for fp32 x placed at every e4m3 rounding midpoint times
  *     the scale, +-8 ulp (p dy's values are fp32);
- *   - the persistent (pipelined) tokens kernels on more blocks than they have CTAs.
+ *   - more blocks than two CTAs an SM hold at once (8192 x 2048).
  * The weights' quantizer is checked through moefuse_quantize_weights against the CPU
  * backend (tests/api/test_cuda_fp8.c). */
 #include <math.h>
@@ -250,7 +250,7 @@ void tokens_match(void) {
             tokens_case(384, 256, 776, pow2, w);
             tokens_case(2048, 1920, 2048, pow2, w);
         }
-    /* more blocks (62 x 16) than two CTAs an SM: a persistent CTA takes several */
+    /* more blocks (62 x 16) than two CTAs an SM hold at once */
     tokens_case(8192, 7936, 2048, 0, true);
 }
 
@@ -377,7 +377,7 @@ void gathered_match(void) {
             gathered_case(512, 384, 768, pow2, w, 8);
             gathered_case(2048, 1920, 2048, pow2, w, 4);
         }
-    gathered_case(8192, 7936, 2048, 0, true, 8);   /* several blocks per persistent CTA */
+    gathered_case(8192, 7936, 2048, 0, true, 8);   /* more blocks than resident CTAs */
 }
 
 void rows_tokens_match(void) {
@@ -388,7 +388,7 @@ void rows_tokens_match(void) {
             rows_tokens_case(512, 384, 768, pow2, w);
             rows_tokens_case(2048, 1920, 2048, pow2, w);
         }
-    rows_tokens_case(8192, 7936, 2048, 1, true);   /* several blocks per persistent CTA */
+    rows_tokens_case(8192, 7936, 2048, 1, true);   /* more blocks than resident CTAs */
 }
 
 }  // namespace

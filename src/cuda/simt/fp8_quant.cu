@@ -131,7 +131,7 @@ struct TokensSmem {
 
 /* One 128 x 128 block's codes from this thread's 8 rows x 8 columns v (rows 8 group ..,
  * columns c0 + 8 piece ..) and the rows' weights pw: with kRows each row's 1 x 128 codes,
- * then the columns' scales and codes^T. Ends with the block's shared memory read. */
+ * then the columns' scales and codes^T. */
 template <bool kRows>
 __device__ __forceinline__ void tokens_block_codes(const tokens_block_params &bp, int row_block,
                                                    int c0, const uint4 (&v)[8],

@@ -111,8 +111,8 @@ __device__ __forceinline__ int wgrad_tiles(const WgradArgs &a) {
     return a.num_experts * a.m_blocks * a.n_blocks;
 }
 
-/* The tiles at the head of a wgrad's order that run the GEMM. With skip_empty (bf16 out,
- * which the store warps write) and an order: those of the experts with rows, which the
+/* The tiles at the head of a wgrad's order that run the GEMM. With skip_empty (store
+ * warps, which write the output) and an order: those of the experts with rows, which the
  * order puts first and counts in expert_order[E] (expert_order.cu); the others' tiles
  * are zeros, written by the store warps between drains (WgradEpilogue::idle_work).
  * Else every tile: an expert without rows runs a K loop of length 0. */
@@ -179,7 +179,8 @@ constexpr int kZeroRows = 16;   /* rows of a zero tile per idle_work piece */
 
 template <class Cfg>
 struct WgradEpilogue {
-    /* the store warps' output: fp32 (rows of BN * 4 bytes) or bf16 */
+    /* the store warps' output: fp32 (rows of BN * 4 bytes; epi_write_acc_fp32 also asks
+     * EPI_ROW_PAD = 32, so a bf16 config cannot turn fp32 by its row bytes alone) or bf16 */
     static constexpr bool kStoresF32 = Cfg::kStoreRowBytes == Cfg::BN * 4;
     using Out = typename std::conditional<kStoresF32, float, uint16_t>::type;
     const WgradArgs &args;
@@ -248,7 +249,8 @@ struct WgradEpilogue {
         const int lane = threadIdx.x % 32;
         uint4 *piece =
             reinterpret_cast<uint4 *>(tile + (int64_t)(lane / kVecs) * args.n) + lane % kVecs;
-        const int64_t step = (int64_t)kRowsPerStep * args.n * (int64_t)sizeof(Out) / 16;   /* in uint4 */
+        /* in uint4 */
+        const int64_t step = (int64_t)kRowsPerStep * args.n * (int64_t)sizeof(Out) / 16;
 #pragma unroll 1
         for (int r = 0; r < kZeroRows; r += kRowsPerStep, piece += step)
             *piece = make_uint4(0, 0, 0, 0);

@@ -14,8 +14,8 @@
  * order (the scheduler below); one CTA owns each output tile and runs the expert's whole
  * K loop (no split-K, no atomics: deterministic, whichever CTA runs it). The K
  * loop may be empty (an expert without rows): the tile is then written as zeros (with
- * bf16 out and an order, by the store warps beside the GEMM tiles), or left as it is in
- * accumulate mode.
+ * store warps and an order, by the store warps beside the GEMM tiles), or left as it is
+ * in accumulate mode.
  *
  * Epilogue: fp32 straight from the accumulators, 8-byte stores (4 lanes cover 32
  * contiguous bytes of a row, whole sectors); accumulate mode loads, adds once, stores.
@@ -26,13 +26,11 @@
  * MF_WGRAD_F32_STORE_WARPS=1 (make NVCC_EXTRA=..., an experiment until it has run on a
  * GPU): fp32 output in write mode goes the same way, BN = 128 (rows of 512 bytes, as
  * bf16's at 256) with 4 stages, instead of the consumers storing each 128 x 256 fp32 tile
- * from their registers between K loops (docs/decisions/0021-fp8-gpu-kernels.md: 0.47 ms
- * of the FP8 wgrad at qwen3-30b-a3b, T = 16384, on an H100).
+ * from their registers between K loops (docs/decisions/0021-fp8-gpu-kernels.md).
  *
  * FLOPs: 2 * rows * M * N. qwen3-30b-a3b at 131072 rows: dW2 412 GFLOP, dW13 825 GFLOP;
  * the fp32 outputs are E * M * N * 4 bytes (0.8 GB / 1.6 GB, written once, read once more
  * when accumulating). */
-#include "ptx/flags.cuh"
 #include "sm90/moe_bwd_tiles.cuh"
 
 namespace {
@@ -46,7 +44,8 @@ using namespace mf::sm90;
  * Wave w hands tiles w*G .. w*G + G-1 to the G CTAs forwards when w is even and
  * backwards when it is odd (a snake): the CTA that got one of a wave's costliest tiles
  * gets one of the next wave's cheapest, so the heavy experts' tiles spread evenly.
- * With store warps (bf16 out) and an order, the tiles of experts without rows are left
+ * With store warps (bf16 out, or fp32 with MF_WGRAD_F32_STORE_WARPS) and an order, the
+ * tiles of experts without rows are left
  * out here: they are zeros, written by the store warps beside the GEMM tiles
  * (WgradEpilogue::idle_work), instead of a tail of pure stores after them.
  * m_block below is the combined index e * m_blocks + m block. */
@@ -118,7 +117,9 @@ cudaError_t launch(const mf_wgrad_params *p, cudaStream_t stream) {
 }  // namespace
 
 /* Tile choice: BN = 256 when N allows it, else BN = 128. fp32 out: 4 stages of 48 KB or
- * 6 of 32 KB; bf16 out, with the store warps' buffers: 3 of 48 KB or 6 of 32 KB. */
+ * 6 of 32 KB (with MF_WGRAD_F32_STORE_WARPS in write mode: BN = 128, 4 of 32 KB and the
+ * store warps' buffers); bf16 out, with the store warps' buffers: 3 of 48 KB or 6 of
+ * 32 KB. */
 /* No rows at all: zero gradients in write mode (each half of an output in two), nothing
  * when accumulating. */
 static cudaError_t wgrad_without_rows(const mf_wgrad_params *p, cudaStream_t stream) {

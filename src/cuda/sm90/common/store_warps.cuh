@@ -7,7 +7,8 @@
  * the producer warpgroup's three other warps read the rows back and store them with
  * whole 16-byte (or 8-byte) row pieces to where they go (rows can be scattered, as the
  * combine needs) while the consumers run the next tile's K loop (see "store warps").
- * Without store warps (fp32 wgrad) the consumers store from their registers.
+ * Without store warps (fp32 wgrad, except MF_WGRAD_F32_STORE_WARPS's in write mode) the
+ * consumers store from their registers.
  * NOTE: measured on an H200, staging in shared memory (then by the consumers themselves)
  * against storing straight from the accumulator registers (4-byte stores, 16-byte
  * pieces of 8 rows per warp instruction): qwen3-30b-a3b gemm2
@@ -125,8 +126,8 @@ __device__ __forceinline__ void epi_write_acc_fp32(uint8_t *buf, float (&acc)[Cf
 }
 
 /* Store-warp side: the buffer's 64 rows (kStoreRowBytes each: BN bf16, or BN fp32), each
- * to dst(r) (16-byte aligned; nullptr drops the row). Each row leaves as one bulk copy (cp.async.bulk, the TMA
- * engine), row r issued by lane r / kStoreWarps of store warp r % kStoreWarps. The thread
+ * to dst(r) (16-byte aligned; nullptr drops the row). Each row leaves as one bulk copy
+ * (cp.async.bulk, the TMA engine), row r issued by lane r / kStoreWarps of store warp r % kStoreWarps. The thread
  * waits until its copy has read the buffer (the caller then hands the buffer back), not
  * for the global writes: store_role waits for those before the CTA ends. The consumers'
  * writes reach the async proxy through the fence in StoreHandoff::stage.
