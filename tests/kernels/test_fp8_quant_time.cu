@@ -156,6 +156,19 @@ void time_passes(const char *filter) {
                           const cudaError_t e = mf_quantize_fp8_weights(&q13, 0);
                           return e != cudaSuccess ? e : mf_quantize_fp8_weights(&q2, 0);
                       }});
+    /* and as bf16 weights (pure bf16 training, FSDP's bf16 parameters): 4 bytes an element */
+    uint16_t *w13b = nullptr, *w2b = nullptr;
+    CUDA_OK(cudaMalloc(&w13b, (size_t)w13n * 2));
+    CUDA_OK(cudaMalloc(&w2b, (size_t)w2n * 2));
+    fill_heavy_bf16<<<num_sms() * 8, 256>>>(w13b, w13n, 11u);
+    fill_heavy_bf16<<<num_sms() * 8, 256>>>(w2b, w2n, 12u);
+    mf_quantize_fp8_weights_params q13b = q13, q2b = q2;
+    q13b.w = w13b, q13b.fp32 = 0;
+    q2b.w = w2b, q2b.fp32 = 0;
+    passes.push_back({"weights bf16", (double)(w13n + w2n) * 4.0, [q13b, q2b] {
+                          const cudaError_t e = mf_quantize_fp8_weights(&q13b, 0);
+                          return e != cudaSuccess ? e : mf_quantize_fp8_weights(&q2b, 0);
+                      }});
     std::vector<pass> chosen;
     for (const pass &p : passes)
         if (!filter || strstr(p.name.c_str(), filter)) chosen.push_back(p);
@@ -195,7 +208,7 @@ void time_passes(const char *filter) {
     cudaFree(heavy);
     cudaFree(pw); cudaFree(num_rows); cudaFree(codes); cudaFree(codes_t); cudaFree(scales);
     cudaFree(scales_t);
-    cudaFree(w13); cudaFree(w2); cudaFree(wcodes); cudaFree(wcodes_t); cudaFree(wscale);
+    cudaFree(w13); cudaFree(w2); cudaFree(w13b); cudaFree(w2b); cudaFree(wcodes); cudaFree(wcodes_t); cudaFree(wscale);
     cudaFree(wscale_t);
 }
 

@@ -62,16 +62,56 @@ __device__ __forceinline__ float block_amax(float m, float *red) {
     return m;
 }
 
-/* 4 consecutive weights as floats: 16 bytes of fp32, 8 of bf16 (aligned: the launcher's
- * check). */
-__device__ __forceinline__ void load4(const float *w, float (&v)[4]) {
+/* MF_FP8_WEIGHTS_BF16_16B=1 (make NVCC_EXTRA=..., an experiment until it has run on a
+ * GPU): bf16 weights read 16 bytes a load as fp32's are (8 columns of 8 rows a thread),
+ * not 8 bytes (4 columns of 16 rows). */
+#ifndef MF_FP8_WEIGHTS_BF16_16B
+#define MF_FP8_WEIGHTS_BF16_16B 0
+#endif
+
+/* How a thread holds its 64 values of the block: kCols consecutive columns of kRows
+ * consecutive rows, kLanes threads to a row. fp32: 4 columns (one 16-byte load) of 16
+ * rows; bf16: the same, 8 bytes a load, or (MF_FP8_WEIGHTS_BF16_16B) 8 columns of 8 rows. */
+template <class T>
+struct WeightsThread {
+    static constexpr int kCols = sizeof(T) == 2 && MF_FP8_WEIGHTS_BF16_16B ? 8 : 4;
+    static constexpr int kRows = 128 * 128 / kWThreads / kCols;
+    static constexpr int kLanes = 128 / kCols;
+    static_assert(kRows % 4 == 0 && kWThreads / kLanes * kRows == 128,
+                  "the threads cover the block's 128 rows, in 4 x 4 byte transposes");
+};
+
+/* kCols consecutive weights as floats (aligned: the launcher's check). */
+__device__ __forceinline__ void load_weights(const float *w, float (&v)[4]) {
     const float4 f = *reinterpret_cast<const float4 *>(w);
     v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
 }
-__device__ __forceinline__ void load4(const uint16_t *w, float (&v)[4]) {
-    const uint2 b = *reinterpret_cast<const uint2 *>(w);
-    v[0] = bf16_bits(b.x, 0), v[1] = bf16_bits(b.x, 1), v[2] = bf16_bits(b.y, 0),
-    v[3] = bf16_bits(b.y, 1);
+template <int N>
+__device__ __forceinline__ void load_weights(const uint16_t *w, float (&v)[N]) {
+    static_assert(N == 4 || N == 8, "8 or 16 bytes of bf16");
+    uint32_t words[N / 2];
+    if constexpr (N == 4) {
+        const uint2 b = *reinterpret_cast<const uint2 *>(w);
+        words[0] = b.x, words[1] = b.y;
+    } else {
+        const uint4 b = *reinterpret_cast<const uint4 *>(w);
+        words[0] = b.x, words[1] = b.y, words[2] = b.z, words[3] = b.w;
+    }
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+        v[2 * i] = bf16_bits(words[i], 0);
+        v[2 * i + 1] = bf16_bits(words[i], 1);
+    }
+}
+
+/* n codes (4 or 8: one or two words) to memory in one store. */
+__device__ __forceinline__ void store_codes(uint8_t *dst, const uint32_t *words, int n) {
+    if (n == 4)
+        *reinterpret_cast<uint32_t *>(dst) = words[0];
+    else if (n == 8)
+        *reinterpret_cast<uint2 *>(dst) = make_uint2(words[0], words[1]);
+    else
+        *reinterpret_cast<uint4 *>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
 }
 
 /* The 4 x 4 bytes of rows[0..3] (byte j of row i: column j) transposed: byte i of cols[j]
@@ -88,56 +128,62 @@ __device__ __forceinline__ void transpose4x4(const uint32_t (&rows)[4], uint32_t
 }
 
 /* A 128 x 128 block of W (bf16 or fp32) to W's codes and W^T's, and its scale, without
- * shared memory for the codes: thread t takes columns 4 (t % 32) .. + 3 of rows
- * 16 (t / 32) .. + 15 and keeps them in registers from the amax to the codes (the block is
- * read once), so each load of a warp is a whole row of the block (512 bytes of fp32, 256 of
- * bf16), W's codes go out as one 4-byte word per row (a warp: 128 contiguous bytes) and
- * W^T's, transposed in registers, as one 16-byte piece per column (16 rows of it). 2 CTAs
- * an SM, so that one's loads overlap the other's codes. */
+ * shared memory for the codes: thread t takes columns kCols (t % kLanes) .. of rows
+ * kRows (t / kLanes) .. (WeightsThread) and keeps them in registers from the amax to the
+ * codes (the block is read once), so each load of a warp is whole rows of the block, W's
+ * codes go out as one word (or two) per row (a warp: 128 contiguous bytes per row) and
+ * W^T's, transposed in registers, as one piece of kRows bytes per column. 2 CTAs an SM,
+ * so that one's loads overlap the other's codes. */
 template <class T>
 __global__ void __launch_bounds__(kWThreads, 2)
     fp8_quantize_weights_kernel(const mf_quantize_fp8_weights_params p, const T *w) {
+    using Th = WeightsThread<T>;
+    constexpr int kCols = Th::kCols, kRows = Th::kRows;
     __shared__ float red[kWThreads / 32];
     const WeightsBlock<T> blk(p, w);
     const int nbr = blk.nbr, nbc = blk.nbc, e = blk.e, br = blk.br, bc = blk.bc;
     const int64_t base = blk.base, src = blk.src;
     w = blk.w;
-    const int col = 4 * (threadIdx.x % 32), row0 = 16 * (threadIdx.x / 32);
-    float v[16][4];
+    const int col = kCols * (threadIdx.x % Th::kLanes), row0 = kRows * (threadIdx.x / Th::kLanes);
+    float v[kRows][kCols];
 #pragma unroll
-    for (int k = 0; k < 16; ++k) load4(w + src + (int64_t)(row0 + k) * p.cols + col, v[k]);
+    for (int k = 0; k < kRows; ++k)
+        load_weights(w + src + (int64_t)(row0 + k) * p.cols + col, v[k]);
     float m = 0.0f;
 #pragma unroll
-    for (int k = 0; k < 16; ++k)
+    for (int k = 0; k < kRows; ++k)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) m = amax_fold(m, v[k][j]);
+        for (int j = 0; j < kCols; ++j) m = amax_fold(m, v[k][j]);
     m = block_amax(m, red);
     const float s = tile_scale(m, p.pow2), inv = __frcp_rn(s);
-    uint32_t words[16];   /* row k's 4 codes, column j in byte j */
+    uint32_t words[kRows][kCols / 4];   /* row k's codes, column 4c + j in byte j of word c */
 #pragma unroll
-    for (int k = 0; k < 16; ++k) {
-        float q[4];
+    for (int k = 0; k < kRows; ++k) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) q[j] = quotient(v[k][j], s, inv);
-        words[k] = encode4(q[0], q[1], q[2], q[3]);
-        *reinterpret_cast<uint32_t *>(p.codes + base + (int64_t)(row0 + k) * p.cols + col) =
-            words[k];
+        for (int c = 0; c < kCols / 4; ++c) {
+            float q[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) q[j] = quotient(v[k][4 * c + j], s, inv);
+            words[k][c] = encode4(q[0], q[1], q[2], q[3]);
+        }
+        store_codes(p.codes + base + (int64_t)(row0 + k) * p.cols + col, words[k], kCols);
     }
-    uint32_t t[4][4];   /* [column j][rows 4g .. 4g + 3] */
+    uint32_t t[kCols][kRows / 4];   /* [column j][rows 4g .. 4g + 3] */
 #pragma unroll
-    for (int g = 0; g < 4; ++g) {
-        const uint32_t rows[4] = {words[4 * g], words[4 * g + 1], words[4 * g + 2],
-                                  words[4 * g + 3]};
-        uint32_t cols[4];
-        transpose4x4(rows, cols);
+    for (int g = 0; g < kRows / 4; ++g)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) t[j][g] = cols[j];
-    }
+        for (int c = 0; c < kCols / 4; ++c) {
+            const uint32_t rows[4] = {words[4 * g][c], words[4 * g + 1][c], words[4 * g + 2][c],
+                                      words[4 * g + 3][c]};
+            uint32_t cols[4];
+            transpose4x4(rows, cols);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) t[4 * c + j][g] = cols[j];
+        }
     const int64_t base_t = (int64_t)e * p.rows * p.cols + (int64_t)bc * 128 * p.rows + br * 128;
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
-        *reinterpret_cast<uint4 *>(p.codes_t + base_t + (int64_t)(col + j) * p.rows + row0) =
-            make_uint4(t[j][0], t[j][1], t[j][2], t[j][3]);
+    for (int j = 0; j < kCols; ++j)
+        store_codes(p.codes_t + base_t + (int64_t)(col + j) * p.rows + row0, t[j], kRows);
     if (threadIdx.x == 0) {
         p.scale[((int64_t)e * nbr + br) * nbc + bc] = s;
         p.scale_t[((int64_t)e * nbc + bc) * nbr + br] = s;
@@ -154,9 +200,9 @@ extern "C" cudaError_t mf_quantize_fp8_weights(const mf_quantize_fp8_weights_par
         return cudaErrorInvalidValue;
     const int64_t ctas = (int64_t)p->num_experts * (p->rows / 128) * (p->cols / 128);
     if (ctas > INT32_MAX) return cudaErrorInvalidValue;
-    /* 16-byte loads of fp32 (8-byte of bf16), 4-byte codes, 16-byte codes^T (the API asks
-     * 16-byte aligned arrays on CUDA) */
-    const uintptr_t a = p->fp32 ? 16 : 8;
+    /* 16-byte loads of fp32 (of bf16 8-byte, or 16 with MF_FP8_WEIGHTS_BF16_16B), 4-byte
+     * codes, 16-byte codes^T (the API asks 16-byte aligned arrays on CUDA) */
+    const uintptr_t a = p->fp32 ? 16 : 2 * WeightsThread<uint16_t>::kCols;
     if ((uintptr_t)p->w % a || (uintptr_t)p->w_hi % a || (uintptr_t)p->codes % 4 ||
         (uintptr_t)p->codes_t % 16)
         return cudaErrorMisalignedAddress;
