@@ -10,7 +10,9 @@ PyTorch MoE of bench/torch_moe_baseline.py (TorchQwen3MoeBlock) in every layer.
     Data       synthetic token batches of --batch x --seq (default 4 x 4096 = 16384
                tokens per MoE call) from a fixed random first-order Markov chain
                (each token has 4 possible successors), so the loss has something to
-               learn; the same --steps batches (default 50) for both runs.
+               learn; the same --steps batches (default 50) for both runs, each of
+               --micro-batches (default 1) whose gradients accumulate before one
+               optimizer step (FP8 quantizes the weights once per optimizer step).
     Runs       moefuse in each --precision (default bf16; `--precision bf16 fp8` adds
                moefuse-fp8: the experts' GEMMs in block-scaled FP8, weights quantized
                once per optimizer step) and the baseline, all from the same initial
@@ -88,6 +90,9 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="forward + backward passes (of --batch x --seq tokens) accumulated "
+                         "per optimizer step")
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
@@ -107,6 +112,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.steps <= args.warmup:
         ap.error("--steps must exceed --warmup")
+    if args.micro_batches < 1:
+        ap.error("--micro-batches must be at least 1")
     return args
 
 
@@ -159,11 +166,16 @@ def swap_blocks(model, make_block):
 
 
 def train_step(model, opt, tokens):
+    """One optimizer step over tokens [micro_batches, batch, seq]: the gradients of the
+    micro-batches' mean loss accumulated, then AdamW; returns that mean loss."""
     opt.zero_grad(set_to_none=True)
-    loss = model(input_ids=tokens, labels=tokens).loss
-    loss.backward()
+    total = 0.0
+    for micro in tokens:
+        loss = model(input_ids=micro, labels=micro).loss / len(tokens)
+        loss.backward()
+        total = total + loss.detach()
     opt.step()
-    return loss
+    return total
 
 
 def train(model, batches, args, device, label):
@@ -371,17 +383,21 @@ def main(argv=None) -> int:
             moefuse_skip = f"the library's backward on {device.type} is unsupported ({moefuse_skip})"
 
     base_model, config = build_model(args, device)
-    tokens_per_step = args.batch * args.seq
-    batches = make_batches(args.steps, args.batch, args.seq, config.vocab_size, args.seed, device)
+    tokens_per_step = args.micro_batches * args.batch * args.seq
+    batches = make_batches(args.steps * args.micro_batches, args.batch, args.seq,
+                           config.vocab_size, args.seed, device)
+    batches = batches.view(args.steps, args.micro_batches, args.batch, args.seq)
     gm = baseline.grouped_mm_reason(device)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# device {dev_name}; Qwen3MoeForCausalLM, Qwen3-30B-A3B config with "
           f"{config.num_hidden_layers} layers (H={config.hidden_size}, I={config.moe_intermediate_size}, "
           f"E={config.num_experts}, K={config.num_experts_per_tok}, vocab={config.vocab_size}), "
           f"{sum(p.numel() for p in base_model.parameters()) / 1e9:.2f} B params")
-    print(f"# {args.steps} steps of {args.batch} x {args.seq} = {tokens_per_step} tokens "
-          f"(per MoE call), pure bf16 params/grads/AdamW state (lr {args.lr}, no master "
-          f"weights, no autocast); median over steps {args.warmup}..{args.steps - 1}")
+    micro = (f"{args.micro_batches} micro-batches of " if args.micro_batches > 1 else "")
+    print(f"# {args.steps} steps of {micro}{args.batch} x {args.seq} = "
+          f"{args.batch * args.seq} tokens (per MoE call), {tokens_per_step} tokens a step, "
+          f"pure bf16 params/grads/AdamW state (lr {args.lr}, no master weights, no "
+          f"autocast); median over steps {args.warmup}..{args.steps - 1}")
     print(f"# baseline experts: {'torch._grouped_mm' if gm is None else 'per-expert loop (' + gm + ')'}; "
           f"library: {moefuse.library_path() if moefuse.is_available() else 'n/a'}")
 

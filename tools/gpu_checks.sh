@@ -228,12 +228,14 @@ ablation() {
 step_time() {
     # 12 layers where they fit (pure bf16 state, 8 bytes a parameter: ~60 GB at 12 layers,
     # plus activations: an H200), 6 on an 80 GB card (8 ran out of memory in the FP8 run's
-    # loss); STEP_LAYERS chooses
+    # loss); STEP_LAYERS chooses, and STEP_MICRO_BATCHES the micro-batches accumulated
+    # per optimizer step (FP8 quantizes the weights once per optimizer step)
     local layers=${STEP_LAYERS:-$(python3 -c 'import torch
 print(12 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 6)')}
     STEP_TIMEOUT=400 step bench_train_step train_step.log env \
         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/bench_train_step.py \
-        --layers "$layers" --precision bf16 fp8 --plot "$LOG_DIR/loss_curves.png"
+        --layers "$layers" --precision bf16 fp8 --micro-batches "${STEP_MICRO_BATCHES:-1}" \
+        --plot "$LOG_DIR/loss_curves.png"
 }
 
 install_titan() {

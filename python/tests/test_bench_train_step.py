@@ -29,3 +29,53 @@ def test_tiny_run_with_the_fp8_column(tmp_path, capsys):
                      r"alone [0-9.]+x\): target >= 1.35x (met|MISSED)", out)
     assert "max |loss_moefuse - loss_baseline|" in out and "PASS" in out
     assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_micro_batches_accumulate_into_one_optimizer_step():
+    """train_step over M micro-batches: the mean of their losses, the gradients of that
+    mean (the sum of each micro-batch's, over M), and one optimizer step."""
+    import torch
+
+    bench = import_bench("bench_train_step")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+
+    class Out:
+        def __init__(self, loss):
+            self.loss = loss
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, input_ids, labels):
+            return Out(self.inner(input_ids.float()).square().mean())
+
+    wrapped = Model()
+    tokens = torch.randint(0, 5, (3, 2, 4))
+    steps = []
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.0)
+    opt.register_step_post_hook(lambda *_: steps.append(1))
+    loss = bench.train_step(wrapped, opt, tokens)
+    want = sum(wrapped(input_ids=t, labels=t).loss for t in tokens) / 3
+    assert torch.allclose(loss, want.detach())
+    grads = [p.grad.clone() for p in wrapped.parameters()]
+    wrapped.zero_grad()
+    want.backward()
+    for got, ref in zip(grads, (p.grad for p in wrapped.parameters())):
+        assert torch.allclose(got, ref)
+    assert len(steps) == 1
+
+
+def test_tiny_run_with_micro_batches(tmp_path, capsys):
+    bench = import_bench("bench_train_step")
+    rc = bench.main(["--tiny", "--device", "cpu", "--steps", "6", "--warmup", "5",
+                     "--batch", "1", "--seq", "32", "--layers", "1", "--profile-steps", "0",
+                     "--micro-batches", "2", "--plot", str(tmp_path / "curves.png")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "2 micro-batches of 1 x 32 = 32 tokens (per MoE call), 64 tokens a step" in out
+    row = re.search(r"^moefuse +([0-9.]+) +([0-9]+)", out, re.M)
+    # tokens/s of the 64 tokens a step (from the unrounded ms)
+    assert row and float(row.group(2)) == pytest.approx(64 / float(row.group(1)) * 1e3, rel=0.01)
