@@ -36,6 +36,7 @@
 #                                in its dispatch: which mode is fastest for each precision)
 #   tools/gpu_checks.sh ncu_fp8  ncu's speed-of-light, memory, warp-state and scheduler
 #                                sections of one launch of each FP8 GEMM and quantizer
+#                                (NCU_KERNELS, NCU_LIBS="build build/opt" after opt_in_ab)
 #   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
 #                                each GEMM in turn, beside bf16 (three runs of 3 models)
 #   tools/gpu_checks.sh step     bench_train_step.py, 12 layers (6 on an 80 GB card), both
@@ -161,6 +162,7 @@ opt_in_ab() {
     # and the default's profile again last (the clocks' drift); OPT_IN is checked at start
     STEP_TIMEOUT=400 step build_opt_in build_opt_in.log make -j"$(nproc)" BUILD=build/opt \
         NVCC_EXTRA="$OPT_IN" all
+    step opt_test_gemm_sm90 opt_test_gemm_fwd.log build/opt/tests/kernels/test_gemm_sm90
     step opt_test_gemm_sm90_bwd opt_test_gemm_bwd.log build/opt/tests/kernels/test_gemm_sm90_bwd
     local t
     for t in backward backward_modes backward_halves; do
@@ -201,15 +203,19 @@ saved_modes() {
 
 ncu_fp8() {
     # where the FP8 kernels' time goes: ncu's sections of one launch of each (the third,
-    # past the warm-up) in qwen3-30b-a3b's forward + backward at T = 16384
-    local k
-    for k in gemm2_dgrad_swiglu wgrad_grouped gemm1_swiglu fp8_quantize_tokens_kernel \
-        fp8_quantize_rows_kernel; do
-        STEP_TIMEOUT=150 step "ncu_$k" "ncu_$k.log" ncu --kernel-name "regex:$k" \
-            --launch-skip 2 --launch-count 1 --section SpeedOfLight \
-            --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-            --section Occupancy --section LaunchStats python3 tools/fp8_layer_check.py repeat \
-            16384:3 --shape qwen3-30b-a3b
+    # past the warm-up) in qwen3-30b-a3b's forward + backward at T = 16384; NCU_KERNELS
+    # picks them, NCU_LIBS the libraries (e.g. "build build/opt" after opt_in_ab's build)
+    local k lib
+    for lib in ${NCU_LIBS:-build}; do
+        for k in ${NCU_KERNELS:-gemm2_dgrad_swiglu wgrad_grouped gemm1_swiglu \
+            fp8_quantize_tokens_kernel fp8_quantize_rows_kernel}; do
+            STEP_TIMEOUT=150 step "ncu_${k}_${lib//\//_}" "ncu_${k}_${lib//\//_}.log" \
+                env MOEFUSE_LIB="$PWD/$lib/libmoefuse.so" ncu --kernel-name "regex:$k" \
+                --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+                --section MemoryWorkloadAnalysis --section WarpStateStats \
+                --section SchedulerStats --section Occupancy --section LaunchStats \
+                python3 tools/fp8_layer_check.py repeat 16384:3 --shape qwen3-30b-a3b
+        done
     done
 }
 

@@ -144,6 +144,15 @@ __device__ __forceinline__ void end_k_loop(const Ring<Cfg> &ring, float (&acc)[C
     }
 }
 
+/* MF_FP8_A_FROM_REGISTERS=1 (make NVCC_EXTRA=..., an experiment until it has run on a
+ * GPU): the promoted K loop reads each K block's A slice once into registers (ldmatrix,
+ * 16 a thread) and runs the RS wgmma on it for every piece, instead of each piece's
+ * wgmmas reading A from shared memory again: per K block and warpgroup 40 KB of shared
+ * memory read instead of 48 at BN = 256 (docs/decisions/0021-fp8-gpu-kernels.md). */
+#ifndef MF_FP8_A_FROM_REGISTERS
+#define MF_FP8_A_FROM_REGISTERS 0
+#endif
+
 /* The K loop of a promoting scale hook (FP8; kGroupsInFlight 0): each K block's wgmmas
  * run into the hook's part registers, kParts pieces of the tile's columns one after the
  * other (BN = 256: two halves of m64n128, so that acc and part fit the registers: 128 +
@@ -165,21 +174,36 @@ __device__ __forceinline__ void k_loop_promoted(const Ring<Cfg> &ring, RingPos<C
     for (int i = 0; i < Cfg::kAccRegs; ++i) acc[i] = 0.f;   /* the promotions add to it */
     for (int kb = 0; kb < num_k_blocks; ++kb) {
         ptx::mbar_wait(&ring.full[pos.stage], pos.phase);
-        const uint64_t da = DescA::make(ring.a(pos.stage) + wg * Cfg::kAWarpgroupBytes);
+        const uint8_t *a_rows = ring.a(pos.stage) + wg * Cfg::kAWarpgroupBytes;
+        const uint64_t da = DescA::make(a_rows);
         const uint64_t db = DescB::make(ring.b(pos.stage));
+        constexpr int kSteps = Cfg::kBlockK / P::kInstrK;
+        [[maybe_unused]] uint32_t a_regs[kSteps][4];
+        if constexpr (MF_FP8_A_FROM_REGISTERS) {
+            static_assert(kPieceN == 128 && P::kElementBytes == 1, "the RS wgmma wrapper's");
+#pragma unroll
+            for (int k = 0; k < kSteps; ++k) ptx::ldmatrix_a_e4m3(a_rows, k * P::kInstrK, a_regs[k]);
+        }
 #pragma unroll
         for (int piece = 0; piece < Scale::kParts; ++piece) {
             ptx::wgmma_fence_operand(scale.part);
             ptx::wgmma_fence();
 #pragma unroll
-            for (int k = 0; k < Cfg::kBlockK / P::kInstrK; ++k)
-                P::template mma<kPieceN, 0, 0>(
-                    scale.part, da + DescA::kStepK * k,
-                    db + ((piece * kPieceN * Cfg::kRowBytes) >> 4) + DescB::kStepK * k,
-                    k > 0 ? 1 : 0);
+            for (int k = 0; k < kSteps; ++k) {
+                const uint64_t b = db + ((piece * kPieceN * Cfg::kRowBytes) >> 4) +
+                                   DescB::kStepK * k;
+                if constexpr (MF_FP8_A_FROM_REGISTERS)
+                    ptx::wgmma_m64n128k32_e4m3_rs(scale.part, a_regs[k], b, k > 0 ? 1 : 0);
+                else
+                    P::template mma<kPieceN, 0, 0>(scale.part, da + DescA::kStepK * k, b,
+                                                   k > 0 ? 1 : 0);
+            }
             ptx::wgmma_commit();
             ptx::wgmma_wait<0>();
             ptx::wgmma_fence_operand(scale.part);
+            if constexpr (MF_FP8_A_FROM_REGISTERS)
+#pragma unroll
+                for (int k = 0; k < kSteps; ++k) ptx::wgmma_fence_a(a_regs[k]);
             scale.promote(acc, ring.a_scales(pos.stage), kb, piece);
         }
         /* The promotions read the stage's scales with generic loads, and the producer's

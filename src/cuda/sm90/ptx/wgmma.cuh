@@ -137,6 +137,41 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_ss(float (&d)[64], uint64_
     MF_WGMMA_M64N128_SS("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", ", 1, 1");
 }
 
+/* e4m3 with A from registers (the RS form): a[4] this thread's 16 values of A [64 x 32]
+ * (ldmatrix_a_e4m3's layout), B K-major in shared memory. */
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const uint32_t (&a)[4],
+                                                        uint64_t desc_b, int scale_d) {
+    asm volatile("{\n\t.reg .pred p;\n\t"
+                 "setp.ne.b32 p, %69, 0;\n\t"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " MF_WGMMA_D64
+                 ", {%64, %65, %66, %67}, %68, p, 1, 1;\n\t}"
+                 : MF_WGMMA_D64_OPERANDS
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+/* This thread's part of A [64 x 32] (e4m3, K-major, the 128-byte swizzle of a TMA tile
+ * whose rows are 128 bytes: chunk c of row r at chunk c ^ (r % 8)) at K offset k0 (a
+ * multiple of 32) of the warpgroup's 64 rows at `rows`, in the RS wgmma's layout: register
+ * 2 h + j holds row 16 warp + lane / 4 + 8 j, K k0 + 16 h + 4 (lane % 4) .. + 3. One
+ * ldmatrix.x4: its matrices are (rows 0-7, 8-15) x (K k0 .. + 15, k0 + 16 .. + 31) of the
+ * warp's 16 rows, lane l naming row l % 8 of matrix l / 8. */
+__device__ __forceinline__ void ldmatrix_a_e4m3(const uint8_t *rows, int k0, uint32_t (&a)[4]) {
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    const int r = 16 * warp + lane % 8 + 8 * ((lane / 8) % 2);
+    const int chunk = k0 / 16 + lane / 16;
+    const uint32_t addr = smem_u32(rows + r * 128 + ((chunk ^ (r % 8)) * 16));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                 : "r"(addr));
+}
+
+/* Keeps A's registers live and unmodified up to here (after the wait of the wgmmas that
+ * read them), as wgmma_fence_operand does D's. */
+__device__ __forceinline__ void wgmma_fence_a(uint32_t (&a)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+
 __device__ __forceinline__ void wgmma_fence_operand(float (&d)[128]) {
 #pragma unroll
     for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
