@@ -148,7 +148,8 @@ __device__ __forceinline__ void end_k_loop(const Ring<Cfg> &ring, float (&acc)[C
  * GPU): the promoted K loop reads each K block's A slice once into registers (ldmatrix,
  * 16 a thread) and runs the RS wgmma on it for every piece, instead of each piece's
  * wgmmas reading A from shared memory again: per K block and warpgroup 40 KB of shared
- * memory read instead of 48 at BN = 256 (docs/decisions/0021-fp8-gpu-kernels.md). */
+ * memory read instead of 48 at BN = 256 (docs/decisions/0021-fp8-gpu-kernels.md); tiles
+ * of one piece (BN = 128) keep the shared-memory form. */
 #ifndef MF_FP8_A_FROM_REGISTERS
 #define MF_FP8_A_FROM_REGISTERS 0
 #endif
@@ -178,8 +179,10 @@ __device__ __forceinline__ void k_loop_promoted(const Ring<Cfg> &ring, RingPos<C
         const uint64_t da = DescA::make(a_rows);
         const uint64_t db = DescB::make(ring.b(pos.stage));
         constexpr int kSteps = Cfg::kBlockK / P::kInstrK;
+        /* with one piece A is read once either way: the RS form would only add the loads */
+        constexpr bool kAFromRegisters = MF_FP8_A_FROM_REGISTERS && Scale::kParts > 1;
         [[maybe_unused]] uint32_t a_regs[kSteps][4];
-        if constexpr (MF_FP8_A_FROM_REGISTERS) {
+        if constexpr (kAFromRegisters) {
             static_assert(kPieceN == 128 && P::kElementBytes == 1, "the RS wgmma wrapper's");
 #pragma unroll
             for (int k = 0; k < kSteps; ++k) ptx::ldmatrix_a_e4m3(a_rows, k * P::kInstrK, a_regs[k]);
@@ -192,7 +195,7 @@ __device__ __forceinline__ void k_loop_promoted(const Ring<Cfg> &ring, RingPos<C
             for (int k = 0; k < kSteps; ++k) {
                 const uint64_t b = db + ((piece * kPieceN * Cfg::kRowBytes) >> 4) +
                                    DescB::kStepK * k;
-                if constexpr (MF_FP8_A_FROM_REGISTERS)
+                if constexpr (kAFromRegisters)
                     ptx::wgmma_m64n128k32_e4m3_rs(scale.part, a_regs[k], b, k > 0 ? 1 : 0);
                 else
                     P::template mma<kPieceN, 0, 0>(scale.part, da + DescA::kStepK * k, b,
@@ -201,7 +204,7 @@ __device__ __forceinline__ void k_loop_promoted(const Ring<Cfg> &ring, RingPos<C
             ptx::wgmma_commit();
             ptx::wgmma_wait<0>();
             ptx::wgmma_fence_operand(scale.part);
-            if constexpr (MF_FP8_A_FROM_REGISTERS)
+            if constexpr (kAFromRegisters)
 #pragma unroll
                 for (int k = 0; k < kSteps; ++k) ptx::wgmma_fence_a(a_regs[k]);
             scale.promote(acc, ring.a_scales(pos.stage), kb, piece);

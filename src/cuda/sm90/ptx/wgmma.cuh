@@ -154,7 +154,8 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const u
  * multiple of 32) of the warpgroup's 64 rows at `rows`, in the RS wgmma's layout: register
  * 2 h + j holds row 16 warp + lane / 4 + 8 j, K k0 + 16 h + 4 (lane % 4) .. + 3. One
  * ldmatrix.x4: its matrices are (rows 0-7, 8-15) x (K k0 .. + 15, k0 + 16 .. + 31) of the
- * warp's 16 rows, lane l naming row l % 8 of matrix l / 8. */
+ * warp's 16 rows, lane l naming row l % 8 of matrix l / 8. `rows` must be 1024-byte
+ * aligned (the swizzle's phase is the row's index within its 1024-byte atom). */
 __device__ __forceinline__ void ldmatrix_a_e4m3(const uint8_t *rows, int k0, uint32_t (&a)[4]) {
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     const int r = 16 * warp + lane % 8 + 8 * ((lane / 8) % 2);
