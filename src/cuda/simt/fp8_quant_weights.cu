@@ -23,33 +23,6 @@ using namespace mf::fp8;
 
 constexpr int kWThreads = 256;
 
-/* This CTA's 128 x 128 block of the weights: expert e, block row br and column bc of the
- * nbr x nbc; base, its first element in the codes (W's layout); w and src, the array and
- * the element it is read from: the one array, or the half of the two that holds its rows. */
-template <class T>
-struct WeightsBlock {
-    int nbr, nbc, e, br, bc;
-    int64_t base, src;
-    const T *w;
-
-    __device__ __forceinline__ WeightsBlock(const mf_quantize_fp8_weights_params &p, const T *lo)
-        : nbr(p.rows / 128), nbc(p.cols / 128) {
-        e = blockIdx.x / (nbr * nbc);
-        br = (blockIdx.x / nbc) % nbr;
-        bc = blockIdx.x % nbc;
-        base = (int64_t)e * p.rows * p.cols + (int64_t)br * 128 * p.cols + bc * 128;
-        src = base;
-        w = lo;
-        if (p.w_hi && br * 128 < p.split_rows) {
-            src = ((int64_t)e * p.split_rows + br * 128) * p.cols + bc * 128;
-        } else if (p.w_hi) {
-            w = (const T *)p.w_hi;
-            src = ((int64_t)e * (p.rows - p.split_rows) + br * 128 - p.split_rows) * p.cols +
-                  bc * 128;
-        }
-    }
-};
-
 /* The amax of the CTA's kWThreads partial ones m (every thread gets it); red: a warp's
  * slot each in shared memory. */
 __device__ __forceinline__ float block_amax(float m, float *red) {
@@ -104,7 +77,7 @@ __device__ __forceinline__ void load_weights(const uint16_t *w, float (&v)[N]) {
     }
 }
 
-/* n codes (4 or 8: one or two words) to memory in one store. */
+/* n codes (4, 8 or 16: one, two or four words) to memory in one store. */
 __device__ __forceinline__ void store_codes(uint8_t *dst, const uint32_t *words, int n) {
     if (n == 4)
         *reinterpret_cast<uint32_t *>(dst) = words[0];
@@ -140,10 +113,19 @@ __global__ void __launch_bounds__(kWThreads, 2)
     using Th = WeightsThread<T>;
     constexpr int kCols = Th::kCols, kRows = Th::kRows;
     __shared__ float red[kWThreads / 32];
-    const WeightsBlock<T> blk(p, w);
-    const int nbr = blk.nbr, nbc = blk.nbc, e = blk.e, br = blk.br, bc = blk.bc;
-    const int64_t base = blk.base, src = blk.src;
-    w = blk.w;
+    /* this CTA's block: expert e, block row br and column bc; base, its first element in
+     * the codes (W's layout); src, in w: the one array, or the half that holds its rows */
+    const int nbr = p.rows / 128, nbc = p.cols / 128;
+    const int e = blockIdx.x / (nbr * nbc), br = (blockIdx.x / nbc) % nbr, bc = blockIdx.x % nbc;
+    const int64_t base = (int64_t)e * p.rows * p.cols + (int64_t)br * 128 * p.cols + bc * 128;
+    int64_t src = base;
+    if (p.w_hi && br * 128 < p.split_rows) {
+        src = ((int64_t)e * p.split_rows + br * 128) * p.cols + bc * 128;
+    } else if (p.w_hi) {
+        w = (const T *)p.w_hi;
+        src = ((int64_t)e * (p.rows - p.split_rows) + br * 128 - p.split_rows) * p.cols +
+              bc * 128;
+    }
     const int col = kCols * (threadIdx.x % Th::kLanes), row0 = kRows * (threadIdx.x / Th::kLanes);
     float v[kRows][kCols];
 #pragma unroll

@@ -45,9 +45,9 @@ using namespace mf::sm90;
  * backwards when it is odd (a snake): the CTA that got one of a wave's costliest tiles
  * gets one of the next wave's cheapest, so the heavy experts' tiles spread evenly.
  * With store warps (bf16 out, or fp32 with MF_WGRAD_F32_STORE_WARPS) and an order, the
- * tiles of experts without rows are left
- * out here: they are zeros, written by the store warps beside the GEMM tiles
- * (WgradEpilogue::idle_work), instead of a tail of pure stores after them.
+ * tiles of experts without rows are left out here: they are zeros, written by the store
+ * warps beside the GEMM tiles (WgradEpilogue::idle_work), instead of a tail of pure
+ * stores after them.
  * m_block below is the combined index e * m_blocks + m block. */
 template <class Cfg>
 struct WgradScheduler {

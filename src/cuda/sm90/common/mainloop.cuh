@@ -185,7 +185,8 @@ __device__ __forceinline__ void k_loop_promoted(const Ring<Cfg> &ring, RingPos<C
         if constexpr (kAFromRegisters) {
             static_assert(kPieceN == 128 && P::kElementBytes == 1, "the RS wgmma wrapper's");
 #pragma unroll
-            for (int k = 0; k < kSteps; ++k) ptx::ldmatrix_a_e4m3(a_rows, k * P::kInstrK, a_regs[k]);
+            for (int k = 0; k < kSteps; ++k)
+                ptx::ldmatrix_a_e4m3(a_rows, k * P::kInstrK, a_regs[k]);
         }
 #pragma unroll
         for (int piece = 0; piece < Scale::kParts; ++piece) {

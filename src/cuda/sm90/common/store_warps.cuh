@@ -127,10 +127,11 @@ __device__ __forceinline__ void epi_write_acc_fp32(uint8_t *buf, float (&acc)[Cf
 
 /* Store-warp side: the buffer's 64 rows (kStoreRowBytes each: BN bf16, or BN fp32), each
  * to dst(r) (16-byte aligned; nullptr drops the row). Each row leaves as one bulk copy
- * (cp.async.bulk, the TMA engine), row r issued by lane r / kStoreWarps of store warp r % kStoreWarps. The thread
- * waits until its copy has read the buffer (the caller then hands the buffer back), not
- * for the global writes: store_role waits for those before the CTA ends. The consumers'
- * writes reach the async proxy through the fence in StoreHandoff::stage.
+ * (cp.async.bulk, the TMA engine), row r issued by lane r / kStoreWarps of store warp
+ * r % kStoreWarps. The thread waits until its copy has read the buffer (the caller then
+ * hands the buffer back), not for the global writes: store_role waits for those before
+ * the CTA ends. The consumers' writes reach the async proxy through the fence in
+ * StoreHandoff::stage.
  * NOTE: ptxas loops over the lanes for the copies (UBLKCP takes uniform registers, ~9
  * instructions a row), still fewer than the 16-byte loads and stores of three warps this
  * replaced (see docs/decisions/0007-bulk-row-drains). */

@@ -2,8 +2,10 @@
  * tiles with the 128-byte swizzle, the fence/commit/wait protocol, and the m64nN
  * instructions with both operands in shared memory and fp32 accumulators: one asm
  * statement per N (MF_WGMMA_M64N*_SS), a wrapper per precision (bf16: k16, each operand
- * K-major or MN-major through the transpose immediates; e4m3: k32, K-major only). Which wrapper a tile runs is
- * its precision's (sm90/precision.cuh). Inline device helpers only. */
+ * K-major or MN-major through the transpose immediates; e4m3: k32, K-major only). Which
+ * wrapper a tile runs is its precision's (sm90/precision.cuh). Also e4m3's form with A in
+ * registers (RS) and the ldmatrix that loads A for it (MF_FP8_A_FROM_REGISTERS,
+ * common/mainloop.cuh). Inline device helpers only. */
 #pragma once
 
 #include <stdint.h>
