@@ -79,3 +79,15 @@ def test_tiny_run_with_micro_batches(tmp_path, capsys):
     row = re.search(r"^moefuse +([0-9.]+) +([0-9]+)", out, re.M)
     # tokens/s of the 64 tokens a step (from the unrounded ms)
     assert row and float(row.group(2)) == pytest.approx(64 / float(row.group(1)) * 1e3, rel=0.01)
+
+
+def test_kernel_names_keep_what_tells_them_apart():
+    bench = import_bench("bench_train_step")
+    name = ("void (anonymous namespace)::sm90_wgrad_grouped_kernel<mf::sm90::TileConfig<"
+            "mf::sm90::Fp8E4m3TokenScaled<128>, 128, 4, false, false, 0, 512, 32>>"
+            "(mf::sm90::WgradArgs)")
+    assert bench._short_kernel_name(name) == (
+        "sm90_wgrad_grouped_kernel<TileConfig<Fp8E4m3TokenScaled<128>, 128, 4, false, false, "
+        "0, 512, 32>>(WgradArgs)")
+    cut = bench._short_kernel_name("k" * 50 + "x" * 200 + "tail", width=40)
+    assert len(cut) == 40 and cut.startswith("k" * 18) and cut.endswith("x" * 14 + "tail")
