@@ -8,6 +8,8 @@
 #                                the kernels' tests, FP8, EP (FP8 with a comm included),
 #                                EP memory, the output hashes packed = halves, the Python
 #                                GPU tests
+#   tools/gpu_checks.sh kernels  build; the GEMMs' and quantizers' tests, the bf16 backward
+#                                and FP8 API suites (a default kernel change's quick check)
 #   tools/gpu_checks.sh suites   the CUDA API suites staged and fused (W13 halves among
 #                                them), the long EP iterations
 #   tools/gpu_checks.sh deep     the whole Python suite, the main job, SASS (HGMMA, no
@@ -30,7 +32,9 @@
 #                                flags) built apart: the backward GEMMs' and FP8 tests, the
 #                                quantizers' times and the layer's profile beside the
 #                                default's (OPT_IN_PRECISIONS, default fp8; OPT_IN_PROFILE:
-#                                more profile_step.py flags, e.g. "--weights fp32")
+#                                more profile_step.py flags, e.g. "--weights fp32";
+#                                OPT_IN_SUITES: the CUDA API suites run on it, by default
+#                                "backward backward_modes backward_halves")
 #   tools/gpu_checks.sh saved_modes  profile_step.py of both precisions in the three saved
 #                                modes (qwen3-30b-a3b; FP8 without saved inputs quantizes x
 #                                in its dispatch: which mode is fastest for each precision)
@@ -93,6 +97,16 @@ verify() {
     step python_gpu python_gpu.log python3 -m pytest -q -rs python/tests/test_fp8_cuda.py \
         python/tests/test_ops_cuda.py python/tests/test_distributed_gpu.py \
         python/tests/test_fp8_peer.py
+}
+
+kernels() {
+    # the GEMMs' and quantizers' own tests and the two layer suites a kernel change
+    # touches first (bf16 backward, FP8): a default change's quick check (~150 s)
+    step test_gemm_sm90 test_gemm_fwd.log build/tests/kernels/test_gemm_sm90
+    step test_gemm_sm90_bwd test_gemm_bwd.log build/tests/kernels/test_gemm_sm90_bwd
+    step test_fp8_quant test_fp8_quant.log build/tests/kernels/test_fp8_quant
+    step test_cuda_backward test_cuda_backward.log build/tests/api/test_cuda_backward
+    step test_cuda_fp8 test_cuda_fp8.log build/tests/api/test_cuda_fp8
 }
 
 suites() {
@@ -165,7 +179,7 @@ opt_in_ab() {
     step opt_test_gemm_sm90 opt_test_gemm_fwd.log build/opt/tests/kernels/test_gemm_sm90
     step opt_test_gemm_sm90_bwd opt_test_gemm_bwd.log build/opt/tests/kernels/test_gemm_sm90_bwd
     local t
-    for t in backward backward_modes backward_halves; do
+    for t in ${OPT_IN_SUITES-backward backward_modes backward_halves}; do
         step opt_test_cuda_$t opt_test_cuda_$t.log build/opt/tests/api/test_cuda_$t
     done
     step opt_test_fp8_quant opt_test_fp8_quant.log build/opt/tests/kernels/test_fp8_quant
@@ -277,9 +291,9 @@ phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(verify)
 for p in "${phases[@]}"; do
     case "$p" in
-    verify | suites | deep | bench | parity | fp8_diag | opt_in_ab | saved_modes | ncu_fp8 \
+    verify | kernels | suites | deep | bench | parity | fp8_diag | opt_in_ab | saved_modes | ncu_fp8 \
         | ablation | step | titan | titan_235b | titan_loss) ;;
-    *) echo "tools/gpu_checks.sh: unknown phase '$p' (verify, suites, deep, bench, parity," \
+    *) echo "tools/gpu_checks.sh: unknown phase '$p' (verify, kernels, suites, deep, bench, parity," \
             "fp8_diag, opt_in_ab, saved_modes, ncu_fp8, ablation, step, titan, titan_235b," \
             "titan_loss)" >&2
        exit 2 ;;

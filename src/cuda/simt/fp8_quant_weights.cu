@@ -35,19 +35,12 @@ __device__ __forceinline__ float block_amax(float m, float *red) {
     return m;
 }
 
-/* MF_FP8_WEIGHTS_BF16_16B=1 (make NVCC_EXTRA=..., an experiment until it has run on a
- * GPU): bf16 weights read 16 bytes a load as fp32's are (8 columns of 8 rows a thread),
- * not 8 bytes (4 columns of 16 rows). */
-#ifndef MF_FP8_WEIGHTS_BF16_16B
-#define MF_FP8_WEIGHTS_BF16_16B 0
-#endif
-
-/* How a thread holds its 64 values of the block: kCols consecutive columns of kRows
- * consecutive rows, kLanes threads to a row. fp32: 4 columns (one 16-byte load) of 16
- * rows; bf16: the same, 8 bytes a load, or (MF_FP8_WEIGHTS_BF16_16B) 8 columns of 8 rows. */
-template <class T>
+/* How a thread holds its 64 values of the block: kCols = 4 consecutive columns (16 bytes
+ * of fp32, 8 of bf16) of kRows = 16 consecutive rows, kLanes threads to a row. (bf16 read
+ * 16 bytes a load, 8 columns of 8 rows, was no faster: 1.125 against 1.109 ms on an H100,
+ * docs/decisions/0023-fp8-quantizer-bandwidth.md.) */
 struct WeightsThread {
-    static constexpr int kCols = sizeof(T) == 2 && MF_FP8_WEIGHTS_BF16_16B ? 8 : 4;
+    static constexpr int kCols = 4;
     static constexpr int kRows = 128 * 128 / kWThreads / kCols;
     static constexpr int kLanes = 128 / kCols;
     static_assert(kRows % 4 == 0 && kWThreads / kLanes * kRows == 128,
@@ -59,30 +52,16 @@ __device__ __forceinline__ void load_weights(const float *w, float (&v)[4]) {
     const float4 f = *reinterpret_cast<const float4 *>(w);
     v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
 }
-template <int N>
-__device__ __forceinline__ void load_weights(const uint16_t *w, float (&v)[N]) {
-    static_assert(N == 4 || N == 8, "8 or 16 bytes of bf16");
-    uint32_t words[N / 2];
-    if constexpr (N == 4) {
-        const uint2 b = *reinterpret_cast<const uint2 *>(w);
-        words[0] = b.x, words[1] = b.y;
-    } else {
-        const uint4 b = *reinterpret_cast<const uint4 *>(w);
-        words[0] = b.x, words[1] = b.y, words[2] = b.z, words[3] = b.w;
-    }
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) {
-        v[2 * i] = bf16_bits(words[i], 0);
-        v[2 * i + 1] = bf16_bits(words[i], 1);
-    }
+__device__ __forceinline__ void load_weights(const uint16_t *w, float (&v)[4]) {
+    const uint2 b = *reinterpret_cast<const uint2 *>(w);
+    v[0] = bf16_bits(b.x, 0), v[1] = bf16_bits(b.x, 1), v[2] = bf16_bits(b.y, 0),
+    v[3] = bf16_bits(b.y, 1);
 }
 
-/* n codes (4, 8 or 16: one, two or four words) to memory in one store. */
+/* n codes (4 or 16: one or four words) to memory in one store. */
 __device__ __forceinline__ void store_codes(uint8_t *dst, const uint32_t *words, int n) {
     if (n == 4)
         *reinterpret_cast<uint32_t *>(dst) = words[0];
-    else if (n == 8)
-        *reinterpret_cast<uint2 *>(dst) = make_uint2(words[0], words[1]);
     else
         *reinterpret_cast<uint4 *>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
 }
@@ -110,7 +89,7 @@ __device__ __forceinline__ void transpose4x4(const uint32_t (&rows)[4], uint32_t
 template <class T>
 __global__ void __launch_bounds__(kWThreads, 2)
     fp8_quantize_weights_kernel(const mf_quantize_fp8_weights_params p, const T *w) {
-    using Th = WeightsThread<T>;
+    using Th = WeightsThread;
     constexpr int kCols = Th::kCols, kRows = Th::kRows;
     __shared__ float red[kWThreads / 32];
     /* this CTA's block: expert e, block row br and column bc; base, its first element in
@@ -182,9 +161,9 @@ extern "C" cudaError_t mf_quantize_fp8_weights(const mf_quantize_fp8_weights_par
         return cudaErrorInvalidValue;
     const int64_t ctas = (int64_t)p->num_experts * (p->rows / 128) * (p->cols / 128);
     if (ctas > INT32_MAX) return cudaErrorInvalidValue;
-    /* 16-byte loads of fp32 (of bf16 8-byte, or 16 with MF_FP8_WEIGHTS_BF16_16B), 4-byte
+    /* 16-byte loads of fp32 (of bf16 8-byte), 4-byte
      * codes, 16-byte codes^T (the API asks 16-byte aligned arrays on CUDA) */
-    const uintptr_t a = p->fp32 ? 16 : 2 * WeightsThread<uint16_t>::kCols;
+    const uintptr_t a = p->fp32 ? 16 : 2 * WeightsThread::kCols;
     if ((uintptr_t)p->w % a || (uintptr_t)p->w_hi % a || (uintptr_t)p->codes % 4 ||
         (uintptr_t)p->codes_t % 16)
         return cudaErrorMisalignedAddress;

@@ -94,12 +94,14 @@ struct Fp8E4m3 {
     template <int N, int kTransA, int kTransB>
     static __device__ __forceinline__ void mma(float (&d)[N / 2], uint64_t desc_a,
                                                uint64_t desc_b, int scale_d) {
-        static_assert(N == 128 || N == 256, "wgmma wrappers exist for N = 128 and 256");
+        static_assert(N == 64 || N == 128 || N == 256, "wgmma wrappers exist for N = 64, 128, 256");
         static_assert(!kTransA && !kTransB, "e4m3 wgmma takes K-major operands only");
         if constexpr (N == 256)
             ptx::wgmma_m64n256k32_e4m3_ss(d, desc_a, desc_b, scale_d);
-        else
+        else if constexpr (N == 128)
             ptx::wgmma_m64n128k32_e4m3_ss(d, desc_a, desc_b, scale_d);
+        else
+            ptx::wgmma_m64n64k32_e4m3_ss(d, desc_a, desc_b, scale_d);
     }
 };
 
@@ -123,13 +125,21 @@ struct Fp8E4m3TokenScaled : Fp8E4m3 {
  * their tensor rate (ncu, H200).
  * Thread t of a consumer warpgroup holds rows 16 (t / 32) + (t % 32) / 4 and + 8 of the
  * warpgroup's 64: accumulator 4c + 2h + j is row half h, column 8c + 2 (t % 4) + j; piece
- * p's part register i is accumulator p * kPartRegs + i. */
+ * p's part register i is accumulator p * kPartRegs + i, in part buffer p % kPartBuffers.
+ * MF_FP8_PROMOTE_OVERLAP=1 (make NVCC_EXTRA=..., an experiment until it has run on a GPU):
+ * pieces of 64 columns in two part buffers of 32 registers (the same 64), so that a
+ * piece's wgmmas run while the one before is promoted (mainloop.cuh,
+ * k_loop_promoted_overlapped). */
+#ifndef MF_FP8_PROMOTE_OVERLAP
+#define MF_FP8_PROMOTE_OVERLAP 0
+#endif
 template <int kAccRegs>
 struct PromoteScales {
     static constexpr int kGroupsInFlight = 0;
-    static constexpr int kPartRegs = kAccRegs < 64 ? kAccRegs : 64;
+    static constexpr int kPartBuffers = MF_FP8_PROMOTE_OVERLAP ? 2 : 1;
+    static constexpr int kPartRegs = (kAccRegs < 64 ? kAccRegs : 64) / kPartBuffers;
     static constexpr int kParts = kAccRegs / kPartRegs;
-    float part[kPartRegs];
+    float part[kPartBuffers][kPartRegs];
 
     /* This thread's two rows' scales of the K block in `slot`. */
     static __device__ __forceinline__ float2 row_scales(const uint8_t *slot) {
@@ -143,7 +153,7 @@ struct PromoteScales {
     template <class Acc>
     __device__ __forceinline__ void promote_one(Acc &acc, int piece, int i, float scale) const {
         float &a = acc[piece * kPartRegs + i];
-        a = fmaf(part[i], scale, a);
+        a = fmaf(part[piece % kPartBuffers][i], scale, a);
     }
 };
 

@@ -22,11 +22,10 @@
  * bf16 output (write mode): rounded to nearest even into the epilogue buffer, and stored
  * by the store warps (whole 16-byte row pieces, half the bytes of fp32) while the
  * consumers run the next tile's K loop: a separate instantiation (TileConfig with
- * STORE_ROW_BYTES), since its buffers take a stage's shared memory.
- * MF_WGRAD_F32_STORE_WARPS=1 (make NVCC_EXTRA=..., an experiment until it has run on a
- * GPU): fp32 output in write mode goes the same way, BN = 128 (rows of 512 bytes, as
- * bf16's at 256) with 4 stages, instead of the consumers storing each 128 x 256 fp32 tile
- * from their registers between K loops (docs/decisions/0021-fp8-gpu-kernels.md).
+ * STORE_ROW_BYTES), since its buffers take a stage's shared memory. bf16 operands' fp32
+ * output in write mode goes the same way, BN = 128 (rows of 512 bytes, as bf16's at
+ * 256) with 4 stages; FP8's stays with the consumers, whose 256-wide tiles were faster
+ * (docs/decisions/0021-fp8-gpu-kernels.md).
  *
  * FLOPs: 2 * rows * M * N. qwen3-30b-a3b at 131072 rows: dW2 412 GFLOP, dW13 825 GFLOP;
  * the fp32 outputs are E * M * N * 4 bytes (0.8 GB / 1.6 GB, written once, read once more
@@ -44,7 +43,7 @@ using namespace mf::sm90;
  * Wave w hands tiles w*G .. w*G + G-1 to the G CTAs forwards when w is even and
  * backwards when it is odd (a snake): the CTA that got one of a wave's costliest tiles
  * gets one of the next wave's cheapest, so the heavy experts' tiles spread evenly.
- * With store warps (bf16 out, or fp32 with MF_WGRAD_F32_STORE_WARPS) and an order, the
+ * With store warps (bf16 out, or bf16 operands' fp32 in write mode) and an order, the
  * tiles of experts without rows are left out here: they are zeros, written by the store
  * warps beside the GEMM tiles (WgradEpilogue::idle_work), instead of a tail of pure
  * stores after them.
@@ -96,15 +95,11 @@ using Fp8NarrowBf16Cfg =
     ProducerRegs<TileConfig<Fp8E4m3TokenScaled<128>, 128, 5, false, false, 0, 256>, 48>;
 using Fp8WideF32Cfg = TileConfig<Fp8E4m3TokenScaled<256>, 256, 4, false, false>;
 using Fp8NarrowF32Cfg = TileConfig<Fp8E4m3TokenScaled<128>, 128, 6, false, false>;
-/* fp32 by the store warps (MF_WGRAD_F32_STORE_WARPS): 4 stages of 32 KB beside the two
- * 34 KB buffers; 48 registers for the store warps, as bf16's narrow tile. */
+/* bf16's fp32 out in write mode, by the store warps: BN = 128, 4 stages of 32 KB beside
+ * the two 34 KB buffers; 48 registers for the store warps, as bf16's narrow tile (wgrad
+ * 2.53 -> 2.42 ms on an H100, qwen3-30b-a3b T = 16384; FP8's the same way lost, 2.16 ->
+ * 2.31 ms: docs/decisions/0021-fp8-gpu-kernels.md). */
 using F32StoredCfg = ProducerRegs<TileConfig<Bf16, 128, 4, true, true, 0, 512, 32>, 48>;
-using Fp8F32StoredCfg =
-    ProducerRegs<TileConfig<Fp8E4m3TokenScaled<128>, 128, 4, false, false, 0, 512, 32>, 48>;
-
-#ifndef MF_WGRAD_F32_STORE_WARPS
-#define MF_WGRAD_F32_STORE_WARPS 0
-#endif
 
 template <class Cfg>
 cudaError_t launch(const mf_wgrad_params *p, cudaStream_t stream) {
@@ -117,9 +112,8 @@ cudaError_t launch(const mf_wgrad_params *p, cudaStream_t stream) {
 }  // namespace
 
 /* Tile choice: BN = 256 when N allows it, else BN = 128. fp32 out: 4 stages of 48 KB or
- * 6 of 32 KB (with MF_WGRAD_F32_STORE_WARPS in write mode: BN = 128, 4 of 32 KB and the
- * store warps' buffers); bf16 out, with the store warps' buffers: 3 of 48 KB or 6 of
- * 32 KB. */
+ * 6 of 32 KB (bf16 operands in write mode: BN = 128, 4 of 32 KB and the store warps'
+ * buffers); bf16 out, with the store warps' buffers: 3 of 48 KB or 6 of 32 KB. */
 /* No rows at all: zero gradients in write mode (each half of an output in two), nothing
  * when accumulating. */
 static cudaError_t wgrad_without_rows(const mf_wgrad_params *p, cudaStream_t stream) {
@@ -138,9 +132,7 @@ extern "C" cudaError_t mf_sm90_wgrad_grouped_bf16(const mf_wgrad_params *p,
     if (p->rows.rows_cap == 0) return wgrad_without_rows(p, stream);
     if (p->dw_bf16) return p->n % 256 == 0 ? launch<WideBf16Cfg>(p, stream)
                                            : launch<NarrowBf16Cfg>(p, stream);
-#if MF_WGRAD_F32_STORE_WARPS
     if (!p->accumulate) return launch<F32StoredCfg>(p, stream);
-#endif
     return p->n % 256 == 0 ? launch<WideF32Cfg>(p, stream) : launch<NarrowF32Cfg>(p, stream);
 }
 
@@ -150,9 +142,6 @@ extern "C" cudaError_t mf_sm90_wgrad_grouped_fp8(const mf_wgrad_params *p,
     if (p->rows.rows_cap == 0) return wgrad_without_rows(p, stream);
     if (p->dw_bf16) return p->n % 256 == 0 ? launch<Fp8WideBf16Cfg>(p, stream)
                                            : launch<Fp8NarrowBf16Cfg>(p, stream);
-#if MF_WGRAD_F32_STORE_WARPS
-    if (!p->accumulate) return launch<Fp8F32StoredCfg>(p, stream);
-#endif
     return p->n % 256 == 0 ? launch<Fp8WideF32Cfg>(p, stream) : launch<Fp8NarrowF32Cfg>(p, stream);
 }
 
@@ -161,9 +150,6 @@ extern "C" cudaError_t mf_sm90_wgrad_grouped_load(void) {
         sm90_wgrad_grouped_kernel<WideBf16Cfg>, sm90_wgrad_grouped_kernel<NarrowBf16Cfg>,
         sm90_wgrad_grouped_kernel<WideF32Cfg>, sm90_wgrad_grouped_kernel<NarrowF32Cfg>,
         sm90_wgrad_grouped_kernel<Fp8WideBf16Cfg>, sm90_wgrad_grouped_kernel<Fp8NarrowBf16Cfg>,
-        sm90_wgrad_grouped_kernel<Fp8WideF32Cfg>, sm90_wgrad_grouped_kernel<Fp8NarrowF32Cfg>
-#if MF_WGRAD_F32_STORE_WARPS
-        , sm90_wgrad_grouped_kernel<F32StoredCfg>, sm90_wgrad_grouped_kernel<Fp8F32StoredCfg>
-#endif
-    );
+        sm90_wgrad_grouped_kernel<Fp8WideF32Cfg>, sm90_wgrad_grouped_kernel<Fp8NarrowF32Cfg>,
+        sm90_wgrad_grouped_kernel<F32StoredCfg>);
 }

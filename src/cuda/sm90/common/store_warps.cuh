@@ -7,8 +7,8 @@
  * the producer warpgroup's three other warps read the rows back and store them with
  * whole 16-byte (or 8-byte) row pieces to where they go (rows can be scattered, as the
  * combine needs) while the consumers run the next tile's K loop (see "store warps").
- * Without store warps (fp32 wgrad, except MF_WGRAD_F32_STORE_WARPS's in write mode) the
- * consumers store from their registers.
+ * Without store warps (fp32 wgrad, except bf16 operands' in write mode) the consumers
+ * store from their registers.
  * NOTE: measured on an H200, staging in shared memory (then by the consumers themselves)
  * against storing straight from the accumulator registers (4-byte stores, 16-byte
  * pieces of 8 rows per warp instruction): qwen3-30b-a3b gemm2
