@@ -129,14 +129,15 @@ struct Fp8E4m3TokenScaled : Fp8E4m3 {
  * MF_FP8_PROMOTE_OVERLAP=1 (make NVCC_EXTRA=..., an experiment until it has run on a GPU):
  * pieces of 64 columns in two part buffers of 32 registers (the same 64), so that a
  * piece's wgmmas run while the one before is promoted (mainloop.cuh,
- * k_loop_promoted_overlapped). */
+ * k_loop_promoted_overlapped), in the weights-scaled GEMMs (PromoteBlockScale; in wgrad
+ * ptxas serialized its wgmmas). */
 #ifndef MF_FP8_PROMOTE_OVERLAP
 #define MF_FP8_PROMOTE_OVERLAP 0
 #endif
-template <int kAccRegs>
+template <int kAccRegs, int kBuffers>
 struct PromoteScales {
     static constexpr int kGroupsInFlight = 0;
-    static constexpr int kPartBuffers = MF_FP8_PROMOTE_OVERLAP ? 2 : 1;
+    static constexpr int kPartBuffers = kBuffers;
     static constexpr int kPartRegs = (kAccRegs < 64 ? kAccRegs : 64) / kPartBuffers;
     static constexpr int kParts = kAccRegs / kPartRegs;
     float part[kPartBuffers][kPartRegs];
@@ -161,8 +162,8 @@ struct PromoteScales {
  * weight block each: gemm1's gate and up halves lie in two, as do a 256-wide tile's), loaded
  * from global memory one K block ahead. */
 template <int kAccRegs>
-struct PromoteBlockScale : PromoteScales<kAccRegs> {
-    using Base = PromoteScales<kAccRegs>;
+struct PromoteBlockScale : PromoteScales<kAccRegs, MF_FP8_PROMOTE_OVERLAP ? 2 : 1> {
+    using Base = PromoteScales<kAccRegs, MF_FP8_PROMOTE_OVERLAP ? 2 : 1>;
     const float *b_left, *b_right;   /* [num_k_blocks]: B's scales of the two column halves */
     int num_k_blocks;
     float left, right, next_left, next_right;
@@ -195,8 +196,8 @@ struct PromoteBlockScale : PromoteScales<kAccRegs> {
 /* Per-row scales of both operands (Fp8E4m3TokenScaled): B's column scales from the slot,
  * after A's 128. */
 template <int kAccRegs>
-struct PromoteRowScales : PromoteScales<kAccRegs> {
-    using Base = PromoteScales<kAccRegs>;
+struct PromoteRowScales : PromoteScales<kAccRegs, 1> {
+    using Base = PromoteScales<kAccRegs, 1>;
     template <class Acc>
     __device__ __forceinline__ void promote(Acc &acc, const uint8_t *slot, int, int piece) {
         const float2 sa = Base::row_scales(slot);

@@ -294,10 +294,11 @@ template <class Cfg, class Scale>
 __device__ __forceinline__ void k_loop(const Ring<Cfg> &ring, RingPos<Cfg> &pos,
                                        float (&acc)[Cfg::kAccRegs], int num_k_blocks,
                                        Scale &scale) {
-    if constexpr (Scale::kGroupsInFlight == 0 && MF_FP8_PROMOTE_OVERLAP) {
-        k_loop_promoted_overlapped<Cfg>(ring, pos, acc, num_k_blocks, scale);
-    } else if constexpr (Scale::kGroupsInFlight == 0) {
-        k_loop_promoted<Cfg>(ring, pos, acc, num_k_blocks, scale);
+    if constexpr (Scale::kGroupsInFlight == 0) {
+        if constexpr (Scale::kPartBuffers == 2)
+            k_loop_promoted_overlapped<Cfg>(ring, pos, acc, num_k_blocks, scale);
+        else
+            k_loop_promoted<Cfg>(ring, pos, acc, num_k_blocks, scale);
     } else {
         int prev_stage = 0;
         for (int kb = 0; kb < num_k_blocks; ++kb) {
