@@ -8,7 +8,7 @@
 #                                the kernels' tests, FP8, EP (FP8 with a comm included),
 #                                EP memory, the output hashes packed = halves, the Python
 #                                GPU tests
-#   tools/gpu_checks.sh kernels  build; the GEMMs' and quantizers' tests, the bf16 backward
+#   tools/gpu_checks.sh kernels  build; the kernels' own tests, the bf16 backward
 #                                and FP8 API suites (a default kernel change's quick check)
 #   tools/gpu_checks.sh suites   the CUDA API suites staged and fused (W13 halves among
 #                                them), the long EP iterations
@@ -80,11 +80,15 @@ step() { # name, log file, command...
     return $rc
 }
 
-verify() {
+kernel_tests() {   # the kernels' own tests
     step test_gemm_sm90 test_gemm_fwd.log build/tests/kernels/test_gemm_sm90
     step test_gemm_sm90_bwd test_gemm_bwd.log build/tests/kernels/test_gemm_sm90_bwd
     step test_dispatch_rows test_dispatch_rows.log build/tests/kernels/test_dispatch_rows
     step test_fp8_quant test_fp8_quant.log build/tests/kernels/test_fp8_quant
+}
+
+verify() {
+    kernel_tests
     step test_cuda_fp8 test_cuda_fp8.log build/tests/api/test_cuda_fp8
     for t in ep ep_failures ep_memory; do
         step test_cuda_$t test_cuda_$t.log build/tests/api/test_cuda_$t
@@ -100,11 +104,9 @@ verify() {
 }
 
 kernels() {
-    # the GEMMs' and quantizers' own tests and the two layer suites a kernel change
-    # touches first (bf16 backward, FP8): a default change's quick check (~150 s)
-    step test_gemm_sm90 test_gemm_fwd.log build/tests/kernels/test_gemm_sm90
-    step test_gemm_sm90_bwd test_gemm_bwd.log build/tests/kernels/test_gemm_sm90_bwd
-    step test_fp8_quant test_fp8_quant.log build/tests/kernels/test_fp8_quant
+    # the kernels' own tests and the two layer suites a kernel change touches first
+    # (bf16 backward, FP8): a default change's quick check (~150 s)
+    kernel_tests
     step test_cuda_backward test_cuda_backward.log build/tests/api/test_cuda_backward
     step test_cuda_fp8 test_cuda_fp8.log build/tests/api/test_cuda_fp8
 }
