@@ -20,7 +20,8 @@
  *   BlockScale               bf16's per-K-block hook (NoBlockScale: nothing to do)
  * A scaled precision's kernels get their hook from the Load per tile
  * (load.block_scale(m_block, n_block, k_blocks)): PromoteBlockScale (weights) or
- * PromoteRowScales (weight gradients), run by mainloop.cuh's k_loop_promoted.
+ * PromoteRowScales (weight gradients), run by mainloop.cuh's k_loop_promoted (or
+ * k_loop_promoted_overlapped, MF_FP8_PROMOTE_OVERLAP).
  * MXFP8 (sm_100, 1x32 UE8M0 scales) would have its own mainloop behind the same ops table;
  * of these traits it would share the element and tensor-map entries. */
 #pragma once
@@ -129,8 +130,7 @@ struct Fp8E4m3TokenScaled : Fp8E4m3 {
  * MF_FP8_PROMOTE_OVERLAP=1 (make NVCC_EXTRA=..., an experiment until it has run on a GPU):
  * pieces of 64 columns in two part buffers of 32 registers (the same 64), so that a
  * piece's wgmmas run while the one before is promoted (mainloop.cuh,
- * k_loop_promoted_overlapped), in the weights-scaled GEMMs (PromoteBlockScale; in wgrad
- * ptxas serialized its wgmmas). */
+ * k_loop_promoted_overlapped). */
 #ifndef MF_FP8_PROMOTE_OVERLAP
 #define MF_FP8_PROMOTE_OVERLAP 0
 #endif
@@ -196,8 +196,14 @@ struct PromoteBlockScale : PromoteScales<kAccRegs, MF_FP8_PROMOTE_OVERLAP ? 2 : 
 /* Per-row scales of both operands (Fp8E4m3TokenScaled): B's column scales from the slot,
  * after A's 128. */
 template <int kAccRegs>
-struct PromoteRowScales : PromoteScales<kAccRegs, 1> {
-    using Base = PromoteScales<kAccRegs, 1>;
+struct PromoteRowScales : PromoteScales<kAccRegs, MF_FP8_PROMOTE_OVERLAP ? 2 : 1> {
+    using Base = PromoteScales<kAccRegs, MF_FP8_PROMOTE_OVERLAP ? 2 : 1>;
+#if MF_FP8_PROMOTE_OVERLAP
+    /* Not an aggregate: the Load's `return {}` would zero the part buffers, and with those
+     * zeros carried into the K loop ptxas serialized the overlapped wgmmas (C7518). Each
+     * job's first wgmma overwrites its part (scale-d 0), so nothing reads them unset. */
+    __device__ __forceinline__ PromoteRowScales() {}
+#endif
     template <class Acc>
     __device__ __forceinline__ void promote(Acc &acc, const uint8_t *slot, int, int piece) {
         const float2 sa = Base::row_scales(slot);

@@ -234,6 +234,7 @@ __device__ __forceinline__ void k_loop_promoted_overlapped(const Ring<Cfg> &ring
     static_assert(!Cfg::kAMnMajor && !Cfg::kBMnMajor, "promoted K loops take K-major operands");
     static_assert(Scale::kPartBuffers == 2 && kParts % 2 == 0 && kPieceN / 2 == Scale::kPartRegs,
                   "pieces of one m64 wgmma, alternating between two part buffers");
+    static_assert(Cfg::kStages >= 2, "the next block's stage is waited for before this one's release");
     const int wg = threadIdx.x / 128;
 #pragma unroll
     for (int i = 0; i < Cfg::kAccRegs; ++i) acc[i] = 0.f;   /* the promotions add to it */

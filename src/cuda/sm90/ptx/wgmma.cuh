@@ -73,7 +73,7 @@ __device__ __forceinline__ void wgmma_wait() {
  * ("wgmma.mma_async.sync.aligned.m64nNkK.f32.<a>.<b>"), TAIL what follows the scale-d
  * predicate (the scale immediates, and for 16-bit types the transpose immediates, with
  * their "n" operands after the asm's (d, desc_a, desc_b, scale_d)). scale_d = 0
- * overwrites D. A precision's wrappers below are these two macros and its OP strings. */
+ * overwrites D. A precision's wrappers below are these macros and its OP strings. */
 #define MF_WGMMA_M64N64_SS(OP, TAIL, ...)                                                  \
     asm volatile("{\n\t.reg .pred p;\n\t"                                                 \
                  "setp.ne.b32 p, %34, 0;\n\t" OP " "                                        \
@@ -165,27 +165,6 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const u
                  ", {%64, %65, %66, %67}, %68, p, 1, 1;\n\t}"
                  : MF_WGMMA_D64_OPERANDS
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-}
-
-__device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs(float (&d)[32], const uint32_t (&a)[4],
-                                                       uint64_t desc_b, int scale_d) {
-    asm volatile("{\n\t.reg .pred p;\n\t"
-                 "setp.ne.b32 p, %37, 0;\n\t"
-                 "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " MF_WGMMA_D32
-                 ", {%32, %33, %34, %35}, %36, p, 1, 1;\n\t}"
-                 : MF_WGMMA_D32_OPERANDS
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-}
-
-/* The RS form of the widths the promoted K loops use (N = 64 or 128). */
-template <int N>
-__device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[N / 2], const uint32_t (&a)[4],
-                                              uint64_t desc_b, int scale_d) {
-    static_assert(N == 64 || N == 128, "RS wrappers exist for N = 64 and 128");
-    if constexpr (N == 128)
-        wgmma_m64n128k32_e4m3_rs(d, a, desc_b, scale_d);
-    else
-        wgmma_m64n64k32_e4m3_rs(d, a, desc_b, scale_d);
 }
 
 /* This thread's part of A [64 x 32] (e4m3, K-major, the 128-byte swizzle of a TMA tile
