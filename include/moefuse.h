@@ -497,8 +497,7 @@ moefuse_status moefuse_quantize_weights(const moefuse_layer *layer, moefuse_dtyp
 
 /* moefuse_quantize_weights of W13 in two halves: w13 the gate half [E/R, I, H] and w13_up
  * the up half [E/R, I, H] (both of `dtype`, contiguous, aligned as W13), read where they
- * are; out gets
- * the codes and scales the packed W13 gets, byte for byte. */
+ * are; out gets the codes and scales the packed W13 gets, byte for byte. */
 moefuse_status moefuse_quantize_weights_halves(const moefuse_layer *layer, moefuse_dtype dtype,
                                                const void *w13, const void *w13_up,
                                                const void *w2, const moefuse_fp8_weights *out,
