@@ -35,19 +35,15 @@ __device__ __forceinline__ float block_amax(float m, float *red) {
     return m;
 }
 
-/* How a thread holds its 64 values of the block: kCols = 4 consecutive columns (16 bytes
- * of fp32, 8 of bf16) of kRows = 16 consecutive rows, kLanes threads to a row. (bf16 read
- * 16 bytes a load, 8 columns of 8 rows, was no faster: 1.125 against 1.109 ms on an H100,
+/* A thread's part of a block: kCols = 4 consecutive columns (16 bytes of fp32, 8 of
+ * bf16) of kRows = 16 consecutive rows, kLanes threads to a row. (bf16 read 16 bytes a
+ * load, 8 columns of 8 rows, was no faster: 1.125 against 1.109 ms on an H100,
  * docs/decisions/0023-fp8-quantizer-bandwidth.md.) */
-struct WeightsThread {
-    static constexpr int kCols = 4;
-    static constexpr int kRows = 128 * 128 / kWThreads / kCols;
-    static constexpr int kLanes = 128 / kCols;
-    static_assert(kRows % 4 == 0 && kWThreads / kLanes * kRows == 128,
-                  "the threads cover the block's 128 rows, in 4 x 4 byte transposes");
-};
+constexpr int kCols = 4, kRows = 128 * 128 / kWThreads / kCols, kLanes = 128 / kCols;
+static_assert(kRows == 16 && kWThreads / kLanes * kRows == 128,
+              "the threads cover the block's 128 rows, 16 rows (four 4 x 4 transposes) each");
 
-/* kCols consecutive weights as floats (aligned: the launcher's check). */
+/* 4 consecutive weights as floats (aligned: the launcher's check). */
 __device__ __forceinline__ void load_weights(const float *w, float (&v)[4]) {
     const float4 f = *reinterpret_cast<const float4 *>(w);
     v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
@@ -56,14 +52,6 @@ __device__ __forceinline__ void load_weights(const uint16_t *w, float (&v)[4]) {
     const uint2 b = *reinterpret_cast<const uint2 *>(w);
     v[0] = bf16_bits(b.x, 0), v[1] = bf16_bits(b.x, 1), v[2] = bf16_bits(b.y, 0),
     v[3] = bf16_bits(b.y, 1);
-}
-
-/* n codes (4 or 16: one or four words) to memory in one store. */
-__device__ __forceinline__ void store_codes(uint8_t *dst, const uint32_t *words, int n) {
-    if (n == 4)
-        *reinterpret_cast<uint32_t *>(dst) = words[0];
-    else
-        *reinterpret_cast<uint4 *>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
 }
 
 /* The 4 x 4 bytes of rows[0..3] (byte j of row i: column j) transposed: byte i of cols[j]
@@ -80,17 +68,15 @@ __device__ __forceinline__ void transpose4x4(const uint32_t (&rows)[4], uint32_t
 }
 
 /* A 128 x 128 block of W (bf16 or fp32) to W's codes and W^T's, and its scale, without
- * shared memory for the codes: thread t takes columns kCols (t % kLanes) .. of rows
- * kRows (t / kLanes) .. (WeightsThread) and keeps them in registers from the amax to the
- * codes (the block is read once), so each load of a warp is whole rows of the block, W's
- * codes go out as one word (or two) per row (a warp: 128 contiguous bytes per row) and
- * W^T's, transposed in registers, as one piece of kRows bytes per column. 2 CTAs an SM,
- * so that one's loads overlap the other's codes. */
+ * shared memory for the codes: thread t takes columns 4 (t % 32) .. + 3 of rows
+ * 16 (t / 32) .. + 15 and keeps them in registers from the amax to the codes (the block
+ * is read once), so each load of a warp is a whole row of the block (512 bytes of fp32,
+ * 256 of bf16), W's codes go out as one 4-byte word per row (a warp: 128 contiguous
+ * bytes) and W^T's, transposed in registers, as one 16-byte piece per column (16 rows of
+ * it). 2 CTAs an SM, so that one's loads overlap the other's codes. */
 template <class T>
 __global__ void __launch_bounds__(kWThreads, 2)
     fp8_quantize_weights_kernel(const mf_quantize_fp8_weights_params p, const T *w) {
-    using Th = WeightsThread;
-    constexpr int kCols = Th::kCols, kRows = Th::kRows;
     __shared__ float red[kWThreads / 32];
     /* this CTA's block: expert e, block row br and column bc; base, its first element in
      * the codes (W's layout); src, in w: the one array, or the half that holds its rows */
@@ -105,7 +91,7 @@ __global__ void __launch_bounds__(kWThreads, 2)
         src = ((int64_t)e * (p.rows - p.split_rows) + br * 128 - p.split_rows) * p.cols +
               bc * 128;
     }
-    const int col = kCols * (threadIdx.x % Th::kLanes), row0 = kRows * (threadIdx.x / Th::kLanes);
+    const int col = kCols * (threadIdx.x % kLanes), row0 = kRows * (threadIdx.x / kLanes);
     float v[kRows][kCols];
 #pragma unroll
     for (int k = 0; k < kRows; ++k)
@@ -117,34 +103,31 @@ __global__ void __launch_bounds__(kWThreads, 2)
         for (int j = 0; j < kCols; ++j) m = amax_fold(m, v[k][j]);
     m = block_amax(m, red);
     const float s = tile_scale(m, p.pow2), inv = __frcp_rn(s);
-    uint32_t words[kRows][kCols / 4];   /* row k's codes, column 4c + j in byte j of word c */
+    uint32_t words[kRows];   /* row k's 4 codes, column j in byte j */
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
+        float q[4];
 #pragma unroll
-        for (int c = 0; c < kCols / 4; ++c) {
-            float q[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) q[j] = quotient(v[k][4 * c + j], s, inv);
-            words[k][c] = encode4(q[0], q[1], q[2], q[3]);
-        }
-        store_codes(p.codes + base + (int64_t)(row0 + k) * p.cols + col, words[k], kCols);
+        for (int j = 0; j < 4; ++j) q[j] = quotient(v[k][j], s, inv);
+        words[k] = encode4(q[0], q[1], q[2], q[3]);
+        *reinterpret_cast<uint32_t *>(p.codes + base + (int64_t)(row0 + k) * p.cols + col) =
+            words[k];
     }
     uint32_t t[kCols][kRows / 4];   /* [column j][rows 4g .. 4g + 3] */
 #pragma unroll
-    for (int g = 0; g < kRows / 4; ++g)
+    for (int g = 0; g < kRows / 4; ++g) {
+        const uint32_t rows[4] = {words[4 * g], words[4 * g + 1], words[4 * g + 2],
+                                  words[4 * g + 3]};
+        uint32_t cols[4];
+        transpose4x4(rows, cols);
 #pragma unroll
-        for (int c = 0; c < kCols / 4; ++c) {
-            const uint32_t rows[4] = {words[4 * g][c], words[4 * g + 1][c], words[4 * g + 2][c],
-                                      words[4 * g + 3][c]};
-            uint32_t cols[4];
-            transpose4x4(rows, cols);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) t[4 * c + j][g] = cols[j];
-        }
+        for (int j = 0; j < 4; ++j) t[j][g] = cols[j];
+    }
     const int64_t base_t = (int64_t)e * p.rows * p.cols + (int64_t)bc * 128 * p.rows + br * 128;
 #pragma unroll
     for (int j = 0; j < kCols; ++j)
-        store_codes(p.codes_t + base_t + (int64_t)(col + j) * p.rows + row0, t[j], kRows);
+        *reinterpret_cast<uint4 *>(p.codes_t + base_t + (int64_t)(col + j) * p.rows + row0) =
+            make_uint4(t[j][0], t[j][1], t[j][2], t[j][3]);
     if (threadIdx.x == 0) {
         p.scale[((int64_t)e * nbr + br) * nbc + bc] = s;
         p.scale_t[((int64_t)e * nbc + bc) * nbr + br] = s;
@@ -163,7 +146,7 @@ extern "C" cudaError_t mf_quantize_fp8_weights(const mf_quantize_fp8_weights_par
     if (ctas > INT32_MAX) return cudaErrorInvalidValue;
     /* 16-byte loads of fp32 (of bf16 8-byte), 4-byte
      * codes, 16-byte codes^T (the API asks 16-byte aligned arrays on CUDA) */
-    const uintptr_t a = p->fp32 ? 16 : 2 * WeightsThread::kCols;
+    const uintptr_t a = p->fp32 ? 16 : 2 * kCols;
     if ((uintptr_t)p->w % a || (uintptr_t)p->w_hi % a || (uintptr_t)p->codes % 4 ||
         (uintptr_t)p->codes_t % 16)
         return cudaErrorMisalignedAddress;
