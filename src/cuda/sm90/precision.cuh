@@ -134,10 +134,10 @@ struct Fp8E4m3TokenScaled : Fp8E4m3 {
 #ifndef MF_FP8_PROMOTE_OVERLAP
 #define MF_FP8_PROMOTE_OVERLAP 0
 #endif
-template <int kAccRegs, int kBuffers>
+template <int kAccRegs>
 struct PromoteScales {
     static constexpr int kGroupsInFlight = 0;
-    static constexpr int kPartBuffers = kBuffers;
+    static constexpr int kPartBuffers = MF_FP8_PROMOTE_OVERLAP ? 2 : 1;
     static constexpr int kPartRegs = (kAccRegs < 64 ? kAccRegs : 64) / kPartBuffers;
     static constexpr int kParts = kAccRegs / kPartRegs;
     float part[kPartBuffers][kPartRegs];
@@ -162,8 +162,8 @@ struct PromoteScales {
  * weight block each: gemm1's gate and up halves lie in two, as do a 256-wide tile's), loaded
  * from global memory one K block ahead. */
 template <int kAccRegs>
-struct PromoteBlockScale : PromoteScales<kAccRegs, MF_FP8_PROMOTE_OVERLAP ? 2 : 1> {
-    using Base = PromoteScales<kAccRegs, MF_FP8_PROMOTE_OVERLAP ? 2 : 1>;
+struct PromoteBlockScale : PromoteScales<kAccRegs> {
+    using Base = PromoteScales<kAccRegs>;
     const float *b_left, *b_right;   /* [num_k_blocks]: B's scales of the two column halves */
     int num_k_blocks;
     float left, right, next_left, next_right;
@@ -196,8 +196,8 @@ struct PromoteBlockScale : PromoteScales<kAccRegs, MF_FP8_PROMOTE_OVERLAP ? 2 : 
 /* Per-row scales of both operands (Fp8E4m3TokenScaled): B's column scales from the slot,
  * after A's 128. */
 template <int kAccRegs>
-struct PromoteRowScales : PromoteScales<kAccRegs, MF_FP8_PROMOTE_OVERLAP ? 2 : 1> {
-    using Base = PromoteScales<kAccRegs, MF_FP8_PROMOTE_OVERLAP ? 2 : 1>;
+struct PromoteRowScales : PromoteScales<kAccRegs> {
+    using Base = PromoteScales<kAccRegs>;
 #if MF_FP8_PROMOTE_OVERLAP
     /* Not an aggregate: the Load's `return {}` would zero the part buffers, and with those
      * zeros carried into the K loop ptxas serialized the overlapped wgmmas (C7518). Each
