@@ -70,8 +70,9 @@ def main() -> None:
     parser.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument("--weights", choices=("bf16", "fp32"), default="bf16",
                         help="the weights' dtype: bf16 (their gradients written in bf16 by "
-                             "the store warps) or fp32 master weights (fp32 gradients, "
-                             "stored by the consumers)")
+                             "the store warps) or fp32 master weights (fp32 gradients: "
+                             "drained by the store warps in bf16 precision, stored by the "
+                             "consumers in FP8)")
     parser.add_argument("--saved", choices=("inputs", "activations", "recompute"),
                         default="inputs",
                         help="what the forward keeps: activations and the dispatched inputs "

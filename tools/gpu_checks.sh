@@ -142,8 +142,8 @@ deep() {
 
 bench() {
     # the rewritten bench/RESULTS.md comes back with the logs (copy it into the tree)
-    STEP_TIMEOUT=540 step bench bench.log tools/run_bench.sh
-    cp bench/RESULTS.md "$LOG_DIR/RESULTS.md"
+    STEP_TIMEOUT=540 step bench bench.log tools/run_bench.sh &&
+        cp bench/RESULTS.md "$LOG_DIR/RESULTS.md"
 }
 
 parity() {
