@@ -12,6 +12,7 @@
 #include "cuda_ep.h"
 #include "fixture_cuda.h"
 #include "harness.h"
+#include "internal.h"
 #include "moefuse.h"
 #ifdef MOEFUSE_HAVE_NCCL
 #include <nccl.h>
@@ -348,11 +349,7 @@ static int fetch_dw(float *dst, const void *src, const void *up, int64_t experts
     if (e == cudaSuccess && up)
         e = cudaMemcpy2D((char *)h + half, 2 * half, up, half, half, experts,
                          cudaMemcpyDeviceToHost);
-    if (e == cudaSuccess && bf16)
-        for (int64_t i = 0; i < experts * n; i++) {
-            const uint32_t u = (uint32_t)((const uint16_t *)h)[i] << 16;
-            memcpy(dst + i, &u, 4);
-        }
+    if (e == cudaSuccess && bf16) mf_bf16_to_float_n(h, dst, experts * n);
     if (bf16) free(h);
     CHECK(e == cudaSuccess, "rank %d: copy of %s: %s", r, what, cudaGetErrorString(e));
     return e == cudaSuccess;
