@@ -160,9 +160,8 @@ class _ExpertParallelFn(torch.autograd.Function):
         with layer.lock, _on_device(device):
             layer.backward(args, _stream(device))
         need = ctx.needs_input_grad
-        # w13_up is the eighth input only where it was passed (apply() without it
-        # leaves seven).
-        need_up = w13_up is not None and len(need) > 7 and need[7]
+        # w13_up is not None only where apply() got it as the eighth input
+        need_up = w13_up is not None and need[7]
         return (dx if need[0] else None, None, dp if need[2] else None,
                 dw13.to(w13.dtype) if need[3] else None, dw2.to(w2.dtype) if need[4] else None,
                 None, None, dw13_up.to(w13_up.dtype) if need_up else None)
