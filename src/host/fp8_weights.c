@@ -102,9 +102,7 @@ moefuse_status mf_check_fp8_weights(const moefuse_layer *layer, const moefuse_fp
                        "%s->pow2_scales = %d: expected %d (config.fp8_pow2_scales of this "
                        "layer; weights quantized with the other scale rule)", name,
                        w->pow2_scales, layer->cfg.fp8_pow2_scales);
-    /* TMA and 16-byte vectors on the GPU; natural alignment on the host */
-    const int cuda = layer->cfg.backend == MOEFUSE_BACKEND_CUDA;
-    const size_t a8 = cuda ? 16 : 1, a32 = cuda ? 16 : 4;
+    const size_t a8 = mf_array_align(layer, 1), a32 = mf_array_align(layer, 4);
     const struct { const void *p; const char *field; size_t align; } arrays[8] = {
         {w->w13, "w13", a8}, {w->w13_scale, "w13_scale", a32},
         {w->w13t, "w13t", a8}, {w->w13t_scale, "w13t_scale", a32},
@@ -143,9 +141,7 @@ static moefuse_status quantize_weights(const moefuse_layer *layer, moefuse_dtype
                        "dtype = %d: expected MOEFUSE_DTYPE_BF16 (0) or MOEFUSE_DTYPE_FP32 (1)",
                        (int)dtype);
     /* the GPU's quantizer reads 16-byte pieces; the host, values */
-    const size_t align = layer->cfg.backend == MOEFUSE_BACKEND_CUDA ? 16
-                         : dtype == MOEFUSE_DTYPE_BF16                ? 2
-                                                                      : 4;
+    const size_t align = mf_array_align(layer, dtype == MOEFUSE_DTYPE_BF16 ? 2 : 4);
     moefuse_status st = need_array(w13, fn, "w13", align);
     if (st == MOEFUSE_OK && w13_up) st = need_array(w13_up, fn, "w13_up", align);
     if (st == MOEFUSE_OK) st = need_array(w2, fn, "w2", align);

@@ -110,6 +110,12 @@ struct moefuse_layer {
     size_t pool_need[MF_POOL_COUNT]; /* with a comm: what this layer needs of its rank's pool */
 };
 
+/* The alignment an array of `natural`-byte elements needs: 16 bytes on the CUDA backend
+ * (TMA tiles and 16-byte vectors), its own on the host. */
+static inline size_t mf_array_align(const moefuse_layer *layer, size_t natural) {
+    return layer->cfg.backend == MOEFUSE_BACKEND_CUDA ? 16 : natural;
+}
+
 /* ---- expert parallelism: the comm (src/comm/comm.c) -------------------------------
  * Each rank owns "windows": buffers its peers write into (received rows, combine
  * slots, flags), and per-call scratch as large as its receive capacity. Both belong to

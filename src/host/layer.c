@@ -223,10 +223,9 @@ moefuse_status moefuse_layer_check(moefuse_layer *layer, void *stream) {
 
 /* ---- argument validation --------------------------------------------------------- */
 
-/* The CUDA kernels move 16-byte vectors and TMA tiles, so bf16 tensors and row
- * strides must be 16-byte aligned there; the CPU only needs natural alignment. */
+/* bf16 tensors and row strides: 16-byte aligned on the CUDA backend (mf_array_align). */
 static int bf16_align(const moefuse_layer *layer) {
-    return layer->cfg.backend == MOEFUSE_BACKEND_CUDA ? 16 : 2;
+    return (int)mf_array_align(layer, 2);
 }
 
 static moefuse_status need_ptr(const void *p, const char *name, size_t align) {
