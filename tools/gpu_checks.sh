@@ -270,10 +270,10 @@ install_titan() {
     fi
 }
 
-titan() {   # the step benchmark; the layers that fit the GPU (bench_torchtitan.py)
+titan() {   # the step benchmark; the layers that fit the GPU (bench_torchtitan.py) or TITAN_LAYERS
     install_titan
     STEP_TIMEOUT=480 step titan_30b titan_30b.log python3 bench/bench_torchtitan.py \
-        --model 30B-A3B --steps 30 --warmup 10 --fp8 --control \
+        --model 30B-A3B --steps 30 --warmup 10 --fp8 --control ${TITAN_LAYERS:+--layers $TITAN_LAYERS} \
         --plot "$LOG_DIR/torchtitan_30b_loss.png"
 }
 
