@@ -20,8 +20,7 @@
  *   BlockScale               bf16's per-K-block hook (NoBlockScale: nothing to do)
  * A scaled precision's kernels get their hook from the Load per tile
  * (load.block_scale(m_block, n_block, k_blocks)): PromoteBlockScale (weights) or
- * PromoteRowScales (weight gradients), run by mainloop.cuh's k_loop_promoted (or
- * k_loop_promoted_overlapped, MF_FP8_PROMOTE_OVERLAP).
+ * PromoteRowScales (weight gradients), run by mainloop.cuh's k_loop_promoted.
  * MXFP8 (sm_100, 1x32 UE8M0 scales) would have its own mainloop behind the same ops table;
  * of these traits it would share the element and tensor-map entries. */
 #pragma once
@@ -126,21 +125,15 @@ struct Fp8E4m3TokenScaled : Fp8E4m3 {
  * their tensor rate (ncu, H200).
  * Thread t of a consumer warpgroup holds rows 16 (t / 32) + (t % 32) / 4 and + 8 of the
  * warpgroup's 64: accumulator 4c + 2h + j is row half h, column 8c + 2 (t % 4) + j; piece
- * p's part register i is accumulator p * kPartRegs + i, in part buffer p % kPartBuffers.
- * MF_FP8_PROMOTE_OVERLAP=1 (make NVCC_EXTRA=..., an experiment until it has run on a GPU):
- * pieces of 64 columns in two part buffers of 32 registers (the same 64), so that a
- * piece's wgmmas run while the one before is promoted (mainloop.cuh,
- * k_loop_promoted_overlapped). */
-#ifndef MF_FP8_PROMOTE_OVERLAP
-#define MF_FP8_PROMOTE_OVERLAP 0
-#endif
+ * p's part register i is accumulator p * kPartRegs + i.
+ * NOTE: promoting one piece while the next one's wgmmas run (two part buffers of 64-column
+ * pieces) lost 14-20% (docs/decisions/0021-fp8-gpu-kernels.md). */
 template <int kAccRegs>
 struct PromoteScales {
     static constexpr int kGroupsInFlight = 0;
-    static constexpr int kPartBuffers = MF_FP8_PROMOTE_OVERLAP ? 2 : 1;
-    static constexpr int kPartRegs = (kAccRegs < 64 ? kAccRegs : 64) / kPartBuffers;
+    static constexpr int kPartRegs = kAccRegs < 64 ? kAccRegs : 64;
     static constexpr int kParts = kAccRegs / kPartRegs;
-    float part[kPartBuffers][kPartRegs];
+    float part[kPartRegs];
 
     /* This thread's two rows' scales of the K block in `slot`. */
     static __device__ __forceinline__ float2 row_scales(const uint8_t *slot) {
@@ -154,7 +147,7 @@ struct PromoteScales {
     template <class Acc>
     __device__ __forceinline__ void promote_one(Acc &acc, int piece, int i, float scale) const {
         float &a = acc[piece * kPartRegs + i];
-        a = fmaf(part[piece % kPartBuffers][i], scale, a);
+        a = fmaf(part[i], scale, a);
     }
 };
 
@@ -198,12 +191,6 @@ struct PromoteBlockScale : PromoteScales<kAccRegs> {
 template <int kAccRegs>
 struct PromoteRowScales : PromoteScales<kAccRegs> {
     using Base = PromoteScales<kAccRegs>;
-#if MF_FP8_PROMOTE_OVERLAP
-    /* Not an aggregate: the Load's `return {}` would zero the part buffers, and with those
-     * zeros carried into the K loop ptxas serialized the overlapped wgmmas (C7518). Each
-     * job's first wgmma overwrites its part (scale-d 0), so nothing reads them unset. */
-    __device__ __forceinline__ PromoteRowScales() {}
-#endif
     template <class Acc>
     __device__ __forceinline__ void promote(Acc &acc, const uint8_t *slot, int, int piece) {
         const float2 sa = Base::row_scales(slot);

@@ -183,21 +183,21 @@ __device__ __forceinline__ void k_loop_promoted(const Ring<Cfg> &ring, RingPos<C
         }
 #pragma unroll
         for (int piece = 0; piece < Scale::kParts; ++piece) {
-            ptx::wgmma_fence_operand(scale.part[0]);
+            ptx::wgmma_fence_operand(scale.part);
             ptx::wgmma_fence();
 #pragma unroll
             for (int k = 0; k < kSteps; ++k) {
                 const uint64_t b = db + ((piece * kPieceN * Cfg::kRowBytes) >> 4) +
                                    DescB::kStepK * k;
                 if constexpr (kAFromRegisters)
-                    ptx::wgmma_m64n128k32_e4m3_rs(scale.part[0], a_regs[k], b, k > 0 ? 1 : 0);
+                    ptx::wgmma_m64n128k32_e4m3_rs(scale.part, a_regs[k], b, k > 0 ? 1 : 0);
                 else
-                    P::template mma<kPieceN, 0, 0>(scale.part[0], da + DescA::kStepK * k, b,
+                    P::template mma<kPieceN, 0, 0>(scale.part, da + DescA::kStepK * k, b,
                                                    k > 0 ? 1 : 0);
             }
             ptx::wgmma_commit();
             ptx::wgmma_wait<0>();
-            ptx::wgmma_fence_operand(scale.part[0]);
+            ptx::wgmma_fence_operand(scale.part);
             if constexpr (kAFromRegisters)
 #pragma unroll
                 for (int k = 0; k < kSteps; ++k) ptx::wgmma_fence_a(a_regs[k]);
@@ -215,79 +215,6 @@ __device__ __forceinline__ void k_loop_promoted(const Ring<Cfg> &ring, RingPos<C
     }
 }
 
-/* The promoted K loop with two part buffers (MF_FP8_PROMOTE_OVERLAP, precision.cuh):
- * pieces of 64 columns, one job per (K block, piece) in turn; job j's wgmmas go into part
- * buffer j % 2, and job j + 1 is issued before job j is waited for (wgmma_wait<1>) and
- * promoted, so that the tensor cores have this warpgroup's next piece while it promotes,
- * across K blocks too. Both operands from shared memory: each piece reads its A slice
- * again (ncu: gemm1's memory units at 56% of their peak, shared memory included). */
-template <class Cfg, class Scale>
-__device__ __forceinline__ void k_loop_promoted_overlapped(const Ring<Cfg> &ring,
-                                                           RingPos<Cfg> &pos,
-                                                           float (&acc)[Cfg::kAccRegs],
-                                                           int num_k_blocks, Scale &scale) {
-    using P = typename Cfg::Precision;
-    using Desc = OperandDesc<P, false, Cfg::kMnBoxBytes>;
-    constexpr int kParts = Scale::kParts;
-    constexpr int kPieceN = Cfg::BN / kParts;
-    constexpr int kSteps = Cfg::kBlockK / P::kInstrK;
-    static_assert(!Cfg::kAMnMajor && !Cfg::kBMnMajor, "promoted K loops take K-major operands");
-    static_assert(Scale::kPartBuffers == 2 && kParts % 2 == 0 && kPieceN / 2 == Scale::kPartRegs,
-                  "pieces of one m64 wgmma, alternating between two part buffers");
-    static_assert(Cfg::kStages >= 2, "the next block's stage is waited for before this one's release");
-    const int wg = threadIdx.x / 128;
-#pragma unroll
-    for (int i = 0; i < Cfg::kAccRegs; ++i) acc[i] = 0.f;   /* the promotions add to it */
-    if (num_k_blocks == 0) return;
-
-    /* piece `piece` of the K block at `stage` into part buffer piece % 2 (piece a
-     * constant once the callers' loops are unrolled) */
-    auto issue = [&](int stage, int piece) {
-        float(&part)[Scale::kPartRegs] = scale.part[piece % 2];
-        const uint64_t da = Desc::make(ring.a(stage) + wg * Cfg::kAWarpgroupBytes);
-        const uint64_t db = Desc::make(ring.b(stage)) + ((piece * kPieceN * Cfg::kRowBytes) >> 4);
-        ptx::wgmma_fence_operand(part);
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < kSteps; ++k)
-            P::template mma<kPieceN, 0, 0>(part, da + Desc::kStepK * k, db + Desc::kStepK * k,
-                                           k > 0 ? 1 : 0);
-        ptx::wgmma_commit();
-    };
-    /* block kb's pieces, each promoted while the next runs; the next block's first piece
-     * is issued before the last one's promotion (kHasNext: every block but the last,
-     * peeled so that no wgmma sits in a branch of its own, which ptxas serializes) */
-    auto block = [&](int kb, auto has_next) {
-        constexpr bool kHasNext = decltype(has_next)::value;
-        RingPos<Cfg> next = pos;
-        next.advance();
-#pragma unroll
-        for (int piece = 0; piece < kParts; ++piece) {
-            if (piece + 1 < kParts) {
-                issue(pos.stage, piece + 1);
-            } else if constexpr (kHasNext) {
-                ptx::mbar_wait(&ring.full[next.stage], next.phase);
-                issue(next.stage, 0);
-            }
-            if (piece + 1 < kParts || kHasNext)
-                ptx::wgmma_wait<1>();
-            else
-                ptx::wgmma_wait<0>();
-            ptx::wgmma_fence_operand(scale.part[piece % 2]);
-            scale.promote(acc, ring.a_scales(pos.stage), kb, piece);
-        }
-        /* as in k_loop_promoted: the promotions' generic loads of the scales before the
-         * producer's next TMA into the slot (docs/decisions/0028-fp8-stage-scale-fence) */
-        ptx::fence_proxy_async_smem();
-        if (threadIdx.x % 32 == 0) ptx::mbar_arrive(&ring.empty[pos.stage]);
-        pos = next;
-    };
-    ptx::mbar_wait(&ring.full[pos.stage], pos.phase);
-    issue(pos.stage, 0);
-    for (int kb = 0; kb + 1 < num_k_blocks; ++kb) block(kb, std::true_type{});
-    block(num_k_blocks - 1, std::false_type{});
-}
-
 /* A tile's whole K loop from ring position pos (advanced past it) into acc, with the
  * precision's per-K-block scale hook (a scaled precision's kernel passes its own, which
  * loaded the tile's B scales first). */
@@ -296,10 +223,7 @@ __device__ __forceinline__ void k_loop(const Ring<Cfg> &ring, RingPos<Cfg> &pos,
                                        float (&acc)[Cfg::kAccRegs], int num_k_blocks,
                                        Scale &scale) {
     if constexpr (Scale::kGroupsInFlight == 0) {
-        if constexpr (Scale::kPartBuffers == 2)
-            k_loop_promoted_overlapped<Cfg>(ring, pos, acc, num_k_blocks, scale);
-        else
-            k_loop_promoted<Cfg>(ring, pos, acc, num_k_blocks, scale);
+        k_loop_promoted<Cfg>(ring, pos, acc, num_k_blocks, scale);
     } else {
         int prev_stage = 0;
         for (int kb = 0; kb < num_k_blocks; ++kb) {
