@@ -74,10 +74,11 @@ def main() -> None:
                              "drained by the store warps in bf16 precision, stored by the "
                              "consumers in FP8)")
     parser.add_argument("--saved", choices=("inputs", "activations", "recompute"),
-                        default="inputs",
+                        default=None,
                         help="what the forward keeps: activations and the dispatched inputs "
-                             "(the op's default, save_inputs=True), activations only (FP8: "
-                             "then the dispatch quantizes x), or nothing (recompute)")
+                             "(save_inputs=True), activations only (FP8: then the dispatch "
+                             "quantizes x), or nothing (recompute); by default the op's "
+                             "choice for the precision (inputs for bf16, activations for fp8)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("SKIP profile_step: no CUDA device (torch.cuda.is_available() is False)")
@@ -94,7 +95,8 @@ def main() -> None:
     def fwd_bwd(i: int) -> None:
         x, ids, p, dy = inputs[i % NUM_INPUT_SETS]
         y = moefuse.experts(x, ids, p, w13, w2, precision=args.precision,
-                            save_inputs=args.saved == "inputs",
+                            save_inputs=None if args.saved is None
+                            else args.saved == "inputs",
                             recompute=args.saved == "recompute")
         torch.autograd.grad(y, (x, p, w13, w2), dy)
 
@@ -102,8 +104,8 @@ def main() -> None:
         fwd_bwd(i)
     torch.cuda.synchronize()
     print(f"# {torch.cuda.get_device_name()}; {args.model}, T = {args.tokens}, "
-          f"{args.precision}, {args.weights} weights, saved {args.saved}, {args.calls} calls "
-          f"per profile")
+          f"{args.precision}, {args.weights} weights, saved {args.saved or 'the default'}, "
+          f"{args.calls} calls per profile")
     time.sleep(2.0)
     profile_calls(fwd_bwd, "cool (after 2 s idle)", args.calls)
     t0, i = time.monotonic(), 0

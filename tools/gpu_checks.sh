@@ -166,10 +166,10 @@ fp8_diag() {
     for model in qwen3-30b-a3b qwen3-235b-a22b; do
         STEP_TIMEOUT=90 step profile_fp8_$model profile_fp8_$model.log python3 \
             bench/profile_step.py --model $model --precision fp8 --sustain-s 2
-        # without the saved inputs the dispatch quantizes x (decision 0026): which is faster
-        STEP_TIMEOUT=90 step profile_fp8_activations_$model profile_fp8_activations_$model.log \
+        # FP8's default saves no inputs (its dispatch quantizes x, decision 0026); with them
+        STEP_TIMEOUT=90 step profile_fp8_inputs_$model profile_fp8_inputs_$model.log \
             python3 bench/profile_step.py --model $model --precision fp8 --sustain-s 2 \
-            --saved activations
+            --saved inputs
     done
 }
 
@@ -207,7 +207,7 @@ opt_in_ab() {
 }
 
 saved_modes() {
-    # the Python default saves the inputs (decision 0012: 2.4% faster in bf16); an FP8
+    # the Python default saves the inputs in bf16 and not in FP8 (decision 0012): an FP8
     # forward that saves them dispatches bf16 rows and quantizes them again (0026)
     local precision saved
     for precision in bf16 fp8; do

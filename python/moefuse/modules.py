@@ -58,9 +58,9 @@ class MoEExperts(nn.Module):
                       ([out, in] as nn.Linear).
         down_proj:    W2 [E, H, I].
     Both bf16 by default; fp32 works too (master weights: cast to bf16 per call,
-    gradients stay fp32). recompute and save_inputs choose what a forward keeps for its
-    backward, and precision ("bf16" or "fp8") and fp8_pow2_scales the GEMMs' operands,
-    as moefuse.experts() documents (with "fp8" the weights are quantized once per
+    gradients stay fp32). recompute and save_inputs (None: by the precision) choose what a
+    forward keeps for its backward, and precision ("bf16" or "fp8") and fp8_pow2_scales
+    the GEMMs' operands, as moefuse.experts() documents (with "fp8" the weights are quantized once per
     optimizer step; the gradients stay those of the real weights).
 
     forward(x [T, H], ids [T, K], p [T, K]) -> y [T, H]:
@@ -70,7 +70,8 @@ class MoEExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
-                 recompute: bool = False, save_inputs: bool = True, precision: str = "bf16",
+                 recompute: bool = False, save_inputs: Optional[bool] = None,
+                 precision: str = "bf16",
                  fp8_pow2_scales: bool = False,
                  device: Optional[Union[torch.device, str]] = None,
                  dtype: torch.dtype = _BF16):
@@ -154,7 +155,8 @@ class MoefuseQwen3MoeBlock(nn.Module):
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int,
                  num_experts_per_tok: int, norm_topk_prob: bool = True, *,
                  router: str = "torch", return_router_logits: bool = False,
-                 recompute: bool = False, save_inputs: bool = True, precision: str = "bf16",
+                 recompute: bool = False, save_inputs: Optional[bool] = None,
+                 precision: str = "bf16",
                  fp8_pow2_scales: bool = False,
                  device: Optional[Union[torch.device, str]] = None,
                  dtype: torch.dtype = _BF16):

@@ -2,7 +2,7 @@
 
 Public functions (differentiable, torch.compile(fullgraph=True) friendly):
 
-    experts(x, ids, p, w13, w2, recompute=False, save_inputs=True, precision="bf16",
+    experts(x, ids, p, w13, w2, recompute=False, save_inputs=None, precision="bf16",
             fp8_pow2_scales=False) -> y
         x    [T, H]      bf16
         ids  [T, K]      int32 (int64 is converted: it is what torch.topk returns);
@@ -190,22 +190,31 @@ def backward_unsupported_reason(device) -> Optional[str]:
     return None
 
 
-def saved_mode_for(recompute: bool, save_inputs: bool) -> _lib.SavedMode:
-    """The layer's moefuse_saved_mode for experts()'s two switches."""
+def saved_mode_for(recompute: bool, save_inputs: Optional[bool],
+                   precision: int = int(_lib.Precision.BF16)) -> _lib.SavedMode:
+    """The layer's moefuse_saved_mode for experts()'s two switches. save_inputs None: the
+    faster for the precision (docs/decisions/0012-saved-state.md): bf16 keeps the
+    dispatched x rows, FP8 does not (its dispatch then writes x's codes, not bf16 rows)."""
     if recompute:
         return _lib.SavedMode.RECOMPUTE
+    if save_inputs is None:
+        save_inputs = precision == _lib.Precision.BF16
     return (_lib.SavedMode.SAVE_ACTIVATIONS_AND_INPUTS if save_inputs
             else _lib.SavedMode.SAVE_ACTIVATIONS)
 
 
 def saved_bytes(num_tokens: int, hidden: int, intermediate: int, num_experts: int,
                 top_k: int, device: torch.device | str = "cpu",
-                recompute: bool = False, save_inputs: bool = True) -> int:
-    """Bytes the forward keeps for the backward for T tokens (moefuse_saved_bytes)."""
+                recompute: bool = False, save_inputs: Optional[bool] = None,
+                precision: str = "bf16") -> int:
+    """Bytes the forward keeps for the backward for T tokens (moefuse_saved_bytes), with
+    experts()'s switches."""
+    precision_id, _ = _fp8.resolve_precision(precision, False, "moefuse.saved_bytes")
     if num_tokens == 0:
         return 0
     layer = layer_cache.get(hidden, intermediate, num_experts, top_k, num_tokens,
-                            torch.device(device), saved_mode_for(recompute, save_inputs))
+                            torch.device(device),
+                            saved_mode_for(recompute, save_inputs, precision_id), precision_id)
     return layer.saved_bytes(num_tokens)
 
 
@@ -346,7 +355,7 @@ _experts_fwd.register_autograd(_experts_backward, setup_context=_experts_setup_c
 
 
 def experts(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch.Tensor,
-            w2: torch.Tensor, recompute: bool = False, save_inputs: bool = True,
+            w2: torch.Tensor, recompute: bool = False, save_inputs: Optional[bool] = None,
             precision: str = "bf16", fp8_pow2_scales: bool = False) -> torch.Tensor:
     """The routed experts: y_t = sum_k p[t,k] * W2_e silu-glu(W13_e x_t), e = ids[t,k].
 
@@ -366,7 +375,9 @@ def experts(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch.Tens
         save_inputs: without recompute, also keep the forward's expert-sorted copies of
              x (K * H * 2 bytes more per token), so the backward does not gather x
              again (CUDA; the CPU backend ignores it). Even so, fewer bytes than autograd
-             through torch._grouped_mm keeps. Same results either way.
+             through torch._grouped_mm keeps. Same results either way. None (the
+             default): the faster for the precision, True for bf16 and False for fp8
+             (whose forward dispatch then writes x's FP8 codes instead of bf16 rows).
         precision: "bf16" (default) or "fp8": block-scaled e4m3 GEMM operands, the
              weights quantized once per optimizer step (_fp8.py); on the CPU and on an
              sm_90 GPU.
@@ -386,7 +397,8 @@ def experts(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, w13: torch.Tens
     need_saved = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, p, w13, w2, w13_up))
     y, _ = torch.ops.moefuse.experts_fwd(x, ids, p, w13, w2, need_saved,
-                                         int(saved_mode_for(recompute, save_inputs)),
+                                         int(saved_mode_for(recompute, save_inputs,
+                                                            precision_id)),
                                          precision_id, fp8_pow2_scales, w13_up)
     return y
 

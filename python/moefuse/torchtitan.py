@@ -125,7 +125,7 @@ def _plain(w: torch.Tensor, what: str) -> torch.Tensor:
 
 def routed_experts(x: torch.Tensor, top_scores: torch.Tensor, ids: torch.Tensor,
                    w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, *,
-                   recompute: bool = False, save_inputs: bool = True,
+                   recompute: bool = False, save_inputs: Optional[bool] = None,
                    precision: str = "bf16") -> torch.Tensor:
     """TorchTitan's routed experts with score_before_experts=False, by moefuse:
 
@@ -159,7 +159,7 @@ class MoefuseMoE(_tt_moe.MoE):
     instance (its class is swapped in place); same parameters, buffers and children."""
 
     moefuse_recompute: bool = False
-    moefuse_save_inputs: bool = True
+    moefuse_save_inputs: Optional[bool] = None
     moefuse_precision: str = "bf16"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -343,7 +343,7 @@ def _check_swappable(name: str, module: nn.Module) -> None:
                          "[E, F, D] and w2 [E, D, F]")
 
 
-def apply(model: nn.Module, *, recompute: bool = False, save_inputs: bool = True,
+def apply(model: nn.Module, *, recompute: bool = False, save_inputs: Optional[bool] = None,
           precision: str = "bf16",
           expert_parallel: Optional[ExpertParallelPlan] = None) -> list[str]:
     """Makes moefuse compute the routed experts of every TorchTitan MoE in `model`, in

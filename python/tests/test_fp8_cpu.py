@@ -227,6 +227,34 @@ def test_modules_take_the_option():
     assert not torch.equal(bf16(x), want)
 
 
+def test_saved_inputs_default_follows_the_precision(monkeypatch):
+    """save_inputs=None (every default) keeps the dispatched x rows in bf16 and not in FP8
+    (docs/decisions/0012-saved-state.md); an explicit choice and recompute win."""
+    both, acts = _lib.SavedMode.SAVE_ACTIVATIONS_AND_INPUTS, _lib.SavedMode.SAVE_ACTIVATIONS
+    fp8 = int(_lib.Precision.FP8_BLOCK)
+    assert ops.saved_mode_for(False, None) == both
+    assert ops.saved_mode_for(False, None, fp8) == acts
+    assert ops.saved_mode_for(False, True, fp8) == both
+    assert ops.saved_mode_for(False, False) == acts
+    assert ops.saved_mode_for(True, None, fp8) == _lib.SavedMode.RECOMPUTE
+    modes = []
+    get = ops.layer_cache.get
+
+    def spy(*args, **kwargs):
+        modes.append(_lib.SavedMode(args[6]))
+        return get(*args, **kwargs)
+
+    monkeypatch.setattr(ops.layer_cache, "get", spy)
+    x, ids, p, _ = micro_batch(16)
+    for precision, want in (("fp8", acts), ("bf16", both)):
+        torch.manual_seed(16)
+        block = moefuse.MoefuseQwen3MoeBlock(128, 64, 8, 2, precision=precision)
+        assert block.experts.save_inputs is None
+        modes.clear()
+        block(x.clone().requires_grad_()).float().sum().backward()
+        assert modes and set(modes) == {want}, (precision, modes)
+
+
 def test_from_transformers_takes_the_option():
     transformers = pytest.importorskip("transformers")
     from transformers.models.qwen3_moe import modeling_qwen3_moe

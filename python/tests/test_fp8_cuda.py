@@ -134,6 +134,17 @@ def test_fp32_master_weights_get_fp32_gradients(quantize_calls):
                             acc=acc_wgmma_fp8_rms)
 
 
+def test_fp8_saves_no_input_rows_by_default():
+    """FP8's default keeps [g; u] only (its dispatch writes x's codes), bf16's the
+    dispatched x rows too (docs/decisions/0012-saved-state.md)."""
+    shape = (4096, 2048, 768, 128, 8)
+    fp8 = moefuse.saved_bytes(*shape, DEV, precision="fp8")
+    assert fp8 == moefuse.saved_bytes(*shape, DEV, save_inputs=False, precision="fp8")
+    assert fp8 < moefuse.saved_bytes(*shape, DEV, save_inputs=True, precision="fp8")
+    bf16 = moefuse.saved_bytes(*shape, DEV)
+    assert bf16 == moefuse.saved_bytes(*shape, DEV, save_inputs=True)
+
+
 def test_two_runs_and_the_saved_modes_are_bitwise_equal():
     """Fresh weight copies each run (quantized each time); qwen3-30b-a3b's H and I."""
     problem = random_problem(2048, 2048, 768, 16, 8, seed=23)
