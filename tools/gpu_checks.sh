@@ -41,6 +41,10 @@
 #   tools/gpu_checks.sh ncu_fp8  ncu's speed-of-light, memory, warp-state and scheduler
 #                                sections of one launch of each FP8 GEMM and quantizer
 #                                (NCU_KERNELS, NCU_LIBS="build build/opt" after opt_in_ab)
+#   tools/gpu_checks.sh ncu_stalls  where each warp stalls, per SASS instruction: ncu's full
+#                                set with the source page of one launch of each NCU_KERNELS
+#                                kernel (default wgrad_grouped, gemm2_dgrad_swiglu), read by
+#                                tools/ncu_stalls.py (NCU_LIBS as for ncu_fp8)
 #   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
 #                                each GEMM in turn, beside bf16 (three runs of 3 models)
 #   tools/gpu_checks.sh step     bench_train_step.py, 12 layers (6 on an 80 GB card), both
@@ -237,6 +241,28 @@ ncu_fp8() {
     done
 }
 
+ncu_stalls() {
+    # the stall samples per instruction of one launch (the third) of each kernel in
+    # qwen3-30b-a3b's FP8 forward + backward at T = 16384, summed by tools/ncu_stalls.py;
+    # the report and its source page are dropped once read (tens of MB)
+    local k lib name
+    for lib in ${NCU_LIBS:-build}; do
+        for k in ${NCU_KERNELS:-wgrad_grouped gemm2_dgrad_swiglu}; do
+            name="${k}_${lib//\//_}"
+            STEP_TIMEOUT=300 step "ncu_full_$name" "ncu_full_$name.log" \
+                env MOEFUSE_LIB="$PWD/$lib/libmoefuse.so" ncu --set full --import-source yes \
+                --kernel-name "regex:$k" --launch-skip 2 --launch-count 1 -f \
+                -o "/tmp/stalls_$name" python3 tools/fp8_layer_check.py repeat 16384:3 \
+                --shape qwen3-30b-a3b &&
+                ncu -i "/tmp/stalls_$name.ncu-rep" --page source --csv --print-source sass \
+                    > "/tmp/stalls_$name.csv" &&
+                step "stalls_$name" "stalls_$name.txt" python3 tools/ncu_stalls.py \
+                    "/tmp/stalls_$name.csv"
+            rm -f "/tmp/stalls_$name.ncu-rep" "/tmp/stalls_$name.csv"
+        done
+    done
+}
+
 ablation() {
     # three runs of three models (bf16 and two emulated ones: 13 GB of fp32 weights, grads
     # and AdamW state each, with activations, fit an 80 GB card), each under its own budget
@@ -296,9 +322,9 @@ phases=("$@")
 for p in "${phases[@]}"; do
     case "$p" in
     verify | kernels | suites | deep | bench | parity | fp8_diag | opt_in_ab | saved_modes | ncu_fp8 \
-        | ablation | step | titan | titan_235b | titan_loss) ;;
+        | ncu_stalls | ablation | step | titan | titan_235b | titan_loss) ;;
     *) echo "tools/gpu_checks.sh: unknown phase '$p' (verify, kernels, suites, deep, bench, parity," \
-            "fp8_diag, opt_in_ab, saved_modes, ncu_fp8, ablation, step, titan, titan_235b," \
+            "fp8_diag, opt_in_ab, saved_modes, ncu_fp8, ncu_stalls, ablation, step, titan, titan_235b," \
             "titan_loss)" >&2
        exit 2 ;;
     esac
