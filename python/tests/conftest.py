@@ -24,19 +24,10 @@ def library():
 
 @pytest.fixture
 def quantize_calls(monkeypatch):
-    """Counts moefuse_quantize_weights calls (the fp8_pow2_scales of each); starts from an
-    empty cache of FP8 weights."""
-    from moefuse import ops
-    ops.layer_cache.fp8.clear()
-    calls = []
-    quantize = _lib.Layer.quantize_weights
-
-    def counting(self, *args, **kwargs):
-        calls.append(self.cfg.fp8_pow2_scales)
-        return quantize(self, *args, **kwargs)
-
-    monkeypatch.setattr(_lib.Layer, "quantize_weights", counting)
-    return calls
+    """The weight quantizations through the library (fp8_reference.WeightQuantization:
+    each one's fp8_pow2_scales and halves), from an empty cache of FP8 weights."""
+    from fp8_reference import spy_weight_quantizations
+    return spy_weight_quantizations(monkeypatch)
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ it (th_acc_wgmma_fp8_rms).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.utils.checkpoint
@@ -173,21 +174,28 @@ def assert_checkpoint_equals_plain(module, x, ids, p, dy) -> None:
         assert torch.equal(plain, recomputed)
 
 
-def spy_weight_quantizations(monkeypatch) -> list:
-    """The FP8 weight cache emptied, and a list that then gets, for each weight
-    quantization through the library, whether W13 came as halves (w13_up set)."""
+class WeightQuantization(NamedTuple):
+    """One weight quantization through the library, as spy_weight_quantizations sees it."""
+    pow2: bool     # the layer's fp8_pow2_scales
+    halves: bool   # W13 came as halves (w13_up set)
+
+
+def spy_weight_quantizations(monkeypatch) -> list[WeightQuantization]:
+    """The FP8 weight cache emptied, and a list that then gets a WeightQuantization for
+    each weight quantization through the library (Layer.quantize_weights)."""
     from moefuse import _lib, ops
 
-    halves_read = []
+    seen = []
     quantize = _lib.Layer.quantize_weights
 
     def spy(self, *args, **kwargs):
-        halves_read.append(bool(kwargs.get("w13_up")))
+        seen.append(WeightQuantization(bool(self.cfg.fp8_pow2_scales),
+                                       bool(kwargs.get("w13_up"))))
         return quantize(self, *args, **kwargs)
 
     monkeypatch.setattr(_lib.Layer, "quantize_weights", spy)
     ops.layer_cache.fp8.clear()
-    return halves_read
+    return seen
 
 
 def assert_w13_halves_equal_packed(dtype: torch.dtype, device, monkeypatch) -> None:
@@ -197,7 +205,7 @@ def assert_w13_halves_equal_packed(dtype: torch.dtype, device, monkeypatch) -> N
     import moefuse
     from moe_reference import random_problem
 
-    halves_read = spy_weight_quantizations(monkeypatch)
+    quantized = spy_weight_quantizations(monkeypatch)
     x, ids, p, w13, w2, dy = (t.to(device) for t in
                               random_problem(100, 128, 128, 8, 2, seed=5))
     if dtype == torch.float32:  # values between bf16s
@@ -219,6 +227,7 @@ def assert_w13_halves_equal_packed(dtype: torch.dtype, device, monkeypatch) -> N
         outs.append((y.detach(), xs.grad, ps.grad, dw13, w2s.grad))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+    halves_read = [q.halves for q in quantized]
     assert halves_read == [False, True], halves_read  # packed, then the halves
 
 
