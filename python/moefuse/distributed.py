@@ -343,6 +343,14 @@ class ExpertParallelExperts(MoEExperts):
         if comm_device is not None and device.index != comm_device:
             raise ValueError(f"ExpertParallelExperts: the comm's NCCL communicator is on "
                              f"cuda:{comm_device}, the module on {device}")
+        layer = _fp8.create_layer(self._config(), device, self.comm)
+        layer.device = device
+        self._layer = layer
+        return layer
+
+    def _config(self) -> _lib.Config:
+        """The layer's moefuse_config: the module's shape, rank, saved mode, pipeline,
+        precision and receive capacity, on the CUDA backend."""
         cfg = _lib.config_init(self.hidden_size, self.intermediate_size, self.num_experts,
                                self.top_k, self.max_tokens)
         cfg.num_ranks = self.num_ranks
@@ -354,10 +362,7 @@ class ExpertParallelExperts(MoEExperts):
                                                   "ExpertParallelExperts")
         cfg.fp8_pow2_scales = int(self.fp8_pow2_scales)
         cfg.recv_capacity_factor = self.recv_capacity_factor
-        layer = _fp8.create_layer(cfg, device, self.comm)
-        layer.device = device
-        self._layer = layer
-        return layer
+        return cfg
 
     def _validate(self, x, ids, p) -> torch.Tensor:
         """Raises TypeError / ValueError naming the argument; returns ids as int32."""

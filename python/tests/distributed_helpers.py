@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from moefuse import _fp8, _lib, distributed
+from moefuse import _lib, distributed
 from moefuse.distributed import ExpertParallelExperts
 
 # The smallest sizes the CUDA backend takes (H, I multiples of 128).
@@ -38,16 +38,15 @@ def assert_bitwise(got, ref, names=("y", "dx", "dp", "dw13", "dw2")):
 
 def modules_on_cpu_layers(monkeypatch) -> list:
     """ExpertParallelExperts made to run on the CPU: its layer a one-rank CPU layer of the
-    module's config and precision, its check that x is on CUDA skipped (the weights' own
-    checks still run). Returns the list of the layers made, for the caller to close."""
+    module's own config (ExpertParallelExperts._config), its check that x is on CUDA
+    skipped (the weights' own checks still run). Returns the list of the layers made, for
+    the caller to close."""
     layers = []
 
     def cpu_layer(self, device):
         if self._layer is None:
-            cfg = _lib.config_init(self.hidden_size, self.intermediate_size, self.num_experts,
-                                   self.top_k, self.max_tokens)
-            cfg.saved_mode = self.saved_mode
-            cfg.precision, _ = _fp8.resolve_precision(self.precision, False, "test")
+            cfg = self._config()
+            cfg.backend, cfg.num_ranks, cfg.rank = _lib.Backend.CPU, 1, 0
             self._layer = _lib.Layer(cfg)
             self._layer.device = torch.device("cpu")
             layers.append(self._layer)
