@@ -164,9 +164,10 @@ def _weight_names(w13_up, packed: str = "w13") -> tuple:
     return (packed,) if w13_up is None else ("w13[0] (gate)", "w13[1] (up)")
 
 
-def _check_weight_tensors(where: str, weights, device) -> None:
-    """Each (name, w) of weights a bf16 or fp32 tensor on device, and W13's halves (named
-    as _weight_names names them) of one dtype. Raises TypeError / ValueError naming it."""
+def _check_weight_tensors(where: str, weights, device, halves=None) -> None:
+    """Each (name, w) of weights a bf16 or fp32 tensor on device, and halves, W13's
+    (gate, up) when it comes in two, of one dtype. Raises TypeError / ValueError naming
+    it."""
     for name, w in weights:
         if not isinstance(w, torch.Tensor):
             raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(w).__name__}")
@@ -176,13 +177,11 @@ def _check_weight_tensors(where: str, weights, device) -> None:
         if w.device != device:
             raise ValueError(f"{where}: {name} is on {w.device} but x is on {device}; all "
                              "operands must be on one device")
-    halves = dict(weights)
-    gate, up = halves.get("w13[0] (gate)"), halves.get("w13[1] (up)")
     # The library writes both halves' gradients in one dtype, and reads one dtype when it
     # quantizes them.
-    if up is not None and gate.dtype != up.dtype:
-        raise TypeError(f"{where}: w13's halves must share a dtype, got {gate.dtype} and "
-                        f"{up.dtype}")
+    if halves is not None and halves[0].dtype != halves[1].dtype:
+        raise TypeError(f"{where}: w13's halves must share a dtype, got {halves[0].dtype} and "
+                        f"{halves[1].dtype}")
 
 
 def _check_weights_contiguous(where: str, weights) -> None:
@@ -203,7 +202,8 @@ def _validate_experts(x, ids, p, w13, w2, w13_up=None) -> torch.Tensor:
     for name, t in (("x", x), ("ids", ids), ("p", p)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"moefuse.experts: {name} must be a torch.Tensor, got {type(t).__name__}")
-    _check_weight_tensors("moefuse.experts", weights, x.device)
+    _check_weight_tensors("moefuse.experts", weights, x.device,
+                          None if w13_up is None else (w13, w13_up))
     if x.dtype != _BF16:
         raise TypeError(f"moefuse.experts: x must be bfloat16, got {x.dtype}")
     if ids.dtype not in (torch.int32, torch.int64):

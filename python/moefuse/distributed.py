@@ -405,7 +405,7 @@ class ExpertParallelExperts(MoEExperts):
         name2 = "down_proj" if w2 is None else "w2"
         w2 = self.down_proj if w2 is None else w2
         weights = tuple(zip(_weight_names(w13_up, packed_name), (w13, w13_up))) + ((name2, w2),)
-        _check_weight_tensors(where, weights, x.device)
+        _check_weight_tensors(where, weights, x.device, None if w13_up is None else (w13, w13_up))
         rows = 2 * I if w13_up is None else I
         for (name, w), shape in zip(weights, [(E, rows, H)] * (len(weights) - 1) + [(E, H, I)]):
             if tuple(w.shape) != shape:
