@@ -191,6 +191,7 @@ opt_in_ab() {
         step opt_test_cuda_$t opt_test_cuda_$t.log build/opt/tests/api/test_cuda_$t
     done
     step opt_test_fp8_quant opt_test_fp8_quant.log build/opt/tests/kernels/test_fp8_quant
+    step opt_test_dispatch_rows opt_test_dispatch_rows.log build/opt/tests/kernels/test_dispatch_rows
     step opt_test_cuda_fp8 opt_test_cuda_fp8.log build/opt/tests/api/test_cuda_fp8
     step opt_python_fp8 opt_python_fp8.log env MOEFUSE_LIB="$PWD/build/opt/libmoefuse.so" \
         python3 -m pytest -q -rs python/tests/test_fp8_cuda.py -k "not training_sized"

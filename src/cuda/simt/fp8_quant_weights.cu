@@ -107,8 +107,7 @@ __global__ void __launch_bounds__(kWThreads, 2)
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
         float q[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) q[j] = quotient(v[k][j], s, inv);
+        quotients(v[k], s, inv, q);
         words[k] = encode4(q[0], q[1], q[2], q[3]);
         *reinterpret_cast<uint32_t *>(p.codes + base + (int64_t)(row0 + k) * p.cols + col) =
             words[k];
