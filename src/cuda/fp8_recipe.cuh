@@ -175,11 +175,44 @@ __device__ __forceinline__ float amax_nan(float m, float v) {
     return r;
 }
 
+/* MF_FP8_QUANT_PACKED_AMAX=1 (make NVCC_EXTRA=..., an experiment until it has run on a
+ * GPU): the tokens kernels' amaxes of bf16 two values an instruction (amax_bf16x2: the
+ * rows' piece_amax<true>, the columns'), and without row weights no multiplies by them
+ * (simt/fp8_quant.cu). */
+#ifndef MF_FP8_QUANT_PACKED_AMAX
+#define MF_FP8_QUANT_PACKED_AMAX 0
+#endif
+
+/* The magnitudes of a word's two bf16 folded into m's two (max.NaN.bf16x2 on the values
+ * with their sign bits cleared): amax_nan's maxima, exactly (a max of bf16 values is one
+ * of them, a NaN stays a NaN). */
+__device__ __forceinline__ uint32_t amax_bf16x2(uint32_t m, uint32_t w) {
+    uint32_t r;
+    asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(m), "r"(w & 0x7fff7fffu));
+    return r;
+}
+
 /* The 8 bf16 of a 16-byte piece as floats. */
 __device__ __forceinline__ void unpack8(const uint4 v, float (&x)[8]) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int j = 0; j < 8; ++j) x[j] = bf16_bits(w[j / 2], j % 2);
+}
+
+/* The largest magnitude of a 16-byte piece's 8 bf16 (x, the same values unpacked), from
+ * the packed piece (kPacked: 4 instructions, and the piece's registers live beside x's)
+ * or from x. */
+template <bool kPacked>
+__device__ __forceinline__ float piece_amax(const uint4 &v, const float (&x)[8]) {
+    if constexpr (kPacked) {
+        const uint32_t m = amax_bf16x2(amax_bf16x2(amax_bf16x2(v.x & 0x7fff7fffu, v.y), v.z), v.w);
+        return amax_nan(bf16_bits(m, 0), bf16_bits(m, 1));
+    } else {
+        float m = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m = amax_nan(m, x[j]);
+        return m;
+    }
 }
 
 /* A 1 x 128 tile of bf16 held by the 16 lanes of a half-warp (half_lanes, all present),
@@ -189,9 +222,7 @@ __device__ __forceinline__ uint2 row_tile_codes(const uint4 piece, unsigned half
                                                 float *scale) {
     float x[8];
     unpack8(piece, x);
-    float m = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) m = amax_nan(m, x[j]);
+    float m = piece_amax<false>(piece, x);   /* packed, the EP push spilled (48 registers) */
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) m = amax_nan(m, __shfl_xor_sync(half_lanes, m, o));
     const float s = tile_scale(m, pow2);

@@ -129,10 +129,40 @@ struct TokensSmem {
     float col_scale[kTokCols];
 };
 
+/* Column j's amax over this thread's 8 rows v, cm[j], of the values times the rows'
+ * weights pw (kWeighted) or of the values themselves (two columns an instruction). */
+template <bool kWeighted>
+__device__ __forceinline__ void column_amax8(const uint4 (&v)[8], const float (&pw)[8],
+                                             float (&cm)[8]) {
+    if constexpr (!kWeighted) {
+        uint32_t m[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            m[0] = amax_bf16x2(m[0], v[i].x);
+            m[1] = amax_bf16x2(m[1], v[i].y);
+            m[2] = amax_bf16x2(m[2], v[i].z);
+            m[3] = amax_bf16x2(m[3], v[i].w);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) cm[j] = bf16_bits(m[j / 2], j % 2);
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) cm[j] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            float x[8];
+            unpack8(v[i], x);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) cm[j] = amax_nan(cm[j], __fmul_rn(pw[i], x[j]));
+        }
+    }
+}
+
 /* One 128 x 128 block's codes from this thread's 8 rows x 8 columns v (rows 8 group ..,
- * columns c0 + 8 piece ..) and the rows' weights pw: with kRows each row's 1 x 128 codes,
- * then the columns' scales and codes^T. */
-template <bool kRows>
+ * columns c0 + 8 piece ..) and the rows' weights pw (kWeighted; without, the values
+ * themselves): with kRows each row's 1 x 128 codes, then the columns' scales and
+ * codes^T. */
+template <bool kRows, bool kWeighted>
 __device__ __forceinline__ void tokens_block_codes(const tokens_block_params &bp, int row_block,
                                                    int c0, const uint4 (&v)[8],
                                                    const float (&pw)[8], TokensSmem &sm) {
@@ -148,9 +178,7 @@ __device__ __forceinline__ void tokens_block_codes(const tokens_block_params &bp
         for (int i = 0; i < 8; ++i) {
             float x[8];
             unpack8(v[i], x);
-            float m = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) m = amax_nan(m, x[j]);
+            float m = piece_amax<MF_FP8_QUANT_PACKED_AMAX>(v[i], x);
 #pragma unroll
             for (int o = 8; o > 0; o >>= 1) m = amax_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
             const float s = tile_scale(m, p.pow2);
@@ -163,15 +191,7 @@ __device__ __forceinline__ void tokens_block_codes(const tokens_block_params &bp
 
     /* ---- column amax: 8 rows here, the other group of the warp, then the 8 warps ---- */
     float cm[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) cm[j] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        float x[8];
-        unpack8(v[i], x);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) cm[j] = amax_nan(cm[j], __fmul_rn(pw[i], x[j]));
-    }
+    column_amax8<kWeighted>(v, pw, cm);
 #pragma unroll
     for (int j = 0; j < 8; ++j) cm[j] = amax_nan(cm[j], __shfl_xor_sync(0xffffffffu, cm[j], 16));
     if ((threadIdx.x % 32) < 16) {
@@ -196,7 +216,8 @@ __device__ __forceinline__ void tokens_block_codes(const tokens_block_params &bp
         const float s = sm.col_scale[8 * piece + j];
         float x[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) x[i] = __fmul_rn(pw[i], bf16_at(v[i], j));
+        for (int i = 0; i < 8; ++i)
+            x[i] = kWeighted ? __fmul_rn(pw[i], bf16_at(v[i], j)) : bf16_at(v[i], j);
         sm.codes_t[8 * piece + j][group ^ piece] = quantize8(x, s, __frcp_rn(s));
     }
     __syncthreads();
@@ -246,7 +267,10 @@ __global__ void __launch_bounds__(kTokThreads, 2)
             v[i] = has_cols ? load_stream(p.in + r * p.ld + c) : make_uint4(0, 0, 0, 0);
         pw[i] = p.row_weight ? p.row_weight[r] : 1.0f;
     }
-    tokens_block_codes<kRows>(bp, row_block, c0, v, pw, sm);
+#if MF_FP8_QUANT_PACKED_AMAX
+    if (!p.row_weight) return tokens_block_codes<kRows, false>(bp, row_block, c0, v, pw, sm);
+#endif
+    tokens_block_codes<kRows, true>(bp, row_block, c0, v, pw, sm);
 }
 
 /* Launches the tokens kernel of kRows / row_slot: one CTA per block. */
