@@ -227,21 +227,8 @@ moefuse_status run_fwd_bwd_halves(moefuse_layer *layer, const inputs *in, int po
 }
 
 cudaError_t w13_halves_copy(void *packed, void *gate, void *up, size_t elem, int to_halves) {
-    const size_t half = (size_t)F.m->I * F.m->H * elem, rows = (size_t)F.m->E;
-    char *p = (char *)packed;
-    cudaError_t e;
-    if (to_halves) {
-        e = cudaMemcpy2DAsync(gate, half, p, 2 * half, half, rows, cudaMemcpyDeviceToDevice, F.stream);
-        if (e == cudaSuccess)
-            e = cudaMemcpy2DAsync(up, half, p + half, 2 * half, half, rows,
-                                  cudaMemcpyDeviceToDevice, F.stream);
-    } else {
-        e = cudaMemcpy2DAsync(p, 2 * half, gate, half, half, rows, cudaMemcpyDeviceToDevice, F.stream);
-        if (e == cudaSuccess)
-            e = cudaMemcpy2DAsync(p + half, 2 * half, up, half, half, rows,
-                                  cudaMemcpyDeviceToDevice, F.stream);
-    }
-    return e;
+    return ct_w13_halves_copy(packed, gate, up, (size_t)F.m->I * F.m->H * elem, F.m->E,
+                              to_halves, F.stream);
 }
 
 /* The write-mode backward of `in` into the bf16 weight gradients d13 / d2 (no fp32 ones),

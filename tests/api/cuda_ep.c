@@ -114,10 +114,7 @@ int fixture_halves(void) {
     const size_t half = (size_t)kI * kH * 2, bytes = (size_t)kE * half;
     CUDA_OK(cudaMalloc((void **)&G.w13_gate, bytes));
     CUDA_OK(cudaMalloc((void **)&G.w13_up, bytes));
-    CUDA_OK(cudaMemcpy2DAsync(G.w13_gate, half, G.w13, 2 * half, half, kE,
-                              cudaMemcpyDeviceToDevice, G.stream));
-    CUDA_OK(cudaMemcpy2DAsync(G.w13_up, half, (const char *)G.w13 + half, 2 * half, half, kE,
-                              cudaMemcpyDeviceToDevice, G.stream));
+    CUDA_OK(ct_w13_halves_copy(G.w13, G.w13_gate, G.w13_up, half, kE, 1, G.stream));
     CUDA_OK(cudaStreamSynchronize(G.stream));
     return 1;
 done:

@@ -129,3 +129,20 @@ void ct_draw_weights(int T, int K, float *p) {
         for (int k = 0; k < K; k++) pr[k] = (float)(pr[k] / sum);
     }
 }
+
+cudaError_t ct_w13_halves_copy(void *packed, void *gate, void *up, size_t half_bytes, int E,
+                               int to_halves, cudaStream_t stream) {
+    char *p = (char *)packed;
+    void *halves[2] = {gate, up};
+    for (int h = 0; h < 2; h++) {
+        const cudaError_t e =
+            to_halves ? cudaMemcpy2DAsync(halves[h], half_bytes, p + h * half_bytes,
+                                          2 * half_bytes, half_bytes, (size_t)E,
+                                          cudaMemcpyDeviceToDevice, stream)
+                      : cudaMemcpy2DAsync(p + h * half_bytes, 2 * half_bytes, halves[h],
+                                          half_bytes, half_bytes, (size_t)E,
+                                          cudaMemcpyDeviceToDevice, stream);
+        if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+}

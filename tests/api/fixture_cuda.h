@@ -74,4 +74,9 @@ void ct_draw_ids(int T, int K, int E, routing r, int32_t *ids);
 /* p [T, K]: per token, positive weights summing to 1. */
 void ct_draw_weights(int T, int K, float *p);
 
+/* W13 packed [E, 2I, H] <-> its gate and up halves [E, I, H] each, half_bytes = I H times
+ * the element's bytes (to_halves 1: packed -> halves), queued on stream. */
+cudaError_t ct_w13_halves_copy(void *packed, void *gate, void *up, size_t half_bytes, int E,
+                               int to_halves, cudaStream_t stream);
+
 #endif
