@@ -51,7 +51,8 @@
 #                                precisions, with the MoE layers' profiled share and the
 #                                longest kernels (~3 min)
 #   tools/gpu_checks.sh titan    bench/bench_torchtitan.py: TorchTitan's step native and
-#                                with moefuse (bf16, fp8), 30B-A3B truncated to what fits,
+#                                with moefuse (bf16, fp8), 30B-A3B truncated to what fits
+#                                (or to TITAN_LAYERS),
 #                                with the for-loop experts' control run; needs TorchTitan's
 #                                wheels in .whl (carried; the script's docstring says which)
 #   tools/gpu_checks.sh titan_235b  the same for 235B-A22B (no control)
@@ -243,20 +244,23 @@ ncu_fp8() {
 }
 
 ncu_stalls() {
-    # the stall samples per instruction of one launch (the third) of each kernel in
-    # qwen3-30b-a3b's FP8 forward + backward at T = 16384, summed by tools/ncu_stalls.py;
-    # the report and its source page are dropped once read (tens of MB)
-    local k lib name
+    # the stall samples per instruction of one launch of each kernel in qwen3-30b-a3b's FP8
+    # forward + backward at T = 16384 (the second call's; wgrad's is dW13, the larger: a
+    # backward runs dW2 then dW13), summed by tools/ncu_stalls.py; the report and its
+    # source page are dropped once read (tens of MB)
+    local k lib name skip
     for lib in ${NCU_LIBS:-build}; do
         for k in ${NCU_KERNELS:-wgrad_grouped gemm2_dgrad_swiglu}; do
             name="${k}_${lib//\//_}"
-            STEP_TIMEOUT=300 step "ncu_full_$name" "ncu_full_$name.log" \
-                env MOEFUSE_LIB="$PWD/$lib/libmoefuse.so" ncu --set full --import-source yes \
-                --kernel-name "regex:$k" --launch-skip 2 --launch-count 1 -f \
-                -o "/tmp/stalls_$name" python3 tools/fp8_layer_check.py repeat 16384:3 \
-                --shape qwen3-30b-a3b &&
-                ncu -i "/tmp/stalls_$name.ncu-rep" --page source --csv --print-source sass \
-                    > "/tmp/stalls_$name.csv" &&
+            skip=1
+            [ "$k" = wgrad_grouped ] && skip=3
+            STEP_TIMEOUT=300 step "ncu_full_$name" "ncu_full_$name.log" bash -c "
+                MOEFUSE_LIB='$PWD/$lib/libmoefuse.so' ncu --set full --import-source yes \
+                    --kernel-name 'regex:$k' --launch-skip $skip --launch-count 1 -f \
+                    -o /tmp/stalls_$name python3 tools/fp8_layer_check.py repeat 16384:3 \
+                    --shape qwen3-30b-a3b &&
+                ncu -i /tmp/stalls_$name.ncu-rep --page source --csv --print-source sass \
+                    > /tmp/stalls_$name.csv" &&
                 step "stalls_$name" "stalls_$name.txt" python3 tools/ncu_stalls.py \
                     "/tmp/stalls_$name.csv"
             rm -f "/tmp/stalls_$name.ncu-rep" "/tmp/stalls_$name.csv"

@@ -111,7 +111,7 @@ def fp8_tolerances(hidden: int, inter: int, rows: int, bf16_wgrad: bool = False,
 # ---- helpers of the binding's FP8 tests (test_fp8_cpu.py, test_fp8_cuda.py) -----------------
 
 
-def run_fp8(x, ids, p, w13, w2, dy, pow2=False, recompute=False, save_inputs=True,
+def run_fp8(x, ids, p, w13, w2, dy, pow2=False, recompute=False, save_inputs=None,
             device="cpu"):
     """(y, dx, dp, dw13, dw2) from moefuse.experts(precision="fp8") with autograd on
     `device` (fresh copies of the inputs there), returned on the CPU."""

@@ -225,12 +225,13 @@ static float quotient(float x, float s, float inv) {
 }
 
 /* Its form for scales of at least 2^-89 (fp8_recipe.cuh quotient_fast): q1 = rn(x inv),
- * r = fma(q1, s, -x), q = fma(-r, inv, q1), for every x (a tiny x's quotient is then
- * below 2^-11: a zero's code). */
+ * r = fma(q1, s, -x), q = fma(r, -inv, q1), for every x (a tiny x's quotient is then
+ * below 2^-11: a zero's code). fma(-r, inv, q1) would be the same value, but gcc -mfma
+ * folds it into fma(fma(-q1, s, x), inv, q1), which loses x = -0's sign. */
 static float quotient_fast(float x, float s, float inv) {
     const float q = x * inv;
     const float r = fmaf(q, s, -x);
-    return fmaf(-r, inv, q);
+    return fmaf(r, -inv, q);
 }
 
 /* 1 when the codes of x / s, quotient and (for s >= 2^-89) quotient_fast differ. */
