@@ -146,7 +146,9 @@ deep() {
 }
 
 bench() {
-    # the rewritten bench/RESULTS.md comes back with the logs (copy it into the tree)
+    # the rewritten bench/RESULTS.md comes back with the logs (copy it into the tree); the
+    # lent machine's copy of .git may lag the tree: name the commit with
+    # MOEFUSE_BENCH_COMMIT=<hash> on the command line (tools/run_bench.sh)
     STEP_TIMEOUT=540 step bench bench.log tools/run_bench.sh &&
         cp bench/RESULTS.md "$LOG_DIR/RESULTS.md"
 }
