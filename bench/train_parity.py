@@ -3,12 +3,12 @@ twice, its routed experts computed by moefuse in precision="bf16" and in precisi
 (block scales, the DeepSeek-V3 recipe), everything else identical; the judge is the
 held-out loss (DESIGN.md: a recipe's accuracy is judged by a training run on real text).
 
-    Data       the Python standard library's own .py sources (the Lib/ directory of the
-               running interpreter, sysconfig.get_paths()["stdlib"], without
-               site-packages), read as bytes (vocabulary: the 256 byte values), files
-               joined in path order with a NUL byte between them. A file is held out when
-               the SHA-256 of its relative path says so (about 1 in 20), so the split does
-               not depend on the file system's order. Training sequences are --seq + 1
+    Data       the Python standard library's own .py sources (bench/stdlib_text.py: the
+               Lib/ directory of the running interpreter, without site-packages), read as
+               bytes (vocabulary: the 256 byte values), files joined in path order with a
+               NUL byte between them. A file is held out when the SHA-256 of its relative
+               path says so (about 1 in 20), so the split does not depend on the file
+               system's order. Training sequences are --seq + 1
                byte windows of the training stream taken in a seeded permuted order (one
                permutation per pass over the stream); the held-out set is the first
                --eval-seqs windows of the held-out stream, the same at every evaluation.
@@ -58,14 +58,12 @@ from __future__ import annotations
 
 import argparse
 import csv
-import hashlib
 import math
 import os
 import pathlib
 import signal
 import statistics
 import sys
-import sysconfig
 import time
 
 import torch
@@ -73,6 +71,8 @@ import torch
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "python"))  # the checkout's package, when not installed
+
+from stdlib_text import Batches, heldout_set, stdlib_streams  # noqa: E402
 
 MODEL = dict(vocab_size=256, hidden_size=1024, intermediate_size=2048,
              moe_intermediate_size=512, num_hidden_layers=8, num_attention_heads=16,
@@ -89,7 +89,6 @@ TINY = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             num_experts=8, num_experts_per_tok=2)
 
-HELD_OUT_ONE_IN = 20
 TARGET, GOAL = 0.005, 0.0025
 TIMING_SKIP = 10  # first steps left out of the step-time median
 
@@ -153,76 +152,6 @@ def emulated_gemms(precision: str):
     from fp8_emulation import parse_gemms
 
     return parse_gemms(precision[len("emul:"):])
-
-
-# ---- data ---------------------------------------------------------------------------------
-
-
-def held_out(relative_path: str) -> bool:
-    digest = hashlib.sha256(relative_path.encode()).digest()
-    return int.from_bytes(digest[:4], "little") % HELD_OUT_ONE_IN == 0
-
-
-def stdlib_streams() -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(train bytes, held-out bytes) as uint8 tensors and a description."""
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    parts = {True: [], False: []}
-    count = {True: 0, False: 0}
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if any(p in ("site-packages", "dist-packages") for p in rel.split("/")):
-            continue
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        side = held_out(rel)
-        parts[side] += [data, b"\0"]
-        count[side] += 1
-    streams = [torch.frombuffer(bytearray(b"".join(parts[side])), dtype=torch.uint8)
-               for side in (False, True)]
-    info = dict(root=str(root), train_files=count[False], heldout_files=count[True],
-                train_bytes=streams[0].numel(), heldout_bytes=streams[1].numel())
-    return streams[0], streams[1], info
-
-
-class Batches:
-    """Training windows of seq + 1 bytes in a seeded permuted order, one permutation per
-    pass over the stream; batch(step) is a function of step alone."""
-
-    def __init__(self, stream: torch.Tensor, batch: int, seq: int, seed: int):
-        self.stream, self.batch, self.seq, self.seed = stream, batch, seq, seed
-        self.windows = (stream.numel() - 1) // seq
-        if self.windows < 1:
-            raise ValueError(f"the training stream ({stream.numel()} bytes) is shorter than "
-                             f"one sequence of {seq + 1}")
-        self._perms = {}
-
-    def _perm(self, epoch: int) -> torch.Tensor:
-        if epoch not in self._perms:
-            g = torch.Generator().manual_seed(self.seed * 1000003 + epoch)
-            self._perms = {epoch: torch.randperm(self.windows, generator=g)}
-        return self._perms[epoch]
-
-    def batch_at(self, step: int) -> torch.Tensor:
-        rows = []
-        for i in range(self.batch):
-            n = step * self.batch + i
-            start = int(self._perm(n // self.windows)[n % self.windows]) * self.seq
-            rows.append(self.stream[start:start + self.seq + 1])
-        return torch.stack(rows).long()
-
-
-def heldout_set(stream: torch.Tensor, seqs: int, seq: int) -> torch.Tensor:
-    """seqs windows of seq + 1 bytes spread evenly over the held-out stream (all of its
-    files, not its first few)."""
-    windows = (stream.numel() - 1) // seq
-    n = min(seqs, windows)
-    if n < 1:
-        raise ValueError(f"the held-out stream ({stream.numel()} bytes) is shorter than one "
-                         f"sequence of {seq + 1}")
-    starts = [(i * windows // n) * seq for i in range(n)]
-    return torch.stack([stream[s:s + seq + 1] for s in starts]).long()
 
 
 # ---- model and training ----------------------------------------------------------------------

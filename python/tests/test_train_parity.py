@@ -14,22 +14,23 @@ pytest.importorskip("transformers", reason="transformers is not installed")
 pytestmark = pytest.mark.usefixtures("library")
 
 parity = import_bench("train_parity")
+text = import_bench("stdlib_text")
 
 
 def test_split_and_order_are_functions_of_the_names_and_the_seed():
-    assert parity.held_out("json/decoder.py") == parity.held_out("json/decoder.py")
+    assert text.held_out("json/decoder.py") == text.held_out("json/decoder.py")
     names = [f"pkg/module_{i}.py" for i in range(2000)]
-    share = sum(map(parity.held_out, names)) / len(names)
+    share = sum(map(text.held_out, names)) / len(names)
     assert 0.03 < share < 0.07  # about 1 in 20
     stream = torch.arange(250, dtype=torch.int64).to(torch.uint8)  # window w starts at 4w
-    a, b = parity.Batches(stream, 3, 4, seed=1), parity.Batches(stream, 3, 4, seed=1)
+    a, b = text.Batches(stream, 3, 4, seed=1), text.Batches(stream, 3, 4, seed=1)
     firsts = [a.batch_at(s) for s in range(25)]  # 62 windows: past one pass
     assert all(torch.equal(x, b.batch_at(s)) for s, x in enumerate(firsts))
     assert firsts[0].shape == (3, 5)
     assert all(torch.equal(row, stream[int(row[0]):int(row[0]) + 5]) for x in firsts for row in x)
     starts = [int(row[0]) for x in firsts for row in x]
     assert sorted(starts[:62]) == list(range(0, 248, 4))  # each window once per pass
-    assert not torch.equal(firsts[0], parity.Batches(stream, 3, 16, seed=2).batch_at(0))
+    assert not torch.equal(firsts[0], text.Batches(stream, 3, 16, seed=2).batch_at(0))
 
 
 def test_tiny_run_writes_both_curves(tmp_path, capsys):
