@@ -193,12 +193,13 @@ def training_case(check_steps=(0, 20, 50, 80, 120, 160), layer_index=4, extra_ar
     layer_index's expert call of the training step (its inputs, weights, dy and what the
     library returned) against the same call made fresh (weights quantized again) and
     against the recipe emulated."""
+    import stdlib_text
     import train_parity as tp
     from fp8_reference import run_fp8
 
     args = tp.parse_args(["--steps", "300", "--precisions", "fp8", *extra_args])
-    train, _, _ = tp.stdlib_streams()
-    batches = tp.Batches(train, args.batch, args.seq, args.seed)
+    train, _, _ = stdlib_text.stdlib_streams()
+    batches = stdlib_text.Batches(train, args.batch, args.seq, args.seed)
     run = tp.Run("fp8", tp.model_config(args), args, DEV)
     experts = run.model.model.layers[layer_index].mlp.experts
     cap = {}
