@@ -143,8 +143,8 @@ extern "C" cudaError_t mf_quantize_fp8_weights(const mf_quantize_fp8_weights_par
         return cudaErrorInvalidValue;
     const int64_t ctas = (int64_t)p->num_experts * (p->rows / 128) * (p->cols / 128);
     if (ctas > INT32_MAX) return cudaErrorInvalidValue;
-    /* 16-byte loads of fp32 (of bf16 8-byte), 4-byte
-     * codes, 16-byte codes^T (the API asks 16-byte aligned arrays on CUDA) */
+    /* a thread's kCols weights in one load (16 bytes of fp32, 8 of bf16), 4-byte codes,
+     * 16-byte codes^T (the API asks 16-byte aligned arrays on CUDA) */
     const uintptr_t a = p->fp32 ? 16 : 2 * kCols;
     if ((uintptr_t)p->w % a || (uintptr_t)p->w_hi % a || (uintptr_t)p->codes % 4 ||
         (uintptr_t)p->codes_t % 16)

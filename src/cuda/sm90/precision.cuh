@@ -94,14 +94,12 @@ struct Fp8E4m3 {
     template <int N, int kTransA, int kTransB>
     static __device__ __forceinline__ void mma(float (&d)[N / 2], uint64_t desc_a,
                                                uint64_t desc_b, int scale_d) {
-        static_assert(N == 64 || N == 128 || N == 256, "wgmma wrappers exist for N = 64, 128, 256");
+        static_assert(N == 128 || N == 256, "wgmma wrappers exist for N = 128 and 256");
         static_assert(!kTransA && !kTransB, "e4m3 wgmma takes K-major operands only");
         if constexpr (N == 256)
             ptx::wgmma_m64n256k32_e4m3_ss(d, desc_a, desc_b, scale_d);
-        else if constexpr (N == 128)
-            ptx::wgmma_m64n128k32_e4m3_ss(d, desc_a, desc_b, scale_d);
         else
-            ptx::wgmma_m64n64k32_e4m3_ss(d, desc_a, desc_b, scale_d);
+            ptx::wgmma_m64n128k32_e4m3_ss(d, desc_a, desc_b, scale_d);
     }
 };
 

@@ -73,13 +73,7 @@ __device__ __forceinline__ void wgmma_wait() {
  * ("wgmma.mma_async.sync.aligned.m64nNkK.f32.<a>.<b>"), TAIL what follows the scale-d
  * predicate (the scale immediates, and for 16-bit types the transpose immediates, with
  * their "n" operands after the asm's (d, desc_a, desc_b, scale_d)). scale_d = 0
- * overwrites D. A precision's wrappers below are these macros and its OP strings. */
-#define MF_WGMMA_M64N64_SS(OP, TAIL, ...)                                                  \
-    asm volatile("{\n\t.reg .pred p;\n\t"                                                 \
-                 "setp.ne.b32 p, %34, 0;\n\t" OP " "                                        \
-                 MF_WGMMA_D32 ", %32, %33, p" TAIL ";\n\t}"                                 \
-                 : MF_WGMMA_D32_OPERANDS                                                   \
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d), ##__VA_ARGS__)
+ * overwrites D. A precision's wrappers below are these two macros and its OP strings. */
 #define MF_WGMMA_M64N128_SS(OP, TAIL, ...)                                                 \
     asm volatile("{\n\t.reg .pred p;\n\t"                                                 \
                  "setp.ne.b32 p, %66, 0;\n\t" OP " "                                        \
@@ -93,20 +87,15 @@ __device__ __forceinline__ void wgmma_wait() {
                  : MF_WGMMA_D128_OPERANDS                                                  \
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d), ##__VA_ARGS__)
 
-/* The accumulator operands of m64n64 (32 registers), m64n128 (64, the same first 32) and
- * m64n256 (128, the same first 64). */
-#define MF_WGMMA_D_0_31 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define MF_WGMMA_D32 "{" MF_WGMMA_D_0_31 "}"
-#define MF_WGMMA_D_0_63 MF_WGMMA_D_0_31 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+/* The accumulator operands of m64n128 (64 registers) and m64n256 (128, the same first 64). */
+#define MF_WGMMA_D_0_63 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 #define MF_WGMMA_D64 "{" MF_WGMMA_D_0_63 "}"
 #define MF_WGMMA_D128 "{" MF_WGMMA_D_0_63 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
-#define MF_WGMMA_D32_OPERANDS \
+#define MF_WGMMA_D64_OPERANDS \
         "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define MF_WGMMA_D64_OPERANDS \
-        MF_WGMMA_D32_OPERANDS, \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
         "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
@@ -150,11 +139,6 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_ss(float (&d)[64], uint64_
     MF_WGMMA_M64N128_SS("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", ", 1, 1");
 }
 
-__device__ __forceinline__ void wgmma_m64n64k32_e4m3_ss(float (&d)[32], uint64_t desc_a,
-                                                       uint64_t desc_b, int scale_d) {
-    MF_WGMMA_M64N64_SS("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", ", 1, 1");
-}
-
 /* e4m3 with A from registers (the RS form): a[4] this thread's 16 values of A [64 x 32]
  * (ldmatrix_a_e4m3's layout), B K-major in shared memory. */
 __device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const uint32_t (&a)[4],
@@ -194,11 +178,6 @@ __device__ __forceinline__ void wgmma_fence_a(uint32_t (&a)[4]) {
 __device__ __forceinline__ void wgmma_fence_operand(float (&d)[128]) {
 #pragma unroll
     for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-__device__ __forceinline__ void wgmma_fence_operand(float (&d)[32]) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 __device__ __forceinline__ void wgmma_fence_operand(float (&d)[64]) {
