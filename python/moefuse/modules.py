@@ -60,8 +60,8 @@ class MoEExperts(nn.Module):
     Both bf16 by default; fp32 works too (master weights: cast to bf16 per call,
     gradients stay fp32). recompute and save_inputs (None: by the precision) choose what a
     forward keeps for its backward, and precision ("bf16" or "fp8") and fp8_pow2_scales
-    the GEMMs' operands, as moefuse.experts() documents (with "fp8" the weights are quantized once per
-    optimizer step; the gradients stay those of the real weights).
+    the GEMMs' operands, as moefuse.experts() documents (with "fp8" the weights are
+    quantized once per optimizer step; the gradients stay those of the real weights).
 
     forward(x [T, H], ids [T, K], p [T, K]) -> y [T, H]:
         y_t = sum_k p[t,k] * W2_e (silu(g) * u),  [g; u] = W13_e x_t,  e = ids[t,k].

@@ -208,8 +208,8 @@ void time_passes(const char *filter) {
     cudaFree(heavy);
     cudaFree(pw); cudaFree(num_rows); cudaFree(codes); cudaFree(codes_t); cudaFree(scales);
     cudaFree(scales_t);
-    cudaFree(w13); cudaFree(w2); cudaFree(w13b); cudaFree(w2b); cudaFree(wcodes); cudaFree(wcodes_t); cudaFree(wscale);
-    cudaFree(wscale_t);
+    cudaFree(w13); cudaFree(w2); cudaFree(w13b); cudaFree(w2b);
+    cudaFree(wcodes); cudaFree(wcodes_t); cudaFree(wscale); cudaFree(wscale_t);
 }
 
 const char *g_filter = nullptr;
