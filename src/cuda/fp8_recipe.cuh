@@ -94,15 +94,6 @@ __device__ __forceinline__ float quotient(float x, float scale, float inv) {
     return tiny ? __fmul_rn(qr, 0x1p-100f) : qr;
 }
 
-/* MF_FP8_QUOTIENT_FAST=1 (make NVCC_EXTRA=..., an experiment until it has run on a GPU):
- * tiles whose scale is at least 2^-89 take quotient_fast, 3 instructions a value against
- * quotient()'s 8 (its two tiny-x tests, their two multiplies and the r = 0 test). The
- * quantizers are bound by their instructions (the rows + tokens kernel has ~4000 per
- * thread and block: ~0.53 ms at qwen3-30b-a3b's dy on an H100, the time measured). */
-#ifndef MF_FP8_QUOTIENT_FAST
-#define MF_FP8_QUOTIENT_FAST 0
-#endif
-
 /* The smallest scale under which quotient_fast gives quotient()'s codes for every x of
  * the tile: a tiny x (below 2^-100) then has |x / scale| < 2^-11, under half of e4m3's
  * least subnormal, so both give the code of a zero of x's sign whatever quotient_fast's
@@ -121,17 +112,19 @@ __device__ __forceinline__ float quotient_fast(float x, float scale, float inv) 
                                      * which loses -0 (gcc -mfma does) */
 }
 
-/* The quotients of n values of one tile (scale, inv = rn(1 / scale)). */
+/* The quotients of N values of one tile (scale, inv = rn(1 / scale)): quotient_fast's 3
+ * instructions a value where the scale allows (every tile whose amax is a normal fp32
+ * above 2^-81), quotient()'s 8 otherwise. The quantizers are bound by their issue and
+ * their loads' latency: with amax_bf16x2, 5-9% off the tokens kernels' time (figures in
+ * docs/decisions/0023-fp8-quantizer-bandwidth.md). */
 template <int N>
 __device__ __forceinline__ void quotients(const float (&x)[N], float scale, float inv,
                                           float (&q)[N]) {
-#if MF_FP8_QUOTIENT_FAST
     if (scale >= kFastQuotientScale) {
 #pragma unroll
         for (int j = 0; j < N; ++j) q[j] = quotient_fast(x[j], scale, inv);
         return;
     }
-#endif
 #pragma unroll
     for (int j = 0; j < N; ++j) q[j] = quotient(x[j], scale, inv);
 }
@@ -175,14 +168,6 @@ __device__ __forceinline__ float amax_nan(float m, float v) {
     asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(m), "f"(fabsf(v)));
     return r;
 }
-
-/* MF_FP8_QUANT_PACKED_AMAX=1 (make NVCC_EXTRA=..., an experiment until it has run on a
- * GPU): the tokens kernels' amaxes of bf16 two values an instruction (amax_bf16x2: the
- * rows' piece_amax<true>, the columns'), and without row weights no multiplies by them
- * (simt/fp8_quant.cu). */
-#ifndef MF_FP8_QUANT_PACKED_AMAX
-#define MF_FP8_QUANT_PACKED_AMAX 0
-#endif
 
 /* The magnitudes of a word's two bf16 folded into m's two (max.NaN.bf16x2 on the values
  * with their sign bits cleared): amax_nan's maxima, exactly (a max of bf16 values is one

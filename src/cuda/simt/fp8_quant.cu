@@ -178,7 +178,7 @@ __device__ __forceinline__ void tokens_block_codes(const tokens_block_params &bp
         for (int i = 0; i < 8; ++i) {
             float x[8];
             unpack8(v[i], x);
-            float m = piece_amax<MF_FP8_QUANT_PACKED_AMAX>(v[i], x);
+            float m = piece_amax<true>(v[i], x);
 #pragma unroll
             for (int o = 8; o > 0; o >>= 1) m = amax_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
             const float s = tile_scale(m, p.pow2);
@@ -267,9 +267,7 @@ __global__ void __launch_bounds__(kTokThreads, 2)
             v[i] = has_cols ? load_stream(p.in + r * p.ld + c) : make_uint4(0, 0, 0, 0);
         pw[i] = p.row_weight ? p.row_weight[r] : 1.0f;
     }
-#if MF_FP8_QUANT_PACKED_AMAX
     if (!p.row_weight) return tokens_block_codes<kRows, false>(bp, row_block, c0, v, pw, sm);
-#endif
     tokens_block_codes<kRows, true>(bp, row_block, c0, v, pw, sm);
 }
 
