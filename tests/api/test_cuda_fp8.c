@@ -12,8 +12,11 @@
  *   - T = 0: zero weight gradients, accumulate leaves them;
  *   - dW13 in two halves (dw13_up, dw13_up_bf16) bitwise equal to packed.
  * The recipe's error against the bf16 fp64 reference is printed (a property of the
- * recipe, docs/decisions/0018-fp8-block-recipe.md). The stage-by-stage checks against
- * single emulated GEMMs are the kernel tests (tests/kernels/test_gemm_sm90_fp8*.cu).
+ * recipe, docs/decisions/0018-fp8-block-recipe.md). The FP8 GEMM kernels have no
+ * stage-by-stage checks of their own against emulated single GEMMs: this suite checks
+ * them through the layer; the kernel tests check the quantizers bitwise
+ * (tests/kernels/test_fp8_quant.cu) and gemm1's act codes against the rows quantizer
+ * (tests/kernels/test_gemm_sm90.cu).
  * With no sm_90 device every case prints SKIP. */
 #include <cuda_runtime.h>
 #include <math.h>
