@@ -85,20 +85,12 @@ typedef struct mf_gemm1_params {
     int hidden, intermediate, num_sms; /* H, I, persistent grid size */
     mf_arrivals rows_in;
     const void *w13_up;               /* [E_local, I, H] bf16 up half, or NULL (packed) */
-    /* FP8 only, optional: act's 1 x 128 codes [rows_cap, I] and their scales
-     * [I / 128, act_scale_ld] (act_scale_ld >= rows_cap, a multiple of 4; act_pow2: the
-     * scale rule), written by the epilogue instead of act (which may then be NULL): the
-     * bits mf_quantize_fp8_rows makes of the bf16 act, without the pass */
-    uint8_t *act_codes;
-    float *act_scales;
-    int act_scale_ld, act_pow2;
 } mf_gemm1_params;
 
 cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p, cudaStream_t stream);
 /* The same in FP8 (H, I multiples of 128): xs e4m3 with MF_SCALES_1X128 scales
  * [H / 128, rows_cap] (row r's scale of K block b at [b * rows_cap + r]), w13 e4m3 with
- * MF_SCALES_128X128 scales [E_local, 2I / 128, H / 128]; act (or its codes: act_codes)
- * and gate_up bf16 as above. */
+ * MF_SCALES_128X128 scales [E_local, 2I / 128, H / 128]; act and gate_up bf16 as above. */
 cudaError_t mf_sm90_gemm1_swiglu_fwd_fp8(const mf_gemm1_params *p, cudaStream_t stream);
 
 /* gemm2: combine[row_slot[r]] = bf16(p_r * (act_r W2_e^T)) for every row r < *num_rows

@@ -112,9 +112,7 @@ mf_sizes mf_sizes_of(const moefuse_config *c, int peers, mf_tiles tiles) {
     if (c->precision == MOEFUSE_PRECISION_FP8_BLOCK) {
         const int64_t row_cols = H > 2 * I ? H : 2 * I;   /* x, dy; a, [dg; du] */
         const int64_t lhs_cols = row_cols;                /* p dy, [dg; du] */
-        const int64_t rhs_cols = H > I ? H : I;           /* a, x; and a's row codes from
-                                                           * gemm1 to gemm2 (I / 128 <=
-                                                           * rhs_cols / 128 scale rows) */
+        const int64_t rhs_cols = H > I ? H : I;           /* a, x */
         const int64_t scale_ld = (rows + 3) / 4 * 4;      /* 16-byte TMA rows of scales */
         z.fp8_rows = (size_t)(rows * row_cols);
         z.fp8_row_scales = (size_t)(row_cols / 128 * scale_ld * 4);

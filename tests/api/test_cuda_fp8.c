@@ -15,8 +15,7 @@
  * recipe, docs/decisions/0018-fp8-block-recipe.md). The FP8 GEMM kernels have no
  * stage-by-stage checks of their own against emulated single GEMMs: this suite checks
  * them through the layer; the kernel tests check the quantizers bitwise
- * (tests/kernels/test_fp8_quant.cu) and gemm1's act codes against the rows quantizer
- * (tests/kernels/test_gemm_sm90.cu).
+ * (tests/kernels/test_fp8_quant.cu).
  * With no sm_90 device every case prints SKIP. */
 #include <cuda_runtime.h>
 #include <math.h>

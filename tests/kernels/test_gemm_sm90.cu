@@ -4,7 +4,7 @@
  * combine rows of unrouted slots must stay poisoned; runs with different grid sizes
  * must agree bit for bit; the act the backward recomputes (dgrad2) is bitwise the
  * forward's; the fused forward kernel (both GEMMs in one) gives the same bits with any
- * grid; FP8 gemm1's act codes are the rows quantizer's of its bf16 act. Then times the kernels at the Qwen3 shapes (rows checked on a sample against
+ * grid. Then times the kernels at the Qwen3 shapes (rows checked on a sample against
  * fp64) and prints TFLOP/s. */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -314,110 +314,6 @@ static void test_no_rows(void) {
     CHECK(all_poison(comb.data(), comb.size()), "fused: combine written with num_rows = 0");
 }
 
-/* ---- FP8: act's 1 x 128 codes from gemm1's epilogue ------------------------------------
- * gemm1 in FP8 writing act's codes and scales (act_codes) gives bit for bit what the rows
- * quantizer makes of the bf16 act it writes otherwise, both scale rules, a full grid and 7
- * CTAs; rows past num_rows untouched. Random e4m3 operands; one expert's weight scales
- * 2^-64, so its act tiles are tiny (scales under 2^-89: quotients()' rescaled path) and
- * partly bf16 subnormals. */
-static void test_fp8_act_codes(void) {
-    if (!have_sm90()) return;
-    const int H = 512, I = 384;
-    const std::vector<int> counts = {0, 1, 1037, 37, 0, 200, 128, 5};
-    const int E = (int)counts.size();
-    Layout L = make_layout(counts, /*extra_rows=*/256, /*dropped=*/0);
-    const int R = L.rows_cap;
-    std::vector<uint8_t> xs((size_t)R * H), w13((size_t)E * 2 * I * H);
-    for (auto &c : xs) c = (uint8_t)(th_rand_u64() & 0xf7);   /* no NaN code (0x7f, 0xff) */
-    for (auto &c : w13) c = (uint8_t)(th_rand_u64() & 0xf7);
-    for (int r = 0; r < R; ++r)   /* padding rows are zero, as the dispatch leaves them */
-        if (L.row_expert[r] < 0) memset(&xs[(size_t)r * H], 0, H);
-    std::vector<float> xs_scales((size_t)H / 128 * R), w13_scales((size_t)E * 2 * I / 128 * H / 128);
-    for (auto &v : xs_scales) v = (float)ldexp(0.5 + th_uniform(), -4);
-    for (size_t i = 0; i < w13_scales.size(); ++i) {
-        const int e = (int)(i / ((size_t)2 * I / 128 * H / 128));
-        w13_scales[i] = (float)ldexp(0.5 + th_uniform(), e == 2 ? -64 : -8);
-    }
-    uint8_t *d_xs = dev_upload(xs), *d_w13 = dev_upload(w13);
-    float *d_xs_scales = dev_upload(xs_scales), *d_w13_scales = dev_upload(w13_scales);
-    Dev d;
-    CUDA_OK(dev_alloc(d, L, H, I));
-    const int scale_ld = R, blocks = I / 128;
-    uint8_t *codes = nullptr, *ref_codes = nullptr;
-    float *scales = nullptr, *ref_scales = nullptr;
-    CUDA_OK(cudaMalloc(&codes, (size_t)R * I));
-    CUDA_OK(cudaMalloc(&ref_codes, (size_t)R * I));
-    CUDA_OK(cudaMalloc(&scales, (size_t)blocks * scale_ld * 4));
-    CUDA_OK(cudaMalloc(&ref_scales, (size_t)blocks * scale_ld * 4));
-    mf_gemm1_params p = {};
-    p.rows = dev_rows(d, L);
-    p.xs = mf_operand{d_xs, MF_DTYPE_E4M3, d_xs_scales, MF_SCALES_1X128};
-    p.w13 = mf_operand{d_w13, MF_DTYPE_E4M3, d_w13_scales, MF_SCALES_128X128};
-    p.hidden = H;
-    p.intermediate = I;
-    for (int pow2 = 0; pow2 < 2; ++pow2) {
-        /* the reference: bf16 act, then the rows quantizer */
-        p.act = d.act;
-        p.act_codes = nullptr;
-        p.num_sms = num_sms();
-        CUDA_OK(mf_sm90_gemm1_swiglu_fwd_fp8(&p, 0));
-        mf_quantize_fp8_rows_params q = {};
-        q.in = d.act;
-        q.ld = I;
-        q.rows_cap = R;
-        q.num_rows = d.num_rows;
-        q.cols = I;
-        q.pow2 = pow2;
-        q.codes = ref_codes;
-        q.scales = ref_scales;
-        q.scale_ld = scale_ld;
-        CUDA_OK(mf_quantize_fp8_rows(&q, 0));
-        CUDA_OK(cudaDeviceSynchronize());
-        const std::vector<uint8_t> want = dev_download(ref_codes, (size_t)R * I);
-        const std::vector<float> want_s = dev_download(ref_scales, (size_t)blocks * scale_ld);
-        int tiny = 0;
-        for (int b = 0; b < blocks; ++b)
-            for (int r = 0; r < L.num_rows; ++r) tiny += want_s[(size_t)b * scale_ld + r] < 0x1p-89f;
-        CHECK(tiny > 0, "no act tile with a scale under 2^-89: the rescaled path went untested");
-        for (int sms : {num_sms(), 7}) {
-            p.act = nullptr;
-            p.act_codes = codes;
-            p.act_scales = scales;
-            p.act_scale_ld = scale_ld;
-            p.act_pow2 = pow2;
-            p.num_sms = sms;
-            CUDA_OK(cudaMemset(codes, 0xEE, (size_t)R * I));
-            CUDA_OK(cudaMemset(scales, 0xFF, (size_t)blocks * scale_ld * 4));
-            CUDA_OK(mf_sm90_gemm1_swiglu_fwd_fp8(&p, 0));
-            CUDA_OK(cudaDeviceSynchronize());
-            const std::vector<uint8_t> got = dev_download(codes, (size_t)R * I);
-            const std::vector<float> got_s = dev_download(scales, (size_t)blocks * scale_ld);
-            int64_t bad = 0, bad_s = 0, past = 0;
-            for (size_t i = 0; i < (size_t)L.num_rows * I; ++i) bad += got[i] != want[i];
-            for (size_t i = (size_t)L.num_rows * I; i < got.size(); ++i) past += got[i] != 0xEE;
-            for (int b = 0; b < blocks; ++b)
-                for (int r = 0; r < L.num_rows; ++r)
-                    bad_s += memcmp(&got_s[(size_t)b * scale_ld + r],
-                                    &want_s[(size_t)b * scale_ld + r], 4) != 0;
-            printf("  pow2 %d, %d CTAs: %lld codes and %lld scales differ (%d tiny tiles)\n",
-                   pow2, sms, (long long)bad, (long long)bad_s, tiny);
-            CHECK(bad == 0 && bad_s == 0, "act codes from the epilogue differ from the rows "
-                  "quantizer's: %lld codes, %lld scales (pow2 %d, %d CTAs)", (long long)bad,
-                  (long long)bad_s, pow2, sms);
-            CHECK(past == 0, "%lld act codes written past num_rows", (long long)past);
-        }
-    }
-    /* act_codes asks for FP8: the bf16 kernel refuses it */
-    mf_gemm1_params pb = gemm1_params(d, L, H, I, num_sms(), false);
-    pb.act_codes = codes;
-    pb.act_scales = scales;
-    pb.act_scale_ld = scale_ld;
-    CHECK(mf_sm90_gemm1_swiglu_fwd_bf16(&pb, 0) == cudaErrorInvalidValue,
-          "the bf16 gemm1 accepted act_codes");
-    cudaFree(d_xs); cudaFree(d_w13); cudaFree(d_xs_scales); cudaFree(d_w13_scales);
-    cudaFree(codes); cudaFree(ref_codes); cudaFree(scales); cudaFree(ref_scales);
-}
-
 /* ---- timing at the Qwen3 shapes --------------------------------------------------------
  * Inputs come from a counter hash (fill_hash_bf16), and a sample of rows is still
  * checked against fp64. */
@@ -563,7 +459,6 @@ int main(int argc, char **argv) {
         {"gemm_sm90_bn256_paths", test_bn256_paths},
         {"gemm_sm90_bn128_paths", test_bn128_paths},
         {"gemm_sm90_no_rows", test_no_rows},
-        {"gemm_sm90_fp8_act_codes", test_fp8_act_codes},
         {"gemm_sm90_time_qwen3_30b", time_qwen3_30b},
         {"gemm_sm90_time_qwen3_235b", time_qwen3_235b},
     };

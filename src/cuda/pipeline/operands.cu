@@ -3,9 +3,8 @@
  * makes them the operands its GEMMs read, right before the launch:
  *   bf16  the rows and the weights as they are: nothing to do;
  *   FP8   (docs/decisions/0018-fp8-block-recipe.md) each A operand quantized 1 x 128
- *         along its K into the layer's row codes (x for gemm1, dy for dgrad2, [dg; du]
- *         for dgrad1: one buffer, used in turn; a for gemm2 by gemm1's epilogue, into the
- *         rhs token codes, which are free until dW2; the forward's x by its
+ *         along its K into the layer's row codes (x for gemm1, a for gemm2, dy for
+ *         dgrad2, [dg; du] for dgrad1: one buffer, used in turn; the forward's x by its
  *         dispatch as it moves the rows, unless saved: on one GPU into that buffer,
  *         fp8_row_codes_out, with a comm into the x rows window by the push; on one GPU
  *         the backward's dy and x read where the caller has them, gathered through
@@ -200,22 +199,10 @@ mf_operand weight(const uint8_t *codes, const float *scales) {
     return mf_operand{codes, MF_DTYPE_E4M3, scales, MF_SCALES_128X128};
 }
 
-/* gemm1's act as gemm2's A: 1 x 128 codes written by gemm1's epilogue into the rhs token
- * codes (free in the forward, and in the backward until dW2's hook; sizing.c), not bf16. */
-mf_operand act_codes_operand(const cuda_state *s) {
-    return mf_operand{s->fp8_rhs_t, MF_DTYPE_E4M3, s->fp8_rhs_scales, MF_SCALES_1X128};
-}
-
 moefuse_status fp8_gemm1(const moefuse_layer *layer, const call_bufs &c,
                          const moefuse_fp8_weights *w, mf_gemm1_params *p, cudaStream_t stream) {
-    const cuda_state *s = state_of(layer);
     p->w13 = weight(w->w13, w->w13_scale);
     p->w13_up = NULL;   /* the quantized weights are packed */
-    p->act = NULL;
-    p->act_codes = s->fp8_rhs_t;
-    p->act_scales = s->fp8_rhs_scales;
-    p->act_scale_ld = scale_ld(c.lay.rows_cap);
-    p->act_pow2 = layer->cfg.fp8_pow2_scales;
     if (c.x_codes) {    /* the dispatch wrote them (peers: into the x rows window) */
         p->xs = x_codes_operand(layer, c);
         return MOEFUSE_OK;
@@ -226,11 +213,11 @@ moefuse_status fp8_gemm1(const moefuse_layer *layer, const call_bufs &c,
                           p->hidden, stream, &p->xs);
 }
 
-moefuse_status fp8_gemm2(const moefuse_layer *layer, const call_bufs &,
-                         const moefuse_fp8_weights *w, mf_gemm2_params *p, cudaStream_t) {
+moefuse_status fp8_gemm2(const moefuse_layer *layer, const call_bufs &c,
+                         const moefuse_fp8_weights *w, mf_gemm2_params *p, cudaStream_t stream) {
     p->w2 = weight(w->w2, w->w2_scale);
-    p->act = act_codes_operand(state_of(layer));
-    return MOEFUSE_OK;
+    return quantized_rows(layer, c, sorted_rows(p->act.data, p->intermediate), p->intermediate,
+                          stream, &p->act);
 }
 
 /* dgrad2 reads W2^T (its FP8 kernel writes the unweighted a for dW2 = (p dy)^T a). The

@@ -22,7 +22,6 @@
 
 #include "transport/ep_wait.cuh"
 #include "kernels.h"
-#include "fp8_recipe.cuh"
 #include "sm90/common/grouped_gemm.cuh"
 #include "swiglu.cuh"
 
@@ -41,9 +40,6 @@ struct Gemm1Args {
     ep::RowArrivals rows_in;         /* EP: the blocks' rows arriving (arrivals null: none) */
     int rows_cap, hidden, intermediate;
     BlockScales scales;              /* FP8: xs's row scales, W13's block scales */
-    uint8_t *act_codes;              /* FP8: act's 1 x 128 codes instead of act (or null) */
-    float *act_scales;               /* [I / 128, act_scale_ld] */
-    int act_scale_ld, act_pow2;
 };
 
 /* What the gemm1 kernels of precision P take of any shape (the tile width is picked
@@ -52,21 +48,15 @@ struct Gemm1Args {
 template <class P>
 inline bool gemm1_params_ok(const mf_gemm1_params *p) {
     if (!p || !operand_ok<P>(p->xs, MF_SCALES_1X128) || !operand_ok<P>(p->w13, MF_SCALES_128X128) ||
-        !w13_halves_ok<P>(p->w13_up, p->intermediate) || !row_blocks_ok(p->rows) ||
+        !w13_halves_ok<P>(p->w13_up, p->intermediate) || !row_blocks_ok(p->rows) || !p->act ||
         !arrivals_ok(p->rows_in))
-        return false;
-    /* act, or (FP8) its codes and scales: the scales a TMA source of gemm2 (16-byte rows) */
-    if (p->act_codes ? !P::kAScaleBytes || !p->act_scales || p->act_scale_ld < p->rows.rows_cap ||
-                           p->act_scale_ld % 4
-                     : !p->act)
         return false;
     const int i_multiple = P::kAScaleBytes ? 128 : 64;
     if (p->hidden <= 0 || p->hidden % P::kBlockK || p->intermediate <= 0 ||
         p->intermediate % i_multiple || p->num_sms <= 0)
         return false;
     /* TMA sources and the 16-byte epilogue stores need 16-byte aligned bases. */
-    return !misaligned16(p->xs.data, p->w13.data, p->w13_up, p->act, p->gate_up, p->xs.scales) &&
-           !misaligned16(p->act_codes, p->act_scales);
+    return !misaligned16(p->xs.data, p->w13.data, p->w13_up, p->act, p->gate_up, p->xs.scales);
 }
 
 template <class Cfg>
@@ -90,10 +80,6 @@ cudaError_t gemm1_args_from(const mf_gemm1_params *p, Gemm1Args *args) {
     args->hidden = p->hidden;
     args->intermediate = p->intermediate;
     args->scales = block_scales_of(p->xs, p->w13, p->rows.rows_cap);
-    args->act_codes = p->act_codes;
-    args->act_scales = p->act_scales;
-    args->act_scale_ld = p->act_scale_ld;
-    args->act_pow2 = p->act_pow2;
     return cudaSuccess;
 }
 
@@ -140,10 +126,7 @@ struct Gemm1Load {
  * The consumers write their 64 rows of [g | u] (bf16) into their buffer and go on with
  * the next tile's K loop; the store warps compute act from the buffer (swiglu.cuh: the
  * same expression as the backward's, and the CPU backend's rounding path) and store act,
- * and g and u when gate_up is asked for. FP8 with act_codes: the tile's 128 act columns
- * of a row are one 1 x 128 tile of gemm2's A, held by one warp (4 a lane), so the store
- * warps write its codes and scale (the rows quantizer's bits of the bf16 act: the amax
- * by shuffles, fp8_recipe.cuh's scale and quotients) instead of act; no pass over act.
+ * and g and u when gate_up is asked for.
  * NOTE: act used to be computed from fp32 g and u in the consumers, which stored the
  * three outputs themselves with the tensor cores idle; the store warps' buffers cost a
  * stage (3 instead of 4), which gives back part of the overlap (see
@@ -164,25 +147,6 @@ struct Gemm1Epilogue {
         handoff.stage<false>(ring, buf, [&](uint8_t *b) { write_rows(acc, b); });
     }
 
-    static constexpr bool kScaled = Cfg::Precision::kAScaleBytes > 0;
-
-    /* FP8: a row's 128 act values (bf16, 4 in each lane of the warp: columns col..) as
-     * their 1 x 128 codes (4 bytes a lane, the row's 128 in one store) and scale. */
-    __device__ __forceinline__ void store_act_codes(const uint2 act, int64_t row, int n_block,
-                                                    int col) {
-        static_assert(Cfg::BN == 256, "a warp holds a row's 1 x 128 tile at BN = 256");
-        const float x[4] = {bf16_lo(act.x), bf16_hi(act.x), bf16_lo(act.y), bf16_hi(act.y)};
-        float m = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) m = fp8::amax_fold(m, x[j]);
-        const float scale = fp8::tile_scale(fp8::warp_amax(m), args.act_pow2);
-        float q[4];
-        fp8::quotients(x, scale, __frcp_rn(scale), q);
-        *reinterpret_cast<uint32_t *>(args.act_codes + row * args.intermediate + col) =
-            fp8::encode4(q[0], q[1], q[2], q[3]);
-        if (threadIdx.x % 32 == 0) args.act_scales[(int64_t)n_block * args.act_scale_ld + row] = scale;
-    }
-
     /* Store warps: each lane takes 4 columns of a row (8 bytes of g, 8 of u, 8 of act),
      * so a warp covers 32 / (BN/8) rows per step and every store is a whole row piece. */
     __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf) {
@@ -200,25 +164,17 @@ struct Gemm1Epilogue {
             const uint8_t *src = buf + r * Cfg::kEpiRowBytes + 8 * v;
             const uint2 g = *reinterpret_cast<const uint2 *>(src);
             const uint2 u = *reinterpret_cast<const uint2 *>(src + kCols * 2);
-            const int64_t row = row0 + r;
-            if (args.gate_up) {
-                __nv_bfloat16 *gu_row = args.gate_up + row * 2 * I + col;
-                *reinterpret_cast<uint2 *>(gu_row) = g;
-                *reinterpret_cast<uint2 *>(gu_row + I) = u;
-            }
             const float a0 = swiglu(bf16_lo(g.x), bf16_lo(u.x)).a;
             const float a1 = swiglu(bf16_hi(g.x), bf16_hi(u.x)).a;
             const float a2 = swiglu(bf16_lo(g.y), bf16_lo(u.y)).a;
             const float a3 = swiglu(bf16_hi(g.y), bf16_hi(u.y)).a;
-            const uint2 act = make_uint2(pack_bf16x2_rn(a0, a1), pack_bf16x2_rn(a2, a3));
-            if constexpr (kScaled) {
-                if (args.act_codes) {
-                    store_act_codes(act, row, n_block, col);
-                } else {
-                    *reinterpret_cast<uint2 *>(args.act + row * I + col) = act;
-                }
-            } else {
-                *reinterpret_cast<uint2 *>(args.act + row * I + col) = act;
+            const int64_t row = row0 + r;
+            *reinterpret_cast<uint2 *>(args.act + row * I + col) =
+                make_uint2(pack_bf16x2_rn(a0, a1), pack_bf16x2_rn(a2, a3));
+            if (args.gate_up) {
+                __nv_bfloat16 *gu_row = args.gate_up + row * 2 * I + col;
+                *reinterpret_cast<uint2 *>(gu_row) = g;
+                *reinterpret_cast<uint2 *>(gu_row + I) = u;
             }
         }
     }
