@@ -2,7 +2,7 @@
  * bit what src/cpu/fp8.c computes: E4M3 encoding rounded on the fp32 bits (nearest, ties
  * to even, saturating at +-448, NaN -> 0x7f), the scale of a tile from its amax, and
  * quantization as encode(x / scale) with an IEEE fp32 division (its result computed here
- * without one: quotient()). Two encoders: the CPU's integer algorithm (e4m3_encode) and the
+ * without one: quotients()). Two encoders: the CPU's integer algorithm (e4m3_encode) and the
  * hardware's conversion of two values at once (e4m3x2_encode), which the quantizers use:
  * a test compares them on every fp32 input.
  * NOTE: with the integer encoder the row quantizer ran at under 0.9 TB/s (ncu, H200):
@@ -65,46 +65,30 @@ __device__ __forceinline__ float tile_scale(float amax, int pow2) {
     return s;
 }
 
-/* The code of rn(x / scale) without a division, from inv = rn(1 / scale) of the tile:
- * q1 = rn(x inv) is within about 1.5 ulp of the quotient, the residual r = x - q1 scale is
- * exact in one fma (no underflow), and rn(q1 + r inv) corrects q1 (Markstein's step; his
- * theorem asks q1 within 1 ulp, so the claim rests on checks, not on it). A nonzero x
- * below 2^-100 (whose residual might underflow) is taken times 2^100 and its quotient
- * times 2^-100. Where the quotient is an fp32 subnormal the two may differ in its last
- * bits, both far below e4m3's least code (2^-9): the codes agree. r = 0 keeps q1 (and
- * -0's sign); NaN scales (a non-finite tile) give NaN, code 0x7f either way; power-of-two
- * scales give the product (r = 0). Checked: the codes of encode(div.rn) for every bf16 x
- * under every bf16 amax >= |x| (1.07 G pairs), 3.6 G random and near-midpoint fp32 pairs
- * and, in a review, 33.5 G pairs over every significand of x in two binades against 2000
- * scale significands (the fp32 results themselves equal): 0 differ. tests/cpu/test_fp8.c
- * and tests/kernels/test_fp8_quant.cu (the device's) keep subsets.
+/* rn(x / scale) without a division, from inv = rn(1 / scale) of the tile, for a scale of
+ * at least kFastQuotientScale: q1 = rn(x inv) is within about 1.5 ulp of the quotient,
+ * r = rn(q1 scale - x) is the exact negated residual (one fma, no underflow for x of at
+ * least 2^-100), and fma(r, -inv, q1) corrects q1 (Markstein's step; his theorem asks q1
+ * within 1 ulp, so the claim rests on checks, not on it). Where the residual is 0,
+ * r (-inv) is -0 and q1 + -0 is q1, its sign too (x = -0: q1 = -0, r = +0). A tiny x
+ * (below 2^-100, its residual perhaps inexact) has |x / scale| < 2^-11 under such a
+ * scale, under half of e4m3's least subnormal: a zero's code whatever the last bits.
+ * Where the quotient is an fp32 subnormal the last bits may differ from div.rn's, far
+ * below e4m3's least code (2^-9): the codes agree. NaN scales (a non-finite tile) give
+ * NaN, code 0x7f; power-of-two scales the product (r = 0).
+ * Checked against the codes of encode(div.rn): every bf16 x under every bf16 amax with
+ * such a scale, both scale rules (2.06 G pairs), 600 M random fp32 pairs, 1.3 G pairs
+ * near every e4m3 midpoint under 40,000 random scales, built plain and with -mfma; and,
+ * with the tiny-x scaling this form replaced, every bf16 x under every bf16 amax (1.07 G
+ * pairs), 3.6 G random and near-midpoint fp32 pairs and 33.5 G pairs over every
+ * significand of x in two binades against 2000 scale significands: 0 differ.
+ * tests/cpu/test_fp8.c and tests/kernels/test_fp8_quant.cu (the device's) keep subsets.
  * Precondition: x / scale finite (a tile's values are within 448 scales); beyond, q1
  * overflows and the result is NaN where the division saturates.
  * NOTE: why not the product where it provably encodes as the quotient and div.rn
  * otherwise: bf16 values land on or near e4m3 rounding points (x / amax a ratio of 8-bit
  * significands), so most warps took the divisions; the figures are in
  * docs/decisions/0023-fp8-quantizer-bandwidth.md. */
-__device__ __forceinline__ float quotient(float x, float scale, float inv) {
-    const float a = fabsf(x);
-    const bool tiny = a != 0.0f && a < 0x1p-100f;
-    const float xs = tiny ? __fmul_rn(x, 0x1p100f) : x;
-    const float q = __fmul_rn(xs, inv);
-    const float r = __fmaf_rn(-q, scale, xs);
-    const float qr = r == 0.0f ? q : __fmaf_rn(r, inv, q);
-    return tiny ? __fmul_rn(qr, 0x1p-100f) : qr;
-}
-
-/* The smallest scale under which quotient_fast gives quotient()'s codes for every x of
- * the tile: a tiny x (below 2^-100) then has |x / scale| < 2^-11, under half of e4m3's
- * least subnormal, so both give the code of a zero of x's sign whatever quotient_fast's
- * last bits (its q1 and correction stay below 2^-10). A NaN scale fails the test. */
-constexpr float kFastQuotientScale = 0x1p-89f;
-
-/* quotient() for a scale of at least kFastQuotientScale, bit for bit the same value for
- * every x not below 2^-100: r = rn(q1 scale - x) is the negation of quotient()'s residual
- * (round to nearest is symmetric), and fma(r, -inv, q1) its correction; where the
- * residual is 0, r (-inv) is -0 and q1 + -0 is q1 (its sign too: x = -0 gives q1 = -0,
- * r = +0, and -0 + -0), so no test of r is needed. */
 __device__ __forceinline__ float quotient_fast(float x, float scale, float inv) {
     const float q = __fmul_rn(x, inv);
     const float r = __fmaf_rn(q, scale, -x);
@@ -112,11 +96,18 @@ __device__ __forceinline__ float quotient_fast(float x, float scale, float inv) 
                                      * which loses -0 (gcc -mfma does) */
 }
 
-/* The quotients of N values of one tile (scale, inv = rn(1 / scale)): quotient_fast's 3
- * instructions a value where the scale allows (every tile whose amax is a normal fp32
- * above 2^-81), quotient()'s 8 otherwise. The quantizers are bound by their issue and
- * their loads' latency: with amax_bf16x2, 5-9% off the tokens kernels' time (figures in
- * docs/decisions/0023-fp8-quantizer-bandwidth.md). */
+/* The smallest scale quotient_fast takes (see there). A NaN scale fails the test. */
+constexpr float kFastQuotientScale = 0x1p-89f;
+
+/* The quotients of N values of one tile (scale, inv = rn(1 / scale)), 3 instructions a
+ * value. A tile whose scale is below kFastQuotientScale (an amax under about 2^-80) has
+ * its values and scale taken times 2^64 first: exact (powers of two; |x| <= 448 scale, so
+ * no overflow, and a nonzero x times 2^64 is at least 2^-85), the same real quotients, and
+ * a scale of at least 2^-62 (scales are at least 2^-126), whose reciprocal is inv 2^-64
+ * (rn(1 / s) is at most 2^126, rn(2^-64 / s) at least 2^25: both normal). This replaced
+ * an 8-instruction form that rescaled tiny x one by one (its registers counted where the
+ * code is inlined, though tiles that small are rare: docs/decisions/0023-fp8-quantizer-
+ * bandwidth.md). */
 template <int N>
 __device__ __forceinline__ void quotients(const float (&x)[N], float scale, float inv,
                                           float (&q)[N]) {
@@ -125,8 +116,9 @@ __device__ __forceinline__ void quotients(const float (&x)[N], float scale, floa
         for (int j = 0; j < N; ++j) q[j] = quotient_fast(x[j], scale, inv);
         return;
     }
+    const float s = __fmul_rn(scale, 0x1p64f), s_inv = __fmul_rn(inv, 0x1p-64f);
 #pragma unroll
-    for (int j = 0; j < N; ++j) q[j] = quotient(x[j], scale, inv);
+    for (int j = 0; j < N; ++j) q[j] = quotient_fast(__fmul_rn(x[j], 0x1p64f), s, s_inv);
 }
 
 /* Two values encoded by the hardware (cvt.rn.satfinite.e4m3x2.f32: nearest even, +-448 at

@@ -208,37 +208,30 @@ static void rows_and_blocks(void) {
     CHECK(bad == 0, "%d elements of fake_quant_cols wrong", bad);
 }
 
-/* The GPU quantizers' division-free quotient (src/cuda/fp8_recipe.cuh quotient), in C:
- * q1 = rn(x inv), r = fma(-q1, s, x), q = r ? rn(q1 + r inv) : q1, a nonzero x below
- * 2^-100 scaled by 2^100 and its quotient back. Its codes are those of encode(rn(x / s))
- * for every bf16 x with |x| <= amax
- * under the scale of every 64th positive finite bf16 amax, and for fp32 x at every e4m3
- * rounding point (midpoints of normal and subnormal codes) times random scales, +-8 ulp.
- * (Run over every bf16 amax and 3.6 G random fp32 pairs while it was written: 0 differ.) */
-static float quotient(float x, float s, float inv) {
-    const int tiny = fabsf(x) != 0.0f && fabsf(x) < 0x1p-100f;
-    const float xs = tiny ? x * 0x1p100f : x;
-    const float q = xs * inv;
-    const float r = fmaf(-q, s, xs);
-    const float qr = r == 0.0f ? q : fmaf(r, inv, q);
-    return tiny ? qr * 0x1p-100f : qr;
-}
-
-/* Its form for scales of at least 2^-89 (fp8_recipe.cuh quotient_fast): q1 = rn(x inv),
- * r = fma(q1, s, -x), q = fma(r, -inv, q1), for every x (a tiny x's quotient is then
- * below 2^-11: a zero's code). fma(-r, inv, q1) would be the same value, but gcc -mfma
- * folds it into fma(fma(-q1, s, x), inv, q1), which loses x = -0's sign. */
+/* The GPU quantizers' division-free quotient (src/cuda/fp8_recipe.cuh quotient_fast), in
+ * C: q1 = rn(x inv), r = fma(q1, s, -x), q = fma(r, -inv, q1). fma(-r, inv, q1) would be
+ * the same value, but gcc -mfma folds it into fma(fma(-q1, s, x), inv, q1), which loses
+ * x = -0's sign. */
 static float quotient_fast(float x, float s, float inv) {
     const float q = x * inv;
     const float r = fmaf(q, s, -x);
     return fmaf(r, -inv, q);
 }
 
-/* 1 when the codes of x / s, quotient and (for s >= 2^-89) quotient_fast differ. */
+/* fp8_recipe.cuh quotients, one value: under a scale below 2^-89, x, s and inv times 2^64,
+ * 2^64 and 2^-64 first (exact). Its codes are those of encode(rn(x / s)) for every bf16 x
+ * with |x| <= amax under the scale of every 64th positive finite bf16 amax, and for fp32 x
+ * at every e4m3 rounding point (midpoints of normal and subnormal codes) times random
+ * scales, +-8 ulp. (Run over every bf16 amax, both scale rules, and 1.9 G random and
+ * near-midpoint fp32 pairs, plain and with -mfma, while it was written: 0 differ.) */
+static float quotient(float x, float s, float inv) {
+    if (s >= 0x1p-89f) return quotient_fast(x, s, inv);
+    return quotient_fast(x * 0x1p64f, s * 0x1p64f, inv * 0x1p-64f);
+}
+
+/* 1 when the codes of x / s and quotient differ. */
 static int quotients_differ(float x, float s, float inv) {
-    const uint8_t want = mf_e4m3_encode(x / s);
-    if (mf_e4m3_encode(quotient(x, s, inv)) != want) return 1;
-    return s >= 0x1p-89f && mf_e4m3_encode(quotient_fast(x, s, inv)) != want;
+    return mf_e4m3_encode(quotient(x, s, inv)) != mf_e4m3_encode(x / s);
 }
 
 static void division_free_quotient(void) {

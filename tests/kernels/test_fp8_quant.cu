@@ -10,7 +10,7 @@
  *   - gathered (row_slot: the caller's token-major rows, strided, with padding rows) = the
  *     three passes on the rows gathered by hand, byte for byte;
  *   - the quantizers' division-free x / scale (quantize8: the product by the reciprocal and
- *     one fma correction, quotient()) = encode(div.rn(x, scale)) for all 65536 bf16 x
+ *     one fma correction, quotients()) = encode(div.rn(x, scale)) for all 65536 bf16 x
  *     within twice a tile's range (finite, |x| <= 896 scale) under thousands of scales
  *     (amax / 448 of random amax, and the edges: the smallest scale, amax near FLT_MAX,
  *     subnormal-only tiles), and for fp32 x placed at every e4m3 rounding midpoint times
@@ -97,7 +97,7 @@ __global__ void quotient_agrees_kernel(const float *scales, int num_scales, int 
         for (int j = 0; j < 8; ++j) {
             const uint32_t word = j < 4 ? got.x : got.y;
             const uint8_t code = (uint8_t)(word >> (8 * (j & 3)));
-            /* a tile's values are within 448 scales and finite (quotient()'s
+            /* a tile's values are within 448 scales and finite (quotients()'
              * precondition; a tile with an infinity has a NaN scale); twice that keeps
              * saturating quotients in the check */
             if (!(fabsf(x[j]) <= fminf(896.0f * s, 3.402823466e38f))) continue;

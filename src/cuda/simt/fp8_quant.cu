@@ -22,7 +22,7 @@
  * one 8-byte word. Tokens: a CTA per 128 rows x 128 columns, each thread 8 rows x 8
  * columns in registers, the column amax by registers, a shuffle and shared memory, the
  * codes^T through shared memory as swizzled bytes, written 16 bytes per lane. Codes come
- * from the tile's reciprocal and an fma correction, with the division's bits (quotient()). */
+ * from the tile's reciprocal and an fma correction, with the division's bits (quotients()). */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -238,7 +238,7 @@ __device__ __forceinline__ void tokens_block_codes(const tokens_block_params &bp
     }
 }
 
-/* kGather: the rows read through row_slot. 2 CTAs an SM: quotient()'s codes spill at 3
+/* kGather: the rows read through row_slot. 2 CTAs an SM: the codes spill at 3
  * (80 registers, ptxas CUDA 13). A CTA per block: its loads first, eight 16-byte ones per
  * thread (32 KB a CTA). */
 template <bool kRows, bool kGather>
