@@ -44,7 +44,8 @@
 #   tools/gpu_checks.sh ncu_stalls  where each warp stalls, per SASS instruction: ncu's full
 #                                set with the source page of one launch of each NCU_KERNELS
 #                                kernel (default wgrad_grouped, gemm2_dgrad_swiglu), read by
-#                                tools/ncu_stalls.py (NCU_LIBS as for ncu_fp8)
+#                                tools/ncu_stalls.py (NCU_LIBS as for ncu_fp8; NCU_KEEP_CSV=1
+#                                keeps the source pages, gzipped)
 #   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
 #                                each GEMM in turn, beside bf16 (three runs of 3 models)
 #   tools/gpu_checks.sh step     bench_train_step.py, 12 layers (6 on an 80 GB card), both
@@ -249,7 +250,8 @@ ncu_stalls() {
     # the stall samples per instruction of one launch of each kernel in qwen3-30b-a3b's FP8
     # forward + backward at T = 16384 (the second call's; wgrad's is dW13, the larger: a
     # backward runs dW2 then dW13), summed by tools/ncu_stalls.py; the report and its
-    # source page are dropped once read (tens of MB)
+    # source page are dropped once read (tens of MB), the page kept gzipped in the logs
+    # with NCU_KEEP_CSV=1 (for tools/ncu_stalls.py --ranges: the roles' address ranges)
     local k lib name skip
     for lib in ${NCU_LIBS:-build}; do
         for k in ${NCU_KERNELS:-wgrad_grouped gemm2_dgrad_swiglu}; do
@@ -265,6 +267,8 @@ ncu_stalls() {
                     > /tmp/stalls_$name.csv" &&
                 step "stalls_$name" "stalls_$name.txt" python3 tools/ncu_stalls.py \
                     "/tmp/stalls_$name.csv"
+            [ -n "${NCU_KEEP_CSV:-}" ] && [ -f "/tmp/stalls_$name.csv" ] &&
+                gzip -c "/tmp/stalls_$name.csv" > "$LOG_DIR/stalls_$name.csv.gz"
             rm -f "/tmp/stalls_$name.ncu-rep" "/tmp/stalls_$name.csv"
         done
     done
