@@ -5,8 +5,9 @@
  * and, where the library has it, the one-read pass of dy and [dg; du] (rows + tokens).
  * Inputs N(0, 1) bf16 made on the device, larger than L2; and x's two passes again on
  * heavy-tailed values (N(0, 1) times 2^k, k uniform in -12..3, continuous bf16): tiles of
- * wide range, where the quantizers' division fallback runs most often. Launches of a round take turns
- * (docs/decisions/0013-power-limit-timing); median of 20 rounds after 3. One line per pass:
+ * wide range, where an earlier form of the quantizers took its divisions most often.
+ * Launches of a round take turns (docs/decisions/0013-power-limit-timing); median of 20
+ * rounds after 3. One line per pass:
  * ms, GB/s moved (bf16 read, codes and scales written) and the floor at the rate of a
  * device-to-device copy of 1 GiB timed in the same rounds (the HBM speed this GPU reaches
  * in this run: about 3 TB/s on an H100, 4 on an H200; decision 0023's floors were at a
