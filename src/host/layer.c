@@ -223,11 +223,6 @@ moefuse_status moefuse_layer_check(moefuse_layer *layer, void *stream) {
 
 /* ---- argument validation --------------------------------------------------------- */
 
-/* bf16 tensors and row strides: 16-byte aligned on the CUDA backend (mf_array_align). */
-static int bf16_align(const moefuse_layer *layer) {
-    return (int)mf_array_align(layer, 2);
-}
-
 static moefuse_status need_ptr(const void *p, const char *name, size_t align) {
     if (!p) return mf_fail(MOEFUSE_ERR_NULL_POINTER, "%s: expected a non-NULL pointer", name);
     if ((uintptr_t)p % align != 0)
@@ -240,12 +235,13 @@ static moefuse_status need_ptr(const void *p, const char *name, size_t align) {
 static moefuse_status need_rows(const moefuse_layer *layer, const void *p, int64_t stride,
                                 int num_tokens, const char *name, const char *stride_name) {
     if (num_tokens == 0 && p == NULL) return MOEFUSE_OK;
-    moefuse_status st = need_ptr(p, name, (size_t)bf16_align(layer));
+    /* bf16 rows and their stride: 16-byte aligned on the CUDA backend (mf_array_align) */
+    moefuse_status st = need_ptr(p, name, mf_array_align(layer, 2));
     if (st != MOEFUSE_OK) return st;
     if (stride < layer->cfg.hidden)
         return mf_fail(MOEFUSE_ERR_SHAPE, "%s = %lld: expected >= hidden (%d)", stride_name,
                        (long long)stride, layer->cfg.hidden);
-    int64_t stride_align = bf16_align(layer) / 2;
+    const int64_t stride_align = (int64_t)mf_array_align(layer, 2) / 2;
     if (stride % stride_align != 0)
         return mf_fail(MOEFUSE_ERR_MISALIGNED, "%s = %lld: expected a multiple of %lld elements",
                        stride_name, (long long)stride, (long long)stride_align);
@@ -289,8 +285,7 @@ static moefuse_status check_wgrad_outputs(const moefuse_layer *layer,
             return mf_fail(MOEFUSE_ERR_NULL_POINTER,
                            "bwd_args.dw2: expected a non-NULL pointer (fp32 weight "
                            "gradients), or dw13_bf16 and dw2_bf16 with dw13 = dw2 = NULL");
-        /* fp32 needs 4 bytes; the CUDA backend's 16-byte stores need what its bf16 do */
-        const size_t align = bf16_align(layer) > 4 ? (size_t)bf16_align(layer) : 4;
+        const size_t align = mf_array_align(layer, 4);
         TRY(need_ptr(a->dw13, "bwd_args.dw13", align));
         return need_ptr(a->dw2, "bwd_args.dw2", align);
     }
@@ -305,8 +300,8 @@ static moefuse_status check_wgrad_outputs(const moefuse_layer *layer,
                        "weight-gradient pointers or neither",
                        a->dw13_bf16 ? "dw2_bf16" : "dw13_bf16",
                        a->dw13_bf16 ? "dw13_bf16" : "dw2_bf16");
-    TRY(need_ptr(a->dw13_bf16, "bwd_args.dw13_bf16", (size_t)bf16_align(layer)));
-    TRY(need_ptr(a->dw2_bf16, "bwd_args.dw2_bf16", (size_t)bf16_align(layer)));
+    TRY(need_ptr(a->dw13_bf16, "bwd_args.dw13_bf16", mf_array_align(layer, 2)));
+    TRY(need_ptr(a->dw2_bf16, "bwd_args.dw2_bf16", mf_array_align(layer, 2)));
     if (a->accumulate == 1)
         return mf_fail(MOEFUSE_ERR_INVALID_CONFIG,
                        "bwd_args.accumulate = 1 with dw13_bf16 / dw2_bf16: accumulate needs "
@@ -340,9 +335,7 @@ static moefuse_status check_dw13_up(const moefuse_layer *layer, const moefuse_bw
     if (!up) return MOEFUSE_OK;
     char name[64];
     snprintf(name, sizeof name, "bwd_args.%s", want);
-    const size_t align = bf16 ? (size_t)bf16_align(layer)
-                              : (bf16_align(layer) > 4 ? (size_t)bf16_align(layer) : 4);
-    return need_ptr(up, name, align);
+    return need_ptr(up, name, mf_array_align(layer, bf16 ? 2 : 4));
 }
 
 /* Checks shared by forward and backward: the forward's inputs. */
@@ -364,11 +357,11 @@ static moefuse_status check_inputs(const moefuse_layer *layer, int T, const uint
     /* FP8_BLOCK layers read the quantized weights instead (see mf_check_fp8_weights). */
     if (layer->cfg.precision == MOEFUSE_PRECISION_BF16) {
         snprintf(name, sizeof name, "%s.w13", args);
-        TRY(need_ptr(w13, name, (size_t)bf16_align(layer)));
+        TRY(need_ptr(w13, name, mf_array_align(layer, 2)));
         snprintf(name, sizeof name, "%s.w13_up", args);
-        if (w13_up) TRY(need_ptr(w13_up, name, (size_t)bf16_align(layer)));
+        if (w13_up) TRY(need_ptr(w13_up, name, mf_array_align(layer, 2)));
         snprintf(name, sizeof name, "%s.w2", args);
-        TRY(need_ptr(w2, name, (size_t)bf16_align(layer)));
+        TRY(need_ptr(w2, name, mf_array_align(layer, 2)));
     }
     /* Device ids are checked by the GPU plan (see moefuse_layer_check). */
     if (layer->cfg.backend == MOEFUSE_BACKEND_CPU && T > 0)
