@@ -216,7 +216,11 @@ struct Dgrad2Epilogue {
     static constexpr int kRowStride = kStoreWarps * kRowsPerStep;   /* rows between a warp's steps */
     static constexpr int kSteps = (64 + kRowStride - 1) / kRowStride;
     static constexpr int kFullSteps = 64 / kRowStride;   /* rows below 64 in every warp */
-    static constexpr int kGroup = 2;
+    /* FP8 (BN = 128, no p a): 4 steps' g and u in flight, which its 152 registers hold;
+     * the drain waits on those loads (dgrad2 772 -> 708 us on an H100, qwen3-30b-a3b
+     * T = 16384, against 2). bf16 keeps 2: its 128-wide form spilled at 4. See
+     * docs/decisions/0011-dgrad2-epilogue. */
+    static constexpr int kGroup = kActWeighted ? 2 : 4;
     static constexpr int kGroupedSteps = kFullSteps / kGroup * kGroup;
     static constexpr int kLastGroup = kSteps - kGroupedSteps;
     static_assert(kLastGroup <= kGroup, "the last group fits the group's registers");
