@@ -165,9 +165,7 @@ struct WgradLoad {
         ptx::bulk_load_g2s(scales + kBlockM * 4, args.rhs_scales + t * args.n + n_col,
                            Cfg::BN * 4, bar);
     }
-    /* a 128-wide tile (one piece) promotes each block beside the next one's wgmmas */
-    using Hook = PromoteRowScales<Cfg::kAccRegs, Cfg::BN == 128 ? 2 : 1>;
-    __device__ __forceinline__ Hook block_scale(int, int, int) const {
+    __device__ __forceinline__ PromoteRowScales<Cfg::kAccRegs> block_scale(int, int, int) const {
         return {};
     }
 };

@@ -126,18 +126,12 @@ struct Fp8E4m3TokenScaled : Fp8E4m3 {
  * p's part register i is accumulator p * kPartRegs + i.
  * NOTE: promoting one piece while the next one's wgmmas run (two part buffers of 64-column
  * pieces) lost 14-20% (docs/decisions/0021-fp8-gpu-kernels.md). */
-template <int kAccRegs, int kBuffers = 1>
+template <int kAccRegs>
 struct PromoteScales {
     static constexpr int kGroupsInFlight = 0;
     static constexpr int kPartRegs = kAccRegs < 64 ? kAccRegs : 64;
     static constexpr int kParts = kAccRegs / kPartRegs;
-    /* 2: a one-piece tile's K blocks alternate between two part buffers, each block's
-     * wgmmas issued before the block before it is promoted (mainloop.cuh,
-     * k_loop_promoted_across_blocks) */
-    static constexpr int kPartBuffers = kBuffers;
-    static_assert(kBuffers == 1 || (kBuffers == 2 && kParts == 1),
-                  "two part buffers for one-piece tiles only");
-    float part[kBuffers][kPartRegs];
+    float part[kPartRegs];
 
     /* This thread's two rows' scales of the K block in `slot`. */
     static __device__ __forceinline__ float2 row_scales(const uint8_t *slot) {
@@ -149,10 +143,9 @@ struct PromoteScales {
     /* acc starts at 0 (k_loop_promoted), so every block is one fma: the first gives
      * part * scale. */
     template <class Acc>
-    __device__ __forceinline__ void promote_one(Acc &acc, int piece, int i, float scale,
-                                                int buffer = 0) const {
+    __device__ __forceinline__ void promote_one(Acc &acc, int piece, int i, float scale) const {
         float &a = acc[piece * kPartRegs + i];
-        a = fmaf(part[buffer][i], scale, a);
+        a = fmaf(part[i], scale, a);
     }
 };
 
@@ -193,26 +186,21 @@ struct PromoteBlockScale : PromoteScales<kAccRegs> {
 
 /* Per-row scales of both operands (Fp8E4m3TokenScaled): B's column scales from the slot,
  * after A's 128. */
-template <int kAccRegs, int kBuffers = 1>
-struct PromoteRowScales : PromoteScales<kAccRegs, kBuffers> {
-    using Base = PromoteScales<kAccRegs, kBuffers>;
-    /* Not an aggregate: a `return {}` would zero the part buffers, and zeros carried into
-     * the K loop make ptxas serialize overlapped wgmmas (C7518). Each block's first wgmma
-     * overwrites its part (scale-d 0), so nothing reads them unset. */
-    __device__ __forceinline__ PromoteRowScales() {}
+template <int kAccRegs>
+struct PromoteRowScales : PromoteScales<kAccRegs> {
+    using Base = PromoteScales<kAccRegs>;
     template <class Acc>
-    __device__ __forceinline__ void promote(Acc &acc, const uint8_t *slot, int, int piece,
-                                            int buffer = 0) {
+    __device__ __forceinline__ void promote(Acc &acc, const uint8_t *slot, int, int piece) {
         const float2 sa = Base::row_scales(slot);
         const float *sb = reinterpret_cast<const float *>(slot) + 128 +
                           piece * (Base::kPartRegs * 2) + 2 * (threadIdx.x % 4);
 #pragma unroll
         for (int c = 0; c < Base::kPartRegs / 4; ++c) {
             const float2 b = *reinterpret_cast<const float2 *>(sb + 8 * c);
-            this->promote_one(acc, piece, 4 * c, sa.x * b.x, buffer);
-            this->promote_one(acc, piece, 4 * c + 1, sa.x * b.y, buffer);
-            this->promote_one(acc, piece, 4 * c + 2, sa.y * b.x, buffer);
-            this->promote_one(acc, piece, 4 * c + 3, sa.y * b.y, buffer);
+            this->promote_one(acc, piece, 4 * c, sa.x * b.x);
+            this->promote_one(acc, piece, 4 * c + 1, sa.x * b.y);
+            this->promote_one(acc, piece, 4 * c + 2, sa.y * b.x);
+            this->promote_one(acc, piece, 4 * c + 3, sa.y * b.y);
         }
     }
 };

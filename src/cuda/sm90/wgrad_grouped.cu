@@ -140,8 +140,9 @@ extern "C" cudaError_t mf_sm90_wgrad_grouped_fp8(const mf_wgrad_params *p,
                                                  cudaStream_t stream) {
     if (!wgrad_params_ok<Fp8E4m3>(p)) return cudaErrorInvalidValue;
     if (p->rows.rows_cap == 0) return wgrad_without_rows(p, stream);
-    if (p->dw_bf16) return launch<Fp8NarrowBf16Cfg>(p, stream);
-    return launch<Fp8NarrowF32Cfg>(p, stream);
+    if (p->dw_bf16) return p->n % 256 == 0 ? launch<Fp8WideBf16Cfg>(p, stream)
+                                           : launch<Fp8NarrowBf16Cfg>(p, stream);
+    return p->n % 256 == 0 ? launch<Fp8WideF32Cfg>(p, stream) : launch<Fp8NarrowF32Cfg>(p, stream);
 }
 
 extern "C" cudaError_t mf_sm90_wgrad_grouped_load(void) {

@@ -183,21 +183,21 @@ __device__ __forceinline__ void k_loop_promoted(const Ring<Cfg> &ring, RingPos<C
         }
 #pragma unroll
         for (int piece = 0; piece < Scale::kParts; ++piece) {
-            ptx::wgmma_fence_operand(scale.part[0]);
+            ptx::wgmma_fence_operand(scale.part);
             ptx::wgmma_fence();
 #pragma unroll
             for (int k = 0; k < kSteps; ++k) {
                 const uint64_t b = db + ((piece * kPieceN * Cfg::kRowBytes) >> 4) +
                                    DescB::kStepK * k;
                 if constexpr (kAFromRegisters)
-                    ptx::wgmma_m64n128k32_e4m3_rs(scale.part[0], a_regs[k], b, k > 0 ? 1 : 0);
+                    ptx::wgmma_m64n128k32_e4m3_rs(scale.part, a_regs[k], b, k > 0 ? 1 : 0);
                 else
-                    P::template mma<kPieceN, 0, 0>(scale.part[0], da + DescA::kStepK * k, b,
+                    P::template mma<kPieceN, 0, 0>(scale.part, da + DescA::kStepK * k, b,
                                                    k > 0 ? 1 : 0);
             }
             ptx::wgmma_commit();
             ptx::wgmma_wait<0>();
-            ptx::wgmma_fence_operand(scale.part[0]);
+            ptx::wgmma_fence_operand(scale.part);
             if constexpr (kAFromRegisters)
 #pragma unroll
                 for (int k = 0; k < kSteps; ++k) ptx::wgmma_fence_a(a_regs[k]);
@@ -215,79 +215,6 @@ __device__ __forceinline__ void k_loop_promoted(const Ring<Cfg> &ring, RingPos<C
     }
 }
 
-/* The K loop of a promoting hook with two part buffers (a one-piece tile, BN = 128):
- * block kb's wgmmas go into buffer kb % 2 and are issued before block kb - 1 is waited
- * for and promoted, so that a warpgroup's promotion runs beside its own next wgmmas, not
- * only the other warpgroup's. The blocks go in pairs (buffer 0, then 1: the buffers are
- * registers, so their index is a constant); the last one or two are peeled so that no
- * wgmma sits in a branch of its own. */
-template <class Cfg, class Scale>
-__device__ __forceinline__ void k_loop_promoted_across_blocks(const Ring<Cfg> &ring,
-                                                              RingPos<Cfg> &pos,
-                                                              float (&acc)[Cfg::kAccRegs],
-                                                              int num_k_blocks, Scale &scale) {
-    using P = typename Cfg::Precision;
-    using Desc = OperandDesc<P, false, Cfg::kMnBoxBytes>;
-    constexpr int kSteps = Cfg::kBlockK / P::kInstrK;
-    static_assert(!Cfg::kAMnMajor && !Cfg::kBMnMajor, "promoted K loops take K-major operands");
-    static_assert(Scale::kParts == 1 && Scale::kPartBuffers == 2 &&
-                      Cfg::BN / 2 == Scale::kPartRegs,
-                  "one m64 wgmma per block, alternating between two part buffers");
-    static_assert(Cfg::kStages >= 3, "two blocks in flight and the next one loading");
-    const int wg = threadIdx.x / 128;
-#pragma unroll
-    for (int i = 0; i < Cfg::kAccRegs; ++i) acc[i] = 0.f;   /* the promotions add to it */
-    if (num_k_blocks == 0) return;
-
-    /* the block at ring position p into part buffer kBuf */
-    auto issue = [&](const RingPos<Cfg> &p, auto buf) {
-        constexpr int kBuf = decltype(buf)::value;
-        ptx::mbar_wait(&ring.full[p.stage], p.phase);
-        const uint64_t da = Desc::make(ring.a(p.stage) + wg * Cfg::kAWarpgroupBytes);
-        const uint64_t db = Desc::make(ring.b(p.stage));
-        ptx::wgmma_fence_operand(scale.part[kBuf]);
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < kSteps; ++k)
-            P::template mma<Cfg::BN, 0, 0>(scale.part[kBuf], da + Desc::kStepK * k,
-                                           db + Desc::kStepK * k, k > 0 ? 1 : 0);
-        ptx::wgmma_commit();
-    };
-    /* block kb (at pos, in buffer kBuf) waited for (kPending groups may stay in flight:
-     * the next block's), promoted, and its stage handed back */
-    auto retire = [&](int kb, auto buf, auto pending) {
-        constexpr int kBuf = decltype(buf)::value;
-        ptx::wgmma_wait<decltype(pending)::value>();
-        ptx::wgmma_fence_operand(scale.part[kBuf]);
-        scale.promote(acc, ring.a_scales(pos.stage), kb, 0, kBuf);
-        /* as in k_loop_promoted (docs/decisions/0028-fp8-stage-scale-fence) */
-        ptx::fence_proxy_async_smem();
-        if (threadIdx.x % 32 == 0) ptx::mbar_arrive(&ring.empty[pos.stage]);
-        pos.advance();
-    };
-    using B0 = std::integral_constant<int, 0>;
-    using B1 = std::integral_constant<int, 1>;
-    RingPos<Cfg> ahead = pos;   /* the next block to issue */
-    issue(ahead, B0{});
-    ahead.advance();
-    int kb = 0;
-    for (; kb + 2 < num_k_blocks; kb += 2) {   /* blocks kb + 1 and kb + 2 exist */
-        issue(ahead, B1{});
-        ahead.advance();
-        retire(kb, B0{}, std::integral_constant<int, 1>{});
-        issue(ahead, B0{});
-        ahead.advance();
-        retire(kb + 1, B1{}, std::integral_constant<int, 1>{});
-    }
-    if (kb + 1 < num_k_blocks) {   /* two left */
-        issue(ahead, B1{});
-        retire(kb, B0{}, std::integral_constant<int, 1>{});
-        retire(kb + 1, B1{}, std::integral_constant<int, 0>{});
-    } else {
-        retire(kb, B0{}, std::integral_constant<int, 0>{});
-    }
-}
-
 /* A tile's whole K loop from ring position pos (advanced past it) into acc, with the
  * precision's per-K-block scale hook (a scaled precision's kernel passes its own, which
  * loaded the tile's B scales first). */
@@ -296,10 +223,7 @@ __device__ __forceinline__ void k_loop(const Ring<Cfg> &ring, RingPos<Cfg> &pos,
                                        float (&acc)[Cfg::kAccRegs], int num_k_blocks,
                                        Scale &scale) {
     if constexpr (Scale::kGroupsInFlight == 0) {
-        if constexpr (Scale::kPartBuffers == 2)
-            k_loop_promoted_across_blocks<Cfg>(ring, pos, acc, num_k_blocks, scale);
-        else
-            k_loop_promoted<Cfg>(ring, pos, acc, num_k_blocks, scale);
+        k_loop_promoted<Cfg>(ring, pos, acc, num_k_blocks, scale);
     } else {
         int prev_stage = 0;
         for (int kb = 0; kb < num_k_blocks; ++kb) {
