@@ -21,8 +21,9 @@
  * go on to the next tile; the store warps, with registers for it (ProducerRegs), run
  * the whole SwiGLU backward from that buffer while the next K loop runs. Each store warp
  * takes whole rows, two 16-byte pieces (16 columns) per lane and two rows' steps at a
- * time, g and u loaded into registers two steps ahead, dh and act_p stored 16 bytes per
- * lane (evict-first), the rows' dp partials sums over the row's lanes.
+ * time (FP8: four), g and u loaded into registers that many steps ahead, dh and act_p
+ * stored 16 bytes per lane (evict-first), the rows' dp partials sums over the row's
+ * lanes.
  * NOTE: da' is rounded to bf16 before the SwiGLU backward (one more rounding on dh's
  * path than the fp32 da' of the consumer-side epilogue this replaced; the same rounding
  * torch._grouped_mm's bf16 output has in an autograd MoE). The CPU backend rounds it too.
