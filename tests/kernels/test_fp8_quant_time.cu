@@ -7,11 +7,11 @@
  * heavy-tailed values (N(0, 1) times 2^k, k uniform in -12..3, continuous bf16): tiles of
  * wide range, where an earlier form of the quantizers took its divisions most often.
  * Launches of a round take turns (docs/decisions/0013-power-limit-timing); median of 20
- * rounds after 3. One line per pass:
- * ms, GB/s moved (bf16 read, codes and scales written) and the floor at the rate of a
- * device-to-device copy of 1 GiB timed in the same rounds (the HBM speed this GPU reaches
- * in this run: about 3 TB/s on an H100, 4 on an H200; decision 0023's floors were at a
- * fixed 4.0 TB/s). A case fails only when a launch fails.
+ * rounds after 3. One line per pass: ms, GB/s moved (bf16 read, codes and scales
+ * written) and the floor at the rate of a device-to-device copy of 1 GiB timed in the
+ * same rounds (the HBM speed this GPU reaches in this run: about 3 TB/s on an H100, 4 on
+ * an H200; decision 0023's floors were at a fixed 4.0 TB/s). A case fails only when a
+ * launch fails.
  *   test_fp8_quant_time [substring of a pass name]   (built in main's tree too: copy it) */
 #include <stdio.h>
 #include <string.h>
