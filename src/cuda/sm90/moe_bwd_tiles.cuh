@@ -180,8 +180,13 @@ constexpr int kZeroRows = 16;   /* rows of a zero tile per idle_work piece */
 template <class Cfg>
 struct WgradEpilogue {
     /* the store warps' output: fp32 (rows of BN * 4 bytes; epi_write_acc_fp32 also asks
-     * EPI_ROW_PAD = 32, so a bf16 config cannot turn fp32 by its row bytes alone) or bf16 */
-    static constexpr bool kStoresF32 = Cfg::kStoreRowBytes == Cfg::BN * 4;
+     * EPI_ROW_PAD = 32, so a bf16 config cannot turn fp32 by its row bytes alone), fp32 in
+     * two column halves (rows of BN * 2 bytes with EPI_ROW_PAD = 32: two handoffs a tile)
+     * or bf16 */
+    static constexpr bool kStoresF32Halves =
+        Cfg::kStoreRowBytes == Cfg::BN * 2 && Cfg::kEpiRowBytes % 128 == 32;
+    static constexpr bool kStoresF32 = Cfg::kStoreRowBytes == Cfg::BN * 4 || kStoresF32Halves;
+    static constexpr int kHandoffsPerTile = kStoresF32Halves ? 2 : 1;
     using Out = typename std::conditional<kStoresF32, float, uint16_t>::type;
     const WgradArgs &args;
     Ring<Cfg> ring;
@@ -212,7 +217,12 @@ struct WgradEpilogue {
 
     __device__ __forceinline__ void operator()(int m_block, int n_block,
                                                float (&acc)[Cfg::kAccRegs], uint8_t *buf) {
-        if constexpr (kStoresF32) {
+        if constexpr (kStoresF32Halves) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                handoff.stage(ring, buf,
+                              [&](uint8_t *b) { epi_write_acc_fp32_half<Cfg>(b, acc, half); });
+        } else if constexpr (kStoresF32) {
             handoff.stage(ring, buf, [&](uint8_t *b) { epi_write_acc_fp32<Cfg>(b, acc); });
         } else if constexpr (Cfg::kStoreRowBytes > 0) {
             handoff.stage(ring, buf, [&](uint8_t *b) { epi_write_acc_bf16<Cfg>(b, acc); });
@@ -229,9 +239,11 @@ struct WgradEpilogue {
         if constexpr (kStoresF32) return args.dw_up; else return args.dw_bf16_up;
     }
 
-    /* Store warps: warpgroup wg's rows of the tile. */
-    __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf) {
-        Out *row0 = first_row(out_lo(), out_hi(), m_block, wg) + n_block * Cfg::BN;
+    /* Store warps: warpgroup wg's rows of the tile (of its column half `half`). */
+    __device__ __forceinline__ void drain(int m_block, int n_block, int wg, const uint8_t *buf,
+                                          int half = 0) {
+        Out *row0 = first_row(out_lo(), out_hi(), m_block, wg) + n_block * Cfg::BN +
+                    half * (Cfg::kStoreRowBytes / (int)sizeof(Out));
         drain_rows<Cfg>(buf, [&](int r) -> Out * { return row0 + (int64_t)r * args.n; });
     }
 
@@ -245,15 +257,19 @@ struct WgradEpilogue {
         wgrad_tile(args.expert_order, args.m_blocks, args.n_blocks, zero_tile, m_block, n_block);
         Out *tile = first_row(out_lo(), out_hi(), m_block, 0) + (int64_t)zero_row * args.n +
                     n_block * Cfg::BN;
-        constexpr int kVecs = Cfg::kStoreRowBytes / 16, kRowsPerStep = 32 / kVecs;
+        /* a row's 16-byte pieces, a lane's (more than 32: several) and the rows a step */
+        constexpr int kVecs = Cfg::BN * (int)sizeof(Out) / 16;
+        constexpr int kLanesPerRow = kVecs < 32 ? kVecs : 32;
+        constexpr int kRowsPerStep = 32 / kLanesPerRow;
         const int lane = threadIdx.x % 32;
-        uint4 *piece =
-            reinterpret_cast<uint4 *>(tile + (int64_t)(lane / kVecs) * args.n) + lane % kVecs;
+        uint4 *piece = reinterpret_cast<uint4 *>(tile + (int64_t)(lane / kLanesPerRow) * args.n) +
+                       lane % kLanesPerRow;
         /* in uint4 */
         const int64_t step = (int64_t)kRowsPerStep * args.n * (int64_t)sizeof(Out) / 16;
 #pragma unroll 1
         for (int r = 0; r < kZeroRows; r += kRowsPerStep, piece += step)
-            *piece = make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int v = 0; v < kVecs; v += kLanesPerRow) piece[v] = make_uint4(0, 0, 0, 0);
         zero_row += kZeroRows;
         if (zero_row == kBlockM) {
             zero_row = 0;

@@ -94,6 +94,9 @@ using Fp8WideBf16Cfg = TileConfig<Fp8E4m3TokenScaled<256>, 256, 3, false, false,
 using Fp8NarrowBf16Cfg =
     ProducerRegs<TileConfig<Fp8E4m3TokenScaled<128>, 128, 5, false, false, 0, 256>, 48>;
 using Fp8WideF32Cfg = TileConfig<Fp8E4m3TokenScaled<256>, 256, 4, false, false>;
+/* FP8's fp32 out in write mode, by the store warps in two column halves a tile: rows of
+ * 128 fp32 (bf16's 512 bytes) in bf16's buffers, 3 stages */
+using Fp8WideF32HalvesCfg = TileConfig<Fp8E4m3TokenScaled<256>, 256, 3, false, false, 0, 512, 32>;
 using Fp8NarrowF32Cfg = TileConfig<Fp8E4m3TokenScaled<128>, 128, 6, false, false>;
 /* bf16's fp32 out in write mode, by the store warps: BN = 128, 4 stages of 32 KB beside
  * the two 34 KB buffers; 48 registers for the store warps, as bf16's narrow tile (wgrad
@@ -142,7 +145,9 @@ extern "C" cudaError_t mf_sm90_wgrad_grouped_fp8(const mf_wgrad_params *p,
     if (p->rows.rows_cap == 0) return wgrad_without_rows(p, stream);
     if (p->dw_bf16) return p->n % 256 == 0 ? launch<Fp8WideBf16Cfg>(p, stream)
                                            : launch<Fp8NarrowBf16Cfg>(p, stream);
-    return p->n % 256 == 0 ? launch<Fp8WideF32Cfg>(p, stream) : launch<Fp8NarrowF32Cfg>(p, stream);
+    if (p->n % 256 == 0)
+        return p->accumulate ? launch<Fp8WideF32Cfg>(p, stream) : launch<Fp8WideF32HalvesCfg>(p, stream);
+    return launch<Fp8NarrowF32Cfg>(p, stream);
 }
 
 extern "C" cudaError_t mf_sm90_wgrad_grouped_load(void) {
@@ -151,5 +156,6 @@ extern "C" cudaError_t mf_sm90_wgrad_grouped_load(void) {
         sm90_wgrad_grouped_kernel<WideF32Cfg>, sm90_wgrad_grouped_kernel<NarrowF32Cfg>,
         sm90_wgrad_grouped_kernel<Fp8WideBf16Cfg>, sm90_wgrad_grouped_kernel<Fp8NarrowBf16Cfg>,
         sm90_wgrad_grouped_kernel<Fp8WideF32Cfg>, sm90_wgrad_grouped_kernel<Fp8NarrowF32Cfg>,
+        sm90_wgrad_grouped_kernel<Fp8WideF32HalvesCfg>,
         sm90_wgrad_grouped_kernel<F32StoredCfg>);
 }

@@ -125,6 +125,28 @@ __device__ __forceinline__ void epi_write_acc_fp32(uint8_t *buf, float (&acc)[Cf
                 make_float2(acc[4 * c + 2 * h], acc[4 * c + 2 * h + 1]);
 }
 
+/* The same for one half of the tile's columns (half 0 or 1: columns half * BN / 2 ..),
+ * rows of BN / 2 fp32 (BN * 2 bytes: the buffers of a bf16 tile's rows), so that a 256-wide
+ * fp32 tile leaves in two handoffs through buffers of bf16's size. */
+template <class Cfg>
+__device__ __forceinline__ void epi_write_acc_fp32_half(uint8_t *buf,
+                                                        float (&acc)[Cfg::kAccRegs], int half) {
+    static_assert(Cfg::kStoreRowBytes == Cfg::BN * 2 && Cfg::kEpiRowBytes % 128 == 32,
+                  "the buffer holds half the tile's fp32 rows, 8 banks apart");
+    const int t = threadIdx.x % 128;
+    const int warp = t / 32, lane = t % 32;
+    uint8_t *my_row = buf + (warp * 16 + lane / 4) * Cfg::kEpiRowBytes + (lane % 4) * 8;
+    constexpr int kGroups = Cfg::BN / 16;   /* column groups of 8 in a half */
+#pragma unroll
+    for (int c = 0; c < kGroups; ++c)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int a = 4 * (c + half * kGroups) + 2 * h;
+            *reinterpret_cast<float2 *>(my_row + h * 8 * Cfg::kEpiRowBytes + c * 32) =
+                make_float2(acc[a], acc[a + 1]);
+        }
+}
+
 /* Store-warp side: the buffer's 64 rows (kStoreRowBytes each: BN bf16, or BN fp32), each
  * to dst(r) (16-byte aligned; nullptr drops the row). Each row leaves as one bulk copy
  * (cp.async.bulk, the TMA engine), row r issued by lane r / kStoreWarps of store warp
@@ -173,6 +195,17 @@ struct HasDrains<E, decltype(void(std::declval<E &>().drains(0, 0)))> {
     static constexpr bool value = true;
 };
 
+/* An epilogue that hands each warpgroup's buffer over more than once a tile
+ * (`kHandoffsPerTile`; its drain then takes the handoff's index as a fifth argument). */
+template <class E, class = void>
+struct HandoffsPerTile {
+    static constexpr int value = 1;
+};
+template <class E>
+struct HandoffsPerTile<E, decltype(void(E::kHandoffsPerTile))> {
+    static constexpr int value = E::kHandoffsPerTile;
+};
+
 /* The store warps' loop over this CTA's tiles (the same walk as the consumers'). */
 template <class Cfg, class Sched, class Epi>
 __device__ __forceinline__ void store_role(const Ring<Cfg> &ring, Sched sched, Epi &epi) {
@@ -181,15 +214,22 @@ __device__ __forceinline__ void store_role(const Ring<Cfg> &ring, Sched sched, E
     while (sched.next_tile(m_block, n_block)) {
         if constexpr (HasDrains<Epi>::value)
             if (!epi.drains(m_block, n_block)) continue;
+        constexpr int kHandoffs = HandoffsPerTile<Epi>::value;
 #pragma unroll 1
-        for (int wg = 0; wg < kConsumerWarpgroups; ++wg) {
-            if constexpr (HasIdleWork<Epi>::value)
-                while (!ptx::mbar_test_wait(&ring.epi_full[wg], phase) && epi.idle_work()) {}
-            ptx::mbar_wait(&ring.epi_full[wg], phase);
-            epi.drain(m_block, n_block, wg, ring.epi_buf(wg));
-            ptx::mbar_arrive(&ring.epi_empty[wg]);
+        for (int handoff = 0; handoff < kHandoffs; ++handoff) {
+#pragma unroll 1
+            for (int wg = 0; wg < kConsumerWarpgroups; ++wg) {
+                if constexpr (HasIdleWork<Epi>::value)
+                    while (!ptx::mbar_test_wait(&ring.epi_full[wg], phase) && epi.idle_work()) {}
+                ptx::mbar_wait(&ring.epi_full[wg], phase);
+                if constexpr (kHandoffs > 1)
+                    epi.drain(m_block, n_block, wg, ring.epi_buf(wg), handoff);
+                else
+                    epi.drain(m_block, n_block, wg, ring.epi_buf(wg));
+                ptx::mbar_arrive(&ring.epi_empty[wg]);
+            }
+            phase ^= 1u;
         }
-        phase ^= 1u;
     }
     if constexpr (HasIdleWork<Epi>::value)
         while (epi.idle_work()) {}
