@@ -164,11 +164,8 @@ struct PromoteBlockScale : PromoteScales<kAccRegs> {
         next_left = k_blocks > 0 ? __ldg(l) : 0.f;
         next_right = k_blocks > 0 ? __ldg(r) : 0.f;
     }
-    /* the stage's scale slot is not read here: the stage may go back before the promotion */
-    static constexpr bool kReadsSlot = false;
     template <class Acc>
-    __device__ __forceinline__ void promote(Acc &acc, float2 sa, const uint8_t *, int kb,
-                                            int piece) {
+    __device__ __forceinline__ void promote(Acc &acc, const uint8_t *slot, int kb, int piece) {
         if (piece == 0) {   /* this block's B scales; the next block's loads issued */
             left = next_left;
             right = next_right;
@@ -177,6 +174,7 @@ struct PromoteBlockScale : PromoteScales<kAccRegs> {
                 next_right = __ldg(b_right + kb + 1);
             }
         }
+        const float2 sa = Base::row_scales(slot);
         /* [column half][row half] */
         const float s[2][2] = {{sa.x * left, sa.y * left}, {sa.x * right, sa.y * right}};
 #pragma unroll
@@ -191,10 +189,9 @@ struct PromoteBlockScale : PromoteScales<kAccRegs> {
 template <int kAccRegs>
 struct PromoteRowScales : PromoteScales<kAccRegs> {
     using Base = PromoteScales<kAccRegs>;
-    static constexpr bool kReadsSlot = true;   /* B's column scales */
     template <class Acc>
-    __device__ __forceinline__ void promote(Acc &acc, float2 sa, const uint8_t *slot, int,
-                                            int piece) {
+    __device__ __forceinline__ void promote(Acc &acc, const uint8_t *slot, int, int piece) {
+        const float2 sa = Base::row_scales(slot);
         const float *sb = reinterpret_cast<const float *>(slot) + 128 +
                           piece * (Base::kPartRegs * 2) + 2 * (threadIdx.x % 4);
 #pragma unroll

@@ -144,28 +144,6 @@ __device__ __forceinline__ void end_k_loop(const Ring<Cfg> &ring, float (&acc)[C
     }
 }
 
-/* The promoting K loops' issue order: warpgroup 0's piece n, warpgroup 1's piece n,
- * warpgroup 0's piece n + 1, ..., kept by two named barriers (a warpgroup arrives on its
- * own once its piece is issued and waits on the other's before issuing), so that one
- * warpgroup's wgmmas run while the other promotes instead of both finishing together and
- * promoting at once. Warpgroup 1 arrives once before its first tile (issue_turn_start). */
-constexpr uint32_t kIssuedBarrier0 = 2;   /* warpgroup 1's is 3; 1 is the fused forward's */
-__device__ __forceinline__ void issue_turn_start(int wg) {
-    if (wg == 1) ptx::named_barrier_arrive(kIssuedBarrier0 + 1, 256);
-}
-__device__ __forceinline__ void issue_turn_wait(int wg) {
-    if (wg == 0)
-        ptx::named_barrier_sync(kIssuedBarrier0 + 1, 256);
-    else
-        ptx::named_barrier_sync(kIssuedBarrier0, 256);
-}
-__device__ __forceinline__ void issue_turn_done(int wg) {
-    if (wg == 0)
-        ptx::named_barrier_arrive(kIssuedBarrier0, 256);
-    else
-        ptx::named_barrier_arrive(kIssuedBarrier0 + 1, 256);
-}
-
 /* The K loop of a promoting scale hook (FP8; kGroupsInFlight 0): each K block's wgmmas
  * run into the hook's part registers, kParts pieces of the tile's columns one after the
  * other (BN = 256: two halves of m64n128, so that acc and part fit the registers: 128 +
@@ -188,9 +166,6 @@ __device__ __forceinline__ void k_loop_promoted(const Ring<Cfg> &ring, RingPos<C
     for (int i = 0; i < Cfg::kAccRegs; ++i) acc[i] = 0.f;   /* the promotions add to it */
     for (int kb = 0; kb < num_k_blocks; ++kb) {
         ptx::mbar_wait(&ring.full[pos.stage], pos.phase);
-        /* A's row scales of the block, read before the wgmmas, so that a hook that reads
-         * nothing else of the slot lets the stage go before its last promotion */
-        const float2 sa = Scale::row_scales(ring.a_scales(pos.stage));
         const uint8_t *a_rows = ring.a(pos.stage) + wg * Cfg::kAWarpgroupBytes;
         const uint64_t da = DescA::make(a_rows);
         const uint64_t db = DescB::make(ring.b(pos.stage));
@@ -208,7 +183,6 @@ __device__ __forceinline__ void k_loop_promoted(const Ring<Cfg> &ring, RingPos<C
         }
 #pragma unroll
         for (int piece = 0; piece < Scale::kParts; ++piece) {
-            issue_turn_wait(wg);
             ptx::wgmma_fence_operand(scale.part);
             ptx::wgmma_fence();
 #pragma unroll
@@ -222,29 +196,21 @@ __device__ __forceinline__ void k_loop_promoted(const Ring<Cfg> &ring, RingPos<C
                                                    k > 0 ? 1 : 0);
             }
             ptx::wgmma_commit();
-            issue_turn_done(wg);
             ptx::wgmma_wait<0>();
             ptx::wgmma_fence_operand(scale.part);
             if constexpr (kAFromRegisters)
 #pragma unroll
                 for (int k = 0; k < kSteps; ++k) ptx::wgmma_fence_a(a_regs[k]);
-            /* The scales are read from the slot with generic loads, and the producer's
-             * next TMA into the slot (the async proxy) follows this warp's arrival:
-             * without the fence the arrival went out with those loads still in flight,
-             * and now and then a warp read the next fill's scales (its 16 rows of a
-             * dgrad2 tile wrong in about one backward in two at T = 16384; see
-             * docs/decisions/0028-fp8-stage-scale-fence). */
-            const bool last = piece + 1 == Scale::kParts;
-            if (last && !Scale::kReadsSlot) {
-                ptx::fence_proxy_async_smem();
-                if (threadIdx.x % 32 == 0) ptx::mbar_arrive(&ring.empty[pos.stage]);
-            }
-            scale.promote(acc, sa, ring.a_scales(pos.stage), kb, piece);
-            if (last && Scale::kReadsSlot) {
-                ptx::fence_proxy_async_smem();
-                if (threadIdx.x % 32 == 0) ptx::mbar_arrive(&ring.empty[pos.stage]);
-            }
+            scale.promote(acc, ring.a_scales(pos.stage), kb, piece);
         }
+        /* The promotions read the stage's scales with generic loads, and the producer's
+         * next TMA into the slot (the async proxy) follows this warp's arrival: without
+         * the fence the arrival went out with those loads still in flight, and now and
+         * then a warp read the next fill's scales (its 16 rows of a dgrad2 tile wrong in
+         * about one backward in two at T = 16384; see
+         * docs/decisions/0028-fp8-stage-scale-fence). */
+        ptx::fence_proxy_async_smem();
+        if (threadIdx.x % 32 == 0) ptx::mbar_arrive(&ring.empty[pos.stage]);
         pos.advance();
     }
 }
@@ -289,7 +255,6 @@ __device__ __forceinline__ void consumer_role(const Ring<Cfg> &ring, Sched sched
 
     RingPos<Cfg> pos;
     int m_block, n_block;
-    if constexpr (Cfg::Precision::kAScaleBytes > 0) issue_turn_start(wg);
     while (sched.next_tile(m_block, n_block)) {
         const int num_k_blocks = sched.num_k_blocks(m_block, n_block);
         if constexpr (HasPrepare<Epi>::value) epi.prepare(m_block, n_block);

@@ -91,12 +91,6 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-/* Arrival on hardware barrier `id` without waiting (the other `threads` - 32k wait with
- * named_barrier_sync). */
-__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
 /* Register budget of the warpgroup executing it (sm_90a); all its warps must run it. */
 template <uint32_t kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {
