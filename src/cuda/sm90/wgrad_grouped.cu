@@ -24,7 +24,8 @@
  * consumers run the next tile's K loop: a separate instantiation (TileConfig with
  * STORE_ROW_BYTES), since its buffers take a stage's shared memory. bf16 operands' fp32
  * output in write mode goes the same way, BN = 128 (rows of 512 bytes, as bf16's at
- * 256) with 4 stages; FP8's stays with the consumers, whose 256-wide tiles were faster
+ * 256) with 4 stages; FP8's keeps its 256-wide tile (narrower ones were slower) and hands
+ * it over in two column halves of 512-byte rows, 3 stages
  * (docs/decisions/0021-fp8-gpu-kernels.md).
  *
  * FLOPs: 2 * rows * M * N. qwen3-30b-a3b at 131072 rows: dW2 412 GFLOP, dW13 825 GFLOP;
@@ -43,7 +44,7 @@ using namespace mf::sm90;
  * Wave w hands tiles w*G .. w*G + G-1 to the G CTAs forwards when w is even and
  * backwards when it is odd (a snake): the CTA that got one of a wave's costliest tiles
  * gets one of the next wave's cheapest, so the heavy experts' tiles spread evenly.
- * With store warps (bf16 out, or bf16 operands' fp32 in write mode) and an order, the
+ * With store warps (bf16 out, or fp32 in write mode) and an order, the
  * tiles of experts without rows are left out here: they are zeros, written by the store
  * warps beside the GEMM tiles (WgradEpilogue::idle_work), instead of a tail of pure
  * stores after them.
@@ -115,8 +116,9 @@ cudaError_t launch(const mf_wgrad_params *p, cudaStream_t stream) {
 }  // namespace
 
 /* Tile choice: BN = 256 when N allows it, else BN = 128. fp32 out: 4 stages of 48 KB or
- * 6 of 32 KB (bf16 operands in write mode: BN = 128, 4 of 32 KB and the store warps'
- * buffers); bf16 out, with the store warps' buffers: 3 of 48 KB or 6 of 32 KB. */
+ * 6 of 32 KB (in write mode, with the store warps' buffers: bf16 operands BN = 128, 4 of
+ * 32 KB; FP8 BN = 256 in two halves, 3 of 48 KB); bf16 out, with the store warps'
+ * buffers: 3 of 48 KB or 6 of 32 KB. */
 /* No rows at all: zero gradients in write mode (each half of an output in two), nothing
  * when accumulating. */
 static cudaError_t wgrad_without_rows(const mf_wgrad_params *p, cudaStream_t stream) {
