@@ -207,9 +207,11 @@ struct Dgrad2Epilogue {
      * read them. The steps left over form a last group, whose rows past 64 (the last step
      * of some warps) compute row 63 again and store nothing.
      * NOTE: the last full group also loads g and u for steps past the last one (row 63
-     * again: kGroup - kLastGroup steps' loads per drain). Skipping them with a predicate
-     * spilled at 168 registers (ptxas, CUDA 13, 2026-12-04); peeling that group would add
-     * a third copy of the group's code. */
+     * again: kGroup - kLastGroup steps' loads per drain) where the group loop runs more
+     * than once (bf16's 256-wide tile: one step's); skipping them with a predicate spilled
+     * at 168 registers (ptxas, CUDA 13, 2026-12-04). FP8's drain has one full group, whose
+     * extra loads fill registers the last group never reads: ptxas drops them (its SASS: 16
+     * 16-byte g and u loads before the group, 8 in it, and the same with a predicate). */
     static constexpr int kPieces = 2;
     static constexpr int kLanesPerRow = Cfg::BN / 8 / kPieces;
     static constexpr int kPieceCols = Cfg::BN / kPieces;
