@@ -29,8 +29,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 using Precision = Bf16;
 using WideCfg = RowGemmTiles<Precision>::Wide;
 using NarrowCfg = RowGemmTiles<Precision>::Narrow;
+/* FP8 takes I % 128 == 0 (gemm1_params_ok): the wide tile only */
 using Fp8WideCfg = RowGemmTiles<Fp8E4m3>::Wide;
-using Fp8NarrowCfg = RowGemmTiles<Fp8E4m3>::Narrow;
 
 template <class Cfg>
 cudaError_t launch(const mf_gemm1_params *p, cudaStream_t stream) {
@@ -55,12 +55,10 @@ extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_bf16(const mf_gemm1_params *p,
 extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_fp8(const mf_gemm1_params *p, cudaStream_t stream) {
     if (!gemm1_params_ok<Fp8E4m3>(p)) return cudaErrorInvalidValue;
     if (p->rows.rows_cap == 0) return cudaSuccess;
-    if (p->intermediate % 128 == 0) return launch<Fp8WideCfg>(p, stream);
-    return launch<Fp8NarrowCfg>(p, stream);
+    return launch<Fp8WideCfg>(p, stream);
 }
 
 extern "C" cudaError_t mf_sm90_gemm1_swiglu_fwd_load(void) {
     return mf_load_kernels(sm90_gemm1_swiglu_fwd_kernel<WideCfg>, sm90_gemm1_swiglu_fwd_kernel<NarrowCfg>,
-                           sm90_gemm1_swiglu_fwd_kernel<Fp8WideCfg>,
-                           sm90_gemm1_swiglu_fwd_kernel<Fp8NarrowCfg>);
+                           sm90_gemm1_swiglu_fwd_kernel<Fp8WideCfg>);
 }
