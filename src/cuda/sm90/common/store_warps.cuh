@@ -107,44 +107,40 @@ __device__ __forceinline__ void epi_write_acc_bf16(uint8_t *buf, float (&acc)[Cf
     });
 }
 
-/* Consumer side: the warpgroup's 64 rows x BN fp32 into the buffer (rows of BN * 4
- * bytes, kEpiRowBytes = 32 (mod 128) apart: a half-warp's 8-byte writes, 4 rows x 32
- * bytes, hit 32 distinct banks). */
-template <class Cfg>
-__device__ __forceinline__ void epi_write_acc_fp32(uint8_t *buf, float (&acc)[Cfg::kAccRegs]) {
-    static_assert(Cfg::kStoreRowBytes == Cfg::BN * 4 && Cfg::kEpiRowBytes % 128 == 32,
-                  "the buffer holds the tile's fp32 rows, 8 banks apart");
+/* Consumer side: kGroups column groups of 8 (from group `first`) of the warpgroup's 64
+ * rows x BN fp32 into the buffer, rows of kGroups * 32 bytes kEpiRowBytes = 32 (mod 128)
+ * apart: a half-warp's 8-byte writes, 4 rows x 32 bytes, hit 32 distinct banks. */
+template <class Cfg, int kGroups>
+__device__ __forceinline__ void epi_write_acc_fp32_groups(uint8_t *buf,
+                                                          float (&acc)[Cfg::kAccRegs], int first) {
+    static_assert(Cfg::kStoreRowBytes == kGroups * 32 && Cfg::kEpiRowBytes % 128 == 32,
+                  "the buffer holds the groups' fp32 rows, 8 banks apart");
     const int t = threadIdx.x % 128;
     const int warp = t / 32, lane = t % 32;
     uint8_t *my_row = buf + (warp * 16 + lane / 4) * Cfg::kEpiRowBytes + (lane % 4) * 8;
-#pragma unroll
-    for (int c = 0; c < Cfg::BN / 8; ++c)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-            *reinterpret_cast<float2 *>(my_row + h * 8 * Cfg::kEpiRowBytes + c * 32) =
-                make_float2(acc[4 * c + 2 * h], acc[4 * c + 2 * h + 1]);
-}
-
-/* The same for one half of the tile's columns (half 0 or 1: columns half * BN / 2 ..),
- * rows of BN / 2 fp32 (BN * 2 bytes: the buffers of a bf16 tile's rows), so that a 256-wide
- * fp32 tile leaves in two handoffs through buffers of bf16's size. */
-template <class Cfg>
-__device__ __forceinline__ void epi_write_acc_fp32_half(uint8_t *buf,
-                                                        float (&acc)[Cfg::kAccRegs], int half) {
-    static_assert(Cfg::kStoreRowBytes == Cfg::BN * 2 && Cfg::kEpiRowBytes % 128 == 32,
-                  "the buffer holds half the tile's fp32 rows, 8 banks apart");
-    const int t = threadIdx.x % 128;
-    const int warp = t / 32, lane = t % 32;
-    uint8_t *my_row = buf + (warp * 16 + lane / 4) * Cfg::kEpiRowBytes + (lane % 4) * 8;
-    constexpr int kGroups = Cfg::BN / 16;   /* column groups of 8 in a half */
 #pragma unroll
     for (int c = 0; c < kGroups; ++c)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int a = 4 * (c + half * kGroups) + 2 * h;
+            const int a = 4 * (first + c) + 2 * h;
             *reinterpret_cast<float2 *>(my_row + h * 8 * Cfg::kEpiRowBytes + c * 32) =
                 make_float2(acc[a], acc[a + 1]);
         }
+}
+
+/* The whole tile (rows of BN fp32). */
+template <class Cfg>
+__device__ __forceinline__ void epi_write_acc_fp32(uint8_t *buf, float (&acc)[Cfg::kAccRegs]) {
+    epi_write_acc_fp32_groups<Cfg, Cfg::BN / 8>(buf, acc, 0);
+}
+
+/* One half of the tile's columns (half 0 or 1: columns half * BN / 2 ..), rows of BN / 2
+ * fp32 (BN * 2 bytes: the buffers of a bf16 tile's rows), so that a 256-wide fp32 tile
+ * leaves in two handoffs through buffers of bf16's size. */
+template <class Cfg>
+__device__ __forceinline__ void epi_write_acc_fp32_half(uint8_t *buf,
+                                                        float (&acc)[Cfg::kAccRegs], int half) {
+    epi_write_acc_fp32_groups<Cfg, Cfg::BN / 16>(buf, acc, half * (Cfg::BN / 16));
 }
 
 /* Store-warp side: the buffer's 64 rows (kStoreRowBytes each: BN bf16, or BN fp32), each
