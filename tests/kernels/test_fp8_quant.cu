@@ -15,7 +15,7 @@
  *     (amax / 448 of random amax, and the edges: the smallest scale, amax near FLT_MAX,
  *     subnormal-only tiles), and for fp32 x placed at every e4m3 rounding midpoint times
  *     the scale, +-8 ulp (p dy's values are fp32);
- *   - more blocks than two CTAs an SM hold at once (8192 x 2048).
+ *   - more blocks than the GPU's SMs hold at once (8192 x 2048), with and without p.
  * The weights' quantizer is checked through moefuse_quantize_weights against the CPU
  * backend (tests/api/test_cuda_fp8.c). */
 #include <math.h>
@@ -250,8 +250,9 @@ void tokens_match(void) {
             tokens_case(384, 256, 776, pow2, w);
             tokens_case(2048, 1920, 2048, pow2, w);
         }
-    /* more blocks (62 x 16) than two CTAs an SM hold at once */
+    /* more blocks (62 x 16) than an SM's CTAs (2 weighted, else 4) on every SM at once */
     tokens_case(8192, 7936, 2048, 0, true);
+    tokens_case(8192, 7936, 2048, 0, false);
 }
 
 /* The rows and tokens passes' outputs on the device, poisoned (0xab bytes). */

@@ -238,11 +238,14 @@ __device__ __forceinline__ void tokens_block_codes(const tokens_block_params &bp
     }
 }
 
-/* kGather: the rows read through row_slot. 2 CTAs an SM: the codes spill at 3
- * (80 registers, ptxas CUDA 13). A CTA per block: its loads first, eight 16-byte ones per
- * thread (32 KB a CTA). */
-template <bool kRows, bool kGather>
-__global__ void __launch_bounds__(kTokThreads, 2)
+/* kGather: the rows read through row_slot; kWeighted: each row times its p (dy's token
+ * codes). A CTA per block: its loads first, eight 16-byte ones per thread (32 KB a CTA).
+ * The weighted kernels hold 2 CTAs an SM (87-108 registers; rows + tokens spilled at 3,
+ * ptxas CUDA 13), the others 4 (64 registers): 128 KB of loads in flight an SM, not 64
+ * (rows + tokens [dg; du] 0.40 -> 0.33 ms on an H100,
+ * docs/decisions/0023-fp8-quantizer-bandwidth.md). */
+template <bool kRows, bool kGather, bool kWeighted>
+__global__ void __launch_bounds__(kTokThreads, kWeighted ? 2 : 4)
     fp8_quantize_tokens_kernel(const tokens_block_params bp) {
     const mf_quantize_fp8_tokens_params &p = bp.t;
     __shared__ __align__(16) TokensSmem sm;
@@ -256,7 +259,7 @@ __global__ void __launch_bounds__(kTokThreads, 2)
     const int c = c0 + 8 * piece;
     const bool has_cols = c < p.cols;   /* cols % 8 == 0: a piece is whole or absent */
     uint4 v[8];
-    float pw[8];   /* the rows' weights (1 without row_weight) */
+    float pw[8];   /* the rows' weights (1 without) */
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         const int64_t r = r0 + 8 * group + i;
@@ -265,20 +268,25 @@ __global__ void __launch_bounds__(kTokThreads, 2)
                             : make_uint4(0, 0, 0, 0);
         else
             v[i] = has_cols ? load_stream(p.in + r * p.ld + c) : make_uint4(0, 0, 0, 0);
-        pw[i] = p.row_weight ? p.row_weight[r] : 1.0f;
+        pw[i] = kWeighted ? p.row_weight[r] : 1.0f;
     }
-    if (!p.row_weight) return tokens_block_codes<kRows, false>(bp, row_block, c0, v, pw, sm);
-    tokens_block_codes<kRows, true>(bp, row_block, c0, v, pw, sm);
+    tokens_block_codes<kRows, kWeighted>(bp, row_block, c0, v, pw, sm);
 }
 
-/* Launches the tokens kernel of kRows / row_slot: one CTA per block. */
+/* Launches the tokens kernel of kRows / row_slot / row_weight: one CTA per block. */
+template <bool kRows, bool kGather>
+cudaError_t launch_tokens(const tokens_block_params &bp, int64_t ctas, cudaStream_t stream) {
+    if (bp.t.row_weight)
+        fp8_quantize_tokens_kernel<kRows, kGather, true><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
+    else
+        fp8_quantize_tokens_kernel<kRows, kGather, false><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
+    return cudaGetLastError();
+}
+
 template <bool kRows>
 cudaError_t launch_tokens(const tokens_block_params &bp, int64_t ctas, cudaStream_t stream) {
-    if (bp.t.row_slot)
-        fp8_quantize_tokens_kernel<kRows, true><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
-    else
-        fp8_quantize_tokens_kernel<kRows, false><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
-    return cudaGetLastError();
+    return bp.t.row_slot ? launch_tokens<kRows, true>(bp, ctas, stream)
+                         : launch_tokens<kRows, false>(bp, ctas, stream);
 }
 
 }  // namespace
@@ -337,8 +345,10 @@ extern "C" cudaError_t mf_quantize_fp8_rows_tokens(const mf_quantize_fp8_rows_pa
 }
 
 extern "C" cudaError_t mf_quantize_fp8_load(void) {
-    return mf_load_kernels(fp8_quantize_rows_kernel, fp8_quantize_tokens_kernel<false, false>,
-                           fp8_quantize_tokens_kernel<true, false>,
-                           fp8_quantize_tokens_kernel<false, true>,
-                           fp8_quantize_tokens_kernel<true, true>);
+    return mf_load_kernels(
+        fp8_quantize_rows_kernel, fp8_quantize_tokens_kernel<false, false, false>,
+        fp8_quantize_tokens_kernel<false, false, true>, fp8_quantize_tokens_kernel<false, true, false>,
+        fp8_quantize_tokens_kernel<false, true, true>, fp8_quantize_tokens_kernel<true, false, false>,
+        fp8_quantize_tokens_kernel<true, false, true>, fp8_quantize_tokens_kernel<true, true, false>,
+        fp8_quantize_tokens_kernel<true, true, true>);
 }

@@ -43,13 +43,35 @@ constexpr int kCols = 4, kRows = 128 * 128 / kWThreads / kCols, kLanes = 128 / k
 static_assert(kRows == 16 && kWThreads / kLanes * kRows == 128,
               "the threads cover the block's 128 rows, 16 rows (four 4 x 4 transposes) each");
 
-/* 4 consecutive weights as floats (aligned: the launcher's check). */
-__device__ __forceinline__ void load_weights(const float *w, float (&v)[4]) {
-    const float4 f = *reinterpret_cast<const float4 *>(w);
+/* A row's kCols weights as loaded, kept so until its codes: fp32's 16 bytes, bf16's 8.
+ * bf16 held packed is 32 registers for a thread's 16 rows, not 64 as floats, so 3 CTAs
+ * fit an SM (80 registers): 96 KB of loads in flight, not 64 (fp32's 2 CTAs hold 128 KB;
+ * bf16 1.06 -> 0.96 ms at qwen3-30b-a3b on an H100,
+ * docs/decisions/0023-fp8-quantizer-bandwidth.md). */
+template <class T>
+struct Weights4 {
+    using Raw = float4;
+    static constexpr int kCtasPerSm = 2;
+};
+template <>
+struct Weights4<uint16_t> {
+    using Raw = uint2;
+    static constexpr int kCtasPerSm = 3;
+};
+
+/* 4 consecutive weights (aligned: the launcher's check), as loaded. */
+__device__ __forceinline__ void load_weights(const float *w, float4 &raw) {
+    raw = *reinterpret_cast<const float4 *>(w);
+}
+__device__ __forceinline__ void load_weights(const uint16_t *w, uint2 &raw) {
+    raw = *reinterpret_cast<const uint2 *>(w);
+}
+
+/* ... as floats. */
+__device__ __forceinline__ void unpack4(const float4 &f, float (&v)[4]) {
     v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
 }
-__device__ __forceinline__ void load_weights(const uint16_t *w, float (&v)[4]) {
-    const uint2 b = *reinterpret_cast<const uint2 *>(w);
+__device__ __forceinline__ void unpack4(const uint2 &b, float (&v)[4]) {
     v[0] = bf16_bits(b.x, 0), v[1] = bf16_bits(b.x, 1), v[2] = bf16_bits(b.y, 0),
     v[3] = bf16_bits(b.y, 1);
 }
@@ -73,9 +95,10 @@ __device__ __forceinline__ void transpose4x4(const uint32_t (&rows)[4], uint32_t
  * is read once), so each load of a warp is a whole row of the block (512 bytes of fp32,
  * 256 of bf16), W's codes go out as one 4-byte word per row (a warp: 128 contiguous
  * bytes) and W^T's, transposed in registers, as one 16-byte piece per column (16 rows of
- * it). 2 CTAs an SM, so that one's loads overlap the other's codes. */
+ * it). 2 CTAs an SM for fp32, 3 for bf16 (Weights4), so that one's loads overlap the
+ * others' codes. */
 template <class T>
-__global__ void __launch_bounds__(kWThreads, 2)
+__global__ void __launch_bounds__(kWThreads, Weights4<T>::kCtasPerSm)
     fp8_quantize_weights_kernel(const mf_quantize_fp8_weights_params p, const T *w) {
     __shared__ float red[kWThreads / 32];
     /* this CTA's block: expert e, block row br and column bc; base, its first element in
@@ -92,22 +115,26 @@ __global__ void __launch_bounds__(kWThreads, 2)
               bc * 128;
     }
     const int col = kCols * (threadIdx.x % kLanes), row0 = kRows * (threadIdx.x / kLanes);
-    float v[kRows][kCols];
+    typename Weights4<T>::Raw raw[kRows];
 #pragma unroll
     for (int k = 0; k < kRows; ++k)
-        load_weights(w + src + (int64_t)(row0 + k) * p.cols + col, v[k]);
+        load_weights(w + src + (int64_t)(row0 + k) * p.cols + col, raw[k]);
     float m = 0.0f;
 #pragma unroll
-    for (int k = 0; k < kRows; ++k)
+    for (int k = 0; k < kRows; ++k) {
+        float v[kCols];
+        unpack4(raw[k], v);
 #pragma unroll
-        for (int j = 0; j < kCols; ++j) m = amax_fold(m, v[k][j]);
+        for (int j = 0; j < kCols; ++j) m = amax_fold(m, v[j]);
+    }
     m = block_amax(m, red);
     const float s = tile_scale(m, p.pow2), inv = __frcp_rn(s);
     uint32_t words[kRows];   /* row k's 4 codes, column j in byte j */
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
-        float q[4];
-        quotients(v[k], s, inv, q);
+        float v[kCols], q[kCols];
+        unpack4(raw[k], v);
+        quotients(v, s, inv, q);
         words[k] = encode4(q[0], q[1], q[2], q[3]);
         *reinterpret_cast<uint32_t *>(p.codes + base + (int64_t)(row0 + k) * p.cols + col) =
             words[k];
