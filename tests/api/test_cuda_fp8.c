@@ -204,8 +204,8 @@ static void check_err(const char *what, const err_acc *e, double tol) {
 /* ---- weights ----------------------------------------------------------------------- */
 
 /* The device quantizer against the CPU backend's, bf16 and fp32 weights, both scale
- * rules: every code and scale byte equal. Inputs with zero blocks, a NaN and values far
- * beyond 448. */
+ * rules: every code and scale byte equal. Inputs with zero blocks, a NaN, values far
+ * beyond 448 and a block of tiny ones. */
 static void quantized_weights_equal_cpu(void) {
     if (!ready()) return;
     for (int c = 0; c < 4; c++) {
@@ -223,6 +223,10 @@ static void quantized_weights_equal_cpu(void) {
         th_fill_bf16_normal(b2, NULL, (int64_t)n2, 3000.0);
         for (int i = 0; i < 128 * s.H; i++) b13[i] = 0;
         b13[n13 - 1] = 0x7fc0;
+        /* W2's first block tiny (bf16 exponents 0..11: an amax under 2^-80, the quotients'
+         * rescaled path), subnormals among them */
+        for (int i = 0; i < 128 * s.I; i++)
+            if (i % s.I < 128) b2[i] = (uint16_t)((b2[i] & 0x807f) | ((i * 7 % 12) << 7));
         for (size_t i = 0; i < n13; i++) f13[i] = (float)bf16_value(b13[i]) * (1.0f + 0x1p-12f);
         for (size_t i = 0; i < n2; i++) f2[i] = (float)bf16_value(b2[i]) * (1.0f - 0x1p-13f);
         const moefuse_dtype dt = fp32 ? MOEFUSE_DTYPE_FP32 : MOEFUSE_DTYPE_BF16;
