@@ -56,24 +56,8 @@ struct Weights4 {
 template <>
 struct Weights4<uint16_t> {
     using Raw = uint2;
-    static constexpr int kCtasPerSm = 4;
+    static constexpr int kCtasPerSm = 3;
 };
-
-/* The largest magnitude of a thread's rows, as loaded: fp32's unpacked, bf16's folded
- * packed two at a time (amax_bf16x2: exact, a NaN stays one) and unpacked once. */
-__device__ __forceinline__ float rows_amax(const float4 (&raw)[kRows]) {
-    float m = 0.0f;
-#pragma unroll
-    for (int k = 0; k < kRows; ++k)
-        m = amax_fold(amax_fold(amax_fold(amax_fold(m, raw[k].x), raw[k].y), raw[k].z), raw[k].w);
-    return m;
-}
-__device__ __forceinline__ float rows_amax(const uint2 (&raw)[kRows]) {
-    uint32_t m = 0;
-#pragma unroll
-    for (int k = 0; k < kRows; ++k) m = amax_bf16x2(amax_bf16x2(m, raw[k].x), raw[k].y);
-    return amax_nan(bf16_bits(m, 0), bf16_bits(m, 1));
-}
 
 /* 4 consecutive weights (aligned: the launcher's check), as loaded. */
 __device__ __forceinline__ void load_weights(const float *w, float4 &raw) {
@@ -135,17 +119,22 @@ __global__ void __launch_bounds__(kWThreads, Weights4<T>::kCtasPerSm)
 #pragma unroll
     for (int k = 0; k < kRows; ++k)
         load_weights(w + src + (int64_t)(row0 + k) * p.cols + col, raw[k]);
-    const float m = block_amax(rows_amax(raw), red);
+    float m = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+        float v[kCols];
+        unpack4(raw[k], v);
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) m = amax_fold(m, v[j]);
+    }
+    m = block_amax(m, red);
     const float s = tile_scale(m, p.pow2), inv = __frcp_rn(s);
-    const bool tiny = !(s >= kFastQuotientScale);
-    const float mul = tiny ? 0x1p64f : 1.0f, s1 = __fmul_rn(s, mul), inv1 = tiny ? __fmul_rn(inv, 0x1p-64f) : inv;
     uint32_t words[kRows];   /* row k's 4 codes, column j in byte j */
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
         float v[kCols], q[kCols];
         unpack4(raw[k], v);
-#pragma unroll
-        for (int j = 0; j < kCols; ++j) q[j] = quotient_fast(__fmul_rn(v[j], mul), s1, inv1);
+        quotients(v, s, inv, q);
         words[k] = encode4(q[0], q[1], q[2], q[3]);
         *reinterpret_cast<uint32_t *>(p.codes + base + (int64_t)(row0 + k) * p.cols + col) =
             words[k];
