@@ -91,3 +91,26 @@ def test_kernel_names_keep_what_tells_them_apart():
         "0, 512, 32>>(WgradArgs)")
     cut = bench._short_kernel_name("k" * 50 + "x" * 200 + "tail", width=40)
     assert len(cut) == 40 and cut.startswith("k" * 18) and cut.endswith("x" * 14 + "tail")
+
+
+def test_device_time_leaves_out_the_profilers_overhead_records():
+    """An overhead record (CUPTI's "Activity Buffer Request") that the profiler files under
+    an op carries the op's kernels again: device_us counts them once, where
+    FunctionEvent.device_time_total counts them twice."""
+    from collections import namedtuple
+
+    bench = import_bench("bench_train_step")
+    kernel = namedtuple("Kernel", "duration")
+
+    class Event:
+        def __init__(self, name, kernels=(), children=(), is_async=False):
+            self.name, self.kernels, self.cpu_children = name, list(kernels), list(children)
+            self.is_async = is_async
+
+    op_kernels = [kernel(5.0), kernel(7.0)]
+    op = Event("moefuse::experts_bwd", op_kernels,
+               [Event("cudaLaunchKernel"), Event("Activity Buffer Request", op_kernels)])
+    block = Event("moe_block_backward", (), [op, Event("aten::mul", [kernel(1.5)])])
+    assert bench.device_us(op) == 12.0
+    assert bench.device_us(block) == 13.5
+    assert bench.device_us(Event("moe_block_forward", [kernel(3.0)], is_async=True)) == 0.0
