@@ -49,8 +49,9 @@
 #   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
 #                                each GEMM in turn, beside bf16 (three runs of 3 models)
 #   tools/gpu_checks.sh step     bench_train_step.py, 12 layers (6 on an 80 GB card), both
-#                                precisions, with the MoE layers' profiled share and the
-#                                longest kernels (~3 min)
+#                                precisions (FP8 also with the weights quantized ahead),
+#                                with the MoE layers' profiled share and the longest
+#                                kernels (~4 min)
 #   tools/gpu_checks.sh titan    bench/bench_torchtitan.py: TorchTitan's step native and
 #                                with moefuse (bf16, fp8), 30B-A3B truncated to what fits
 #                                (or to TITAN_LAYERS),
@@ -295,7 +296,8 @@ step_time() {
 print(12 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 6)')}
     STEP_TIMEOUT=400 step bench_train_step train_step.log env \
         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/bench_train_step.py \
-        --layers "$layers" --precision bf16 fp8 --micro-batches "${STEP_MICRO_BATCHES:-1}" \
+        --layers "$layers" --precision bf16 fp8 fp8-ahead \
+        --micro-batches "${STEP_MICRO_BATCHES:-1}" \
         --plot "$LOG_DIR/loss_curves.png"
 }
 

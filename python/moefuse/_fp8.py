@@ -35,6 +35,12 @@ through `w.data` (a tensor with its own version counter) outside a torch.optim s
 optimizers outside torch.optim that write in place without bumping the counters; call
 layer_cache.fp8.clear() after those. The lookup runs inside the custom ops'
 implementations, never in traced code, so torch.compile(fullgraph=True) sees no break.
+
+layer_cache.fp8.ahead = True (off by default): the first FP8 call after an optimizer step,
+which finds its own weights changed, also quantizes every other cached weight set that
+changed, on a side stream of the GPU, so the later layers find theirs made and the
+quantization runs beside the work before them (the same bits; a set changed again after
+that is quantized again at its call).
 """
 
 from __future__ import annotations
@@ -154,13 +160,14 @@ def _version(w: torch.Tensor) -> Optional[int]:
 
 class _Entry:
     """One weight pair's quantization (the struct, which holds its buffer), the state
-    (versions, optimizer steps) it was made at and weak references to the weights'
-    storages."""
+    (versions, optimizer steps) it was made at, weak references to the weights' storages
+    and, for quantizing ahead, to the weights themselves, and the layer that made it."""
 
-    __slots__ = ("state", "weights", "storages", "__weakref__")
+    __slots__ = ("state", "weights", "storages", "tensors", "layer", "__weakref__")
 
     def __init__(self, state, weights: _lib.Fp8Weights):
-        self.state, self.weights, self.storages = state, weights, ()
+        self.state, self.weights, self.storages, self.tensors = state, weights, (), ()
+        self.layer = None
 
     def alive(self) -> bool:
         return all(ref() is not None for ref in self.storages)
@@ -169,6 +176,13 @@ class _Entry:
         """The entry was made from these tensors' storages (the very storage objects)."""
         return (len(self.storages) == len(tensors) and
                 all(ref() is t.untyped_storage() for ref, t in zip(self.storages, tensors)))
+
+
+def _state(weights) -> tuple:
+    """What a quantization of these weights is valid for: their version counters (None
+    for inference tensors: never cached), addresses and the optimizer steps so far."""
+    return (*(_version(w) for w in weights), *(w.data_ptr() for w in weights),
+            _optimizer_steps)
 
 
 def _ready_on_current_stream(weights: _lib.Fp8Weights) -> None:
@@ -190,6 +204,13 @@ class Fp8WeightCache:
     def __init__(self):
         self._entries: dict[tuple, _Entry] = {}
         self._lock = threading.RLock()  # an entry's weakref callback may run inside a lookup
+        # Quantize ahead: the call that finds its weights changed (the first FP8 call after
+        # an optimizer step) also re-quantizes every other cached weight set that changed,
+        # on a side stream of the device (CUDA; in place on the CPU), so the later layers'
+        # calls find theirs made and the quantization runs beside the work before them.
+        # Off by default; never while a CUDA graph is captured.
+        self.ahead = False
+        self._side_streams: dict[str, torch.cuda.Stream] = {}
 
     def get(self, layer: _lib.Layer, w13: torch.Tensor, w2: torch.Tensor,
             w13_up: Optional[torch.Tensor] = None) -> _lib.Fp8Weights:
@@ -202,17 +223,49 @@ class Fp8WeightCache:
         weights = (w13, w2) if w13_up is None else (w13, w2, w13_up)
         key = (tuple((id(w.untyped_storage()), w.storage_offset(), tuple(w.shape), w.dtype)
                      for w in weights), str(w13.device), int(layer.cfg.fp8_pow2_scales))
-        versions = tuple(_version(w) for w in weights)
-        state = (*versions, *(w.data_ptr() for w in weights), _optimizer_steps)
+        state = _state(weights)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and entry.state == state and entry.made_from(weights):
                 _ready_on_current_stream(entry.weights)
                 return entry.weights
+            ahead = self.ahead and not (w13.is_cuda and torch.cuda.is_current_stream_capturing())
+            stale = [] if not ahead else [
+                (k, e) for k, e in self._entries.items() if k != key and e.alive()]
         entry = self._quantize(layer, w13, w2, w13_up, state)
-        if None not in versions:
-            self._store(key, entry, weights)
+        if None not in state:
+            self._store(key, entry, weights, layer)
+        for k, e in stale:
+            self._quantize_ahead(k, e)
         return entry.weights
+
+    def _quantize_ahead(self, key: tuple, entry: _Entry) -> None:
+        """A cached weight set quantized again now if it changed since (quantizing ahead),
+        on the device's side stream after the work queued so far: its weights alive, at
+        the same storages and addresses (an FSDP2 parameter freed or gathered elsewhere
+        is skipped), with version counters."""
+        tensors = tuple(ref() for ref in entry.tensors)
+        if (not tensors or any(t is None or t.untyped_storage().nbytes() == 0 for t in tensors)
+                or not entry.made_from(tensors)):
+            return
+        state = _state(tensors)
+        if None in state or state == entry.state:
+            return
+        w13, w2 = tensors[:2]
+        w13_up = tensors[2] if len(tensors) == 3 else None
+        device = w13.device
+        if device.type != "cuda":
+            fresh = self._quantize(entry.layer, w13, w2, w13_up, state)
+        else:
+            side = self._side_streams.get(str(device))
+            if side is None:
+                side = self._side_streams.setdefault(str(device), torch.cuda.Stream(device))
+            side.wait_stream(torch.cuda.current_stream(device))
+            for t in tensors:   # their memory is not reused before the side stream read it
+                t.record_stream(side)
+            with torch.cuda.stream(side):
+                fresh = self._quantize(entry.layer, w13, w2, w13_up, state)
+        self._store(key, fresh, tensors, entry.layer)
 
     def _quantize(self, layer: _lib.Layer, w13: torch.Tensor, w2: torch.Tensor,
                   w13_up: Optional[torch.Tensor], state) -> _Entry:
@@ -241,8 +294,10 @@ class Fp8WeightCache:
                 weights.ready.record(weights.stream)
         return _Entry(state, weights)
 
-    def _store(self, key: tuple, entry: _Entry, tensors) -> None:
+    def _store(self, key: tuple, entry: _Entry, tensors, layer: _lib.Layer) -> None:
         entry_ref = weakref.ref(entry)
+        entry.layer = layer
+        entry.tensors = tuple(weakref.ref(t) for t in tensors)
 
         def forget(_dead_storage, key=key, entry_ref=entry_ref):
             with self._lock:

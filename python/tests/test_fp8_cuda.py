@@ -218,6 +218,33 @@ def test_cache_read_from_another_stream(quantize_calls):
     assert torch.equal(y_first, y_second)
 
 
+def test_quantize_ahead_on_a_side_stream(quantize_calls, monkeypatch):
+    """The cache's `ahead`: after an optimizer step the first layer's call quantizes the
+    second layer's weights too, on the side stream; the second layer's call waits for it
+    and gets the bits of fresh weights, in a forward and a backward."""
+    monkeypatch.setattr(moefuse.ops.layer_cache.fp8, "ahead", True)
+    first, second = fp8_module(37), fp8_module(38)
+    x, ids, p, dy = micro_batch(39)
+    for module in (first, second):
+        module(x, ids, p).backward(dy)
+    torch.optim.AdamW([*first.parameters(), *second.parameters()], lr=1e-2,
+                      fused=True).step()
+    for module in (first, second):
+        module.zero_grad()
+    y_first = first(x, ids, p)
+    assert len(quantize_calls) == 4
+    y_second = second(x, ids, p)
+    (y_first + y_second).backward(dy)
+    assert len(quantize_calls) == 4
+    fresh = fp8_module(40)
+    fresh.load_state_dict(second.state_dict())
+    y_fresh = fresh(x, ids, p)
+    y_fresh.backward(dy)
+    assert torch.equal(y_second, y_fresh)
+    assert torch.equal(second.gate_up_proj.grad, fresh.gate_up_proj.grad)
+    assert torch.equal(second.down_proj.grad, fresh.down_proj.grad)
+
+
 class TinyMoE(torch.nn.Module):
     """Router in PyTorch (softmax, top-2, renormalized) + FP8 experts, on the GPU."""
 
