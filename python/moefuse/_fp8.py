@@ -40,7 +40,10 @@ layer_cache.fp8.ahead = True (off by default): the first FP8 call after an optim
 which finds its own weights changed, also quantizes every other cached weight set that
 changed, on a side stream of the GPU, so the later layers find theirs made and the
 quantization runs beside the work before them (the same bits; a set changed again after
-that is quantized again at its call).
+that is quantized again at its call). For weights that stay where they are between
+steps (one GPU, DDP, expert parallelism): the side stream waits for the current stream
+only, so with FSDP, whose parameters are gathered on a stream of their own (and may be
+gathered ahead), leave it off.
 """
 
 from __future__ import annotations
@@ -208,7 +211,8 @@ class Fp8WeightCache:
         # an optimizer step) also re-quantizes every other cached weight set that changed,
         # on a side stream of the device (CUDA; in place on the CPU), so the later layers'
         # calls find theirs made and the quantization runs beside the work before them.
-        # Off by default; never while a CUDA graph is captured.
+        # Off by default; never while a CUDA graph is captured; not for FSDP (the module
+        # docstring says why).
         self.ahead = False
         self._side_streams: dict[str, torch.cuda.Stream] = {}
 
