@@ -164,13 +164,15 @@ def _version(w: torch.Tensor) -> Optional[int]:
 class _Entry:
     """One weight pair's quantization (the struct, which holds its buffer), the state
     (versions, optimizer steps) it was made at, weak references to the weights' storages
-    and, for quantizing ahead, to the weights themselves, and the layer that made it."""
+    and, for quantizing ahead, to the weights themselves and the layer that made it, and
+    the stream of its last call."""
 
-    __slots__ = ("state", "weights", "storages", "tensors", "layer", "__weakref__")
+    __slots__ = ("state", "weights", "storages", "tensors", "layer", "reader", "__weakref__")
 
     def __init__(self, state, weights: _lib.Fp8Weights):
         self.state, self.weights, self.storages, self.tensors = state, weights, (), ()
-        self.layer = None
+        self.layer = None   # a weak reference once stored
+        self.reader = None  # the stream of its last call (CUDA; None on the CPU)
 
     def alive(self) -> bool:
         return all(ref() is not None for ref in self.storages)
@@ -219,60 +221,88 @@ class Fp8WeightCache:
     def get(self, layer: _lib.Layer, w13: torch.Tensor, w2: torch.Tensor,
             w13_up: Optional[torch.Tensor] = None) -> _lib.Fp8Weights:
         """The FP8 weights of (w13, w2) for `layer` (an FP8 layer of their shapes), made
-        with moefuse_quantize_weights on the current stream when missing or stale. The
-        struct (and its buffer) stays valid until the entry is replaced or cleared; hold
-        the returned object during the call that reads it. w13_up: w13 in two halves
-        (gate in w13), read where they are (moefuse_quantize_weights_halves)."""
+        with moefuse_quantize_weights on the current stream when missing or stale (or
+        ahead, on the side stream: the current stream waits for them). The struct (and
+        its buffer) stays valid until the entry is replaced or cleared; hold the returned
+        object during the call that reads it. w13_up: w13 in two halves (gate in w13),
+        read where they are (moefuse_quantize_weights_halves). While a CUDA graph is
+        captured, weights made on another stream count as missing (a capture cannot wait
+        for work outside it)."""
         _watch_optimizers()
         weights = (w13, w2) if w13_up is None else (w13, w2, w13_up)
         key = (tuple((id(w.untyped_storage()), w.storage_offset(), tuple(w.shape), w.dtype)
                      for w in weights), str(w13.device), int(layer.cfg.fp8_pow2_scales))
         state = _state(weights)
+        stream = torch.cuda.current_stream(w13.device) if w13.is_cuda else None
+        capturing = w13.is_cuda and torch.cuda.is_current_stream_capturing()
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and entry.state == state and entry.made_from(weights):
+            if (entry is not None and entry.state == state and entry.made_from(weights) and
+                    not (capturing and getattr(entry.weights, "stream", None) != stream)):
                 _ready_on_current_stream(entry.weights)
+                entry.reader = stream
                 return entry.weights
-            ahead = self.ahead and not (w13.is_cuda and torch.cuda.is_current_stream_capturing())
-            stale = [] if not ahead else [
-                (k, e) for k, e in self._entries.items() if k != key and e.alive()]
+            # ahead: the other sets last called on this stream (the one that wrote them)
+            stale = [k for k, e in self._entries.items()
+                     if k != key and e.reader == stream and e.alive()] if (
+                self.ahead and not capturing and None not in state) else []
         entry = self._quantize(layer, w13, w2, w13_up, state)
         if None not in state:
-            self._store(key, entry, weights, layer)
-        for k, e in stale:
-            self._quantize_ahead(k, e)
+            self._store(key, entry, weights, layer, stream)
+        for k in stale:
+            self._quantize_ahead(k, stream)
         return entry.weights
 
-    def _quantize_ahead(self, key: tuple, entry: _Entry) -> None:
-        """A cached weight set quantized again now if it changed since (quantizing ahead),
-        on the device's side stream after the work queued so far: its weights alive, at
-        the same storages and addresses (an FSDP2 parameter freed or gathered elsewhere
-        is skipped), with version counters."""
-        tensors = tuple(ref() for ref in entry.tensors)
-        if (not tensors or any(t is None or t.untyped_storage().nbytes() == 0 for t in tensors)
-                or not entry.made_from(tensors)):
-            return
-        state = _state(tensors)
-        if None in state or state == entry.state:
-            return
+    def _quantize_ahead(self, key: tuple, stream: Optional[torch.cuda.Stream]) -> None:
+        """The cached set `key` quantized again now if it changed since (quantizing
+        ahead), on the device's side stream after the work `stream` has queued: its
+        weights alive, at the same storages and addresses (a parameter freed or gathered
+        elsewhere is skipped), with version counters, its layer open. Its old buffer goes
+        back first, so the new one can take its memory."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return
+            layer = entry.layer() if entry.layer is not None else None
+            tensors = tuple(ref() for ref in entry.tensors)
+            if (layer is None or layer.closed or not tensors or
+                    any(t is None or t.untyped_storage().nbytes() == 0 for t in tensors) or
+                    not entry.made_from(tensors)):
+                return
+            state = _state(tensors)
+            if None in state or state == entry.state:
+                return
+            del self._entries[key]
+        del entry
         w13, w2 = tensors[:2]
         w13_up = tensors[2] if len(tensors) == 3 else None
-        device = w13.device
-        if device.type != "cuda":
-            fresh = self._quantize(entry.layer, w13, w2, w13_up, state)
-        else:
-            side = self._side_streams.get(str(device))
+        side = None
+        if stream is not None:
+            device = str(w13.device)
+            side = self._side_streams.get(device)
             if side is None:
-                side = self._side_streams.setdefault(str(device), torch.cuda.Stream(device))
-            side.wait_stream(torch.cuda.current_stream(device))
+                side = self._side_streams.setdefault(device, torch.cuda.Stream(w13.device))
+            side.wait_stream(stream)
             for t in tensors:   # their memory is not reused before the side stream read it
                 t.record_stream(side)
-            with torch.cuda.stream(side):
-                fresh = self._quantize(entry.layer, w13, w2, w13_up, state)
-        self._store(key, fresh, tensors, entry.layer)
+        fresh = self._quantize(layer, w13, w2, w13_up, state, on=side)
+        self._store(key, fresh, tensors, layer, stream)
 
     def _quantize(self, layer: _lib.Layer, w13: torch.Tensor, w2: torch.Tensor,
-                  w13_up: Optional[torch.Tensor], state) -> _Entry:
+                  w13_up: Optional[torch.Tensor], state,
+                  on: Optional[torch.cuda.Stream] = None) -> _Entry:
+        """A new entry, its buffer from the current stream's memory; the quantization
+        on the current stream, or on `on` (which waited for the current stream)."""
+        device = w13.device
+        buffer = _alloc_saved(layer.fp8_weights_bytes(), device)
+        if on is None:
+            return self._quantize_into(buffer, layer, w13, w2, w13_up, state)
+        buffer.record_stream(on)
+        with torch.cuda.stream(on):
+            return self._quantize_into(buffer, layer, w13, w2, w13_up, state)
+
+    def _quantize_into(self, buffer: torch.Tensor, layer: _lib.Layer, w13: torch.Tensor,
+                       w2: torch.Tensor, w13_up: Optional[torch.Tensor], state) -> _Entry:
         device = w13.device
         sources = (w13, w2) if w13_up is None else (w13, w2, w13_up)
         all_bf16 = all(w.dtype == _BF16 for w in sources)
@@ -286,7 +316,6 @@ class Fp8WeightCache:
         src13, src2 = sources[:2]
         up = sources[2].data_ptr() if w13_up is not None else 0
         dtype = _lib.DType.BF16 if all_bf16 else _lib.DType.FP32
-        buffer = _alloc_saved(layer.fp8_weights_bytes(), device)
         weights = layer.fp8_weights_view(buffer.data_ptr())
         weights.buffer = buffer  # the struct points into it: alive as long as the struct
         with layer.lock, _on_device(device):
@@ -298,9 +327,10 @@ class Fp8WeightCache:
                 weights.ready.record(weights.stream)
         return _Entry(state, weights)
 
-    def _store(self, key: tuple, entry: _Entry, tensors, layer: _lib.Layer) -> None:
+    def _store(self, key: tuple, entry: _Entry, tensors, layer: _lib.Layer,
+               reader: Optional[torch.cuda.Stream]) -> None:
         entry_ref = weakref.ref(entry)
-        entry.layer = layer
+        entry.layer, entry.reader = weakref.ref(layer), reader
         entry.tensors = tuple(weakref.ref(t) for t in tensors)
 
         def forget(_dead_storage, key=key, entry_ref=entry_ref):

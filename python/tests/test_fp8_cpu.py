@@ -191,6 +191,33 @@ def test_quantize_ahead(ahead, quantize_calls, monkeypatch):
         assert torch.equal(y_changed, fresh(x, ids, p))
 
 
+def test_quantize_ahead_skips_a_closed_layer(quantize_calls, monkeypatch):
+    """A set whose layer was closed (an expert-parallel module closed, say) is left to its
+    own call: the first call after the step does not fail on it."""
+    import weakref
+
+    monkeypatch.setattr(ops.layer_cache.fp8, "ahead", True)
+    first, second = fp8_module(seed=25), fp8_module(seed=26)
+    x, ids, p, dy = micro_batch(27)
+    for module in (first, second):
+        module(x, ids, p).backward(dy)
+
+    class ClosedLayer:
+        closed = True
+
+    closed = ClosedLayer()
+    entries = [e for e in ops.layer_cache.fp8._entries.values()
+               if e.made_from((second.gate_up_proj, second.down_proj))]
+    assert len(entries) == 1
+    entries[0].layer = weakref.ref(closed)
+    torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.5).step()
+    with torch.no_grad():
+        first(x, ids, p)
+        assert len(quantize_calls) == 3
+        second(x, ids, p)
+    assert len(quantize_calls) == 4
+
+
 def test_inference_tensors_are_quantized_per_call(quantize_calls):
     """Inference tensors have no version counter: never cached, always right."""
     with torch.inference_mode():

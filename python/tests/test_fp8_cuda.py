@@ -221,8 +221,20 @@ def test_cache_read_from_another_stream(quantize_calls):
 def test_quantize_ahead_on_a_side_stream(quantize_calls, monkeypatch):
     """The cache's `ahead`: after an optimizer step the first layer's call quantizes the
     second layer's weights too, on the side stream; the second layer's call waits for it
-    and gets the bits of fresh weights, in a forward and a backward."""
+    and gets the bits of fresh weights, in a forward and a backward. The side stream's
+    quantizations start 0.1 s late, so a call that did not wait would read a buffer not
+    yet written (or the step before's codes, in the memory they gave back)."""
+    from moefuse import _fp8
+
     monkeypatch.setattr(moefuse.ops.layer_cache.fp8, "ahead", True)
+    quantize_into = _fp8.Fp8WeightCache._quantize_into
+
+    def late_on_a_side_stream(self, *args, **kwargs):
+        if torch.cuda.current_stream() != torch.cuda.default_stream():
+            torch.cuda._sleep(200_000_000)
+        return quantize_into(self, *args, **kwargs)
+
+    monkeypatch.setattr(_fp8.Fp8WeightCache, "_quantize_into", late_on_a_side_stream)
     first, second = fp8_module(37), fp8_module(38)
     x, ids, p, dy = micro_batch(39)
     for module in (first, second):
