@@ -15,12 +15,10 @@ PyTorch MoE of bench/torch_moe_baseline.py (TorchQwen3MoeBlock) in every layer.
                optimizer step (FP8 quantizes the weights once per optimizer step).
     Runs       moefuse in each --precision (default bf16; `--precision bf16 fp8` adds
                moefuse-fp8: the experts' GEMMs in block-scaled FP8, weights quantized
-               once per optimizer step; fp8-ahead adds moefuse-fp8-ahead: the same with
-               the weight cache quantizing ahead, the layers after the first quantized
-               on a side stream by the first FP8 call after an optimizer step) and the
-               baseline, all from the same initial
-               weights (one model built once, its MoE blocks swapped per run); every
-               MoE block uses the same routing code.
+               once per optimizer step; fp8-ahead: the same, the cache quantizing ahead
+               on a side stream) and the baseline, all from the same initial weights
+               (one model built once, its MoE blocks swapped per run); every MoE block
+               uses the same routing code.
     Timing     each step (zero_grad, forward, backward, optimizer step) bracketed by
                CUDA events; median over the steps after --warmup (default 5).
     MoE time   then --profile-steps (default 3) more steps under torch.profiler, each
@@ -242,12 +240,9 @@ def _range_hooks(module, name):
 
 MOEFUSE_OPS = ("moefuse::experts_fwd", "moefuse::experts_bwd")
 
-# CUPTI's overhead records (the profiler's own host-side work: a new activity buffer, a
-# function loaded lazily). PyTorch's profiler (2.11) files each one under the op it
-# interrupts with that op's correlation id, so the record carries the op's kernels a
-# second time and every range above it counts them twice (pytorch/pytorch#193924): a
-# 12-layer FP8 step read 189 ms of moefuse ops' kernels against 77 ms in the kernel
-# table. device_us leaves them out.
+# CUPTI's overhead records (the profiler's own host-side work). PyTorch 2.11 files each
+# under the op it interrupts, with that op's kernels a second time (pytorch/pytorch#193924):
+# a 12-layer FP8 step read 189 ms of moefuse ops' kernels against 77 in the kernel table.
 PROFILER_OVERHEAD = frozenset((
     "Activity Buffer Request", "Lazy Function Loading", "Buffer Flush", "Driver Compiler",
     "Instrumentation", "Resource", "Runtime Triggered Module Loading", "Command Buffer Full",
@@ -370,7 +365,6 @@ def print_times(medians: dict, moe_times: dict, tokens_per_step: int, profile_st
     for fp8_name in ("moefuse-fp8", "moefuse-fp8-ahead"):
         if fp8_name not in medians or "moefuse" not in medians:
             continue
-        fp8_label = fp8_name.removeprefix("moefuse-")
         print(f"ratio: moefuse step ms / {fp8_name} step ms = "
               f"{medians['moefuse'] / medians[fp8_name]:.3f}x")
         bf16, fp8 = moe_times.get("moefuse"), moe_times.get(fp8_name)
@@ -380,10 +374,9 @@ def print_times(medians: dict, moe_times: dict, tokens_per_step: int, profile_st
             ops = bf16["ops_ms"] / fp8["ops_ms"] if fp8["ops_ms"] > 0 else float("nan")
             verdict = "met" if ratio >= MOE_RATIO_TARGET else "MISSED"
             measure = "GPU spans" if key == "span_ms" else f"{what} time"
-            if key == "span_ms" and fp8_name.endswith("-ahead"):
-                # kineto annotates the first block on the side stream too: compare step ms
+            if key == "span_ms" and fp8_name.endswith("-ahead"):   # compare step ms
                 measure += ", the side stream's quantization counted in the first block's"
-            print(f"MoE time bf16 / {fp8_label} = {ratio:.3f}x ({measure}; moefuse ops' "
+            print(f"MoE time bf16 / {fp8_name.split('-', 1)[1]} = {ratio:.3f}x ({measure}; moefuse ops' "
                   f"{what} time alone {ops:.3f}x): target >= {MOE_RATIO_TARGET}x {verdict}")
 
 
@@ -493,9 +486,9 @@ def main(argv=None) -> int:
               f"(tolerance {args.loss_tol}): {'PASS' if ok else 'FAIL'}")
         rc = 0 if ok else 1
     if "moefuse-fp8" in runs and "moefuse-fp8-ahead" in runs:
-        same = runs["moefuse-fp8"][0] == runs["moefuse-fp8-ahead"][0]
-        print(f"loss_fp8-ahead = loss_fp8 bit for bit over {args.steps} steps (the weights "
-              f"quantized ahead are the same codes): {'PASS' if same else 'FAIL'}")
+        same = runs["moefuse-fp8"][0] == runs["moefuse-fp8-ahead"][0]   # the same codes
+        print(f"loss_fp8-ahead = loss_fp8 bit for bit over {args.steps} steps: "
+              f"{'PASS' if same else 'FAIL'}")
         rc = rc if same else 1
     plot(args.plot, [(n, runs[n][0]) for n in names],
          f"Qwen3-30B-A3B x{config.num_hidden_layers} layers, {tokens_per_step} tokens/step")
