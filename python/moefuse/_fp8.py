@@ -41,9 +41,10 @@ which finds its own weights changed, also quantizes every other cached weight se
 changed, on a side stream of the GPU, so the later layers find theirs made and the
 quantization runs beside the work before them (the same bits; a set changed again after
 that is quantized again at its call). For weights that stay where they are between
-steps (one GPU, DDP, expert parallelism): the side stream waits for the current stream
-only, so with FSDP, whose parameters are gathered on a stream of their own (and may be
-gathered ahead), leave it off.
+steps (one GPU, DDP, moefuse's ExpertParallelExperts): the side stream waits for the
+current stream only, so with FSDP, whose parameters are gathered on a stream of their own
+(and may be gathered ahead), leave it off. Weights passed as new tensor objects at every
+call (TorchTitan's DTensor.to_local() views) are not quantized ahead.
 """
 
 from __future__ import annotations
@@ -190,6 +191,20 @@ def _state(weights) -> tuple:
             _optimizer_steps)
 
 
+def _release(entry: Optional["_Entry"], stream: Optional[torch.cuda.Stream]) -> None:
+    """Before a cached quantization made on a side stream is dropped: its buffer's memory
+    is the caller stream's and is reused in that stream's order, so `stream` waits for
+    the quantization (or, without a stream to wait, e.g. when its weights died, the side
+    stream's work so far is recorded on the buffer)."""
+    made_on = getattr(entry.weights, "stream", None) if entry is not None else None
+    if made_on is None or made_on == stream:
+        return
+    if stream is not None:
+        stream.wait_event(entry.weights.ready)
+    else:
+        entry.weights.buffer.record_stream(made_on)
+
+
 def _ready_on_current_stream(weights: _lib.Fp8Weights) -> None:
     """A cached quantization read from another stream than the one that made it: that
     stream waits for the quantization, and the buffer is not reused until its work is done
@@ -227,7 +242,7 @@ class Fp8WeightCache:
         object during the call that reads it. w13_up: w13 in two halves (gate in w13),
         read where they are (moefuse_quantize_weights_halves). While a CUDA graph is
         captured, weights made on another stream count as missing (a capture cannot wait
-        for work outside it)."""
+        for work outside it), and what the capture quantizes is not kept."""
         _watch_optimizers()
         weights = (w13, w2) if w13_up is None else (w13, w2, w13_up)
         key = (tuple((id(w.untyped_storage()), w.storage_offset(), tuple(w.shape), w.dtype)
@@ -243,11 +258,17 @@ class Fp8WeightCache:
                 entry.reader = stream
                 return entry.weights
             # ahead: the other sets last called on this stream (the one that wrote them)
-            stale = [k for k, e in self._entries.items()
+            stale = [k for k, e in list(self._entries.items())
                      if k != key and e.reader == stream and e.alive()] if (
                 self.ahead and not capturing and None not in state) else []
+            # kept: weights with version counters, quantized outside a graph capture (a
+            # captured one is written when the graph replays)
+            keep = None not in state and not capturing
+            if keep:
+                _release(entry, stream)
+        del entry
         entry = self._quantize(layer, w13, w2, w13_up, state)
-        if None not in state:
+        if keep:
             self._store(key, entry, weights, layer, stream)
         for k in stale:
             self._quantize_ahead(k, stream)
@@ -273,6 +294,7 @@ class Fp8WeightCache:
             if None in state or state == entry.state:
                 return
             del self._entries[key]
+            _release(entry, stream)
         del entry
         w13, w2 = tensors[:2]
         w13_up = tensors[2] if len(tensors) == 3 else None
@@ -291,13 +313,13 @@ class Fp8WeightCache:
     def _quantize(self, layer: _lib.Layer, w13: torch.Tensor, w2: torch.Tensor,
                   w13_up: Optional[torch.Tensor], state,
                   on: Optional[torch.cuda.Stream] = None) -> _Entry:
-        """A new entry, its buffer from the current stream's memory; the quantization
-        on the current stream, or on `on` (which waited for the current stream)."""
+        """A new entry, its buffer from the current stream's memory (so a buffer the
+        current stream just gave back can serve); the quantization on the current stream,
+        or on `on` (which waited for the current stream; _release orders its drop)."""
         device = w13.device
         buffer = _alloc_saved(layer.fp8_weights_bytes(), device)
         if on is None:
             return self._quantize_into(buffer, layer, w13, w2, w13_up, state)
-        buffer.record_stream(on)
         with torch.cuda.stream(on):
             return self._quantize_into(buffer, layer, w13, w2, w13_up, state)
 
@@ -338,6 +360,7 @@ class Fp8WeightCache:
                 current = self._entries.get(key)
                 if current is not None and current is entry_ref():
                     del self._entries[key]
+                    _release(current, None)
 
         entry.storages = tuple(weakref.ref(t.untyped_storage(), forget) for t in tensors)
         with self._lock:
@@ -346,11 +369,13 @@ class Fp8WeightCache:
     def clear(self) -> None:
         """Forgets every quantization (the next call of each weight pair quantizes)."""
         with self._lock:
+            for entry in list(self._entries.values()):
+                _release(entry, None)
             self._entries.clear()
 
     def __len__(self) -> int:
         with self._lock:
-            return sum(entry.alive() for entry in self._entries.values())
+            return sum(entry.alive() for entry in list(self._entries.values()))
 
 
 def weight_args(layer: _lib.Layer, w13: torch.Tensor, w2: torch.Tensor,

@@ -221,9 +221,10 @@ def test_cache_read_from_another_stream(quantize_calls):
 def test_quantize_ahead_on_a_side_stream(quantize_calls, monkeypatch):
     """The cache's `ahead`: after an optimizer step the first layer's call quantizes the
     second layer's weights too, on the side stream; the second layer's call waits for it
-    and gets the bits of fresh weights, in a forward and a backward. The side stream's
-    quantizations start 0.1 s late, so a call that did not wait would read a buffer not
-    yet written (or the step before's codes, in the memory they gave back)."""
+    and gets the bits of fresh weights, in a forward and a backward. The optimizer step
+    starts 0.1 s late, so a side stream that did not wait for it would read the weights
+    before it; the side stream's quantizations start 0.1 s late, so a call that did not
+    wait for them would read a buffer not yet written (or the step before's codes)."""
     from moefuse import _fp8
 
     monkeypatch.setattr(moefuse.ops.layer_cache.fp8, "ahead", True)
@@ -239,6 +240,7 @@ def test_quantize_ahead_on_a_side_stream(quantize_calls, monkeypatch):
     x, ids, p, dy = micro_batch(39)
     for module in (first, second):
         module(x, ids, p).backward(dy)
+    torch.cuda._sleep(200_000_000)
     torch.optim.AdamW([*first.parameters(), *second.parameters()], lr=1e-2,
                       fused=True).step()
     for module in (first, second):
@@ -255,6 +257,30 @@ def test_quantize_ahead_on_a_side_stream(quantize_calls, monkeypatch):
     assert torch.equal(y_second, y_fresh)
     assert torch.equal(second.gate_up_proj.grad, fresh.gate_up_proj.grad)
     assert torch.equal(second.down_proj.grad, fresh.down_proj.grad)
+
+
+def test_quantize_ahead_leaves_weights_of_another_stream(quantize_calls, monkeypatch):
+    """Quantizing ahead reads only the sets last called on the caller's stream: a module
+    run on a stream of its own is quantized at its own call."""
+    monkeypatch.setattr(moefuse.ops.layer_cache.fp8, "ahead", True)
+    first, second = fp8_module(44), fp8_module(45)
+    x, ids, p, _ = micro_batch(46)
+    other = torch.cuda.Stream()
+    other.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad():
+        first(x, ids, p)
+        with torch.cuda.stream(other):
+            second(x, ids, p)
+    torch.cuda.synchronize()
+    torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.5).step()
+    with torch.no_grad():
+        first(x, ids, p)
+        assert len(quantize_calls) == 3
+        with torch.cuda.stream(other):
+            other.wait_stream(torch.cuda.current_stream())
+            second(x, ids, p)
+    torch.cuda.synchronize()
+    assert len(quantize_calls) == 4
 
 
 class TinyMoE(torch.nn.Module):
