@@ -249,8 +249,8 @@ PROFILER_OVERHEAD = frozenset(("Activity Buffer Request", "Lazy Function Loading
 
 
 def device_us(ev) -> float:
-    """The device time (µs) of a CPU event's kernels and its descendants', the profiler's
-    overhead records left out (FunctionEvent.device_time_total counts theirs too)."""
+    """The kernel time (µs) under a CPU event: its kernels and its descendants', the
+    profiler's overhead records left out (FunctionEvent.device_time_total counts theirs)."""
     if ev.is_async:
         return 0.0
     return (sum(k.duration for k in ev.kernels) +

@@ -205,17 +205,15 @@ def _release(entry: Optional["_Entry"], stream: Optional[torch.cuda.Stream]) -> 
         entry.weights.buffer.record_stream(made_on)
 
 
-def _ready_on_current_stream(weights: _lib.Fp8Weights) -> None:
-    """A cached quantization read from another stream than the one that made it: that
-    stream waits for the quantization, and the buffer is not reused until its work is done
-    (record_stream), as the caching allocator needs for a tensor used on two streams."""
+def _ready_on(weights: _lib.Fp8Weights, stream: Optional[torch.cuda.Stream]) -> None:
+    """A cached quantization read on `stream` (the caller's current one), not the one that
+    made it: `stream` waits for the quantization, and the buffer is not reused until its
+    work is done (record_stream), as the caching allocator needs for a tensor used on two
+    streams."""
     made_on = getattr(weights, "stream", None)
-    if made_on is None:
-        return
-    current = torch.cuda.current_stream(made_on.device)
-    if current != made_on:
-        current.wait_event(weights.ready)
-        weights.buffer.record_stream(current)
+    if made_on is not None and stream != made_on:
+        stream.wait_event(weights.ready)
+        weights.buffer.record_stream(stream)
 
 
 class Fp8WeightCache:
@@ -254,7 +252,7 @@ class Fp8WeightCache:
             entry = self._entries.get(key)
             if (entry is not None and entry.state == state and entry.made_from(weights) and
                     not (capturing and getattr(entry.weights, "stream", None) != stream)):
-                _ready_on_current_stream(entry.weights)
+                _ready_on(entry.weights, stream)
                 entry.reader = stream
                 return entry.weights
             # ahead: the other sets last called on this stream (the one that wrote them)
