@@ -15,10 +15,9 @@ PyTorch MoE of bench/torch_moe_baseline.py (TorchQwen3MoeBlock) in every layer.
                optimizer step (FP8 quantizes the weights once per optimizer step).
     Runs       moefuse in each --precision (default bf16; `--precision bf16 fp8` adds
                moefuse-fp8: the experts' GEMMs in block-scaled FP8, weights quantized
-               once per optimizer step; fp8-ahead: the same, the cache quantizing ahead
-               on a side stream) and the baseline, all from the same initial weights
-               (one model built once, its MoE blocks swapped per run); every MoE block
-               uses the same routing code.
+               once per optimizer step) and the baseline, all from the same initial
+               weights (one model built once, its MoE blocks swapped per run); every
+               MoE block uses the same routing code.
     Timing     each step (zero_grad, forward, backward, optimizer step) bracketed by
                CUDA events; median over the steps after --warmup (default 5).
     MoE time   then --profile-steps (default 3) more steps under torch.profiler, each
@@ -104,9 +103,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda",
                     help="cuda (the benchmark); cpu only with --tiny, to check the script")
     ap.add_argument("--tiny", action="store_true", help="a CPU-sized model (script check)")
-    ap.add_argument("--precision", nargs="+", default=["bf16"],
-                    choices=["bf16", "fp8", "fp8-ahead"],
-                    help="moefuse runs: any of bf16, fp8, fp8-ahead")
+    ap.add_argument("--precision", nargs="+", default=["bf16"], choices=["bf16", "fp8"],
+                    help="moefuse runs: bf16, fp8 or both")
     ap.add_argument("--kernels", type=int, default=12,
                     help="the profiled steps' N longest kernels per run (0: none)")
     ap.add_argument("--profile-steps", type=int, default=3,
@@ -361,23 +359,18 @@ def print_times(medians: dict, moe_times: dict, tokens_per_step: int, profile_st
         if name != "baseline" and "baseline" in medians:
             print(f"ratio: baseline step ms / {name} step ms = "
                   f"{medians['baseline'] / medians[name]:.3f}x")
-    for fp8_name in ("moefuse-fp8", "moefuse-fp8-ahead"):
-        if fp8_name not in medians or "moefuse" not in medians:
-            continue
-        print(f"ratio: moefuse step ms / {fp8_name} step ms = "
-              f"{medians['moefuse'] / medians[fp8_name]:.3f}x")
-        bf16, fp8 = moe_times.get("moefuse"), moe_times.get(fp8_name)
+    if "moefuse-fp8" in medians and "moefuse" in medians:
+        print(f"ratio: moefuse step ms / moefuse-fp8 step ms = "
+              f"{medians['moefuse'] / medians['moefuse-fp8']:.3f}x")
+        bf16, fp8 = moe_times.get("moefuse"), moe_times.get("moefuse-fp8")
         if bf16 and fp8:
             key = "span_ms" if fp8["span_ms"] > 0 else "moe_ms"
             ratio = bf16[key] / fp8[key]
             ops = bf16["ops_ms"] / fp8["ops_ms"] if fp8["ops_ms"] > 0 else float("nan")
             verdict = "met" if ratio >= MOE_RATIO_TARGET else "MISSED"
             measure = "GPU spans" if key == "span_ms" else f"{what} time"
-            if key == "span_ms" and fp8_name.endswith("-ahead"):   # compare step ms
-                measure += ", the side stream's work in the first block's"
-            print(f"MoE time bf16 / {fp8_name.split('-', 1)[1]} = {ratio:.3f}x ({measure}; "
-                  f"moefuse ops' {what} time alone {ops:.3f}x): target >= {MOE_RATIO_TARGET}x "
-                  f"{verdict}")
+            print(f"MoE time bf16 / fp8 = {ratio:.3f}x ({measure}; moefuse ops' {what} time "
+                  f"alone {ops:.3f}x): target >= {MOE_RATIO_TARGET}x {verdict}")
 
 
 def main(argv=None) -> int:
@@ -433,7 +426,7 @@ def main(argv=None) -> int:
     base_model = base_model.to("cpu")
     runs, moe_times = {}, {}
     plans = [(moefuse_name(p), lambda b, p=p: moefuse.MoefuseQwen3MoeBlock.from_transformers(
-                 b, precision=p.removesuffix("-ahead"))) for p in dict.fromkeys(args.precision)]
+                 b, precision=p)) for p in dict.fromkeys(args.precision)]
     plans.append(("baseline", baseline.TorchQwen3MoeBlock.from_transformers))
     for name, make_block in plans:
         if name.startswith("moefuse") and moefuse_skip is not None:
@@ -442,7 +435,6 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         model = swap_blocks(copy.deepcopy(base_model).to(device), make_block)
-        moefuse.ops.layer_cache.fp8.ahead = name.endswith("-ahead")
         try:
             losses, times, moe = train(model, batches, args, device, name)
         except moefuse.Fp8UnsupportedError as err:
@@ -485,11 +477,6 @@ def main(argv=None) -> int:
         print(f"max |loss_moefuse - loss_baseline| = {max_diff:.4f} over {args.steps} steps "
               f"(tolerance {args.loss_tol}): {'PASS' if ok else 'FAIL'}")
         rc = 0 if ok else 1
-    if "moefuse-fp8" in runs and "moefuse-fp8-ahead" in runs:
-        same = runs["moefuse-fp8"][0] == runs["moefuse-fp8-ahead"][0]   # the same codes
-        print(f"loss_fp8-ahead = loss_fp8 bit for bit over {args.steps} steps: "
-              f"{'PASS' if same else 'FAIL'}")
-        rc = rc if same else 1
     plot(args.plot, [(n, runs[n][0]) for n in names],
          f"Qwen3-30B-A3B x{config.num_hidden_layers} layers, {tokens_per_step} tokens/step")
     print(f"# total wall time {time.perf_counter() - t_start:.1f} s")

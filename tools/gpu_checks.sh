@@ -49,9 +49,8 @@
 #   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
 #                                each GEMM in turn, beside bf16 (three runs of 3 models)
 #   tools/gpu_checks.sh step     bench_train_step.py, 12 layers (6 on an 80 GB card), both
-#                                precisions (FP8 also with the weights quantized ahead),
-#                                with the MoE layers' profiled share and the longest
-#                                kernels (~4 min)
+#                                precisions, with the MoE layers' profiled share and the
+#                                longest kernels (~3 min)
 #   tools/gpu_checks.sh titan    bench/bench_torchtitan.py: TorchTitan's step native and
 #                                with moefuse (bf16, fp8), 30B-A3B truncated to what fits
 #                                (or to TITAN_LAYERS),
@@ -278,9 +277,11 @@ ncu_stalls() {
 ablation() {
     # three runs of three models (bf16 and two emulated ones: 13 GB of fp32 weights, grads
     # and AdamW state each, with activations, fit an 80 GB card), each under its own budget
+    # (ABLATION_GROUPS="1 2" runs only those, for calls shorter than the three)
     local i=0 group budget=${ABLATION_BUDGET:-150}
     for group in "gemm1 gemm2" "dgrad2 dgrad1" "dw2 dw13"; do
         i=$((i + 1))
+        [[ " ${ABLATION_GROUPS:-1 2 3} " == *" $i "* ]] || continue
         STEP_TIMEOUT=$((budget + 35)) step ablation_$i ablation_$i.log python3 \
             bench/train_parity.py --steps 300 --eval-every 100 --time-budget "$budget" \
             --precisions bf16 $(printf 'emul:all-%s ' $group) --out "${OUT:-$LOG_DIR}/ablation_$i"
@@ -296,8 +297,7 @@ step_time() {
 print(12 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 6)')}
     STEP_TIMEOUT=400 step bench_train_step train_step.log env \
         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/bench_train_step.py \
-        --layers "$layers" --precision bf16 fp8 fp8-ahead \
-        --micro-batches "${STEP_MICRO_BATCHES:-1}" \
+        --layers "$layers" --precision bf16 fp8 --micro-batches "${STEP_MICRO_BATCHES:-1}" \
         --plot "$LOG_DIR/loss_curves.png"
 }
 

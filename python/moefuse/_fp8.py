@@ -35,16 +35,6 @@ through `w.data` (a tensor with its own version counter) outside a torch.optim s
 optimizers outside torch.optim that write in place without bumping the counters; call
 layer_cache.fp8.clear() after those. The lookup runs inside the custom ops'
 implementations, never in traced code, so torch.compile(fullgraph=True) sees no break.
-
-layer_cache.fp8.ahead = True (off by default): the first FP8 call after an optimizer step,
-which finds its own weights changed, also quantizes every other cached weight set that
-changed, on a side stream of the GPU, so the later layers find theirs made and the
-quantization runs beside the work before them (the same bits; a set changed again after
-that is quantized again at its call). For weights that stay where they are between
-steps (one GPU, DDP, moefuse's ExpertParallelExperts): the side stream waits for the
-current stream only, so with FSDP, whose parameters are gathered on a stream of their own
-(and may be gathered ahead), leave it off. Weights passed as new tensor objects at every
-call (TorchTitan's DTensor.to_local() views) are not quantized ahead.
 """
 
 from __future__ import annotations
@@ -164,16 +154,13 @@ def _version(w: torch.Tensor) -> Optional[int]:
 
 class _Entry:
     """One weight pair's quantization (the struct, which holds its buffer), the state
-    (versions, optimizer steps) it was made at, weak references to the weights' storages
-    and, for quantizing ahead, to the weights themselves and the layer that made it, and
-    the stream of its last call."""
+    (versions, optimizer steps) it was made at and weak references to the weights'
+    storages."""
 
-    __slots__ = ("state", "weights", "storages", "tensors", "layer", "reader", "__weakref__")
+    __slots__ = ("state", "weights", "storages", "__weakref__")
 
     def __init__(self, state, weights: _lib.Fp8Weights):
-        self.state, self.weights, self.storages, self.tensors = state, weights, (), ()
-        self.layer = None   # a weak reference once stored
-        self.reader = None  # the stream of its last call (CUDA; None on the CPU)
+        self.state, self.weights, self.storages = state, weights, ()
 
     def alive(self) -> bool:
         return all(ref() is not None for ref in self.storages)
@@ -184,36 +171,17 @@ class _Entry:
                 all(ref() is t.untyped_storage() for ref, t in zip(self.storages, tensors)))
 
 
-def _state(weights) -> tuple:
-    """What a quantization of these weights is valid for: their version counters (None
-    for inference tensors: never cached), addresses and the optimizer steps so far."""
-    return (*(_version(w) for w in weights), *(w.data_ptr() for w in weights),
-            _optimizer_steps)
-
-
-def _release(entry: Optional["_Entry"], stream: Optional[torch.cuda.Stream]) -> None:
-    """Before a cached quantization made on a side stream is dropped: its buffer's memory
-    is the caller stream's and is reused in that stream's order, so `stream` waits for
-    the quantization (or, without a stream to wait, e.g. when its weights died, the side
-    stream's work so far is recorded on the buffer)."""
-    made_on = getattr(entry.weights, "stream", None) if entry is not None else None
-    if made_on is None or made_on == stream:
-        return
-    if stream is not None:
-        stream.wait_event(entry.weights.ready)
-    else:
-        entry.weights.buffer.record_stream(made_on)
-
-
-def _ready_on(weights: _lib.Fp8Weights, stream: Optional[torch.cuda.Stream]) -> None:
-    """A cached quantization read on `stream` (the caller's current one), not the one that
-    made it: `stream` waits for the quantization, and the buffer is not reused until its
-    work is done (record_stream), as the caching allocator needs for a tensor used on two
-    streams."""
+def _ready_on_current_stream(weights: _lib.Fp8Weights) -> None:
+    """A cached quantization read from another stream than the one that made it: that
+    stream waits for the quantization, and the buffer is not reused until its work is done
+    (record_stream), as the caching allocator needs for a tensor used on two streams."""
     made_on = getattr(weights, "stream", None)
-    if made_on is not None and stream != made_on:
-        stream.wait_event(weights.ready)
-        weights.buffer.record_stream(stream)
+    if made_on is None:
+        return
+    current = torch.cuda.current_stream(made_on.device)
+    if current != made_on:
+        current.wait_event(weights.ready)
+        weights.buffer.record_stream(current)
 
 
 class Fp8WeightCache:
@@ -222,107 +190,32 @@ class Fp8WeightCache:
     def __init__(self):
         self._entries: dict[tuple, _Entry] = {}
         self._lock = threading.RLock()  # an entry's weakref callback may run inside a lookup
-        # Quantize ahead: the call that finds its weights changed (the first FP8 call after
-        # an optimizer step) also re-quantizes every other cached weight set that changed,
-        # on a side stream of the device (CUDA; in place on the CPU), so the later layers'
-        # calls find theirs made and the quantization runs beside the work before them.
-        # Off by default; never while a CUDA graph is captured; not for FSDP (the module
-        # docstring says why).
-        self.ahead = False
-        self._side_streams: dict[str, torch.cuda.Stream] = {}
 
     def get(self, layer: _lib.Layer, w13: torch.Tensor, w2: torch.Tensor,
             w13_up: Optional[torch.Tensor] = None) -> _lib.Fp8Weights:
         """The FP8 weights of (w13, w2) for `layer` (an FP8 layer of their shapes), made
-        with moefuse_quantize_weights on the current stream when missing or stale (or
-        ahead, on the side stream: the current stream waits for them). The struct (and
-        its buffer) stays valid until the entry is replaced or cleared; hold the returned
-        object during the call that reads it. w13_up: w13 in two halves (gate in w13),
-        read where they are (moefuse_quantize_weights_halves). While a CUDA graph is
-        captured, weights made on another stream count as missing (a capture cannot wait
-        for work outside it), and what the capture quantizes is not kept."""
+        with moefuse_quantize_weights on the current stream when missing or stale. The
+        struct (and its buffer) stays valid until the entry is replaced or cleared; hold
+        the returned object during the call that reads it. w13_up: w13 in two halves
+        (gate in w13), read where they are (moefuse_quantize_weights_halves)."""
         _watch_optimizers()
         weights = (w13, w2) if w13_up is None else (w13, w2, w13_up)
         key = (tuple((id(w.untyped_storage()), w.storage_offset(), tuple(w.shape), w.dtype)
                      for w in weights), str(w13.device), int(layer.cfg.fp8_pow2_scales))
-        state = _state(weights)
-        stream = torch.cuda.current_stream(w13.device) if w13.is_cuda else None
-        capturing = w13.is_cuda and torch.cuda.is_current_stream_capturing()
+        versions = tuple(_version(w) for w in weights)
+        state = (*versions, *(w.data_ptr() for w in weights), _optimizer_steps)
         with self._lock:
             entry = self._entries.get(key)
-            if (entry is not None and entry.state == state and entry.made_from(weights) and
-                    not (capturing and getattr(entry.weights, "stream", None) != stream)):
-                _ready_on(entry.weights, stream)
-                entry.reader = stream
+            if entry is not None and entry.state == state and entry.made_from(weights):
+                _ready_on_current_stream(entry.weights)
                 return entry.weights
-            # ahead: the other sets last called on this stream (the one that wrote them)
-            stale = [k for k, e in list(self._entries.items())
-                     if k != key and e.reader == stream and e.alive()] if (
-                self.ahead and not capturing and None not in state) else []
-            # kept: weights with version counters, quantized outside a graph capture (a
-            # captured one is written when the graph replays)
-            keep = None not in state and not capturing
-            if keep:
-                _release(entry, stream)
-        del entry
         entry = self._quantize(layer, w13, w2, w13_up, state)
-        if keep:
-            self._store(key, entry, weights, layer, stream)
-        for k in stale:
-            self._quantize_ahead(k, stream)
+        if None not in versions:
+            self._store(key, entry, weights)
         return entry.weights
 
-    def _quantize_ahead(self, key: tuple, stream: Optional[torch.cuda.Stream]) -> None:
-        """The cached set `key` quantized again now if it changed since (quantizing
-        ahead), on the device's side stream after the work `stream` has queued: its
-        weights alive, at the same storages and addresses (a parameter freed or gathered
-        elsewhere is skipped), with version counters, its layer open. Its old buffer goes
-        back first, so the new one can take its memory."""
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return
-            layer = entry.layer() if entry.layer is not None else None
-            tensors = tuple(ref() for ref in entry.tensors)
-            if (layer is None or layer.closed or not tensors or
-                    any(t is None or t.untyped_storage().nbytes() == 0 for t in tensors) or
-                    not entry.made_from(tensors)):
-                return
-            state = _state(tensors)
-            if None in state or state == entry.state:
-                return
-            del self._entries[key]
-            _release(entry, stream)
-        del entry
-        w13, w2 = tensors[:2]
-        w13_up = tensors[2] if len(tensors) == 3 else None
-        side = None
-        if stream is not None:
-            device = str(w13.device)
-            side = self._side_streams.get(device)
-            if side is None:
-                side = self._side_streams.setdefault(device, torch.cuda.Stream(w13.device))
-            side.wait_stream(stream)
-            for t in tensors:   # their memory is not reused before the side stream read it
-                t.record_stream(side)
-        fresh = self._quantize(layer, w13, w2, w13_up, state, on=side)
-        self._store(key, fresh, tensors, layer, stream)
-
     def _quantize(self, layer: _lib.Layer, w13: torch.Tensor, w2: torch.Tensor,
-                  w13_up: Optional[torch.Tensor], state,
-                  on: Optional[torch.cuda.Stream] = None) -> _Entry:
-        """A new entry, its buffer from the current stream's memory (so a buffer the
-        current stream just gave back can serve); the quantization on the current stream,
-        or on `on` (which waited for the current stream; _release orders its drop)."""
-        device = w13.device
-        buffer = _alloc_saved(layer.fp8_weights_bytes(), device)
-        if on is None:
-            return self._quantize_into(buffer, layer, w13, w2, w13_up, state)
-        with torch.cuda.stream(on):
-            return self._quantize_into(buffer, layer, w13, w2, w13_up, state)
-
-    def _quantize_into(self, buffer: torch.Tensor, layer: _lib.Layer, w13: torch.Tensor,
-                       w2: torch.Tensor, w13_up: Optional[torch.Tensor], state) -> _Entry:
+                  w13_up: Optional[torch.Tensor], state) -> _Entry:
         device = w13.device
         sources = (w13, w2) if w13_up is None else (w13, w2, w13_up)
         all_bf16 = all(w.dtype == _BF16 for w in sources)
@@ -336,6 +229,7 @@ class Fp8WeightCache:
         src13, src2 = sources[:2]
         up = sources[2].data_ptr() if w13_up is not None else 0
         dtype = _lib.DType.BF16 if all_bf16 else _lib.DType.FP32
+        buffer = _alloc_saved(layer.fp8_weights_bytes(), device)
         weights = layer.fp8_weights_view(buffer.data_ptr())
         weights.buffer = buffer  # the struct points into it: alive as long as the struct
         with layer.lock, _on_device(device):
@@ -347,18 +241,14 @@ class Fp8WeightCache:
                 weights.ready.record(weights.stream)
         return _Entry(state, weights)
 
-    def _store(self, key: tuple, entry: _Entry, tensors, layer: _lib.Layer,
-               reader: Optional[torch.cuda.Stream]) -> None:
+    def _store(self, key: tuple, entry: _Entry, tensors) -> None:
         entry_ref = weakref.ref(entry)
-        entry.layer, entry.reader = weakref.ref(layer), reader
-        entry.tensors = tuple(weakref.ref(t) for t in tensors)
 
         def forget(_dead_storage, key=key, entry_ref=entry_ref):
             with self._lock:
                 current = self._entries.get(key)
                 if current is not None and current is entry_ref():
                     del self._entries[key]
-                    _release(current, None)
 
         entry.storages = tuple(weakref.ref(t.untyped_storage(), forget) for t in tensors)
         with self._lock:
@@ -367,13 +257,11 @@ class Fp8WeightCache:
     def clear(self) -> None:
         """Forgets every quantization (the next call of each weight pair quantizes)."""
         with self._lock:
-            for entry in list(self._entries.values()):
-                _release(entry, None)
             self._entries.clear()
 
     def __len__(self) -> int:
         with self._lock:
-            return sum(entry.alive() for entry in list(self._entries.values()))
+            return sum(entry.alive() for entry in self._entries.values())
 
 
 def weight_args(layer: _lib.Layer, w13: torch.Tensor, w2: torch.Tensor,

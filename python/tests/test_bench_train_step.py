@@ -1,6 +1,6 @@
-"""bench/bench_train_step.py on the CPU with its tiny model: the four runs (moefuse bf16,
-moefuse fp8 with and without quantizing ahead, the baseline), their MoE time from the
-profiler and the ratio lines (the script's check; the benchmark is a GPU run)."""
+"""bench/bench_train_step.py on the CPU with its tiny model: the three runs (moefuse bf16,
+moefuse fp8, the baseline), their MoE time from the profiler and the ratio lines (the
+script's check; the benchmark is a GPU run)."""
 
 from __future__ import annotations
 
@@ -17,22 +17,16 @@ pytestmark = pytest.mark.usefixtures("library")
 def test_tiny_run_with_the_fp8_column(tmp_path, capsys):
     bench = import_bench("bench_train_step")
     rc = bench.main(["--tiny", "--device", "cpu", "--steps", "6", "--warmup", "5",
-                     "--batch", "1", "--seq", "64", "--layers", "2", "--profile-steps", "1",
-                     "--precision", "bf16", "fp8", "fp8-ahead",
-                     "--plot", str(tmp_path / "curves.png")])
+                     "--batch", "1", "--seq", "64", "--layers", "1", "--profile-steps", "1",
+                     "--precision", "bf16", "fp8", "--plot", str(tmp_path / "curves.png")])
     out = capsys.readouterr().out
     assert rc == 0, out
-    for name in ("moefuse", "moefuse-fp8", "moefuse-fp8-ahead", "baseline"):
+    for name in ("moefuse", "moefuse-fp8", "baseline"):
         row = re.search(rf"^{name} +([0-9.]+) +([0-9]+) +([0-9.]+) +([0-9.]+)%", out, re.M)
         assert row, f"no timing row of {name}:\n{out}"
         assert float(row.group(3)) > 0 and 0 < float(row.group(4)) <= 100
     assert re.search(r"MoE time bf16 / fp8 = [0-9.]+x \(CPU time; moefuse ops' CPU time "
                      r"alone [0-9.]+x\): target >= 1.35x (met|MISSED)", out)
-    assert re.search(r"MoE time bf16 / fp8-ahead = [0-9.]+x", out)
-    # quantizing ahead moves the weights' quantization, not its bits: the same losses
-    steps = re.findall(r"^ +\d+ +([0-9.]+) +([0-9.]+) +([0-9.]+) +([0-9.]+) ", out, re.M)
-    assert len(steps) == 6 and all(fp8 == ahead for _, fp8, ahead, _ in steps), out
-    assert re.search(r"loss_fp8-ahead = loss_fp8 bit for bit over 6 steps: PASS", out)
     assert "max |loss_moefuse - loss_baseline|" in out and "PASS" in out
     assert (tmp_path / "curves.png").stat().st_size > 0
 

@@ -165,59 +165,6 @@ def test_cache_invalidated_by_a_weight_update(update, quantize_calls):
     assert len(quantize_calls) == 3
 
 
-@pytest.mark.parametrize("ahead", [False, True])
-def test_quantize_ahead(ahead, quantize_calls, monkeypatch):
-    """With the cache's `ahead`, the first call after an optimizer step re-quantizes the
-    other changed weight sets too, and their calls reuse that: the same bits as fresh
-    weights; a set changed again after it is quantized again at its call."""
-    monkeypatch.setattr(ops.layer_cache.fp8, "ahead", ahead)
-    first, second = fp8_module(seed=21), fp8_module(seed=22)
-    x, ids, p, dy = micro_batch(23)
-    for module in (first, second):
-        module(x, ids, p).backward(dy)
-    assert len(quantize_calls) == 2
-    torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.5).step()
-    with torch.no_grad():
-        first(x, ids, p)
-        assert len(quantize_calls) == (4 if ahead else 3)
-        y_second = second(x, ids, p)
-        assert len(quantize_calls) == 4
-        fresh = fp8_module(seed=24)
-        fresh.load_state_dict(second.state_dict())
-        assert torch.equal(y_second, fresh(x, ids, p))
-        second.down_proj.mul_(0.5)  # changed after the quantization ahead
-        y_changed = second(x, ids, p)
-        fresh.load_state_dict(second.state_dict())
-        assert torch.equal(y_changed, fresh(x, ids, p))
-
-
-def test_quantize_ahead_skips_a_closed_layer(quantize_calls, monkeypatch):
-    """A set whose layer was closed (an expert-parallel module closed, say) is left to its
-    own call: the first call after the step does not fail on it."""
-    import weakref
-
-    monkeypatch.setattr(ops.layer_cache.fp8, "ahead", True)
-    first, second = fp8_module(seed=25), fp8_module(seed=26)
-    x, ids, p, dy = micro_batch(27)
-    for module in (first, second):
-        module(x, ids, p).backward(dy)
-
-    class ClosedLayer:
-        closed = True
-
-    closed = ClosedLayer()
-    entries = [e for e in ops.layer_cache.fp8._entries.values()
-               if e.made_from((second.gate_up_proj, second.down_proj))]
-    assert len(entries) == 1
-    entries[0].layer = weakref.ref(closed)
-    torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.5).step()
-    with torch.no_grad():
-        first(x, ids, p)
-        assert len(quantize_calls) == 3
-        second(x, ids, p)
-    assert len(quantize_calls) == 4
-
-
 def test_inference_tensors_are_quantized_per_call(quantize_calls):
     """Inference tensors have no version counter: never cached, always right."""
     with torch.inference_mode():
