@@ -368,10 +368,6 @@ typedef struct mf_quantize_fp8_rows_params {
     int scale_ld;            /* >= rows_cap, a multiple of 4 (16-byte TMA rows) */
     const int32_t *row_slot; /* [rows_cap] each row's slot t * top_k + k, -1 padding; or NULL */
     int top_k;
-    /* mf_quantize_fp8_rows_tokens, gathered only: the token rows' codes and scales */
-    const uint8_t *token_codes;
-    const float *token_scales;
-    int token_scale_ld;
 } mf_quantize_fp8_rows_params;
 
 cudaError_t mf_quantize_fp8_rows(const mf_quantize_fp8_rows_params *p, cudaStream_t stream);
@@ -401,10 +397,7 @@ cudaError_t mf_quantize_fp8_tokens(const mf_quantize_fp8_tokens_params *p, cudaS
 
 /* Both of the above from one read of the input: r and t describe the same rows (in, ld,
  * rows_cap, num_rows, cols, pow2, row_slot, top_k equal), cols % 128 == 0; the same codes
- * and scales as the two calls. Gathered (row_slot set), the row codes are copied from the
- * token rows' own (r's token_codes: mf_quantize_fp8_rows over the token rows, row_slot
- * NULL, num_rows NULL, codes of row stride cols, scales [cols / 128, token_scale_ld]): a
- * token's K rows are quantized once, not K times. */
+ * and scales as the two calls. */
 #define MF_HAVE_QUANTIZE_FP8_ROWS_TOKENS 1
 cudaError_t mf_quantize_fp8_rows_tokens(const mf_quantize_fp8_rows_params *r,
                                         const mf_quantize_fp8_tokens_params *t,

@@ -357,18 +357,6 @@ void gathered_case(int rows_cap, int num_rows, int cols, int pow2, bool weighted
             CUDA_OK(mf_quantize_fp8_rows(&r[k], 0));
             CUDA_OK(mf_quantize_fp8_tokens(&t[k], 0));
         }
-        /* rows + tokens copies the row codes from the token rows' (poisoned first) */
-        const int tld = (T + 3) / 4 * 4;
-        QuantOut tokens(tld, cols, tld);
-        CHECK(tokens.ok(), "cudaMalloc of the token rows' codes");
-        const mf_quantize_fp8_rows_params tr = {d_x, x_ld, T, nullptr, cols, pow2,
-                                                tokens.codes, tokens.rs, tld};
-        CUDA_OK(mf_quantize_fp8_rows(&tr, 0));
-        CHECK(mf_quantize_fp8_rows_tokens(&r[2], &t[2], 0) == cudaErrorInvalidValue,
-              "gathered rows + tokens without the token rows' codes refused");
-        r[2].token_codes = tokens.codes;
-        r[2].token_scales = tokens.rs;
-        r[2].token_scale_ld = tld;
         CUDA_OK(mf_quantize_fp8_rows_tokens(&r[2], &t[2], 0));
         CUDA_OK(cudaDeviceSynchronize());
         char what[128];

@@ -159,32 +159,16 @@ moefuse_status quantized_tokens(const moefuse_layer *layer, int rows_cap, const 
 }
 
 /* Both from one read of `src`: the row GEMM's operand now, the weight gradient's (the
- * layer's lhs token codes) for a GEMM later in the call. Gathered (dy on one GPU), each
- * token row's 1 x 128 codes are made once first, into the rhs token buffer (free from
- * the previous call's dW13 to this call's dW2: c.num_tokens rows of cols <= H codes and
- * their scales fit its rows_cap >= T K rows of max(H, I)), and copied to the token's
- * rows. */
+ * layer's lhs token codes) for a GEMM later in the call. */
 moefuse_status quantized_rows_and_tokens(const moefuse_layer *layer, const call_bufs &c,
                                          const rows_src &src, int cols, const float *row_weight,
                                          cudaStream_t stream, mf_operand *out) {
     const cuda_state *s = state_of(layer);
     const int rows_cap = c.lay.rows_cap;
-    mf_quantize_fp8_rows_params r = rows_params(layer, rows_cap, src, cols);
+    const mf_quantize_fp8_rows_params r = rows_params(layer, rows_cap, src, cols);
     const mf_quantize_fp8_tokens_params t =
         tokens_params(layer, rows_cap, src, cols, row_weight, s->fp8_lhs_t, s->fp8_lhs_scales);
-    if (rows_cap == 0) return MOEFUSE_OK;
-    if (src.row_slot) {
-        mf_quantize_fp8_rows_params tokens = rows_params(layer, c.num_tokens, src, cols);
-        tokens.row_slot = NULL;
-        tokens.num_rows = NULL;
-        tokens.codes = s->fp8_rhs_t;
-        tokens.scales = s->fp8_rhs_scales;
-        MF_CUDA_TRY(mf_quantize_fp8_rows(&tokens, stream));
-        r.token_codes = tokens.codes;
-        r.token_scales = tokens.scales;
-        r.token_scale_ld = tokens.scale_ld;
-    }
-    MF_CUDA_TRY(mf_quantize_fp8_rows_tokens(&r, &t, stream));
+    if (rows_cap > 0) MF_CUDA_TRY(mf_quantize_fp8_rows_tokens(&r, &t, stream));
     *out = row_operand(s);
     return MOEFUSE_OK;
 }

@@ -10,8 +10,7 @@
  *   (the weights' 128 x 128 blocks: simt/fp8_quant_weights.cu)
  *
  *   rows + tokens  both of the above from one read (dy and [dg; du], whose two forms the
- *            backward needs one GEMM apart). Gathered, the row codes are copies of the
- *            token rows' (quantized once by a rows pass over the tokens, not K times).
+ *            backward needs one GEMM apart).
  * Rows and tokens read the expert-sorted rows, or gather them (row_slot): the caller's x
  * and dy on one GPU, which the backward then does not dispatch.
  *
@@ -48,27 +47,16 @@ __device__ __forceinline__ uint4 load_stream(const uint16_t *p) {
     return __ldcs(reinterpret_cast<const uint4 *>(p));
 }
 
-/* The token row of row r's slot (row_slot[r] / top_k), -1 for a padding row. */
-__device__ __forceinline__ int token_of(const int32_t *row_slot, int top_k, int64_t r) {
-    const int slot = __ldg(row_slot + r);
-    return slot < 0 ? -1 : slot / top_k;
-}
-
-/* 8 values of token row tok from column col (zeros for -1), read through the cache (each
- * token row serves its K rows). */
-__device__ __forceinline__ uint4 load_token_piece(const uint16_t *in, int64_t ld, int tok,
-                                                  int64_t col) {
-    if (tok < 0) return make_uint4(0, 0, 0, 0);
-    return __ldg(reinterpret_cast<const uint4 *>(in + (int64_t)tok * ld + col));
-}
-
 /* 8 values of row r from column col: in + r * ld; gathered (row_slot set), the token row
- * of r's slot. */
+ * of r's slot, zeros for a padding row, read through the cache (each token row serves
+ * its K rows). */
 __device__ __forceinline__ uint4 load_row_piece(const uint16_t *in, int64_t ld,
                                                 const int32_t *row_slot, int top_k, int64_t r,
                                                 int64_t col) {
     if (!row_slot) return load_stream(in + r * ld + col);
-    return load_token_piece(in, ld, token_of(row_slot, top_k, r), col);
+    const int slot = __ldg(row_slot + r);
+    if (slot < 0) return make_uint4(0, 0, 0, 0);
+    return __ldg(reinterpret_cast<const uint4 *>(in + (int64_t)(slot / top_k) * ld + col));
 }
 
 /* ---- rows: 1 x 128 ------------------------------------------------------------------ */
@@ -134,14 +122,6 @@ struct tokens_block_params {
     int scale_ld;
 };
 
-/* With kRows, gathered: the token rows' 1 x 128 codes and scales, which the rows copy (a
- * parameter of its own: in tokens_block_params the sorted rows + tokens kernel spilled). */
-struct token_row_codes {
-    const uint8_t *codes;
-    const float *scales;
-    int scale_ld;
-};
-
 /* The shared memory of one block's codes (beside its rows' values, in registers). */
 struct TokensSmem {
     uint2 codes_t[kTokCols][16];          /* [column][8-byte unit ^ piece] */
@@ -179,36 +159,20 @@ __device__ __forceinline__ void column_amax8(const uint4 (&v)[8], const float (&
 }
 
 /* One 128 x 128 block's codes from this thread's 8 rows x 8 columns v (rows 8 group ..,
- * columns c0 + 8 piece ..; gathered, from token rows tok) and the rows' weights pw
- * (kWeighted; without, the values themselves): with kRows each row's 1 x 128 codes (its
- * token row's, gathered), then the columns' scales and codes^T. */
-template <bool kRows, bool kGather, bool kWeighted>
-__device__ __forceinline__ void tokens_block_codes(const tokens_block_params &bp,
-                                                   const token_row_codes &tc, int row_block,
+ * columns c0 + 8 piece ..) and the rows' weights pw (kWeighted; without, the values
+ * themselves): with kRows each row's 1 x 128 codes, then the columns' scales and
+ * codes^T. */
+template <bool kRows, bool kWeighted>
+__device__ __forceinline__ void tokens_block_codes(const tokens_block_params &bp, int row_block,
                                                    int c0, const uint4 (&v)[8],
-                                                   const int (&tok)[8], const float (&pw)[8],
-                                                   TokensSmem &sm) {
+                                                   const float (&pw)[8], TokensSmem &sm) {
     const mf_quantize_fp8_tokens_params &p = bp.t;
     const int64_t r0 = (int64_t)row_block * 128;
     const int piece = threadIdx.x % 16, group = threadIdx.x / 16;
     const int c = c0 + 8 * piece;
 
     /* ---- rows: each row's tile of 128 columns (kRows: cols % 128 == 0) ---- */
-    if constexpr (kRows && kGather) {
-        /* the token row's codes; a padding row's those of an all-zero tile */
-        const float *token_scales = tc.scales + (int64_t)(c0 / 128) * tc.scale_ld;
-        float *row_scales = bp.row_scales + (int64_t)(c0 / 128) * bp.scale_ld;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int64_t r = r0 + 8 * group + i;
-            uint2 q = make_uint2(0u, 0u);
-            if (tok[i] >= 0)
-                q = __ldg(reinterpret_cast<const uint2 *>(tc.codes +
-                                                          (int64_t)tok[i] * p.cols + c));
-            *reinterpret_cast<uint2 *>(bp.row_codes + r * p.cols + c) = q;
-            if (piece == 0) row_scales[r] = tok[i] >= 0 ? __ldg(token_scales + tok[i]) : 1.0f;
-        }
-    } else if constexpr (kRows) {
+    if constexpr (kRows) {
         float *row_scales = bp.row_scales + (int64_t)(c0 / 128) * bp.scale_ld;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -276,14 +240,13 @@ __device__ __forceinline__ void tokens_block_codes(const tokens_block_params &bp
 
 /* kGather: the rows read through row_slot; kWeighted: each row times its p (dy's token
  * codes). A CTA per block: its loads first, eight 16-byte ones per thread (32 KB a CTA).
- * The weighted kernels hold 2 CTAs an SM (89-108 registers; the sorted rows + tokens
- * spilled at 3, ptxas CUDA 13), 3 where the row codes are copied (gathered rows + tokens:
- * 80 registers), the others 4 (64 registers): 128 KB of loads in flight an SM, not 64
+ * The weighted kernels hold 2 CTAs an SM (87-108 registers; rows + tokens spilled at 3,
+ * ptxas CUDA 13), the others 4 (64 registers): 128 KB of loads in flight an SM, not 64
  * (rows + tokens [dg; du] 0.40 -> 0.33 ms on an H100,
  * docs/decisions/0023-fp8-quantizer-bandwidth.md). */
 template <bool kRows, bool kGather, bool kWeighted>
-__global__ void __launch_bounds__(kTokThreads, kWeighted ? (kRows && kGather ? 3 : 2) : 4)
-    fp8_quantize_tokens_kernel(const tokens_block_params bp, const token_row_codes tc) {
+__global__ void __launch_bounds__(kTokThreads, kWeighted ? 2 : 4)
+    fp8_quantize_tokens_kernel(const tokens_block_params bp) {
     const mf_quantize_fp8_tokens_params &p = bp.t;
     __shared__ __align__(16) TokensSmem sm;
     const int col_blocks = (p.cols + kTokCols - 1) / kTokCols;
@@ -296,41 +259,34 @@ __global__ void __launch_bounds__(kTokThreads, kWeighted ? (kRows && kGather ? 3
     const int c = c0 + 8 * piece;
     const bool has_cols = c < p.cols;   /* cols % 8 == 0: a piece is whole or absent */
     uint4 v[8];
-    int tok[8];    /* gathered: the rows' token rows (-1 padding) */
     float pw[8];   /* the rows' weights (1 without) */
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         const int64_t r = r0 + 8 * group + i;
-        if constexpr (kGather) {
-            tok[i] = token_of(p.row_slot, p.top_k, r);
-            v[i] = has_cols ? load_token_piece(p.in, p.ld, tok[i], c) : make_uint4(0, 0, 0, 0);
-        } else {
-            tok[i] = -1;
+        if constexpr (kGather)
+            v[i] = has_cols ? load_row_piece(p.in, p.ld, p.row_slot, p.top_k, r, c)
+                            : make_uint4(0, 0, 0, 0);
+        else
             v[i] = has_cols ? load_stream(p.in + r * p.ld + c) : make_uint4(0, 0, 0, 0);
-        }
         pw[i] = kWeighted ? p.row_weight[r] : 1.0f;
     }
-    tokens_block_codes<kRows, kGather, kWeighted>(bp, tc, row_block, c0, v, tok, pw, sm);
+    tokens_block_codes<kRows, kWeighted>(bp, row_block, c0, v, pw, sm);
 }
 
 /* Launches the tokens kernel of kRows / row_slot / row_weight: one CTA per block. */
 template <bool kRows, bool kGather>
-cudaError_t launch_tokens(const tokens_block_params &bp, const token_row_codes &tc, int64_t ctas,
-                          cudaStream_t stream) {
+cudaError_t launch_tokens(const tokens_block_params &bp, int64_t ctas, cudaStream_t stream) {
     if (bp.t.row_weight)
-        fp8_quantize_tokens_kernel<kRows, kGather, true>
-            <<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp, tc);
+        fp8_quantize_tokens_kernel<kRows, kGather, true><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
     else
-        fp8_quantize_tokens_kernel<kRows, kGather, false>
-            <<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp, tc);
+        fp8_quantize_tokens_kernel<kRows, kGather, false><<<(unsigned)ctas, kTokThreads, 0, stream>>>(bp);
     return cudaGetLastError();
 }
 
 template <bool kRows>
-cudaError_t launch_tokens(const tokens_block_params &bp, const token_row_codes &tc, int64_t ctas,
-                          cudaStream_t stream) {
-    return bp.t.row_slot ? launch_tokens<kRows, true>(bp, tc, ctas, stream)
-                         : launch_tokens<kRows, false>(bp, tc, ctas, stream);
+cudaError_t launch_tokens(const tokens_block_params &bp, int64_t ctas, cudaStream_t stream) {
+    return bp.t.row_slot ? launch_tokens<kRows, true>(bp, ctas, stream)
+                         : launch_tokens<kRows, false>(bp, ctas, stream);
 }
 
 }  // namespace
@@ -370,7 +326,7 @@ extern "C" cudaError_t mf_quantize_fp8_tokens(const mf_quantize_fp8_tokens_param
     const int64_t ctas = tokens_ctas(p);
     if (ctas > INT32_MAX) return cudaErrorInvalidValue;
     const tokens_block_params bp = {*p, nullptr, nullptr, 0};
-    return launch_tokens<false>(bp, token_row_codes{nullptr, nullptr, 0}, ctas, stream);
+    return launch_tokens<false>(bp, ctas, stream);
 }
 
 extern "C" cudaError_t mf_quantize_fp8_rows_tokens(const mf_quantize_fp8_rows_params *r,
@@ -379,15 +335,13 @@ extern "C" cudaError_t mf_quantize_fp8_rows_tokens(const mf_quantize_fp8_rows_pa
     if (!r || !tokens_params_ok(t) || !r->codes || !r->scales || r->in != t->in ||
         r->ld != t->ld || r->rows_cap != t->rows_cap || r->num_rows != t->num_rows ||
         r->cols != t->cols || r->pow2 != t->pow2 || r->row_slot != t->row_slot ||
-        r->top_k != t->top_k || t->cols % 128 || r->scale_ld < r->rows_cap || r->scale_ld % 4 ||
-        (r->row_slot && (!r->token_codes || !r->token_scales || r->token_scale_ld < 1)))
+        r->top_k != t->top_k || t->cols % 128 || r->scale_ld < r->rows_cap || r->scale_ld % 4)
         return cudaErrorInvalidValue;
     if (t->rows_cap == 0) return cudaSuccess;
     const int64_t ctas = tokens_ctas(t);
     if (ctas > INT32_MAX) return cudaErrorInvalidValue;
     const tokens_block_params bp = {*t, r->codes, r->scales, r->scale_ld};
-    const token_row_codes tc = {r->token_codes, r->token_scales, r->token_scale_ld};
-    return launch_tokens<true>(bp, tc, ctas, stream);
+    return launch_tokens<true>(bp, ctas, stream);
 }
 
 extern "C" cudaError_t mf_quantize_fp8_load(void) {
