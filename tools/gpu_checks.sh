@@ -47,7 +47,8 @@
 #                                tools/ncu_stalls.py (NCU_LIBS as for ncu_fp8; NCU_KEEP_CSV=1
 #                                keeps the source pages, gzipped)
 #   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
-#                                each GEMM in turn, beside bf16 (three runs of 3 models)
+#                                each GEMM in turn, beside bf16 (three runs of 3 models,
+#                                ~7.5 min each: ABLATION_GROUPS=1, 2 or 3 picks one)
 #   tools/gpu_checks.sh step     bench_train_step.py, 12 layers (6 on an 80 GB card), both
 #                                precisions, with the MoE layers' profiled share and the
 #                                longest kernels (~3 min)
@@ -276,9 +277,12 @@ ncu_stalls() {
 
 ablation() {
     # three runs of three models (bf16 and two emulated ones: 13 GB of fp32 weights, grads
-    # and AdamW state each, with activations, fit an 80 GB card), each under its own budget
-    # (ABLATION_GROUPS="1 2" runs only those, for calls shorter than the three)
-    local i=0 group budget=${ABLATION_BUDGET:-150}
+    # and AdamW state each, with activations, fit an 80 GB card), each under its own budget.
+    # The emulation's per-expert fp32 GEMMs take ~680 ms a step on an H100 (bf16 ~100), so
+    # a group's 300 steps take ~440 s: one group a call (ABLATION_GROUPS=1, 2 or 3); under
+    # the budget the steps are cut, and 150 s gave 80 steps, still in the warm-up, where
+    # the runs' held-out losses lie further apart than at the end of a full run
+    local i=0 group budget=${ABLATION_BUDGET:-440}
     for group in "gemm1 gemm2" "dgrad2 dgrad1" "dw2 dw13"; do
         i=$((i + 1))
         [[ " ${ABLATION_GROUPS:-1 2 3} " == *" $i "* ]] || continue
