@@ -3,7 +3,7 @@
  * the passes of a forward + backward: rows 1 x 128 of x (H = 2048), a (I = 768), dy
  * (2048), [dg; du] (2I = 1536); tokens (128 per column, transposed) of p dy, a, [dg; du], x;
  * and, where the library has it, the one-read pass of dy and [dg; du] (rows + tokens),
- * and of dy gathered from its token rows (a uniform routing's row_slot), as on one GPU.
+ * and of dy gathered from its token rows through row_slot, as on one GPU.
  * Inputs N(0, 1) bf16 made on the device, larger than L2; and x's two passes again on
  * heavy-tailed values (N(0, 1) times 2^k, k uniform in -12..3, continuous bf16): tiles of
  * wide range, where an earlier form of the quantizers took its divisions most often.
@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <algorithm>
 #include <functional>
 #include <string>
 #include <vector>
@@ -60,33 +61,6 @@ __global__ void fill_weights(float *p, int n) {
 }
 
 constexpr int kTokens = 16384, kTopK = 8, kExperts = 128;
-
-/* Each expert-sorted row's slot t K + k for a uniform top-8 routing of kTokens tokens over
- * kExperts experts (each expert's tokens in order, its rows padded to 128 with -1), as the
- * layer's plan orders them. */
-std::vector<int32_t> routed_row_slots(void) {
-    std::vector<std::vector<int32_t>> of_expert(kExperts);
-    for (int t = 0; t < kTokens; ++t) {
-        int chosen[kTopK];
-        for (int k = 0; k < kTopK; ++k) {
-            int e;
-            bool again;
-            do {
-                e = th_rand_int(0, kExperts - 1);
-                again = false;
-                for (int j = 0; j < k; ++j) again |= chosen[j] == e;
-            } while (again);
-            chosen[k] = e;
-            of_expert[e].push_back(t * kTopK + k);
-        }
-    }
-    std::vector<int32_t> rows;
-    for (const std::vector<int32_t> &slots : of_expert) {
-        rows.insert(rows.end(), slots.begin(), slots.end());
-        while (rows.size() % 128) rows.push_back(-1);
-    }
-    return rows;
-}
 
 struct pass {
     std::string name;
@@ -164,27 +138,29 @@ void time_passes(const char *filter) {
                           pass_bytes(kRows, cols_of[k], 2),
                           [r, t] { return mf_quantize_fp8_rows_tokens(&r, &t, 0); }});
     }
-    /* dy as the layer reads it on one GPU: the caller's token rows gathered through a
-     * routing's row_slot (uniform top-8 of 128 experts, each expert's tokens in order,
-     * padded to 128 rows) */
-    const std::vector<int32_t> routed = routed_row_slots();
-    const int routed_rows = (int)routed.size();
-    int32_t *row_slot = dev_upload(routed), *routed_num = dev_upload(std::vector<int32_t>{routed_rows});
+    /* dy as the layer reads it on one GPU: the caller's token rows gathered through
+     * row_slot, each expert's slots in token order as the plan sorts them */
+    Layout L = make_layout(skewed_counts(kExperts, kTokens * kTopK), 0, 0);
+    for (int e = 0; e < kExperts; ++e) {
+        const auto first = L.row_slot.begin() + L.offsets[e];
+        std::sort(first, first + L.counts[e]);
+    }
+    const int H = cols_of[2], g_rows = L.rows_cap;
+    int32_t *row_slot = dev_upload(L.row_slot), *g_num = dev_upload(std::vector<int32_t>{g_rows});
     uint8_t *g_codes, *g_codes_t;
     float *g_scales, *g_scales_t, *g_pw;
-    CUDA_OK(cudaMalloc(&g_pw, (size_t)routed_rows * 4));
-    fill_weights<<<num_sms(), 256>>>(g_pw, routed_rows);
-    CUDA_OK(cudaMalloc(&g_codes, (size_t)routed_rows * 2048));
-    CUDA_OK(cudaMalloc(&g_codes_t, (size_t)routed_rows * 2048));
-    CUDA_OK(cudaMalloc(&g_scales, (size_t)2048 / 128 * routed_rows * 4));
-    CUDA_OK(cudaMalloc(&g_scales_t, (size_t)routed_rows / 128 * 2048 * 4));
+    CUDA_OK(cudaMalloc(&g_pw, (size_t)g_rows * 4));
+    fill_weights<<<num_sms(), 256>>>(g_pw, g_rows);
+    CUDA_OK(cudaMalloc(&g_codes, (size_t)g_rows * H));
+    CUDA_OK(cudaMalloc(&g_codes_t, (size_t)g_rows * H));
+    CUDA_OK(cudaMalloc(&g_scales, (size_t)H / 128 * g_rows * 4));
+    CUDA_OK(cudaMalloc(&g_scales_t, (size_t)g_rows / 128 * H * 4));
     {
-        const mf_quantize_fp8_rows_params r = {in[2], 2048, routed_rows, routed_num, 2048, 0,
-                                               g_codes, g_scales, routed_rows, row_slot, kTopK};
-        const mf_quantize_fp8_tokens_params t = {in[2], 2048, routed_rows, routed_num, 2048,
-                                                 g_pw, 0, g_codes_t, g_scales_t, row_slot,
-                                                 kTopK};
-        passes.push_back({"rows+tokens dy gathered", pass_bytes(routed_rows, 2048, 2),
+        const mf_quantize_fp8_rows_params r = {in[2], H, g_rows, g_num, H, 0,
+                                               g_codes, g_scales, g_rows, row_slot, kTopK};
+        const mf_quantize_fp8_tokens_params t = {in[2], H, g_rows, g_num, H, g_pw, 0,
+                                                 g_codes_t, g_scales_t, row_slot, kTopK};
+        passes.push_back({"rows+tokens dy gathered", pass_bytes(g_rows, H, 2),
                           [r, t] { return mf_quantize_fp8_rows_tokens(&r, &t, 0); }});
     }
 #endif
@@ -279,7 +255,7 @@ void time_passes(const char *filter) {
     cudaFree(wcodes); cudaFree(wcodes_t); cudaFree(wscale); cudaFree(wscale_t);
     cudaFree(copy_src); cudaFree(copy_dst);
 #ifdef MF_HAVE_QUANTIZE_FP8_ROWS_TOKENS
-    cudaFree(row_slot); cudaFree(routed_num);
+    cudaFree(row_slot); cudaFree(g_num);
     cudaFree(g_codes); cudaFree(g_codes_t); cudaFree(g_scales); cudaFree(g_scales_t);
     cudaFree(g_pw);
 #endif
