@@ -53,7 +53,9 @@ def profile_calls(fwd_bwd, label: str, calls: int) -> None:
     per_kernel = collections.defaultdict(float)   # µs over all calls
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[ev.name[:60]] += ev.device_time_total
+            # without the common prefixes, so a template's instances stay apart
+            name = ev.name.removeprefix("void ").replace("(anonymous namespace)::", "")
+            per_kernel[name[:72]] += ev.device_time_total
     total_ms = sum(per_kernel.values()) / calls / 1000
     print(f"== {label}: {start.elapsed_time(end) / calls:.3f} ms per fwd+bwd (events), "
           f"kernels sum {total_ms:.3f} ms")

@@ -268,6 +268,7 @@ void time_qwen3_30b(void) { time_passes(g_filter); }
 
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);   /* lines out as they come, through a pipe too */
+    th_seed_from_env_or_clock();          /* the gathered pass's routing */
     if (argc > 1) g_filter = argv[1];
     th_run("fp8 quantizers: time at qwen3-30b-a3b T=16384", time_qwen3_30b);
     return th_finish();
