@@ -3,7 +3,8 @@
  * the passes of a forward + backward: rows 1 x 128 of x (H = 2048), a (I = 768), dy
  * (2048), [dg; du] (2I = 1536); tokens (128 per column, transposed) of p dy, a, [dg; du], x;
  * and, where the library has it, the one-read pass of dy and [dg; du] (rows + tokens),
- * and of dy gathered from its token rows through row_slot, as on one GPU.
+ * and the passes the layer gathers from token rows through row_slot on one GPU (rows +
+ * tokens of dy, tokens of x; their floor reads each token row once).
  * Inputs N(0, 1) bf16 made on the device, larger than L2; and x's two passes again on
  * heavy-tailed values (N(0, 1) times 2^k, k uniform in -12..3, continuous bf16): tiles of
  * wide range, where an earlier form of the quantizers took its divisions most often.
@@ -71,6 +72,12 @@ struct pass {
 /* bytes of one pass over rows x cols: read bf16, write codes and one fp32 scale per 128 */
 double pass_bytes(double rows, double cols, int outputs) {
     return rows * cols * (2.0 + outputs * (1.0 + 4.0 / 128));
+}
+
+/* the same, rows gathered from kTokens token rows: each token row read from HBM once (the
+ * floor; its K - 1 other reads can come from L2) */
+double gathered_bytes(double rows, double cols, int outputs) {
+    return kTokens * cols * 2.0 + rows * cols * outputs * (1.0 + 4.0 / 128);
 }
 
 void time_passes(const char *filter) {
@@ -160,8 +167,14 @@ void time_passes(const char *filter) {
                                                g_codes, g_scales, g_rows, row_slot, kTopK};
         const mf_quantize_fp8_tokens_params t = {in[2], H, g_rows, g_num, H, g_pw, 0,
                                                  g_codes_t, g_scales_t, row_slot, kTopK};
-        passes.push_back({"rows+tokens dy gathered", pass_bytes(g_rows, H, 2),
+        passes.push_back({"rows+tokens dy gathered", gathered_bytes(g_rows, H, 2),
                           [r, t] { return mf_quantize_fp8_rows_tokens(&r, &t, 0); }});
+        /* x's tokens for dW13, gathered from the caller's x (unweighted) */
+        mf_quantize_fp8_tokens_params tx = t;
+        tx.in = in[0];
+        tx.row_weight = nullptr;
+        passes.push_back({"tokens x gathered", gathered_bytes(g_rows, H, 1),
+                          [tx] { return mf_quantize_fp8_tokens(&tx, 0); }});
     }
 #endif
     /* the weights, once per optimizer step: qwen3-30b-a3b's fp32 W13 [128, 1536, 2048] and
