@@ -281,7 +281,8 @@ void time_qwen3_30b(void) { time_passes(g_filter); }
 
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);   /* lines out as they come, through a pipe too */
-    th_seed_from_env_or_clock();          /* the gathered pass's routing */
+    /* the gathered passes' routing; MOEFUSE_TEST_SEED makes it the same in an A/B's trees */
+    th_seed_from_env_or_clock();
     if (argc > 1) g_filter = argv[1];
     th_run("fp8 quantizers: time at qwen3-30b-a3b T=16384", time_qwen3_30b);
     return th_finish();
