@@ -197,20 +197,26 @@ class Fp8WeightCache:
         with moefuse_quantize_weights on the current stream when missing or stale. The
         struct (and its buffer) stays valid until the entry is replaced or cleared; hold
         the returned object during the call that reads it. w13_up: w13 in two halves
-        (gate in w13), read where they are (moefuse_quantize_weights_halves)."""
+        (gate in w13), read where they are (moefuse_quantize_weights_halves). While a CUDA
+        graph is captured, weights made on another stream count as missing (a capture
+        cannot wait for work outside it), and what the capture quantizes is not kept (its
+        buffer is written only when the graph replays)."""
         _watch_optimizers()
         weights = (w13, w2) if w13_up is None else (w13, w2, w13_up)
         key = (tuple((id(w.untyped_storage()), w.storage_offset(), tuple(w.shape), w.dtype)
                      for w in weights), str(w13.device), int(layer.cfg.fp8_pow2_scales))
         versions = tuple(_version(w) for w in weights)
         state = (*versions, *(w.data_ptr() for w in weights), _optimizer_steps)
+        capturing = w13.is_cuda and torch.cuda.is_current_stream_capturing()
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and entry.state == state and entry.made_from(weights):
+            if (entry is not None and entry.state == state and entry.made_from(weights) and
+                    not (capturing and
+                         entry.weights.stream != torch.cuda.current_stream(w13.device))):
                 _ready_on_current_stream(entry.weights)
                 return entry.weights
         entry = self._quantize(layer, w13, w2, w13_up, state)
-        if None not in versions:
+        if None not in versions and not capturing:
             self._store(key, entry, weights)
         return entry.weights
 
@@ -261,7 +267,8 @@ class Fp8WeightCache:
 
     def __len__(self) -> int:
         with self._lock:
-            return sum(entry.alive() for entry in self._entries.values())
+            # a copy: a storage dying meanwhile drops its entry (the lock is reentrant)
+            return sum(entry.alive() for entry in list(self._entries.values()))
 
 
 def weight_args(layer: _lib.Layer, w13: torch.Tensor, w2: torch.Tensor,
