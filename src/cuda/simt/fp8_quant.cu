@@ -249,9 +249,12 @@ __global__ void __launch_bounds__(kTokThreads, kWeighted ? 2 : 4)
     fp8_quantize_tokens_kernel(const tokens_block_params bp) {
     const mf_quantize_fp8_tokens_params &p = bp.t;
     __shared__ __align__(16) TokensSmem sm;
-    const int col_blocks = (p.cols + kTokCols - 1) / kTokCols;
-    const int row_block = blockIdx.x / col_blocks;
-    const int c0 = (blockIdx.x % col_blocks) * kTokCols;
+    /* Sorted rows, a row block's column blocks one after another; gathered, one column
+     * slab's row blocks: a token row's K reads of the slab (T x 128 columns, 4 MB at
+     * T = 16384) come while the slab is in L2, not K times from HBM */
+    const int col_blocks = (p.cols + kTokCols - 1) / kTokCols, row_blocks = p.rows_cap / 128;
+    const int row_block = kGather ? blockIdx.x % row_blocks : blockIdx.x / col_blocks;
+    const int c0 = (kGather ? blockIdx.x / row_blocks : blockIdx.x % col_blocks) * kTokCols;
     const int rows = p.num_rows ? *p.num_rows : p.rows_cap;
     if (row_block * 128 >= rows) return;
     const int64_t r0 = (int64_t)row_block * 128;
