@@ -18,8 +18,9 @@ on an sm_90 GPU, one rank), through the binding:
     training   fp32 master weights get fp32 gradients; the quantization is reused over
                micro-batches and made again after an optimizer step (fused AdamW);
                torch.compile(fullgraph=True) and activation checkpointing give eager's bits
-               and reuse its quantization; the Qwen3 block from transformers with
-               precision="fp8"
+               and reuse its quantization; a CUDA graph captured over cached weights
+               quantizes inside the graph and leaves the cache as it was; the Qwen3 block
+               from transformers with precision="fp8"
 
 Everything skips with its reason without a CUDA device of compute capability 9.x.
 """
@@ -216,6 +217,35 @@ def test_cache_read_from_another_stream(quantize_calls):
     torch.cuda.synchronize()
     assert len(quantize_calls) == 1
     assert torch.equal(y_first, y_second)
+
+
+def test_graph_capture_quantizes_inside_and_keeps_nothing(quantize_calls):
+    """A CUDA graph captured while the cached weights were made on another stream (a
+    capture cannot wait for work outside it) quantizes inside the graph; that buffer is
+    written only when the graph replays, so the cache does not keep it: the eager call
+    after the capture reads the warm-up's quantization, and the replay gives its bits."""
+    module = fp8_module(37)
+    x, ids, p, _ = micro_batch(37)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad():
+        with torch.cuda.stream(side):  # warm-up outside the capture, as CUDA graphs want
+            y_warm = module(x, ids, p)
+        torch.cuda.current_stream().wait_stream(side)
+        assert len(quantize_calls) == 1
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_graph = module(x, ids, p)
+        assert len(quantize_calls) == 2, "the capture must quantize, not wait on the side stream"
+        y_eager = module(x, ids, p)  # before any replay: the capture's buffer is unwritten
+        assert len(quantize_calls) == 2
+        torch.cuda.synchronize()
+        assert torch.equal(y_eager, y_warm), "the eager call read what the capture quantized"
+        ops.layer_cache.fp8.clear()
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(y_graph, y_warm)
+    assert len(quantize_calls) == 2
 
 
 class TinyMoE(torch.nn.Module):
