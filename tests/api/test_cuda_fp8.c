@@ -7,8 +7,9 @@
  *     with the FP8 tensor cores' accumulation (fp8_tolerances, th_acc_wgmma_fp8_rms); every
  *     output element written (poisoned first);
  *   - bitwise: a second run equal, the three saved modes equal (recompute re-quantizes
- *     x and repeats gemm1; the saved inputs are the same rows), and forward + backward
- *     captured in a CUDA graph and replayed equal to the direct run;
+ *     x and repeats gemm1, and quantizes dy's rows with p dy's tokens where the others
+ *     take the backward dispatch's codes; the saved inputs are the same rows), and
+ *     forward + backward captured in a CUDA graph and replayed equal to the direct run;
  *   - T = 0: zero weight gradients, accumulate leaves them;
  *   - dW13 in two halves (dw13_up, dw13_up_bf16) bitwise equal to packed.
  * The recipe's error against the bf16 fp64 reference is printed (a property of the

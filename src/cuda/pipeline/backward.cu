@@ -5,8 +5,9 @@
  *             (its windows are free) and the arrival targets of this call are set
  *   dispatch  dy -> dys and x -> xs in the saved plan's row order: local, one
  *             token-major pass (x not with MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS: dW13
- *             reads the saved xs; FP8: neither, its quantizers gather the caller's rows,
- *             and only the rows' p are written); peers, a push on the side stream
+ *             reads the saved xs; FP8: no bf16 rows, dy's row codes unless gemm1 is
+ *             recomputed, the token tiles' quantizers gather the caller's rows, and
+ *             the rows' p); peers, a push on the side stream
  *   gemm1     MOEFUSE_RECOMPUTE only: xs -> [g | u] (the forward's very call, so the
  *             forward's bits; act goes to the act workspace and is not read)
  *   dgrad2    dys W2_e with the SwiGLU backward -> dh = [dg | du], act_p = bf16(p a),
@@ -101,6 +102,7 @@ moefuse_status backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *s
     if (plan.quantizers_gather) {   // FP8 on one GPU: dy and x read where the caller has them
         c.dy_tokens = a->dy;
         c.dy_tokens_stride = a->dy_stride;
+        c.dy_codes = c.mode != MOEFUSE_RECOMPUTE;
         if (plan.saved_mode != MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS) {
             c.x_tokens = a->x;
             c.x_tokens_stride = a->x_stride;

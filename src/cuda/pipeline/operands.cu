@@ -220,17 +220,23 @@ moefuse_status fp8_gemm2(const moefuse_layer *layer, const call_bufs &c,
                           stream, &p->act);
 }
 
-/* dgrad2 reads W2^T (its FP8 kernel writes the unweighted a for dW2 = (p dy)^T a). The
- * same read of dy makes dW2's lhs, p dy per 128 tokens: the lhs token codes are free
- * (dW13 of the previous call has read them) and hold it until dW2. */
+/* dgrad2 reads W2^T (its FP8 kernel writes the unweighted a for dW2 = (p dy)^T a) and
+ * dy's row codes, the dispatch's (c.dy_codes) or made here from the same read of dy as
+ * dW2's lhs, p dy per 128 tokens: the lhs token codes are free (dW13 of the previous call
+ * has read them) and hold it until dW2. */
 moefuse_status fp8_dgrad2(const moefuse_layer *layer, const call_bufs &c,
                           const moefuse_fp8_weights *w, mf_dgrad2_params *p,
                           cudaStream_t stream) {
+    const cuda_state *s = state_of(layer);
     p->w2 = weight(w->w2t, w->w2t_scale);
     MF_TRY(rows_arrived(layer, p->rows_in, stream));
-    return quantized_rows_and_tokens(
-        layer, c, rows_of(layer, c, c.dy_tokens, c.dy_tokens_stride, p->dys.data, p->hidden),
-        p->hidden, state_of(layer)->row_weight, stream, &p->dys);
+    const rows_src dy = rows_of(layer, c, c.dy_tokens, c.dy_tokens_stride, p->dys.data, p->hidden);
+    if (!c.dy_codes)
+        return quantized_rows_and_tokens(layer, c, dy, p->hidden, s->row_weight, stream, &p->dys);
+    p->dys = row_operand(s);
+    mf_operand lhs;   /* dW2 takes it from the state (fp8_dw2) */
+    return quantized_tokens(layer, c.lay.rows_cap, dy, p->hidden, s->row_weight, s->fp8_lhs_t,
+                            s->fp8_lhs_scales, stream, &lhs);
 }
 
 /* dgrad1 runs after dW2: its read of [dg; du] also makes dW13's lhs. */

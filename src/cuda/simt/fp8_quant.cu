@@ -9,10 +9,11 @@
  *            of the weight-gradient GEMMs, whose K is the tokens.
  *   (the weights' 128 x 128 blocks: simt/fp8_quant_weights.cu)
  *
- *   rows + tokens  both of the above from one read (dy and [dg; du], whose two forms the
- *            backward needs one GEMM apart).
+ *   rows + tokens  both of the above from one read ([dg; du], and dy where the backward's
+ *            dispatch does not quantize it: whose two forms the backward needs one GEMM
+ *            apart).
  * Rows and tokens read the expert-sorted rows, or gather them (row_slot): the caller's x
- * and dy on one GPU, which the backward then does not dispatch.
+ * and dy on one GPU, whose bf16 rows the backward then does not dispatch.
  *
  * Floors (H200, ~4 TB/s read + write): rows and tokens move 2 + 1 + 4/128 bytes per
  * element (bf16 in, code and scale out), rows + tokens 2 + 2 (1 + 4/128): qwen3-30b-a3b's

@@ -61,14 +61,19 @@ moefuse_status plan(moefuse_layer *layer, const moefuse_fwd_args *a, const call_
 
 /* Forward: x -> xs (FP8 with c.x_codes: x -> its row codes). Backward: dy -> dys and
  * x -> s->xs in one pass, x not when the forward saved its xs, neither where the FP8
- * quantizers gather them (c.dy_tokens, c.x_tokens). */
+ * quantizers gather them (c.dy_tokens, c.x_tokens); FP8 with c.dy_codes: dy -> its row
+ * codes (x is then gathered or saved: one tensor). */
 moefuse_status dispatch(moefuse_layer *layer, const token_rows &rows, const call_bufs &c,
                         cudaStream_t stream) {
     const cuda_state *s = state_of(layer);
     mf_dispatch_params dp = {};
     if (rows.dy) {
         int n = 0;   // what the FP8 quantizers do not gather (c.dy_tokens, c.x_tokens)
-        if (!c.dy_tokens) {
+        if (c.dy_codes) {   // FP8: codes, not bf16 rows (c.x_tokens set or x saved)
+            dp.x[n] = rows.dy;
+            dp.x_stride[n++] = rows.dy_stride;
+            fp8_row_codes_out(layer, c, &dp);
+        } else if (!c.dy_tokens) {
             dp.x[n] = rows.dy;
             dp.x_stride[n] = rows.dy_stride;
             dp.xs[n++] = c.dys;
