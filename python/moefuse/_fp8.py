@@ -30,7 +30,11 @@ rule, and valid while
     entry (a post-step hook, registered at the first FP8 call);
   - the weights' storages are alive (an entry dies with its weights; it never holds them).
 So gradient accumulation over micro-batches, the backward of each forward and the
-recompute of activation checkpointing reuse one quantization. What it cannot see: writes
+recompute of activation checkpointing reuse one quantization. A CUDA graph capture never
+reads the cache and never fills it: each captured call quantizes the weights inside the
+graph, so each replay reads the weights as they are then (a cached quantization baked into a graph would
+go stale at the next optimizer step, and its buffer be freed when the entry is replaced),
+and what it quantized is written only when the graph replays. What it cannot see: writes
 through `w.data` (a tensor with its own version counter) outside a torch.optim step, and
 optimizers outside torch.optim that write in place without bumping the counters; call
 layer_cache.fp8.clear() after those. The lookup runs inside the custom ops'
@@ -198,25 +202,23 @@ class Fp8WeightCache:
         struct (and its buffer) stays valid until the entry is replaced or cleared; hold
         the returned object during the call that reads it. w13_up: w13 in two halves
         (gate in w13), read where they are (moefuse_quantize_weights_halves). While a CUDA
-        graph is captured, weights made on another stream count as missing (a capture
-        cannot wait for work outside it), and what the capture quantizes is not kept (its
-        buffer is written only when the graph replays)."""
+        graph is captured the weights are quantized inside the graph, neither looked up nor
+        kept (the module docstring says why)."""
         _watch_optimizers()
         weights = (w13, w2) if w13_up is None else (w13, w2, w13_up)
-        key = (tuple((id(w.untyped_storage()), w.storage_offset(), tuple(w.shape), w.dtype)
-                     for w in weights), str(w13.device), int(layer.cfg.fp8_pow2_scales))
         versions = tuple(_version(w) for w in weights)
         state = (*versions, *(w.data_ptr() for w in weights), _optimizer_steps)
-        capturing = w13.is_cuda and torch.cuda.is_current_stream_capturing()
+        if w13.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self._quantize(layer, w13, w2, w13_up, state).weights
+        key = (tuple((id(w.untyped_storage()), w.storage_offset(), tuple(w.shape), w.dtype)
+                     for w in weights), str(w13.device), int(layer.cfg.fp8_pow2_scales))
         with self._lock:
             entry = self._entries.get(key)
-            if (entry is not None and entry.state == state and entry.made_from(weights) and
-                    not (capturing and
-                         entry.weights.stream != torch.cuda.current_stream(w13.device))):
+            if entry is not None and entry.state == state and entry.made_from(weights):
                 _ready_on_current_stream(entry.weights)
                 return entry.weights
         entry = self._quantize(layer, w13, w2, w13_up, state)
-        if None not in versions and not capturing:
+        if None not in versions:
             self._store(key, entry, weights)
         return entry.weights
 

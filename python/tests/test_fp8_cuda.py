@@ -18,9 +18,9 @@ on an sm_90 GPU, one rank), through the binding:
     training   fp32 master weights get fp32 gradients; the quantization is reused over
                micro-batches and made again after an optimizer step (fused AdamW);
                torch.compile(fullgraph=True) and activation checkpointing give eager's bits
-               and reuse its quantization; a CUDA graph captured over cached weights
-               quantizes inside the graph and leaves the cache as it was; the Qwen3 block
-               from transformers with precision="fp8"
+               and reuse its quantization; a CUDA graph capture quantizes inside the graph
+               (a replay after an in-place update reads the new weights) and leaves the
+               cache as it was; the Qwen3 block from transformers with precision="fp8"
 
 Everything skips with its reason without a CUDA device of compute capability 9.x.
 """
@@ -220,32 +220,39 @@ def test_cache_read_from_another_stream(quantize_calls):
 
 
 def test_graph_capture_quantizes_inside_and_keeps_nothing(quantize_calls):
-    """A CUDA graph captured while the cached weights were made on another stream (a
-    capture cannot wait for work outside it) quantizes inside the graph; that buffer is
-    written only when the graph replays, so the cache does not keep it: the eager call
-    after the capture reads the warm-up's quantization, and the replay gives its bits."""
+    """A CUDA graph capture neither reads the cache nor fills it, even with an entry made
+    on the capture's own stream: the graph quantizes the weights inside itself, so a
+    replay after an in-place update reads the weights as they are then; the eager call
+    after the capture reads the warm-up's quantization (the capture's buffer is written
+    only when the graph replays)."""
     module = fp8_module(37)
     x, ids, p, _ = micro_batch(37)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
+    capture_stream = torch.cuda.Stream()
+    capture_stream.wait_stream(torch.cuda.current_stream())
     with torch.no_grad():
-        with torch.cuda.stream(side):  # warm-up outside the capture, as CUDA graphs want
+        with torch.cuda.stream(capture_stream):  # warm-up outside the capture, as graphs want
             y_warm = module(x, ids, p)
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(capture_stream)
         assert len(quantize_calls) == 1
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=capture_stream):
             y_graph = module(x, ids, p)
-        assert len(quantize_calls) == 2, "the capture must quantize, not wait on the side stream"
+        assert len(quantize_calls) == 2, "the capture must quantize inside the graph"
         y_eager = module(x, ids, p)  # before any replay: the capture's buffer is unwritten
         assert len(quantize_calls) == 2
         torch.cuda.synchronize()
         assert torch.equal(y_eager, y_warm), "the eager call read what the capture quantized"
-        ops.layer_cache.fp8.clear()
         graph.replay()
         torch.cuda.synchronize()
-    assert torch.equal(y_graph, y_warm)
-    assert len(quantize_calls) == 2
+        assert torch.equal(y_graph, y_warm)
+        module.gate_up_proj.mul_(0.5)  # in place, as an optimizer step
+        module.down_proj.mul_(2.0)
+        graph.replay()
+        y_updated = module(x, ids, p)  # eager: the new versions quantized
+        torch.cuda.synchronize()
+    assert len(quantize_calls) == 3
+    assert not torch.equal(y_updated, y_warm)
+    assert torch.equal(y_graph, y_updated), "the replay read a stale quantization"
 
 
 class TinyMoE(torch.nn.Module):
