@@ -241,12 +241,12 @@ __device__ __forceinline__ void tokens_block_codes(const tokens_block_params &bp
 
 /* kGather: the rows read through row_slot; kWeighted: each row times its p (dy's token
  * codes). A CTA per block: its loads first, eight 16-byte ones per thread (32 KB a CTA).
- * The weighted kernels hold 2 CTAs an SM (87-108 registers; rows + tokens spilled at 3,
- * ptxas CUDA 13), the others 4 (64 registers): 128 KB of loads in flight an SM, not 64
- * (rows + tokens [dg; du] 0.40 -> 0.33 ms on an H100,
- * docs/decisions/0023-fp8-quantizer-bandwidth.md). */
+ * The weighted rows + tokens kernels hold 2 CTAs an SM (104-108 registers; at 3 they spill
+ * 8 bytes, ptxas CUDA 13), the weighted tokens kernels 3 (79), the others 4 (64): more
+ * loads in flight an SM (rows + tokens [dg; du] 0.40 -> 0.33 ms at 4 CTAs, not 2, on an
+ * H100, docs/decisions/0023-fp8-quantizer-bandwidth.md). */
 template <bool kRows, bool kGather, bool kWeighted>
-__global__ void __launch_bounds__(kTokThreads, kWeighted ? 2 : 4)
+__global__ void __launch_bounds__(kTokThreads, !kWeighted ? 4 : kRows ? 2 : 3)
     fp8_quantize_tokens_kernel(const tokens_block_params bp) {
     const mf_quantize_fp8_tokens_params &p = bp.t;
     __shared__ __align__(16) TokensSmem sm;
