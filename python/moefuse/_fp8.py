@@ -13,11 +13,11 @@ Fp8UnsupportedError where it does not run: a GPU older than sm_90. y, dx, d p an
 weight gradients keep their dtypes, and the weight gradients are of the real (bf16 or
 fp32) weights.
 
-Weights are quantized once per optimizer step, not per call. Fp8WeightCache (the `fp8`
-attribute of ops.layer_cache) keeps the quantized W13, W2 and their transposes of each
-weight set (w13, w2, and w13_up for W13 in halves), keyed by the tensors' storages (the
-storage objects themselves, not their addresses), offsets, shapes, dtypes and the scale
-rule, and valid while
+Weights are quantized once per optimizer step, not per call (in a CUDA graph, once per
+captured call: below). Fp8WeightCache (the `fp8` attribute of ops.layer_cache) keeps the
+quantized W13, W2 and their transposes of each weight set (w13, w2, and w13_up for W13 in
+halves), keyed by the tensors' storages (the storage objects themselves, not their
+addresses), offsets, shapes, dtypes and the scale rule, and valid while
   - every version counter (tensor._version) is unchanged: every in-place update
     (optimizer.step() of SGD, Adam, ..., or `with torch.no_grad(): w.copy_(...)`) bumps
     them;
@@ -31,10 +31,12 @@ rule, and valid while
   - the weights' storages are alive (an entry dies with its weights; it never holds them).
 So gradient accumulation over micro-batches, the backward of each forward and the
 recompute of activation checkpointing reuse one quantization. A CUDA graph capture never
-reads the cache and never fills it: each captured call quantizes the weights inside the
-graph, so each replay reads the weights as they are then (a cached quantization baked into a graph would
-go stale at the next optimizer step, and its buffer be freed when the entry is replaced),
-and what it quantized is written only when the graph replays. What it cannot see: writes
+reads the cache and never fills it: each captured call (forward, backward, recompute)
+quantizes the weights inside the graph, so each replay reads the weights as they are
+then (a cached quantization baked into a graph would go stale at the next optimizer
+step, and its buffer be freed when the entry is replaced), at the cost of one
+quantization per captured call, not per optimizer step; and what a capture quantized is
+written only when the graph replays. What it cannot see: writes
 through `w.data` (a tensor with its own version counter) outside a torch.optim step, and
 optimizers outside torch.optim that write in place without bumping the counters; call
 layer_cache.fp8.clear() after those. The lookup runs inside the custom ops'

@@ -18,8 +18,9 @@ Public functions (differentiable, torch.compile(fullgraph=True) friendly):
       bf16 gradients written by the library (the fp32 gradients rounded to nearest
       even, no cast afterwards), fp32 master weights fp32 gradients.
       precision="fp8": every expert GEMM on block-scaled e4m3 operands, the weights
-      quantized once per optimizer step (_fp8.py): CPU tensors, and CUDA tensors on an
-      sm_90 GPU; with expert parallelism through moefuse.distributed.
+      quantized once per optimizer step (_fp8.py; in a CUDA graph, once per captured
+      call): CPU tensors, and CUDA tensors on an sm_90 GPU; with expert parallelism
+      through moefuse.distributed.
 
     route(logits, top_k) -> (ids int32 [T, K], weights fp32 [T, K])   (in _route.py)
         Qwen3 routing: softmax over E in fp32, top-K (ties: lower id), renormalize.

@@ -378,7 +378,7 @@ cudaError_t mf_quantize_fp8_rows(const mf_quantize_fp8_rows_params *p, cudaStrea
  * codes_t [cols, rows_cap] (tokens contiguous), scales [rows_cap / 128, cols]. Blocks at
  * or past *num_rows untouched. rows_cap % 128 == 0, cols % 8 == 0. Gathered (row_slot
  * set): row r is the token-major row in[(row_slot[r] / top_k) * ld], zeros where
- * row_slot[r] < 0 (padding): the caller's x or dy, not dispatched. */
+ * row_slot[r] < 0 (padding): the caller's x or dy, whose bf16 rows are not dispatched. */
 typedef struct mf_quantize_fp8_tokens_params {
     const uint16_t *in;      /* bf16 [rows_cap, cols], row stride ld (a multiple of 8) */
     int64_t ld;

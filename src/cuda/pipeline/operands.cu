@@ -7,15 +7,17 @@
  *         dgrad2, [dg; du] for dgrad1: one buffer, used in turn; the forward's x by its
  *         dispatch as it moves the rows, unless saved: on one GPU into that buffer,
  *         fp8_row_codes_out, with a comm into the x rows window by the push; on one GPU
- *         the backward's dy and x read where the caller has them, gathered through
- *         row_slot, not dispatched), the weight gradients'
+ *         the backward's dy by its dispatch too unless gemm1 is recomputed, and the
+ *         token tiles of dy and x read where the caller has them, gathered through
+ *         row_slot), the weight gradients'
  *         operands quantized in tiles of 128 tokens and transposed (p dy and a for dW2,
  *         [dg; du] and x for dW13: two buffers, used in turn), and the weights the
- *         caller quantized (W for the forward, W^T for the dgrads). dy and [dg; du] are
- *         read once for both of their forms, by dgrad2's and dgrad1's hooks (the backward
- *         runs dgrad2, dW2, dgrad1, dW13 in this order on one stream; FP8 has no fused
- *         backward), so dW2's and dW13's hooks quantize only a and x
- *         (docs/decisions/0023-fp8-quantizer-bandwidth.md).
+ *         caller quantized (W for the forward, W^T for the dgrads). [dg; du], and dy
+ *         where the dispatch did not quantize it, are read once for both of their forms,
+ *         by dgrad1's and dgrad2's hooks (the backward runs dgrad2, dW2, dgrad1, dW13 in
+ *         this order on one stream; FP8 has no fused backward), so dW2's and dW13's
+ *         hooks quantize only a and x (docs/decisions/0023-fp8-quantizer-bandwidth.md,
+ *         0026-fp8-x-quantized-by-the-dispatch.md).
  *         With expert parallelism the backward's x and dy arrive from the peers while the
  *         call runs: the hooks of the GEMMs that quantize received rows (the recomputed
  *         gemm1, dgrad2) wait for all of them first (mf_ep_wait_rows), so that

@@ -169,8 +169,8 @@ struct call_bufs {
      * gemm1's hook takes them as they are */
     bool x_codes;
     /* backward, exec_plan.quantizers_gather: dy's (and, unless the forward saved them,
-     * x's) token-major rows where the caller has them; the dispatch moves neither and
-     * the FP8 quantizers read them through row_slot (NULL: from dys / xs) */
+     * x's) token-major rows where the caller has them; the dispatch moves neither as bf16
+     * rows and the FP8 quantizers read them through row_slot (NULL: from dys / xs) */
     const uint16_t *dy_tokens, *x_tokens;
     int64_t dy_tokens_stride, x_tokens_stride;
     /* backward, quantizers_gather, gemm1 not recomputed (it would quantize x's rows into

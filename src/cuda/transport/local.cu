@@ -68,7 +68,7 @@ moefuse_status dispatch(moefuse_layer *layer, const token_rows &rows, const call
     const cuda_state *s = state_of(layer);
     mf_dispatch_params dp = {};
     if (rows.dy) {
-        int n = 0;   // what the FP8 quantizers do not gather (c.dy_tokens, c.x_tokens)
+        int n = 0;   // bf16 rows the FP8 quantizers do not gather (c.dy_tokens, c.x_tokens)
         if (c.dy_codes) {   // FP8: codes, not bf16 rows (c.x_tokens set or x saved)
             dp.x[n] = rows.dy;
             dp.x_stride[n++] = rows.dy_stride;
