@@ -68,15 +68,15 @@ moefuse_status dispatch(moefuse_layer *layer, const token_rows &rows, const call
     const cuda_state *s = state_of(layer);
     mf_dispatch_params dp = {};
     if (rows.dy) {
-        int n = 0;   // bf16 rows the FP8 quantizers do not gather (c.dy_tokens, c.x_tokens)
-        if (c.dy_codes) {   // FP8: codes, not bf16 rows (c.x_tokens set or x saved)
-            dp.x[n] = rows.dy;
-            dp.x_stride[n++] = rows.dy_stride;
-            fp8_row_codes_out(layer, c, &dp);
-        } else if (!c.dy_tokens) {
+        int n = 0;   // dy (bf16 rows, or codes with c.dy_codes), x: unless gathered or saved
+        if (c.dy_codes || !c.dy_tokens) {
             dp.x[n] = rows.dy;
             dp.x_stride[n] = rows.dy_stride;
-            dp.xs[n++] = c.dys;
+            if (c.dy_codes)   // FP8: codes, not bf16 rows (x is then gathered or saved)
+                fp8_row_codes_out(layer, c, &dp);
+            else
+                dp.xs[n] = c.dys;
+            ++n;
         }
         if (c.mode != MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS && !c.x_tokens) {
             dp.x[n] = rows.x;
