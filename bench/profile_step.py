@@ -40,7 +40,9 @@ import torch_moe_baseline as baseline  # noqa: E402
 NUM_INPUT_SETS = 4
 
 
-def profile_calls(fwd_bwd, label: str, calls: int) -> None:
+def kernel_times(fwd_bwd, calls: int) -> tuple[float, dict[str, float]]:
+    """torch.profiler over `calls` calls of fwd_bwd(i): (ms per call between two CUDA
+    events around them, {kernel name: us per call})."""
     from torch.profiler import ProfilerActivity, profile
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -50,17 +52,47 @@ def profile_calls(fwd_bwd, label: str, calls: int) -> None:
             fwd_bwd(i)
         end.record()
         torch.cuda.synchronize()
-    per_kernel = collections.defaultdict(float)   # µs over all calls
+    per_kernel = collections.defaultdict(float)   # us over all calls
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             # without the common prefixes, so a template's instances stay apart
             name = ev.name.removeprefix("void ").replace("(anonymous namespace)::", "")
             per_kernel[name[:72]] += ev.device_time_total
-    total_ms = sum(per_kernel.values()) / calls / 1000
-    print(f"== {label}: {start.elapsed_time(end) / calls:.3f} ms per fwd+bwd (events), "
-          f"kernels sum {total_ms:.3f} ms")
+    return start.elapsed_time(end) / calls, {k: us / calls for k, us in per_kernel.items()}
+
+
+def profile_calls(fwd_bwd, label: str, calls: int) -> None:
+    event_ms, per_kernel = kernel_times(fwd_bwd, calls)
+    print(f"== {label}: {event_ms:.3f} ms per fwd+bwd (events), "
+          f"kernels sum {sum(per_kernel.values()) / 1000:.3f} ms")
     for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
-        print(f"  {us / calls:9.1f} us  {name}")
+        print(f"  {us:9.1f} us  {name}")
+
+
+def layer_call(model: str, tokens: int, precision: str, weights: str = "bf16",
+               saved: str | None = None):
+    """fwd_bwd(i): one training call of the layer on input set i % NUM_INPUT_SETS (the
+    weights shared; FP8 quantizes them at the first call and caches them, as within one
+    optimizer step), after 8 warm-up calls."""
+    import moefuse
+
+    shape = baseline.MODELS[model]
+    inputs, w13, w2 = baseline.make_problem_sets(tokens, shape, torch.device("cuda"),
+                                                 NUM_INPUT_SETS)
+    if weights == "fp32":
+        w13, w2 = (w.detach().float().requires_grad_() for w in (w13, w2))
+
+    def fwd_bwd(i: int) -> None:
+        x, ids, p, dy = inputs[i % NUM_INPUT_SETS]
+        y = moefuse.experts(x, ids, p, w13, w2, precision=precision,
+                            save_inputs=None if saved is None else saved == "inputs",
+                            recompute=saved == "recompute")
+        torch.autograd.grad(y, (x, p, w13, w2), dy)
+
+    for i in range(8):   # warm-up: loading, allocation
+        fwd_bwd(i)
+    torch.cuda.synchronize()
+    return fwd_bwd
 
 
 def main() -> None:
@@ -86,25 +118,7 @@ def main() -> None:
         print("SKIP profile_step: no CUDA device (torch.cuda.is_available() is False)")
         return
 
-    import moefuse
-
-    shape = baseline.MODELS[args.model]
-    inputs, w13, w2 = baseline.make_problem_sets(args.tokens, shape, torch.device("cuda"),
-                                                 NUM_INPUT_SETS)
-    if args.weights == "fp32":
-        w13, w2 = (w.detach().float().requires_grad_() for w in (w13, w2))
-
-    def fwd_bwd(i: int) -> None:
-        x, ids, p, dy = inputs[i % NUM_INPUT_SETS]
-        y = moefuse.experts(x, ids, p, w13, w2, precision=args.precision,
-                            save_inputs=None if args.saved is None
-                            else args.saved == "inputs",
-                            recompute=args.saved == "recompute")
-        torch.autograd.grad(y, (x, p, w13, w2), dy)
-
-    for i in range(8):   # warm-up: loading, allocation
-        fwd_bwd(i)
-    torch.cuda.synchronize()
+    fwd_bwd = layer_call(args.model, args.tokens, args.precision, args.weights, args.saved)
     print(f"# {torch.cuda.get_device_name()}; {args.model}, T = {args.tokens}, "
           f"{args.precision}, {args.weights} weights, saved {args.saved or 'the default'}, "
           f"{args.calls} calls per profile")

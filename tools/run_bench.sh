@@ -13,6 +13,9 @@
 #     4 calls queued per sample, with the dense FP8 peak and both recipes' error.
 #  4. bench/ep_memory.py: the MoE layers' device memory per GPU with expert parallelism
 #     (R = 8, T = 16384), computed by the library's arithmetic (no GPU needed).
+#  5. bench/kernel_floors.py: where the time goes, each kernel of a bf16 and an FP8
+#     forward + backward at T = 16384 against its floor (FLOPs at the matmul peak, bytes
+#     at the copy rate, both measured in that run).
 # Each benchmark also writes its table as markdown under build/bench/results/; the script
 # then rewrites bench/RESULTS.md from them, headed by the GPU, the date and the commit.
 # Where no timed benchmark ran (no GPU: each prints SKIP), bench/RESULTS.md is left as it
@@ -88,6 +91,7 @@ else
 fi
 python3 bench/bench_forward.py --precision fp8 --queue 4 \
     --markdown "$MD_DIR/5_precision_torch.md" "$@"
+python3 bench/kernel_floors.py --markdown "$MD_DIR/6_kernel_floors.md"
 
 # bench/RESULTS.md from the tables that were written (empty ones are left out)
 parts=()
