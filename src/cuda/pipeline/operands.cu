@@ -150,13 +150,15 @@ moefuse_status quantized_rows(const moefuse_layer *layer, const call_bufs &c,
     return MOEFUSE_OK;
 }
 
+/* The weight gradient's operand of `src` per 128 tokens into codes and scales (and *out,
+ * where not NULL). */
 moefuse_status quantized_tokens(const moefuse_layer *layer, int rows_cap, const rows_src &src,
                                 int cols, const float *row_weight, uint8_t *codes,
                                 float *scales, cudaStream_t stream, mf_operand *out) {
     const mf_quantize_fp8_tokens_params q =
         tokens_params(layer, rows_cap, src, cols, row_weight, codes, scales);
     if (rows_cap > 0) MF_CUDA_TRY(mf_quantize_fp8_tokens(&q, stream));
-    *out = token_operand(codes, scales);
+    if (out) *out = token_operand(codes, scales);
     return MOEFUSE_OK;
 }
 
@@ -236,9 +238,9 @@ moefuse_status fp8_dgrad2(const moefuse_layer *layer, const call_bufs &c,
     if (!c.dy_codes)
         return quantized_rows_and_tokens(layer, c, dy, p->hidden, s->row_weight, stream, &p->dys);
     p->dys = row_operand(s);
-    mf_operand lhs;   /* dW2 takes it from the state (fp8_dw2) */
+    /* dW2 takes the lhs token codes from the state (fp8_dw2) */
     return quantized_tokens(layer, c.lay.rows_cap, dy, p->hidden, s->row_weight, s->fp8_lhs_t,
-                            s->fp8_lhs_scales, stream, &lhs);
+                            s->fp8_lhs_scales, stream, NULL);
 }
 
 /* dgrad1 runs after dW2: its read of [dg; du] also makes dW13's lhs. */
