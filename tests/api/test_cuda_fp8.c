@@ -6,9 +6,10 @@
  *     (src/cpu/reference_fp8.c), tolerances from each output's chain of rounding points
  *     with the FP8 tensor cores' accumulation (fp8_tolerances, th_acc_wgmma_fp8_rms); every
  *     output element written (poisoned first);
- *   - bitwise: a second run equal, the three saved modes equal (recompute re-quantizes
- *     x and repeats gemm1, and quantizes dy's rows with p dy's tokens where the others
- *     take the backward dispatch's codes; the saved inputs are the same rows), and
+ *   - bitwise: a second run equal, the three saved modes equal (recompute dispatches x's
+ *     row codes again and repeats gemm1 before dy's dispatch; the saved inputs are the
+ *     same rows, quantized by the rows quantizer where the others' dispatches quantize
+ *     them), and
  *     forward + backward captured in a CUDA graph and replayed equal to the direct run;
  *   - T = 0: zero weight gradients, accumulate leaves them;
  *   - dW13 in two halves (dw13_up, dw13_up_bf16) bitwise equal to packed.

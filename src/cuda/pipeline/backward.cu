@@ -5,9 +5,10 @@
  *             (its windows are free) and the arrival targets of this call are set
  *   dispatch  dy -> dys and x -> xs in the saved plan's row order: local, one
  *             token-major pass (x not with MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS: dW13
- *             reads the saved xs; FP8: no bf16 rows, dy's row codes unless gemm1 is
- *             recomputed, the token tiles' quantizers gather the caller's rows, and
- *             the rows' p); peers, a push on the side stream
+ *             reads the saved xs; FP8: no bf16 rows, dy's row codes, the token tiles'
+ *             quantizers gather the caller's rows, and the rows' p; recomputing gemm1,
+ *             x's row codes in a pass of their own before it and dy's after it);
+ *             peers, a push on the side stream
  *   gemm1     MOEFUSE_RECOMPUTE only: xs -> [g | u] (the forward's very call, so the
  *             forward's bits; act goes to the act workspace and is not read)
  *   dgrad2    dys W2_e with the SwiGLU backward -> dh = [dg | du], act_p = bf16(p a),
@@ -102,7 +103,7 @@ moefuse_status backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *s
     if (plan.quantizers_gather) {   // FP8 on one GPU: dy and x read where the caller has them
         c.dy_tokens = a->dy;
         c.dy_tokens_stride = a->dy_stride;
-        c.dy_codes = c.mode != MOEFUSE_RECOMPUTE;
+        c.dy_codes = true;
         if (plan.saved_mode != MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS) {
             c.x_tokens = a->x;
             c.x_tokens_stride = a->x_stride;
@@ -123,21 +124,35 @@ moefuse_status backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *s
     MF_TRY(check_saved(layer, a, c, stream));
     MF_TRY(plan.net->sync(layer, kBackwardStart, c, stream));
 
-    // ---- 1. dispatch of dy and x ----
+    // ---- 1. dispatch of dy and x (FP8 recomputing gemm1 on one GPU: x's row codes
+    //      first, as the forward's dispatch makes them, and dy's after gemm1 has read
+    //      them: both use the one row-code workspace) ----
     const token_rows rows = {a->ids, a->weights, a->x, a->x_stride, a->dy, a->dy_stride};
-    MF_TRY(plan.net->dispatch(layer, rows, c, stream));
+    const bool recompute = plan.saved_mode == MOEFUSE_RECOMPUTE;
+    const bool x_codes_first = recompute && c.dy_codes;
+    if (x_codes_first) {
+        call_bufs cx = c;
+        cx.x_codes = true;
+        const token_rows x_rows = {a->ids, a->weights, a->x, a->x_stride, NULL, 0};
+        MF_TRY(plan.net->dispatch(layer, x_rows, cx, stream));
+    } else {
+        MF_TRY(plan.net->dispatch(layer, rows, c, stream));
+    }
     const row_arrivals arrivals = plan.net->arrivals(layer, c, true);
 
     // ---- 2. [g | u]: saved, or recomputed by the forward's gemm1 ----
     // (act is not read: dgrad2 overwrites it with act_p)
     const uint16_t *gate_up = (const uint16_t *)(c.base + c.lay.gate_up);
-    if (plan.saved_mode == MOEFUSE_RECOMPUTE) {
-        mf_gemm1_params g1 = gemm1_params(layer, c, a->w13, a->w13_up, s->gate_up);
+    if (recompute) {
+        call_bufs cg = c;
+        cg.x_codes = x_codes_first;
+        mf_gemm1_params g1 = gemm1_params(layer, cg, a->w13, a->w13_up, s->gate_up);
         with_arrivals(&g1, arrivals);
-        MF_TRY(plan.operands->gemm1(layer, c, a->fp8_weights, &g1, stream));
+        MF_TRY(plan.operands->gemm1(layer, cg, a->fp8_weights, &g1, stream));
         MF_CUDA_TRY(gemm->gemm1(&g1, stream));
         gate_up = s->gate_up;
     }
+    if (x_codes_first) MF_TRY(plan.net->dispatch(layer, rows, c, stream));
 
     // ---- 3. dgrad2 + SwiGLU backward: dh, act_p, d p partials; then every row in (a
     //      failed wait fails the call: no dx rows, d p or reduce after it) ----

@@ -173,9 +173,10 @@ struct call_bufs {
      * rows and the FP8 quantizers read them through row_slot (NULL: from dys / xs) */
     const uint16_t *dy_tokens, *x_tokens;
     int64_t dy_tokens_stride, x_tokens_stride;
-    /* backward, quantizers_gather, gemm1 not recomputed (it would quantize x's rows into
-     * the same workspace before dgrad2): the dispatch writes dy's FP8 row codes as the
-     * forward's writes x's, and dgrad2's hook makes only p dy's token codes */
+    /* backward, quantizers_gather: the dispatch writes dy's FP8 row codes as the
+     * forward's writes x's (a recomputed gemm1 reads x's codes from the same workspace
+     * first: backward.cu dispatches them before it), and dgrad2's hook makes only p dy's
+     * token codes */
     bool dy_codes;
 };
 
