@@ -3,12 +3,12 @@
 For each model at --tokens, the training call of bench/profile_step.py (moefuse.experts and
 torch.autograd.grad, FP8 weights cached as within an optimizer step) is profiled in bf16
 and in FP8, cool (after 2 s idle), --calls calls each. Every kernel is named by its role
-and given a floor, from rates measured in the same run:
-  GEMMs          their FLOPs at the dense matmul peak of their precision (torch.matmul
-                 bf16, torch._scaled_mm e4m3, 8192^3, the best of short bursts after rest);
-  memory passes  the bytes they must move at the copy rate of HBM (torch copy_ of 1 GiB,
-                 read + write counted), each operand read or written once: a gathered
-                 pass reads each token's row once, though it reaches it K times.
+and given a floor: the larger of its FLOPs' time at the dense matmul peak of its precision
+(torch.matmul bf16, torch._scaled_mm e4m3, 8192^3, the best of short bursts after rest)
+and its bytes' time at the copy rate of HBM (torch copy_ of 1 GiB, read + write counted),
+both measured in the same run. The bytes count each operand read or written once: a
+gathered pass reads each token's row once, though it reaches it K times; a GEMM's
+operands once, though its tiles re-read them through L2.
 Routed rows = T K (the padding of each expert's rows to 128 left out); FP8 rows and
 token tiles are 1 byte an element plus one fp32 scale per 128. Kernels outside the roles
 below (the plan, checks) are listed with their time and no floor. `floor / time` is the
@@ -39,33 +39,46 @@ FP8_ROW_BYTES = 1 + 4 / 128   # an e4m3 code and its share of the fp32 scale per
 
 
 def roles(shape: dict, tokens: int, precision: str):
-    """[(kernel name regex, role, 'flop' or 'bytes', amount)] of one fwd + bwd call."""
-    t, h, i, k = tokens, shape["hidden"], shape["intermediate"], shape["top_k"]
+    """[(kernel name regex, role, FLOPs, bytes)] of one forward + backward call with the
+    profile's defaults (bf16 weights and weight gradients; bf16 saves the dispatched x
+    rows and [g | u], FP8 [g | u] only)."""
+    t, h, i, k, e = (tokens, shape["hidden"], shape["intermediate"], shape["top_k"],
+                     shape["num_experts"])
     r = t * k
-    row_bytes = FP8_ROW_BYTES if precision == "fp8" else 2
+    fp8 = precision == "fp8"
+    row = FP8_ROW_BYTES if fp8 else 2           # a GEMM's row or token-tile operand
+    w = 1 + 4 / (128 * 128) if fp8 else 2       # a weight and its block scale
     q = FP8_ROW_BYTES
     return [
-        (r"^sm90_gemm1_swiglu_fwd", "gemm1 (x W13, SwiGLU)", "flop", 4 * r * h * i),
-        (r"^sm90_gemm2_combine_fwd", "gemm2 (a W2)", "flop", 2 * r * i * h),
-        (r"^sm90_gemm2_dgrad_swiglu_bwd", "dgrad2 (dy W2^T, SwiGLU backward)", "flop",
-         2 * r * h * i),
-        (r"^sm90_gemm1_dgrad_bwd", "dgrad1 ([dg; du] W13^T)", "flop", 4 * r * i * h),
-        (r"^sm90_wgrad_grouped", "dW2 + dW13", "flop", 6 * r * h * i),
+        # x rows and W13 in, act and the saved [g | u] out (bf16)
+        (r"^sm90_gemm1_swiglu_fwd", "gemm1 (x W13, SwiGLU)", 4 * r * h * i,
+         r * h * row + e * 2 * i * h * w + r * i * 2 + r * 2 * i * 2),
+        # act rows and W2 in, y's slot rows out
+        (r"^sm90_gemm2_combine_fwd", "gemm2 (a W2)", 2 * r * i * h,
+         r * i * row + e * h * i * w + r * h * 2),
+        # dy rows, W2^T and [g | u] in; [dg | du] and a (FP8) or p a (bf16) out
+        (r"^sm90_gemm2_dgrad_swiglu_bwd", "dgrad2 (dy W2^T, SwiGLU backward)", 2 * r * h * i,
+         r * h * row + e * h * i * w + r * 2 * i * 2 + r * 2 * i * 2 + r * i * 2),
+        # [dg | du] rows and W13^T in, dx's slot rows out
+        (r"^sm90_gemm1_dgrad_bwd", "dgrad1 ([dg; du] W13^T)", 4 * r * i * h,
+         r * 2 * i * row + e * 2 * i * h * w + r * h * 2),
+        # the four token operands in, dW2 and dW13 out (bf16)
+        (r"^sm90_wgrad_grouped", "dW2 + dW13", 6 * r * h * i,
+         r * (h + i + 2 * i + h) * row + e * 3 * h * i * 2),
         # x forward, dy backward: each token read once, written to its K rows
-        (r"^dispatch_rows_kernel", "dispatch x, dy (2)", "bytes",
-         2 * (t * h * 2 + r * h * row_bytes)),
+        (r"^dispatch_rows_kernel", "dispatch x, dy (2)", 0, 2 * (t * h * 2 + r * h * row)),
         # y forward, dx backward: the K rows read, the token written
-        (r"^reduce_slots_kernel", "reduce y, dx (2)", "bytes", 2 * (r * h * 2 + t * h * 2)),
+        (r"^reduce_slots_kernel", "reduce y, dx (2)", 0, 2 * (r * h * 2 + t * h * 2)),
         # FP8: fp8_quantize_tokens_kernel<rows beside, gathered, weighted by p>
-        (r"^fp8_quantize_rows_kernel", "a rows (gemm2)", "bytes", r * i * (2 + q)),
-        (r"^fp8_quantize_tokens_kernel<false, false, false>", "a tokens (dW2)", "bytes",
+        (r"^fp8_quantize_rows_kernel", "a rows (gemm2)", 0, r * i * (2 + q)),
+        (r"^fp8_quantize_tokens_kernel<false, false, false>", "a tokens (dW2)", 0,
          r * i * (2 + q)),
-        (r"^fp8_quantize_tokens_kernel<true, false, false>", "[dg; du] rows + tokens", "bytes",
+        (r"^fp8_quantize_tokens_kernel<true, false, false>", "[dg; du] rows + tokens", 0,
          r * 2 * i * (2 + 2 * q)),
-        (r"^fp8_quantize_tokens_kernel<false, true, true>", "p dy tokens, gathered (dW2)",
-         "bytes", t * h * 2 + r * h * q),
-        (r"^fp8_quantize_tokens_kernel<false, true, false>", "x tokens, gathered (dW13)",
-         "bytes", t * h * 2 + r * h * q),
+        (r"^fp8_quantize_tokens_kernel<false, true, true>", "p dy tokens, gathered (dW2)", 0,
+         t * h * 2 + r * h * q),
+        (r"^fp8_quantize_tokens_kernel<false, true, false>", "x tokens, gathered (dW13)", 0,
+         t * h * 2 + r * h * q),
     ]
 
 
@@ -97,30 +110,32 @@ def floor_table(model: str, tokens: int, calls: int, peaks: dict, hbm: float) ->
         del fwd_bwd
         torch.cuda.empty_cache()
 
-    def floor_us(kind: str, amount: float, precision: str) -> float:
-        if kind == "flop":
-            return amount / (peaks[precision] * 1e12) * 1e6
-        return amount / (hbm * 1e12) * 1e6
+    def floor_us(flop: float, nbytes: float, precision: str) -> tuple[float, str]:
+        """The larger of the FLOPs' and the bytes' time, and which it is."""
+        flop_us = flop / (peaks[precision] * 1e12) * 1e6
+        bytes_us = nbytes / (hbm * 1e12) * 1e6
+        return (flop_us, "FLOPs") if flop_us >= bytes_us else (bytes_us, "bytes")
 
     rows, totals = [], {p: [0.0, 0.0] for p in measured}
     named = {p: set() for p in measured}
-    for pattern, role, kind, _ in roles(shape, tokens, "bf16"):
+    for pattern, role, _, _ in roles(shape, tokens, "bf16"):
         cells = [role]
         for precision in ("bf16", "fp8"):
-            amount = next(a for pat, _, _, a in roles(shape, tokens, precision) if pat == pattern)
+            flop, nbytes = next((f, b) for pat, _, f, b in roles(shape, tokens, precision)
+                                if pat == pattern)
             kernels = [n for n in measured[precision][1] if re.search(pattern, n)]
             named[precision].update(kernels)
             if not kernels:
                 cells += ["-", "-", "-"]
                 continue
             us = sum(measured[precision][1][n] for n in kernels)
-            fl = floor_us(kind, amount, precision)
+            fl, bound = floor_us(flop, nbytes, precision)
             totals[precision][0] += us
             totals[precision][1] += fl
-            cells += [f"{us:.1f}", f"{fl:.1f}", f"{fl / us:.2f}"]
-        amount = next(a for pat, _, _, a in roles(shape, tokens, "fp8") if pat == pattern)
-        cells.append(f"{amount / 1e12:.3f} TFLOP" if kind == "flop" else
-                     f"{amount / 1e9:.3f} GB (fp8)")
+            cells += [f"{us:.1f}", f"{fl:.1f} ({bound})", f"{fl / us:.2f}"]
+        flop, nbytes = next((f, b) for pat, _, f, b in roles(shape, tokens, "fp8")
+                            if pat == pattern)
+        cells.append((f"{flop / 1e12:.3f} TFLOP, " if flop else "") + f"{nbytes / 1e9:.3f} GB")
         rows.append(cells)
     others = {}
     for precision in ("bf16", "fp8"):
@@ -140,7 +155,7 @@ def floor_table(model: str, tokens: int, calls: int, peaks: dict, hbm: float) ->
     rows.append(sums + [f"events: bf16 {measured['bf16'][0]:.3f} ms, "
                         f"fp8 {measured['fp8'][0]:.3f} ms per call"])
     columns = ["kernel", "bf16 us", "bf16 floor us", "bf16 floor/time", "fp8 us",
-               "fp8 floor us", "fp8 floor/time", "work"]
+               "fp8 floor us", "fp8 floor/time", "FP8 work"]
     notes = [f"{torch.cuda.get_device_name()}; {model}, T = {tokens}, forward + backward, "
              f"cool, {calls} calls; floors at bf16 {peaks['bf16']:.1f} and FP8 "
              f"{peaks['fp8']:.1f} TFLOP/s (dense 8192^3, measured in this run) and HBM "
