@@ -7,9 +7,9 @@
  *         dgrad2, [dg; du] for dgrad1: one buffer, used in turn; the forward's x by its
  *         dispatch as it moves the rows, unless saved: on one GPU into that buffer,
  *         fp8_row_codes_out, with a comm into the x rows window by the push; on one GPU
- *         the backward's dy by its dispatch too unless gemm1 is recomputed, and the
- *         token tiles of dy and x read where the caller has them, gathered through
- *         row_slot), the weight gradients'
+ *         the backward's dy by its dispatch too (after x's again where gemm1 is
+ *         recomputed), and the token tiles of dy and x read where the caller has them,
+ *         gathered through row_slot), the weight gradients'
  *         operands quantized in tiles of 128 tokens and transposed (p dy and a for dW2,
  *         [dg; du] and x for dW13: two buffers, used in turn), and the weights the
  *         caller quantized (W for the forward, W^T for the dgrads). [dg; du], and dy
