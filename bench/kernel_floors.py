@@ -83,7 +83,7 @@ def roles(shape: dict, tokens: int, precision: str):
 
 
 def hbm_copy_tb_s() -> float:
-    """torch copy_ of 1 GiB, read + write counted: the best of 10, TB/s."""
+    """torch copy_ of 1 GiB, read + write counted: the best of 12, TB/s."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     best = float("inf")
