@@ -167,8 +167,9 @@ void time_passes(const char *filter) {
                                                g_codes, g_scales, g_rows, row_slot, kTopK};
         const mf_quantize_fp8_tokens_params t = {in[2], H, g_rows, g_num, H, g_pw, 0,
                                                  g_codes_t, g_scales_t, row_slot, kTopK};
-        /* dy's rows and p dy's tokens from one read (the layer's where gemm1 is recomputed),
-         * and p dy's tokens alone (elsewhere: the backward's dispatch makes dy's rows) */
+        /* dy's rows and p dy's tokens from one read (the layer's before dy's rows came
+         * from the backward's dispatch: the figure to compare), and p dy's tokens alone
+         * (the layer's now) */
         passes.push_back({"rows+tokens dy gathered", gathered_bytes(g_rows, H, 2),
                           [r, t] { return mf_quantize_fp8_rows_tokens(&r, &t, 0); }});
         passes.push_back({"tokens p dy gathered", gathered_bytes(g_rows, H, 1),

@@ -103,7 +103,6 @@ moefuse_status backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *s
     if (plan.quantizers_gather) {   // FP8 on one GPU: dy and x read where the caller has them
         c.dy_tokens = a->dy;
         c.dy_tokens_stride = a->dy_stride;
-        c.dy_codes = true;
         if (plan.saved_mode != MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS) {
             c.x_tokens = a->x;
             c.x_tokens_stride = a->x_stride;
@@ -129,7 +128,7 @@ moefuse_status backward(moefuse_layer *layer, const moefuse_bwd_args *a, void *s
     //      them: both use the one row-code workspace) ----
     const token_rows rows = {a->ids, a->weights, a->x, a->x_stride, a->dy, a->dy_stride};
     const bool recompute = plan.saved_mode == MOEFUSE_RECOMPUTE;
-    const bool x_codes_first = recompute && c.dy_codes;
+    const bool x_codes_first = recompute && plan.quantizers_gather;
     if (x_codes_first) {
         call_bufs cx = c;
         cx.x_codes = true;

@@ -225,7 +225,7 @@ moefuse_status fp8_gemm2(const moefuse_layer *layer, const call_bufs &c,
 }
 
 /* dgrad2 reads W2^T (its FP8 kernel writes the unweighted a for dW2 = (p dy)^T a) and
- * dy's row codes, the dispatch's (c.dy_codes) or made here from the same read of dy as
+ * dy's row codes, the dispatch's (where dy's tokens are gathered, c.dy_tokens) or made here from the same read of dy as
  * dW2's lhs, p dy per 128 tokens: the lhs token codes are free (dW13 of the previous call
  * has read them) and hold it until dW2. */
 moefuse_status fp8_dgrad2(const moefuse_layer *layer, const call_bufs &c,
@@ -235,7 +235,7 @@ moefuse_status fp8_dgrad2(const moefuse_layer *layer, const call_bufs &c,
     p->w2 = weight(w->w2t, w->w2t_scale);
     MF_TRY(rows_arrived(layer, p->rows_in, stream));
     const rows_src dy = rows_of(layer, c, c.dy_tokens, c.dy_tokens_stride, p->dys.data, p->hidden);
-    if (!c.dy_codes)
+    if (!c.dy_tokens)
         return quantized_rows_and_tokens(layer, c, dy, p->hidden, s->row_weight, stream, &p->dys);
     p->dys = row_operand(s);
     /* dW2 takes the lhs token codes from the state (fp8_dw2) */

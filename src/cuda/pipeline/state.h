@@ -170,14 +170,12 @@ struct call_bufs {
     bool x_codes;
     /* backward, exec_plan.quantizers_gather: dy's (and, unless the forward saved them,
      * x's) token-major rows where the caller has them; the dispatch moves neither as bf16
-     * rows and the FP8 quantizers read them through row_slot (NULL: from dys / xs) */
+     * rows and the FP8 token quantizers read them through row_slot (NULL: from dys / xs).
+     * With dy_tokens set the dispatch writes dy's FP8 row codes as the forward's writes
+     * x's (a recomputed gemm1 reads x's codes from the same workspace first: backward.cu
+     * dispatches them before it), and dgrad2's hook makes only p dy's token codes */
     const uint16_t *dy_tokens, *x_tokens;
     int64_t dy_tokens_stride, x_tokens_stride;
-    /* backward, quantizers_gather: the dispatch writes dy's FP8 row codes as the
-     * forward's writes x's (a recomputed gemm1 reads x's codes from the same workspace
-     * first: backward.cu dispatches them before it), and dgrad2's hook makes only p dy's
-     * token codes */
-    bool dy_codes;
 };
 
 /* The token-major rows a dispatch moves: x (forward), dy and x (backward). */

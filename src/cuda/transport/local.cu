@@ -60,24 +60,22 @@ moefuse_status plan(moefuse_layer *layer, const moefuse_fwd_args *a, const call_
 }
 
 /* Forward: x -> xs (FP8 with c.x_codes: x -> its row codes). Backward: dy -> dys and
- * x -> s->xs in one pass, x not when the forward saved its xs, neither where the FP8
- * quantizers gather them (c.dy_tokens, c.x_tokens); FP8 with c.dy_codes: dy -> its row
- * codes (x is then gathered or saved: one tensor). */
+ * x -> s->xs in one pass, x not when the forward saved its xs or the FP8 quantizers
+ * gather it (c.x_tokens); where they gather dy's tokens (c.dy_tokens), dy -> its row
+ * codes instead of dys (x is then gathered or saved: one tensor). */
 moefuse_status dispatch(moefuse_layer *layer, const token_rows &rows, const call_bufs &c,
                         cudaStream_t stream) {
     const cuda_state *s = state_of(layer);
     mf_dispatch_params dp = {};
     if (rows.dy) {
-        int n = 0;   // dy (bf16 rows, or codes with c.dy_codes), x: unless gathered or saved
-        if (c.dy_codes || !c.dy_tokens) {
-            dp.x[n] = rows.dy;
-            dp.x_stride[n] = rows.dy_stride;
-            if (c.dy_codes)   // FP8: codes, not bf16 rows (x is then gathered or saved)
-                fp8_row_codes_out(layer, c, &dp);
-            else
-                dp.xs[n] = c.dys;
-            ++n;
-        }
+        int n = 0;   // dy (bf16 rows, or FP8 codes), x: unless gathered or saved
+        dp.x[n] = rows.dy;
+        dp.x_stride[n] = rows.dy_stride;
+        if (c.dy_tokens)   // FP8: codes, not bf16 rows (x is then gathered or saved)
+            fp8_row_codes_out(layer, c, &dp);
+        else
+            dp.xs[n] = c.dys;
+        ++n;
         if (c.mode != MOEFUSE_SAVE_ACTIVATIONS_AND_INPUTS && !c.x_tokens) {
             dp.x[n] = rows.x;
             dp.x_stride[n] = rows.x_stride;
