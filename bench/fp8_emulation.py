@@ -44,19 +44,19 @@ _TINY = torch.finfo(torch.float32).tiny  # 2^-126
 
 
 def parse_gemms(spec: str) -> frozenset:
-    """'all', 'none', 'all-<gemm>' (every GEMM but one in FP8) or a comma list of GEMMs."""
+    """'all', 'none', a comma list of GEMMs, or 'all-' and a comma list (every GEMM but
+    those in FP8: all-gemm1,gemm2 leaves the forward in bf16)."""
     if spec == "all":
         return frozenset(GEMMS)
     if spec == "none":
         return frozenset()
-    if spec.startswith("all-") and spec[4:] in GEMMS:
-        return frozenset(GEMMS) - {spec[4:]}
-    names = spec.split(",")
+    but = spec.startswith("all-")
+    names = spec[4:].split(",") if but else spec.split(",")
     unknown = [n for n in names if n not in GEMMS]
     if unknown or not spec:
-        raise ValueError(f"FP8 GEMMs {spec!r}: expected all, none, all-<gemm> or a comma list "
-                         f"of {', '.join(GEMMS)}")
-    return frozenset(names)
+        raise ValueError(f"FP8 GEMMs {spec!r}: expected all, none, a comma list of "
+                         f"{', '.join(GEMMS)}, or all- and such a list")
+    return frozenset(GEMMS) - set(names) if but else frozenset(names)
 
 
 # ---- the quantizers ---------------------------------------------------------------------

@@ -30,7 +30,8 @@ held-out loss (DESIGN.md: a recipe's accuracy is judged by a training run on rea
                curve up to the same step, and the step times are measured under the same
                clocks. emul:<GEMMs> computes the experts with bench/fp8_emulation.py, the
                recipe in PyTorch with only those GEMMs in FP8 (emul:all-dw13: every GEMM
-               but dW13), to find which GEMM's quantization costs the loss.
+               but dW13; emul:all-dw2,dw13: all but the weight gradients), to find which
+               GEMM's quantization costs the loss.
                <precision>@<seed> starts that precision from another seed's initial
                weights (the data order stays --seed's): bf16@1 beside bf16 measures how
                far two BF16 trainings' held-out losses lie apart, the spread FP8's gap is
@@ -111,8 +112,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--precisions", nargs="+", default=["bf16", "fp8"],
                     help="bf16, fp8, or emul:<GEMMs> (the recipe emulated in PyTorch with "
-                         "those GEMMs in FP8: all, none, all-<gemm>, or a comma list of "
-                         "gemm1, gemm2, dgrad2, dgrad1, dw2, dw13; bench/fp8_emulation.py), "
+                         "those GEMMs in FP8: all, none, a comma list of "
+                         "gemm1, gemm2, dgrad2, dgrad1, dw2, dw13, or all- and such a list: "
+                         "every GEMM but those; bench/fp8_emulation.py), "
                          "each optionally @<seed>: its initial weights from that seed")
     ap.add_argument("--out", type=pathlib.Path, default=default_out)
     ap.add_argument("--device", default="cuda")

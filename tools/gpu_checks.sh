@@ -46,9 +46,10 @@
 #                                kernel (default wgrad_grouped, gemm2_dgrad_swiglu), read by
 #                                tools/ncu_stalls.py (NCU_LIBS as for ncu_fp8; NCU_KEEP_CSV=1
 #                                keeps the source pages, gzipped)
-#   tools/gpu_checks.sh ablation the parity run with every GEMM but one in FP8 (emulated),
-#                                each GEMM in turn, beside bf16 (three runs of 3 models,
-#                                ~7.5 min each: ABLATION_GROUPS=1, 2 or 3 picks one)
+#   tools/gpu_checks.sh ablation the parity run with the FP8 recipe emulated, one stage's
+#                                GEMMs (forward, data gradients, weight gradients) in bf16,
+#                                beside bf16 and fp8 (two runs of 4 models, ~8 min each:
+#                                ABLATION_GROUPS=1 or 2 picks one; ABLATION_RUNS others)
 #   tools/gpu_checks.sh step     bench_train_step.py, 12 layers (6 on an 80 GB card), both
 #                                precisions, with the MoE layers' profiled share and the
 #                                longest kernels (~3 min)
@@ -276,19 +277,24 @@ ncu_stalls() {
 }
 
 ablation() {
-    # three runs of three models (bf16 and two emulated ones: 13 GB of fp32 weights, grads
-    # and AdamW state each, with activations, fit an 80 GB card), each under its own budget.
-    # The emulation's per-expert fp32 GEMMs take ~680 ms a step on an H100 (bf16 ~100), so
-    # a group's 300 steps take ~440 s: one group a call (ABLATION_GROUPS=1, 2 or 3); under
-    # the budget the steps are cut, and 150 s gave 80 steps, still in the warm-up, where
-    # the runs' held-out losses lie further apart than at the end of a full run
-    local i=0 group budget=${ABLATION_BUDGET:-440}
-    for group in "gemm1 gemm2" "dgrad2 dgrad1" "dw2 dw13"; do
+    # the FP8 recipe emulated with one stage's GEMMs left in bf16, in two runs of four models
+    # (fp32 weights and AdamW state, ~10 GB each between steps, fit an 80 GB card), each
+    # under its own budget: 1 = bf16, fp8, the whole recipe emulated, the forward in bf16;
+    # 2 = bf16, bf16 from seed 1's weights (the spread), the data gradients in bf16, the
+    # weight gradients in bf16. The emulation's per-expert fp32 GEMMs take ~680 ms a step on
+    # an H100 (bf16 ~100), so 300 steps of a group take ~460 s: one group a call
+    # (ABLATION_GROUPS=1 or 2). ABLATION_RUNS="emul:all-gemm1 ..." runs bf16 and those
+    # instead (each GEMM of the stage that matters, in turn)
+    local i=0 runs budget=${ABLATION_BUDGET:-480}
+    local groups=("bf16 fp8 emul:all emul:all-gemm1,gemm2"
+                  "bf16 bf16@1 emul:all-dgrad2,dgrad1 emul:all-dw2,dw13")
+    [[ -n ${ABLATION_RUNS:-} ]] && groups=("bf16 $ABLATION_RUNS")
+    for runs in "${groups[@]}"; do
         i=$((i + 1))
-        [[ " ${ABLATION_GROUPS:-1 2 3} " == *" $i "* ]] || continue
-        STEP_TIMEOUT=$((budget + 35)) step ablation_$i ablation_$i.log python3 \
+        [[ -n ${ABLATION_RUNS:-} || " ${ABLATION_GROUPS:-1 2} " == *" $i "* ]] || continue
+        STEP_TIMEOUT=$((budget + 40)) step ablation_$i ablation_$i.log python3 \
             bench/train_parity.py --steps 300 --eval-every 100 --time-budget "$budget" \
-            --precisions bf16 $(printf 'emul:all-%s ' $group) --out "${OUT:-$LOG_DIR}/ablation_$i"
+            --precisions $runs --out "${OUT:-$LOG_DIR}/ablation_$i"
     done
 }
 

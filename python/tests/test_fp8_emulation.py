@@ -83,6 +83,7 @@ def test_parse_gemms():
     assert emu.parse_gemms("none") == set()
     assert emu.parse_gemms("all-dw13") == set(emu.GEMMS) - {"dw13"}
     assert emu.parse_gemms("gemm1,dw2") == {"gemm1", "dw2"}
-    for bad in ("", "gemm3", "all-gemm3", "gemm1,"):
+    assert emu.parse_gemms("all-gemm1,gemm2") == set(emu.GEMMS) - {"gemm1", "gemm2"}
+    for bad in ("", "gemm3", "all-gemm3", "gemm1,", "all-", "all-dw2,"):
         with pytest.raises(ValueError):
             emu.parse_gemms(bad)
