@@ -99,3 +99,30 @@ def test_a_seeded_run_starts_from_other_weights_on_the_same_data(tmp_path, capsy
     with pytest.raises(SystemExit):
         parity.parse_args(["--precisions", "bf16@one"])
     assert "bf16@one" in capsys.readouterr().err
+
+
+def test_deterministic_mode_runs_the_library_and_the_emulation(tmp_path, capsys, monkeypatch):
+    """--deterministic turns on PyTorch's deterministic algorithms for the run (which then
+    refuse the kernels that are not) with cuBLAS's fixed workspace; the library's layer and
+    the emulation run under it, and a repeat of one seed trains alike."""
+    env = {k: v for k, v in parity.os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    monkeypatch.setattr(parity.os, "environ", env)  # the process's own comes back after
+    try:
+        rc = parity.main(["--tiny", "--device", "cpu", "--steps", "2", "--eval-every", "2",
+                          "--batch", "2", "--seq", "64", "--eval-seqs", "2", "--warmup", "1",
+                          "--deterministic", "--precisions", "bf16", "bf16@0", "fp8",
+                          "emul:all", "--out", str(tmp_path)])
+        enabled = torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert enabled
+    assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    with open(tmp_path / "parity.csv") as f:
+        rows = list(csv.DictReader(f))
+    losses = {}
+    for r in rows:
+        losses.setdefault(r["precision"], []).append(float(r["train_loss"]))
+    assert losses["bf16@0"] == losses["bf16"]
+    assert len(losses["emul:all"]) == len(losses["fp8"]) == 2
