@@ -17,6 +17,15 @@ parity = import_bench("train_parity")
 text = import_bench("stdlib_text")
 
 
+def train_losses(csv_path) -> dict:
+    """{precision: [train loss of each step]} from the script's CSV."""
+    losses = {}
+    with open(csv_path) as f:
+        for r in csv.DictReader(f):
+            losses.setdefault(r["precision"], []).append(float(r["train_loss"]))
+    return losses
+
+
 def test_split_and_order_are_functions_of_the_names_and_the_seed():
     assert text.held_out("json/decoder.py") == text.held_out("json/decoder.py")
     names = [f"pkg/module_{i}.py" for i in range(2000)]
@@ -64,11 +73,7 @@ def test_emulated_precisions_follow_the_library(tmp_path, capsys):
     assert rc == 0, out
     for name in ("fp8", "emul:all", "emul:none", "emul:all-dw2"):
         assert f"final held-out loss at step 3: bf16 " in out and f", {name} " in out, out
-    with open(tmp_path / "parity.csv") as f:
-        rows = list(csv.DictReader(f))
-    losses = {}
-    for r in rows:
-        losses.setdefault(r["precision"], []).append(float(r["train_loss"]))
+    losses = train_losses(tmp_path / "parity.csv")
     # the emulation is the library's recipe (fp32 sums in another order)
     assert losses["emul:all"] == pytest.approx(losses["fp8"], rel=1e-3)
     assert losses["emul:none"] == pytest.approx(losses["bf16"], rel=1e-3)
@@ -89,11 +94,7 @@ def test_a_seeded_run_starts_from_other_weights_on_the_same_data(tmp_path, capsy
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "final held-out loss at step 2: bf16 " in out and ", bf16@1 " in out, out
-    with open(tmp_path / "parity.csv") as f:
-        rows = list(csv.DictReader(f))
-    losses = {}
-    for r in rows:
-        losses.setdefault(r["precision"], []).append(float(r["train_loss"]))
+    losses = train_losses(tmp_path / "parity.csv")
     assert losses["bf16@0"] == losses["bf16"]
     assert losses["bf16@1"][0] != losses["bf16"][0]
     with pytest.raises(SystemExit):
@@ -119,10 +120,6 @@ def test_deterministic_mode_runs_the_library_and_the_emulation(tmp_path, capsys,
     assert rc == 0, out
     assert enabled
     assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-    with open(tmp_path / "parity.csv") as f:
-        rows = list(csv.DictReader(f))
-    losses = {}
-    for r in rows:
-        losses.setdefault(r["precision"], []).append(float(r["train_loss"]))
+    losses = train_losses(tmp_path / "parity.csv")
     assert losses["bf16@0"] == losses["bf16"]
     assert len(losses["emul:all"]) == len(losses["fp8"]) == 2
