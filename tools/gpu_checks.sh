@@ -281,10 +281,10 @@ ablation() {
     # (fp32 weights and AdamW state, ~10 GB each between steps, fit an 80 GB card), each
     # under its own budget: 1 = bf16, fp8, the whole recipe emulated, the forward in bf16;
     # 2 = bf16, bf16 from seed 1's weights (the spread), the data gradients in bf16, the
-    # weight gradients in bf16. The emulation's per-expert fp32 GEMMs take ~680 ms a step on
-    # an H100 (bf16 ~100), so 300 steps of a group take ~460 s: one group a call
-    # (ABLATION_GROUPS=1 or 2). ABLATION_RUNS="emul:all-gemm1 ..." runs bf16 and those
-    # instead (each GEMM of the stage that matters, in turn)
+    # weight gradients in bf16. The emulation's per-expert fp32 GEMMs take ~720 ms a step on
+    # an H100 (bf16 and fp8 ~100): group 2 ran its 300 steps in 450 s, group 1 (1.6 s a
+    # step) was cut to 283; one group a call (ABLATION_GROUPS=1 or 2).
+    # ABLATION_RUNS="emul:all-gemm1 ..." runs bf16 and those instead
     local i=0 runs budget=${ABLATION_BUDGET:-480}
     local groups=("bf16 fp8 emul:all emul:all-gemm1,gemm2"
                   "bf16 bf16@1 emul:all-dgrad2,dgrad1 emul:all-dw2,dw13")
