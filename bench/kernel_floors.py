@@ -116,13 +116,13 @@ def floor_table(model: str, tokens: int, calls: int, peaks: dict, hbm: float) ->
         bytes_us = nbytes / (hbm * 1e12) * 1e6
         return (flop_us, "FLOPs") if flop_us >= bytes_us else (bytes_us, "bytes")
 
+    work = {p: {pat: (f, b) for pat, _, f, b in roles(shape, tokens, p)} for p in measured}
     rows, totals = [], {p: [0.0, 0.0] for p in measured}
     named = {p: set() for p in measured}
     for pattern, role, _, _ in roles(shape, tokens, "bf16"):
         cells = [role]
         for precision in ("bf16", "fp8"):
-            flop, nbytes = next((f, b) for pat, _, f, b in roles(shape, tokens, precision)
-                                if pat == pattern)
+            flop, nbytes = work[precision][pattern]
             kernels = [n for n in measured[precision][1] if re.search(pattern, n)]
             named[precision].update(kernels)
             if not kernels:
@@ -133,8 +133,7 @@ def floor_table(model: str, tokens: int, calls: int, peaks: dict, hbm: float) ->
             totals[precision][0] += us
             totals[precision][1] += fl
             cells += [f"{us:.1f}", f"{fl:.1f} ({bound})", f"{fl / us:.2f}"]
-        flop, nbytes = next((f, b) for pat, _, f, b in roles(shape, tokens, "fp8")
-                            if pat == pattern)
+        flop, nbytes = work["fp8"][pattern]
         cells.append((f"{flop / 1e12:.3f} TFLOP, " if flop else "") + f"{nbytes / 1e9:.3f} GB")
         rows.append(cells)
     others = {}

@@ -225,9 +225,9 @@ moefuse_status fp8_gemm2(const moefuse_layer *layer, const call_bufs &c,
 }
 
 /* dgrad2 reads W2^T (its FP8 kernel writes the unweighted a for dW2 = (p dy)^T a) and
- * dy's row codes, the dispatch's (where dy's tokens are gathered, c.dy_tokens) or made here from the same read of dy as
- * dW2's lhs, p dy per 128 tokens: the lhs token codes are free (dW13 of the previous call
- * has read them) and hold it until dW2. */
+ * dy's row codes: the dispatch's where dy's tokens are gathered (c.dy_tokens), else made
+ * here from the same read of dy as dW2's lhs. dW2's lhs, p dy per 128 tokens, goes to the
+ * lhs token codes, free (dW13 of the previous call has read them), until dW2. */
 moefuse_status fp8_dgrad2(const moefuse_layer *layer, const call_bufs &c,
                           const moefuse_fp8_weights *w, mf_dgrad2_params *p,
                           cudaStream_t stream) {
